@@ -1,0 +1,38 @@
+# pixdit — two commands on a fresh machine (Python >= 3.10 and pip):
+#   make train   # set up .venv on first use, build the bundled demo dataset, train experiment=quickstart
+#   make test    # set up .venv on first use, run the CPU test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pixdit-installed
+QUICKSTART_DATA := data/quickstart/manifest.json
+
+.PHONY: install train test test-gpu quickstart-data clean
+
+install: $(STAMP)
+
+# Re-install when the dependency list changes. torch/torchvision are ranges in pyproject.toml,
+# so a torch build already in the venv (e.g. your own CUDA build) is kept.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+$(QUICKSTART_DATA): | $(STAMP)
+	$(PY) scripts/make_quickstart_data.py --out data/quickstart
+
+quickstart-data: $(QUICKSTART_DATA)
+
+train: $(STAMP) $(QUICKSTART_DATA)
+	$(PY) train.py experiment=quickstart $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(ARGS)
+
+# On a CUDA machine: kernel tests at real sizes (they are skipped on CPU).
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests -m gpu $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache
