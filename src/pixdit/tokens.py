@@ -1,0 +1,80 @@
+"""Token order: raster or Z-order (quadtree / Morton) permutations for any H x W token grid (spec llsa.md §7).
+
+Sparse attention (LLSA, VSA, SLA) groups *consecutive* tokens into blocks. In raster order a block of 16 tokens is a
+1x16 strip of pixels; in Z-order it is a 4x4 square patch, which is what makes block pooling meaningful. The model
+reorders tokens once after the patch embedding and undoes it once before the output head (`pixdit.models.dit`).
+
+Conventions (spec §7.2), for a grid of H rows and W columns, raster index r = y * W + x:
+
+* ``perm[r]`` = sequence position of the token at raster index r  (raster -> sequence)
+* ``inv[s]``  = raster index of the token at sequence position s    (sequence -> raster), ``inv[perm[r]] == r``
+* model entry: ``seq = raster_tokens[:, inv]``; model exit: ``raster_tokens = seq[:, perm]``.
+
+Z-order code (§7.1): z(y, x) = sum_k (2 * bit_k(y) + bit_k(x)) * 4**k, the row bit more significant, so the quadrants
+come top-left, top-right, bottom-left, bottom-right, recursively. For non-square or non-power-of-two grids (§7.3) the
+sequence order is the stable argsort of z; if H and W are multiples of 2**j, every aligned 2**j x 2**j tile still
+occupies 4**j consecutive positions (e.g. 16-token runs are 4x4 patches on a 48 x 80 grid).
+
+    >>> from pixdit.tokens import token_permutation
+    >>> perm, inv = token_permutation("zorder", 4, 4)
+    >>> perm.tolist()
+    [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+
+Tests: ``.venv/bin/python -m pytest tests/test_tokens.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pixdit.errors import PixditError
+
+TOKEN_ORDERS = ("raster", "zorder")
+
+
+def check_token_order(token_order: str) -> None:
+    if token_order not in TOKEN_ORDERS:
+        raise PixditError(f"token_order={token_order!r} is not known; allowed values: {', '.join(TOKEN_ORDERS)}")
+
+
+def zorder_codes(height: int, width: int) -> torch.Tensor:
+    """Morton code z(y, x) of every token, in raster order: int64 tensor [height * width] (not necessarily dense)."""
+    num_bits = max(1, (max(height, width) - 1).bit_length())
+    y = torch.arange(height, dtype=torch.int64)[:, None]
+    x = torch.arange(width, dtype=torch.int64)[None, :]
+    codes = torch.zeros(height, width, dtype=torch.int64)
+    for bit in range(num_bits):
+        digit = 2 * ((y >> bit) & 1) + ((x >> bit) & 1)  # row bit is the more significant one
+        codes += digit << (2 * bit)
+    return codes.flatten()
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens = height * width
+    if token_order == "raster":
+        identity = torch.arange(num_tokens, dtype=torch.int64)
+        return identity, identity
+    inv = torch.argsort(zorder_codes(height, width), stable=True)
+    perm = torch.empty_like(inv)
+    perm[inv] = torch.arange(num_tokens, dtype=torch.int64)
+    return perm, inv
+
+
+def token_permutation(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inv)`` int64 CPU tensors of length height * width for the given order (cached per grid).
+
+    The cached tensors are shared: clone them before writing into them.
+    """
+    check_token_order(token_order)
+    if height < 1 or width < 1:
+        raise PixditError(f"token grid must be at least 1 x 1, got {height} x {width}")
+    return _permutation(token_order, int(height), int(width))
+
+
+def token_coordinates(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column (int64 [height * width]) of the token at each sequence position; RoPE uses these (spec §7.2)."""
+    _, inv = token_permutation(token_order, height, width)
+    return inv // width, inv % width
