@@ -1,0 +1,337 @@
+"""The pixel-space diffusion transformer (spec llsa.md §8: the LLSA paper's "RopeDiT", generalised).
+
+    image [b, 3, H, W] --patch embed (Conv2d, patch p)--> tokens [b, N, hidden] in raster order, N = (H/p) * (W/p)
+      --reorder once (token_order: raster | zorder)--> depth x DiTBlock (adaLN-Zero; attention = swappable backend
+      with RMS qk-norm and 2-D RoPE whose positions follow the tokens) --> final adaLN + Linear --> undo the order once
+      --> unpatchify --> velocity [b, 3, H, W]
+
+Conditioning: sinusoidal embedding of t = 1000 * sigma -> MLP, plus (optional) a class embedding with a null class for
+classifier-free guidance. `per_block_conditioning=True` gives each block its own timestep MLP (and class table) as the
+LLSA reference does (35,177,859 parameters for the unconditional DiT-S); the default shares one, as DiT does.
+
+    >>> from pixdit.models import build_model
+    >>> model = build_model("DiT-S", input_size=(128, 128), token_order="zorder", attention={"name": "full"})
+    >>> velocity = model(x_sigma, 1000 * sigma)                  # x_sigma: [b, 3, 128, 128], sigma: [b]
+
+Tests: ``.venv/bin/python -m pytest tests/test_model.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pixdit.attention import build_attention
+from pixdit.errors import PixditError
+from pixdit.tokens import check_token_order, token_coordinates, token_permutation
+
+ROPE_THETA = 10000.0
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+# ------------------------------------------------------------------ 2-D rotary position embedding (spec §8 table)
+def rope_cos_sin(rows: torch.Tensor, cols: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [tokens, head_dim / 2] (fp32), one angle per interleaved pair (2j, 2j + 1) of the head dim.
+
+    The first half of the head dim rotates with the row y, the second half with the column x; each axis has
+    head_dim / 4 frequencies omega_j = theta ** (-j / (head_dim / 4)) (= 10000 ** (-j / 16) for head dim 64).
+    """
+    if head_dim % 4:
+        raise PixditError(f"2-D RoPE needs a head dim divisible by 4, got {head_dim}")
+    pairs_per_axis = head_dim // 4
+    freqs = ROPE_THETA ** (-torch.arange(pairs_per_axis, dtype=torch.float64) / pairs_per_axis)
+    angles = torch.cat([rows.double()[:, None] * freqs, cols.double()[:, None] * freqs], dim=1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs: (a, b) -> (a cos - b sin, a sin + b cos). x: [..., tokens, heads, head_dim]."""
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # broadcast over heads
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+# ------------------------------------------------------------------ conditioning
+class TimestepEmbedder(nn.Module):
+    """t (float, = 1000 * sigma) -> sinusoidal features [cos | sin] -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, hidden_size: int, frequency_size: int = 256):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.mlp = nn.Sequential(nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    def sinusoidal(self, t: torch.Tensor) -> torch.Tensor:
+        # As the LLSA reference: frequencies exp(-ln(1e4) * k / (half - 1)), k = 0..half-1, features [cos | sin].
+        half = self.frequency_size // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / (half - 1))
+        angles = t.float()[:, None] * freqs[None]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        features = self.sinusoidal(t)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class label -> vector; row `num_classes` is the null class (dropped labels, unconditional CFG branch)."""
+
+    def __init__(self, num_classes: int, hidden_size: int):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.embedding_table(y)
+
+
+# ------------------------------------------------------------------ transformer
+class Attention(nn.Module):
+    """Fused qkv projection -> RMS qk-norm (learnable per-channel weight shared across heads) -> 2-D RoPE ->
+    attention backend -> output projection."""
+
+    def __init__(self, dim: int, num_heads: int, attention: Mapping[str, Any] | str | None, qk_norm_eps: float = 1e-5):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.qk_norm_eps = qk_norm_eps
+        self.backend = build_attention(attention, dim, num_heads)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x, cos, sin, grid_hw):
+        b, n, dim = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).unbind(2)  # each [b, n, heads, head_dim]
+        q = F.rms_norm(q, (self.head_dim,), self.q_norm_weight.to(q.dtype), self.qk_norm_eps)
+        k = F.rms_norm(k, (self.head_dim,), self.k_norm_weight.to(k.dtype), self.qk_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), grid_hw=grid_hw, hidden=x)
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """x += gate1 * Attn(LN(x)(1 + scale1) + shift1);  x += gate2 * MLP(LN'(x)(1 + scale2) + shift2).
+    LayerNorms without affine (eps 1e-6 and 1e-5, as the reference); modulation = Linear(SiLU(c)) -> 6 * hidden."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, attention):
+        super().__init__()
+        self.attn = Attention(hidden_size, num_heads, attention)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x, c, cos, sin, grid_hw):
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
+        h = modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift1, scale1)
+        x = x + gate1[:, None] * self.attn(h, cos, sin, grid_hw)
+        h = modulate(F.layer_norm(x, x.shape[-1:], eps=1e-5), shift2, scale2)
+        return x + gate2[:, None] * self.mlp(h)
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift, scale))
+
+
+class DiT(nn.Module):
+    """Pixel DiT predicting the flow velocity. See the module docstring; sizes in DIT_MODELS."""
+
+    def __init__(
+        self,
+        input_size: int | tuple[int, int] = (32, 32),
+        patch_size: int = 1,
+        in_channels: int = 3,
+        hidden_size: int = 384,
+        depth: int = 12,
+        num_heads: int = 6,
+        mlp_ratio: float = 4.0,
+        num_classes: int = 0,
+        class_dropout: float = 0.1,
+        token_order: str = "raster",
+        attention: Mapping[str, Any] | str | None = None,
+        per_block_conditioning: bool = False,
+        grad_checkpointing: bool = False,
+        zero_init: bool = True,
+    ):
+        super().__init__()
+        check_token_order(token_order)
+        if hidden_size % num_heads:
+            raise PixditError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        if not 0.0 <= class_dropout < 1.0:
+            raise PixditError(f"class_dropout={class_dropout} must be in [0, 1)")
+        self.input_size = _pair(input_size, "input_size")
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+        self.class_dropout = class_dropout
+        self.token_order = token_order
+        self.grad_checkpointing = grad_checkpointing
+        self.per_block_conditioning = per_block_conditioning
+
+        self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+        num_embedders = depth if per_block_conditioning else 1
+        self.t_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(num_embedders))
+        self.y_embedders = nn.ModuleList(LabelEmbedder(num_classes, hidden_size) for _ in range(num_embedders)) \
+            if num_classes > 0 else None
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
+        self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
+
+        backend = self.blocks[0].attn.backend
+        if backend.token_order not in (None, token_order):
+            raise PixditError(f"attention '{backend.name}' needs token_order={backend.token_order!r}, "
+                              f"but the model has token_order={token_order!r}")
+        grid_hw = self.grid_size(*self.input_size)
+        backend.check_grid(grid_hw)
+        # Token order and RoPE tables for the configured size, as buffers (move with .to(), seen by torch.compile);
+        # other sizes are computed on the fly in `_grid_tables`.
+        perm, inv, cos, sin = self._make_grid_tables(grid_hw)
+        self.register_buffer("token_perm", perm, persistent=False)
+        self.register_buffer("token_inv", inv, persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if zero_init:
+            self.initialize_weights()
+
+    # ---------------------------------------------------------- init
+    def initialize_weights(self) -> None:
+        """DiT's initialisation: xavier-uniform linears, zero adaLN modulation and output layer (every block starts as
+        the identity and the model predicts 0). NB: the LLSA reference does NOT do this (it keeps PyTorch's default
+        init everywhere despite the adaLN-Zero name, spec §8); `zero_init=False` reproduces the reference."""
+
+        def xavier(module):
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+
+        self.apply(xavier)
+        nn.init.xavier_uniform_(self.x_embedder.weight.view(self.x_embedder.weight.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.bias)
+        for embedder in self.t_embedders:
+            nn.init.normal_(embedder.mlp[0].weight, std=0.02)
+            nn.init.normal_(embedder.mlp[2].weight, std=0.02)
+        for embedder in self.y_embedders or []:
+            nn.init.normal_(embedder.embedding_table.weight, std=0.02)
+        for module in [block.adaLN_modulation[-1] for block in self.blocks] + [
+            self.final_layer.adaLN_modulation[-1], self.final_layer.linear]:
+            nn.init.zeros_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    # ---------------------------------------------------------- grids
+    def grid_size(self, height: int, width: int) -> tuple[int, int]:
+        p = self.patch_size
+        if height % p or width % p:
+            raise PixditError(f"image size {height}x{width} is not divisible by patch_size={p}")
+        return height // p, width // p
+
+    def _make_grid_tables(self, grid_hw):
+        perm, inv = token_permutation(self.token_order, *grid_hw)
+        rows, cols = token_coordinates(self.token_order, *grid_hw)  # RoPE positions follow the tokens (spec §7.2)
+        cos, sin = rope_cos_sin(rows, cols, self.blocks[0].attn.head_dim)
+        return perm.clone(), inv.clone(), cos, sin
+
+    def _grid_tables(self, grid_hw, device):
+        if grid_hw == self.grid_size(*self.input_size):
+            return self.token_perm, self.token_inv, self.rope_cos, self.rope_sin
+        self.blocks[0].attn.backend.check_grid(grid_hw)
+        return tuple(t.to(device) for t in self._make_grid_tables(grid_hw))
+
+    # ---------------------------------------------------------- forward
+    def conditioning(self, t: torch.Tensor, y: torch.Tensor | None) -> list[torch.Tensor]:
+        """One conditioning vector per block ([b, hidden]; the same tensor for all blocks unless per-block)."""
+        if self.y_embedders is not None:
+            if y is None:  # no labels: the unconditional (null class) model
+                y = torch.full((t.shape[0],), self.num_classes, dtype=torch.long, device=t.device)
+            elif self.training and self.class_dropout > 0:
+                # Label dropout for classifier-free guidance, drawn ONCE per sample (the reference draws per block).
+                drop = torch.rand(y.shape[0], device=y.device) < self.class_dropout
+                y = torch.where(drop, torch.full_like(y, self.num_classes), y)
+        conds = []
+        for i, t_embedder in enumerate(self.t_embedders):
+            c = t_embedder(t)
+            if self.y_embedders is not None:
+                c = c + self.y_embedders[i](y)
+            conds.append(c)
+        return conds * len(self.blocks) if len(conds) == 1 else conds
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [b, C, H, W]; t: [b] float (= 1000 * sigma); y: [b] int64 labels or None -> velocity [b, C, H, W]."""
+        b, _, height, width = x.shape
+        grid_hw = self.grid_size(height, width)
+        perm, inv, cos, sin = self._grid_tables(grid_hw, x.device)
+        if t.ndim == 0:
+            t = t.expand(b)
+        conds = self.conditioning(t, y)
+
+        x = self.x_embedder(x).flatten(2).transpose(1, 2)  # [b, N, hidden], raster order
+        if self.token_order != "raster":
+            x = x[:, inv]  # sequence position s holds raster token inv[s]
+        for block, c in zip(self.blocks, conds):
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, c, cos, sin, grid_hw, use_reentrant=False)
+            else:
+                x = block(x, c, cos, sin, grid_hw)
+        x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+        if self.token_order != "raster":
+            x = x[:, perm]  # back to raster order
+        return self.unpatchify(x, grid_hw)
+
+    def unpatchify(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """[b, h * w, p * p * C] (raster) -> [b, C, h * p, w * p]."""
+        (h, w), p, c = grid_hw, self.patch_size, self.in_channels
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        return torch.einsum("bhwpqc->bchpwq", x).reshape(x.shape[0], c, h * p, w * p)
+
+    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        """Classifier-free guidance: v_uncond + cfg_scale * (v_cond - v_uncond), both halves in one batch."""
+        if self.y_embedders is None:
+            raise PixditError("cfg_scale != 1 needs a class-conditional model (model.num_classes > 0)")
+        if t.ndim == 0:
+            t = t.expand(x.shape[0])
+        null = torch.full_like(y, self.num_classes)
+        v_cond, v_uncond = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null])).chunk(2)
+        return v_uncond + cfg_scale * (v_cond - v_uncond)
+
+
+def _pair(value, name: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    try:
+        height, width = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise PixditError(f"{name} must be an int or a pair (height, width), got {value!r}") from None
+    return height, width
+
+
+# Architectures; the image size, patch size, attention and conditioning are options of `build_model`.
+DIT_MODELS: dict[str, dict[str, int]] = {
+    "DiT-T": dict(depth=4, hidden_size=128, num_heads=4),  # tiny: tests and the CPU quickstart
+    "DiT-S": dict(depth=12, hidden_size=384, num_heads=6),  # the LLSA paper's model
+    "DiT-B": dict(depth=12, hidden_size=768, num_heads=12),
+    "DiT-L": dict(depth=24, hidden_size=1024, num_heads=16),
+    "DiT-XL": dict(depth=28, hidden_size=1152, num_heads=16),
+}

@@ -1,0 +1,99 @@
+"""Attention backends (pixdit.attention, pixdit.attention_sparse): registry, config validation, full attention against
+an explicit softmax oracle, the model's token-order check. Run: .venv/bin/python -m pytest tests/test_attention.py"""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import pixdit.kernels as kernels
+from pixdit.attention import AttentionBackend, attention_names, build_attention, register_attention
+from pixdit.attention_sparse import paper_num_levels
+from pixdit.errors import PixditError
+from pixdit.models import build_model
+
+
+def softmax_attention(q, k, v):
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return (scores.softmax(-1) @ v.double()).to(q.dtype)
+
+
+def qkv(b=2, h=3, n=20, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g) for _ in range(3)]
+
+
+def test_full_sdpa_matches_softmax_oracle():
+    q, k, v = qkv()
+    backend = build_attention({"name": "full"}, dim=48, num_heads=3)
+    out = backend(q, k, v, grid_hw=(4, 5), hidden=torch.zeros(2, 20, 48))
+    torch.testing.assert_close(out, softmax_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_registry_lists_all_backends():
+    assert {"full", "llsa", "vsa", "sla"} <= set(attention_names())
+
+
+def test_config_errors_list_the_choices():
+    with pytest.raises(PixditError, match=r"block_size.*allowed: name, impl"):
+        build_attention({"name": "full", "block_size": 16}, dim=64, num_heads=2)
+    with pytest.raises(PixditError, match=r"full.*llsa.*sla.*vsa"):
+        build_attention({"name": "ring"}, dim=64, num_heads=2)
+    with pytest.raises(PixditError, match=r"sdpa, triton"):
+        build_attention({"name": "full", "impl": "xformers"}, dim=64, num_heads=2)
+
+
+def test_accepts_omegaconf_and_shipped_configs():
+    cfg = OmegaConf.load("configs/attention/full.yaml")
+    assert build_attention(cfg, dim=64, num_heads=2).impl == "sdpa"
+    for name in ["llsa", "vsa", "sla"]:  # every key of the shipped config is a constructor option
+        cfg = OmegaConf.load(f"configs/attention/{name}.yaml")
+        try:
+            build_attention(cfg, dim=64, num_heads=2)
+        except PixditError as error:
+            assert "unknown option" not in str(error)
+
+
+def test_triton_impl_is_clear_when_missing():
+    if hasattr(kernels, "flash_attention"):
+        q, k, v = qkv(n=64, d=16)
+        backend = build_attention({"name": "full", "impl": "triton"}, dim=48, num_heads=3)
+        torch.testing.assert_close(backend(q, k, v, grid_hw=(8, 8), hidden=None), softmax_attention(q, k, v),
+                                   atol=1e-4, rtol=1e-4)
+    else:
+        with pytest.raises(PixditError, match="flash_attention"):
+            build_attention({"name": "full", "impl": "triton"}, dim=48, num_heads=3)
+
+
+@register_attention("test_needs_zorder")
+class NeedsZorder(AttentionBackend):
+    token_order = "zorder"
+
+    def check_grid(self, grid_hw):
+        if grid_hw[0] * grid_hw[1] % 16:
+            raise PixditError(f"{grid_hw[0] * grid_hw[1]} tokens is not a multiple of block_size=16")
+
+    def forward(self, q, k, v, *, grid_hw, hidden):
+        return softmax_attention(q, k, v)
+
+
+def test_model_checks_backend_token_order_and_grid():
+    with pytest.raises(PixditError, match="token_order='zorder'"):
+        build_model("DiT-T", input_size=8, attention={"name": "test_needs_zorder"})
+    with pytest.raises(PixditError, match="36 tokens.*block_size=16"):
+        build_model("DiT-T", input_size=6, token_order="zorder", attention={"name": "test_needs_zorder"})
+    model = build_model("DiT-T", input_size=8, token_order="zorder", attention={"name": "test_needs_zorder"})
+    with pytest.raises(PixditError, match="36 tokens"):  # another resolution at run time is checked too
+        model(torch.randn(1, 3, 6, 6), torch.ones(1))
+
+
+@pytest.mark.parametrize("tokens,levels", [(256, 1), (1024, 1), (4096, 2), (16384, 2), (65536, 3), (262144, 3)])
+def test_paper_num_levels(tokens, levels):
+    assert paper_num_levels(tokens, 16) == levels
+
+
+@pytest.mark.skipif(hasattr(kernels, "llsa_attention"), reason="the LLSA kernel is available")
+def test_llsa_without_kernel_is_a_clear_error():
+    with pytest.raises(PixditError, match="llsa.*not implemented yet"):
+        build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa"})

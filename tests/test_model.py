@@ -1,0 +1,167 @@
+"""The pixel DiT (pixdit.models): shapes, gradients, token-order equivariance, RoPE against a complex-number oracle,
+zero-init, CFG, parameter counts of spec llsa.md §8. Run: .venv/bin/python -m pytest tests/test_model.py"""
+
+import pytest
+import torch
+
+from pixdit.errors import PixditError
+from pixdit.models import DIT_MODELS, build_model
+from pixdit.models.dit import apply_rope, rope_cos_sin
+
+
+def tiny(**overrides):
+    options = dict(input_size=(8, 8), depth=2, hidden_size=64, num_heads=2, zero_init=False)
+    options.update(overrides)
+    return build_model("DiT-T", **options)
+
+
+def inputs(b, height, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 3, height, width, generator=g), 1000 * torch.rand(b, generator=g)
+
+
+@pytest.mark.parametrize("size,patch,order", [((8, 8), 1, "raster"), ((8, 12), 1, "zorder"), ((12, 8), 2, "raster"),
+                                              ((16, 16), 2, "zorder"), ((6, 10), 1, "zorder")])
+def test_shapes_and_gradients(size, patch, order):
+    torch.manual_seed(0)
+    model = tiny(input_size=size, patch_size=patch, token_order=order)
+    x, t = inputs(2, *size)
+    out = model(x, t)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    out.square().mean().backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", ["DiT-T", "DiT-S"])
+def test_registry_sizes_run(name):
+    model = build_model(name, input_size=(4, 8))
+    x, t = inputs(1, 4, 8)
+    assert model(x, t).shape == x.shape
+    assert len(model.blocks) == DIT_MODELS[name]["depth"]
+
+
+def test_zorder_model_equals_raster_model():
+    """Full attention is permutation-equivariant and RoPE positions follow the tokens: same weights, same output."""
+    torch.manual_seed(0)
+    raster = tiny(input_size=(8, 12), token_order="raster")
+    zorder = tiny(input_size=(8, 12), token_order="zorder")
+    zorder.load_state_dict(raster.state_dict())
+    x, t = inputs(2, 8, 12)
+    a, b = raster(x, t), zorder(x, t)
+    assert a.abs().mean() > 1e-2  # non-trivial output
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_matches_complex_rotation():
+    torch.manual_seed(0)
+    head_dim, rows, cols = 16, torch.tensor([0, 3, 5]), torch.tensor([2, 0, 7])
+    cos, sin = rope_cos_sin(rows, cols, head_dim)
+    x = torch.randn(3, 2, head_dim)  # [tokens, heads, head_dim]
+    out = apply_rope(x, cos, sin)
+    freqs = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    for i in range(3):
+        angles = torch.cat([rows[i] * freqs, cols[i] * freqs])  # first half: row, second half: column
+        z = torch.view_as_complex(x[i].double().reshape(2, 8, 2).contiguous()) * torch.polar(torch.ones(8, dtype=torch.float64), angles)
+        torch.testing.assert_close(out[i].double(), torch.view_as_real(z).reshape(2, head_dim), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_offsets():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+
+    def score(q_pos, k_pos):
+        qc = rope_cos_sin(torch.tensor([q_pos[0]]), torch.tensor([q_pos[1]]), 32)
+        kc = rope_cos_sin(torch.tensor([k_pos[0]]), torch.tensor([k_pos[1]]), 32)
+        return (apply_rope(q, *qc) * apply_rope(k, *kc)).sum()
+
+    torch.testing.assert_close(score((2, 5), (1, 1)), score((7, 10), (6, 6)), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(score((2, 5), (1, 1)), score((2, 5), (1, 2)))
+
+
+def test_zero_init_output_is_zero_and_trains():
+    model = build_model("DiT-T", input_size=(8, 8), num_classes=3)
+    x, t = inputs(2, 8, 8)
+    out = model(x, t, torch.tensor([0, 2]))
+    assert torch.equal(out, torch.zeros_like(out))
+    (model(x, t) - x).square().mean().backward()
+    assert model.final_layer.linear.weight.grad.abs().sum() > 0  # the output layer receives gradient first
+    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() == 0  # zero gates: blocks start as the identity
+
+
+def test_grad_checkpointing_same_values_and_grads():
+    torch.manual_seed(0)
+    plain = tiny(token_order="zorder")
+    ckpt = tiny(token_order="zorder", grad_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x, t = inputs(2, 8, 8)
+    a, b = plain(x, t), ckpt(x, t)
+    torch.testing.assert_close(a, b)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_other_resolution_than_configured():
+    model = tiny(input_size=(8, 8), token_order="zorder")
+    x, t = inputs(1, 12, 16)
+    assert model(x, t).shape == x.shape
+
+
+def test_cfg():
+    torch.manual_seed(0)
+    model = tiny(num_classes=5, class_dropout=0.1).eval()
+    x, t = inputs(3, 8, 8)
+    y = torch.tensor([0, 4, 2])
+    guided = model.forward_with_cfg(x, t, y, cfg_scale=4.0)
+    assert guided.shape == x.shape
+    torch.testing.assert_close(model.forward_with_cfg(x, t, y, 1.0), model(x, t, y), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.forward_with_cfg(x, t, y, 0.0), model(x, t, torch.full_like(y, 5)),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(x, t), model(x, t, torch.full_like(y, 5)))  # no labels = null class
+    with pytest.raises(PixditError, match="num_classes"):
+        tiny().forward_with_cfg(x, t, y, 2.0)
+
+
+def test_label_dropout_is_drawn_once_per_sample():
+    torch.manual_seed(0)
+    model = tiny(depth=3, num_classes=4, class_dropout=0.5, per_block_conditioning=True).train()
+    b = 64
+    y, t = torch.randint(0, 4, (b,)), 1000 * torch.rand(b)
+    conds = model.conditioning(t, y)
+    dropped_per_block = []
+    for i, c in enumerate(conds):
+        null = model.t_embedders[i](t) + model.y_embedders[i](torch.full_like(y, 4))
+        dropped_per_block.append(torch.isclose(c, null, atol=1e-6).all(dim=1))
+    dropped = torch.stack(dropped_per_block)
+    assert (dropped == dropped[0]).all()  # the same samples lost their label in every block
+    assert 10 < int(dropped[0].sum()) < 54  # about half of them
+    model.eval()
+    kept = model.conditioning(t, y)[0]
+    torch.testing.assert_close(kept, model.t_embedders[0](t) + model.y_embedders[0](y))
+
+
+def test_reference_parameter_count():
+    """Spec §8: the reference's unconditional DiT-S has 35,177,859 parameters (one timestep MLP per block);
+    the standard shared embedding gives 32,466,051; 1000 classes add 384,384 per block."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(build_model("DiT-S", input_size=8, per_block_conditioning=True)) == 35_177_859
+    assert count(build_model("DiT-S", input_size=8)) == 32_466_051
+    assert count(build_model("DiT-S", input_size=8, per_block_conditioning=True, num_classes=1000)) == \
+        35_177_859 + 12 * 384_384
+
+
+def test_bad_inputs_name_the_numbers():
+    with pytest.raises(PixditError, match=r"30x32.*patch_size=4"):
+        build_model("DiT-T", input_size=(30, 32), patch_size=4)
+    model = tiny()
+    with pytest.raises(PixditError, match=r"9x8.*patch_size=2"):
+        tiny(patch_size=2)(torch.randn(1, 3, 9, 8), torch.ones(1))
+    with pytest.raises(PixditError, match="DiT-S"):
+        build_model("DiT-Q")
+    with pytest.raises(PixditError, match="token_order"):
+        build_model("DiT-T", input_size=8, token_order="hilbert")
+    with pytest.raises(PixditError, match="allowed"):
+        build_model("DiT-T", input_size=8, dropout=0.1)
+    assert model is not None
