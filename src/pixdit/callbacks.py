@@ -1,0 +1,181 @@
+"""Lightning callbacks of a pixdit run, and the atomic checkpoint writer.
+
+* ``SampleGrid``: every N steps and at the end of training, samples a grid with the EMA model from fixed seeds (the
+  same noise every time, so grids are comparable across steps and runs), writes ``<run>/samples/step_XXXXXXX.png`` and
+  sends it to the loggers that take images (TensorBoard, W&B).
+* ``ThroughputMonitor``: images/s, pixel tokens/s and peak GPU memory, logged as ``perf/*``.
+* ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
+  the target with ``os.replace``; a kill during a write leaves the previous checkpoint intact.
+* ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these plus Lightning's
+  ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) and the progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.utils
+from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+from pixdit.config import construct
+from pixdit.errors import PixditError
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes checkpoints so that a crash or kill mid-write never destroys the last good one.
+
+    Lightning's own writer serialises the whole checkpoint into memory first and does not fsync; this one streams
+    into ``<dir>/.<name>.tmp-XXXX`` (same file system, so the rename is atomic), fsyncs the file, replaces the target
+    with ``os.replace`` and fsyncs the directory so the rename itself survives a power loss.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            # Remove the partial file; the previous checkpoint at `path` was never touched.
+            try:
+                os.unlink(tmp_name)
+            except FileNotFoundError:
+                pass
+            raise
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class SampleGrid(Callback):
+    """PNG grids of EMA samples from fixed seeds, every ``every_n_steps`` optimizer steps and at the end."""
+
+    def __init__(self, dirpath: str, every_n_steps: int = 1000, num_samples: int = 16, steps: int = 20,
+                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True):
+        if every_n_steps < 0 or num_samples < 1 or steps < 1:
+            raise PixditError(f"callbacks.samples: every_n_steps must be >= 0 (0 = only at the end), num_samples and "
+                              f"steps >= 1; got every_n_steps={every_n_steps}, num_samples={num_samples}, steps={steps}")
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self.num_samples = num_samples
+        self.steps = steps
+        self.seed = seed
+        self.cfg_scale = cfg_scale
+        self.nrow = nrow or max(1, int(num_samples ** 0.5))
+        self.at_end = at_end
+        self.last_path: Path | None = None
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+            self.write(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:
+        if self.at_end and trainer.global_step != self._last_step:
+            self.write(trainer, pl_module)
+
+    def write(self, trainer: Trainer, pl_module) -> Path | None:
+        self._last_step = trainer.global_step
+        # Every rank must call sample_images if it ever synchronises; ours does not, so only rank 0 samples.
+        if not trainer.is_global_zero:
+            return None
+        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale)
+        grid = torchvision.utils.make_grid((images.float().cpu() + 1) / 2, nrow=self.nrow, padding=2)
+        grid = grid.clamp(0, 1)
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        path = self.dirpath / f"step_{trainer.global_step:07d}.png"
+        torchvision.utils.save_image(grid, path)
+        self.last_path = path
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):  # WandbLogger
+                logger.log_image(key="samples", images=[grid], step=trainer.global_step)
+            elif hasattr(getattr(logger, "experiment", None), "add_image"):  # TensorBoardLogger
+                logger.experiment.add_image("samples", grid, global_step=trainer.global_step)
+        return path
+
+
+class ThroughputMonitor(Callback):
+    """Logs ``perf/images_per_s``, ``perf/tokens_per_s`` (pixel tokens = images x H x W / patch^2) and
+    ``perf/peak_mem_gb`` averaged over windows of ``window`` optimizer steps (one GPU sync per window)."""
+
+    def __init__(self, window: int = 50):
+        if window < 1:
+            raise PixditError(f"callbacks.throughput.window must be >= 1, got {window}")
+        self.window = window
+        self._start: float | None = None
+        self._images = 0
+        self._tokens = 0
+        self._steps = 0
+
+    def _sync(self, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._start is None:
+            self._sync(pl_module)
+            self._start = time.perf_counter()
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        images = batch["image"]
+        self._images += images.shape[0] * trainer.world_size
+        self._tokens += images.shape[0] * trainer.world_size * pl_module.tokens_per_image
+        self._steps += 1
+        if self._steps < self.window:
+            return
+        self._sync(pl_module)
+        elapsed = time.perf_counter() - self._start
+        metrics = {"perf/images_per_s": self._images / elapsed, "perf/tokens_per_s": self._tokens / elapsed}
+        if pl_module.device.type == "cuda":
+            metrics["perf/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._start, self._images, self._tokens, self._steps = None, 0, 0, 0
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        # Validation and sampling are not training throughput: start a fresh window afterwards.
+        self._start, self._images, self._tokens, self._steps = None, 0, 0, 0
+
+
+def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
+    """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml). Each key names one callback:
+
+    ``checkpoint`` -> ModelCheckpoint(dirpath=<run>/checkpoints), ``samples`` -> SampleGrid(dirpath=<run>/samples),
+    ``throughput`` -> ThroughputMonitor, ``progress_bar`` -> TQDMProgressBar; a null entry turns one off.
+    """
+    run_dir = Path(run_dir)
+    known = {"checkpoint", "samples", "throughput", "progress_bar"}
+    cfg = dict(cfg or {})
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise PixditError(f"unknown callbacks {unknown}; allowed: {sorted(known)} (set one to null to turn it off)")
+    callbacks: list[Callback] = []
+    if cfg.get("checkpoint") is not None:
+        options = {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
+                   "save_top_k": -1, **cfg["checkpoint"]}
+        callbacks.append(construct(ModelCheckpoint, options, "callbacks.checkpoint",
+                                   dirpath=str(run_dir / "checkpoints")))
+    if cfg.get("samples") is not None:
+        callbacks.append(construct(SampleGrid, cfg["samples"], "callbacks.samples", dirpath=str(run_dir / "samples")))
+    if cfg.get("throughput") is not None:
+        callbacks.append(construct(ThroughputMonitor, cfg["throughput"], "callbacks.throughput"))
+    if cfg.get("progress_bar") is not None:
+        callbacks.append(construct(TQDMProgressBar, cfg["progress_bar"], "callbacks.progress_bar"))
+    return callbacks

@@ -1,0 +1,57 @@
+"""Small helpers that turn config sections into objects with clear errors for user mistakes.
+
+* ``construct(cls, options, "callbacks.checkpoint", dirpath=...)`` calls ``cls(**options, **fixed)`` after checking
+  every option name against ``cls``'s signature: an unknown key raises ``PixditError`` naming the config section and
+  listing the allowed keys (instead of a bare ``TypeError`` deep inside a library).
+* ``register_resolvers()`` adds ``${auto_precision:}`` for configs: ``bf16-mixed`` when a CUDA GPU is present,
+  ``32-true`` otherwise (configs/trainer/auto.yaml uses it so ``experiment=quickstart`` runs on either).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pixdit.errors import PixditError
+
+
+def plain(options: Any) -> Any:
+    """OmegaConf containers -> plain dicts/lists (resolved); anything else unchanged."""
+    if isinstance(options, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(options, resolve=True)
+    return options
+
+
+def allowed_keys(cls) -> list[str]:
+    params = inspect.signature(cls).parameters.values()
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def construct(cls, options, where: str, **fixed):
+    """``cls(**options, **fixed)``; unknown option names -> PixditError naming ``where`` and the allowed keys."""
+    options = plain(options) or {}
+    if not isinstance(options, dict):
+        raise PixditError(f"{where} must be a mapping of {cls.__name__} arguments, got {options!r}")
+    params = inspect.signature(cls).parameters.values()
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    allowed = [k for k in allowed_keys(cls) if k not in fixed]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown and not takes_kwargs:
+        raise PixditError(f"unknown key(s) {unknown} in {where}; allowed keys for {cls.__name__}: {', '.join(allowed)}")
+    clash = sorted(set(options) & set(fixed))
+    if clash:
+        raise PixditError(f"{where}: {clash} is set by pixdit itself and cannot be configured")
+    return cls(**options, **fixed)
+
+
+def auto_precision() -> str:
+    import torch
+
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("auto_precision"):
+        OmegaConf.register_new_resolver("auto_precision", auto_precision)

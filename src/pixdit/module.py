@@ -1,0 +1,270 @@
+"""DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow (spec llsa.md §9–§10).
+
+What it owns (train.py builds it from the config; see configs/train.yaml for every key):
+
+* the model (``pixdit.models.build_model``: model config + attention config + the data's image size) and the flow
+  (``pixdit.flow.RectifiedFlow``: training loss and Euler sampler);
+* AdamW with the recipe defaults (lr 1e-4, betas (0.9, 0.999), weight decay 0.01 on all parameters, eps 1e-8), a
+  constant learning rate with optional linear warm-up (stepped every optimizer step); gradient clipping is the
+  Trainer's ``gradient_clip_val`` (1.0 in configs/trainer);
+* an fp32 EMA of the weights (``pixdit.ema``; decay ``min(0.9999, 1 - n^-3/4)``), updated after every optimizer step,
+  saved in checkpoints and used for samples and ``val/loss_ema``;
+* the **validation loss at fixed noise and fixed timesteps**: held-out image number ``i`` always gets the same noise
+  (a generator seeded with ``(validation.seed, i)``) and the same ``sigma`` (a low-discrepancy sequence in ``i``), so
+  ``val/loss`` is identical across runs, attention backends, batch sizes and devices (up to numerics) and is directly
+  comparable between them;
+* exact resume: the training noise, timesteps and label dropout of optimizer step ``n`` on rank ``r`` come from a
+  private random stream seeded by ``(seed, r, n, micro-batch)``, so they never depend on what else consumed random
+  numbers (data loaders, validation, sampling) and a resumed run draws exactly what the straight run drew. The global
+  torch / CUDA / numpy / python RNG states are saved too and restored on resume (rank 0's, for code that uses them).
+
+    module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=(32, 32))
+    trainer.fit(module, datamodule)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from pixdit.config import plain
+from pixdit.ema import EMA
+from pixdit.errors import PixditError
+from pixdit.flow import RectifiedFlow
+from pixdit.models import build_model
+
+GOLDEN = (math.sqrt(5) - 1) / 2  # low-discrepancy step for the fixed validation timesteps
+
+
+def mixed_seed(*numbers: int) -> int:
+    """A well-mixed 63-bit seed from a tuple of non-negative ints (numpy's SeedSequence hashing)."""
+    return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed noise [n, *shape] and sigma [n] for held-out images with the given dataset indices (CPU, fp32).
+
+    Depends only on (seed, index): not on the batch size, the rank, the device or anything drawn before.
+    sigma_i = 0.001 + 0.999 * frac(0.5 + i * golden ratio) covers (0, 1] evenly for any number of images.
+    """
+    noise = torch.stack([
+        torch.randn(shape, generator=torch.Generator().manual_seed(mixed_seed(seed, int(i))), dtype=torch.float32)
+        for i in indices.tolist()
+    ])
+    frac = torch.remainder(0.5 + indices.double() * GOLDEN, 1.0)
+    sigma = (0.001 + 0.999 * frac).float()
+    return noise, sigma
+
+
+class DiffusionModule(L.LightningModule):
+    def __init__(
+        self,
+        model: dict,
+        attention: dict | None = None,
+        image_size: int | tuple[int, int] = 32,
+        flow: dict | None = None,
+        optimizer: dict | None = None,
+        ema: dict | None = None,
+        validation: dict | None = None,
+        seed: int = 0,
+        compile: bool = False,
+    ):
+        super().__init__()
+        model, attention, flow = plain(model), plain(attention) or {"name": "full"}, plain(flow) or {}
+        optimizer, ema, validation = plain(optimizer) or {}, plain(ema) or {}, plain(validation) or {}
+        image_size = tuple(plain(image_size)) if not isinstance(image_size, int) else (image_size, image_size)
+        self.save_hyperparameters(dict(model=model, attention=attention, image_size=image_size, flow=flow,
+                                       optimizer=optimizer, ema=ema, validation=validation, seed=seed,
+                                       compile=compile))
+        self.image_size = image_size
+        self.model = build_model(**model, attention=attention, input_size=image_size)
+        self.flow = RectifiedFlow(image_size=image_size, **flow)
+        self.optimizer_options = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8,
+                                  "warmup_steps": 0, **optimizer}
+        unknown = sorted(set(self.optimizer_options) - {"lr", "betas", "weight_decay", "eps", "warmup_steps", "fused"})
+        if unknown:
+            raise PixditError(f"unknown optimizer option(s) {unknown}; allowed: lr, betas, weight_decay, eps, "
+                              f"warmup_steps, fused")
+        self.ema = EMA(self.model, **ema)
+        self.validation_seed = int(validation.get("seed", 0))
+        unknown = sorted(set(validation) - {"seed"})
+        if unknown:
+            raise PixditError(f"unknown validation option(s) {unknown}; allowed: seed")
+        self.seed = int(seed)
+        if compile:
+            # In place (keeps parameter names, so checkpoints load into uncompiled models); the EMA copy stays eager.
+            self.model.compile()
+        self._val_seen = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_classes(self) -> int:
+        return self.model.num_classes
+
+    @property
+    def tokens_per_image(self) -> int:
+        h, w = self.model.grid_size(*self.image_size)
+        return h * w
+
+    # ------------------------------------------------------------------ training
+    @contextlib.contextmanager
+    def _step_rng(self, batch_idx: int):
+        """Private random stream for one training micro-batch, keyed by (seed, rank, step, micro-batch)."""
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        rank = self.global_rank if self._trainer is not None else 0
+        step = self.trainer.global_step if self._trainer is not None else 0
+        step_seed = mixed_seed(self.seed, rank, step, batch_idx % accumulate)
+        cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if cuda else [], device_type="cuda"):
+            torch.random.default_generator.manual_seed(step_seed)
+            if cuda:
+                torch.cuda.default_generators[self.device.index or 0].manual_seed(step_seed)
+            yield
+
+    def _labels(self, batch) -> torch.Tensor | None:
+        if self.num_classes == 0:
+            return None
+        if "label" not in batch:
+            raise PixditError(f"model.num_classes={self.num_classes} needs labelled data, but the batches have no "
+                              f"'label' (use a labelled dataset or model.num_classes=0)")
+        return batch["label"]
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images = batch["image"]
+        with self._step_rng(batch_idx):
+            loss = self.flow.loss(self.model, images, y=self._labels(batch))
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=images.shape[0])
+        return loss
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # After every optimizer step (not every micro-batch), as the recipe does.
+        self.ema.update(self.model)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+            self.log("train/ema_decay", self.ema.decay(max(1, int(self.ema.num_updates))), on_step=True,
+                     on_epoch=False)
+
+    def configure_optimizers(self):
+        options = dict(self.optimizer_options)
+        warmup_steps = int(options.pop("warmup_steps"))
+        fused = options.pop("fused", None)
+        if fused is None:
+            fused = self.device.type == "cuda"
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=options["lr"], betas=tuple(options["betas"]),
+                                      weight_decay=options["weight_decay"], eps=options["eps"], fused=fused)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ validation
+    def on_validation_epoch_start(self) -> None:
+        self._val_seen = 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        images = batch["image"]
+        b = images.shape[0]
+        # Dataset index of each image: from the batch when the loader provides it, else the running count (the
+        # validation loader's order is fixed, so the count is the index).
+        indices = batch["index"].cpu() if "index" in batch else torch.arange(self._val_seen, self._val_seen + b)
+        self._val_seen += b
+        noise, sigma = validation_noise_and_sigma(indices, images.shape[1:], self.validation_seed)
+        noise, sigma = noise.to(images.device), sigma.to(images.device)
+        y = self._labels(batch)
+        loss = self.flow.loss(self.model, images, y=y, noise=noise, sigma=sigma)
+        loss_ema = self.flow.loss(self.ema.model, images, y=y, noise=noise, sigma=sigma)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True, batch_size=b, prog_bar=True)
+        self.log("val/loss_ema", loss_ema, on_epoch=True, sync_dist=True, batch_size=b)
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def sample_images(self, num_samples: int, steps: int = 20, seed: int = 0, cfg_scale: float = 1.0,
+                      use_ema: bool = True) -> torch.Tensor:
+        """Images in [-1, 1] from fixed noise (seed), with the EMA model by default; labels 0, 1, 2, ... if
+        class-conditional."""
+        h, w = self.image_size
+        noise = torch.randn((num_samples, 3, h, w), generator=torch.Generator().manual_seed(seed)).to(self.device)
+        y = torch.arange(num_samples, device=self.device) % self.num_classes if self.num_classes else None
+        model = self.ema.model if use_ema else self.model
+        was_training = model.training
+        model.eval()
+        autocast = self.trainer.precision_plugin.forward_context() if self._trainer is not None \
+            else contextlib.nullcontext()
+        with autocast:
+            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale)
+        model.train(was_training)
+        return images.float()
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning does not save RNG states. Ours (rank 0's): the training noise does not depend on them (see the
+        # module docstring), but anything else that draws from the global generators resumes where it was.
+        checkpoint["rng_states"] = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        if states is None:
+            return
+        torch.set_rng_state(states["torch"])
+        if states["cuda"] and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states["cuda"])
+        np.random.set_state(states["numpy"])
+        random.setstate(states["python"])
+
+    def init_from(self, path: str | Path, use_ema: bool = True) -> str:
+        """Start from another run's weights (e.g. the 32-px model for a 128-px run: RoPE and no absolute positions
+        make the weights resolution-independent). Loads the EMA weights (or the raw ones with use_ema=False) into the
+        model and restarts the EMA from them; the optimizer, LR schedule and step count start fresh. Returns the
+        message that train.py logs."""
+        path = Path(path)
+        if not path.is_file():
+            raise PixditError(f"init_from={str(path)!r}: no such checkpoint file")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        state = checkpoint.get("state_dict", checkpoint)
+        prefix = "ema.model." if use_ema and any(k.startswith("ema.model.") for k in state) else "model."
+        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not weights:
+            raise PixditError(f"init_from={str(path)!r} holds no pixdit model weights (keys 'model.*' / 'ema.model.*')")
+        own = self.model.state_dict()
+        wrong = [f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(own[k].shape)} here"
+                 for k, v in weights.items() if k in own and own[k].shape != v.shape]
+        if wrong:
+            raise PixditError(f"init_from={str(path)!r} does not fit this model (different architecture?): "
+                              + "; ".join(wrong[:5]))
+        result = self.model.load_state_dict(weights, strict=False)
+        self.ema.reset(self.model)
+        source = "EMA" if prefix == "ema.model." else "raw"
+        message = (f"init_from: loaded {len(weights) - len(result.unexpected_keys)} {source} weight tensors from {path}; "
+                   f"optimizer, LR schedule, EMA and step count start fresh")
+        if result.missing_keys:
+            message += f"; newly initialised (not in the checkpoint): {result.missing_keys}"
+        if result.unexpected_keys:
+            message += f"; ignored (not in this model): {result.unexpected_keys}"
+        return message
+
+
+class LinearWarmup:
+    """LR multiplier: (step + 1) / warmup_steps during warm-up, then 1 (constant LR). A class, not a lambda, so the
+    scheduler's state_dict stays picklable."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / self.warmup_steps)
