@@ -1,0 +1,132 @@
+"""One evaluation: generate samples on every rank, extract Inception features, combine across ranks, compute metrics.
+
+Each rank generates the indices rank, rank + W, ... (see pixdit.eval.sampling), accumulates FID statistics in a
+streaming float64 `FeatureStatistics` (summed over ranks with all_reduce) and keeps only the 1008 logits per sample
+(and the 2048-d features when KID is on); those are all_gathered (uneven counts are padded) and put back in
+sample-index order, so the Inception Score splits are the same for any number of GPUs. Metrics are computed once, on
+rank 0, and broadcast, so every rank returns (and logs) the same numbers.
+
+    metrics = evaluate_generator(ema_model, flow, extractor, reference, num_samples=50_000, image_size=(256, 256),
+                                 steps=20, seed=0, device="cuda", precision="bf16")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pixdit.eval.inception import FEATURE_DIM, InceptionFeatureExtractor
+from pixdit.eval.reference import ReferenceStats
+from pixdit.eval.sampling import generate_uint8, rank_indices
+from pixdit.eval.stats import FeatureStatistics, frechet_distance, inception_score, kernel_inception_distance
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_by_index(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """all_gather rows `[n_r, d]` with their global sample indices `[n_r]` from every rank (n_r may differ) and return
+    all rows `[sum n_r, d]` sorted by index, on every rank."""
+    rank, world_size = _distributed()
+    indices = indices.to(rows.device)
+    if world_size > 1:
+        count = torch.tensor([rows.shape[0]], device=rows.device)
+        counts = [torch.zeros_like(count) for _ in range(world_size)]
+        dist.all_gather(counts, count)
+        counts = [int(c.item()) for c in counts]
+        max_count = max(counts)
+        padded_rows = rows.new_zeros((max_count, *rows.shape[1:]))
+        padded_rows[: rows.shape[0]] = rows
+        padded_indices = indices.new_full((max_count,), -1)
+        padded_indices[: indices.shape[0]] = indices
+        all_rows = [torch.empty_like(padded_rows) for _ in range(world_size)]
+        all_indices = [torch.empty_like(padded_indices) for _ in range(world_size)]
+        dist.all_gather(all_rows, padded_rows)
+        dist.all_gather(all_indices, padded_indices)
+        rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])
+        indices = torch.cat([i[:c] for i, c in zip(all_indices, counts)])
+    order = torch.argsort(indices)
+    if not torch.equal(indices[order], torch.unique(indices)):
+        raise RuntimeError("gather_by_index: duplicate sample indices across ranks")
+    return rows[order]
+
+
+@torch.no_grad()
+def evaluate_generator(
+    model: torch.nn.Module,
+    flow,
+    extractor: InceptionFeatureExtractor,
+    reference: ReferenceStats | None,
+    *,
+    num_samples: int,
+    image_size: Sequence[int],
+    steps: int,
+    seed: int = 0,
+    cfg_scale: float = 1.0,
+    num_classes: int = 0,
+    index_offset: int = 0,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    inception_splits: int = 10,
+    kid: bool = False,
+    on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> dict:
+    """Generate samples index_offset .. index_offset + num_samples - 1 and return
+    {"fid", "is_mean", "is_std", ["kid"], "num_samples"} (fid is None when `reference` is None).
+
+    on_batch(indices, uint8 images) is called on each rank for its own batches (PNG grid / samples.npz writers).
+    Collective: every rank of the default process group must call it with the same arguments.
+    """
+    rank, world_size = _distributed()
+    was_training = model.training
+    model.eval()
+    stats = FeatureStatistics(FEATURE_DIM, device=extractor.device)
+    local_indices, local_logits, local_features = [], [], []
+    try:
+        for indices, images in generate_uint8(
+            model, flow, rank_indices(num_samples, rank, world_size, index_offset),
+            image_size=image_size, seed=seed, steps=steps, cfg_scale=cfg_scale, num_classes=num_classes,
+            batch_size=batch_size, device=device, precision=precision,
+        ):
+            if on_batch is not None:
+                on_batch(indices, images)
+            features, logits = extractor(images)
+            stats.update(features)
+            local_indices.append(indices)
+            local_logits.append(logits)
+            if kid:
+                local_features.append(features)
+    finally:
+        model.train(was_training)
+
+    stats.all_reduce()
+    empty = torch.empty(0, dtype=torch.int64)
+    indices = torch.cat(local_indices) if local_indices else empty
+    logits = torch.cat(local_logits) if local_logits else torch.empty(0, extractor.num_classes, device=extractor.device)
+    logits = gather_by_index(logits, indices)
+    features = None
+    if kid:
+        features = torch.cat(local_features) if local_features else torch.empty(0, FEATURE_DIM, device=extractor.device)
+        features = gather_by_index(features, indices)
+
+    metrics = [None]
+    if rank == 0:
+        result = {"num_samples": int(stats.count.item())}
+        mu, sigma = stats.mean_and_covariance()
+        result["fid"] = frechet_distance(mu, sigma, reference.mu, reference.sigma) if reference is not None else None
+        result["is_mean"], result["is_std"] = inception_score(torch.softmax(logits.double(), dim=1), inception_splits)
+        if kid:
+            if reference is None or reference.features is None:
+                result["kid"] = None  # the reference has no stored features (make_fid_stats.py --kid stores them)
+            else:
+                result["kid"] = kernel_inception_distance(reference.features, features)
+        metrics = [result]
+    if world_size > 1:
+        dist.broadcast_object_list(metrics, src=0)
+    return metrics[0]

@@ -1,0 +1,159 @@
+"""Reference (real-image) statistics for FID: clean-fid's precomputed files, or ours made by scripts/make_fid_stats.py.
+
+`eval.reference` (a string) names them:
+  * `cleanfid:ffhq_trainval70k` - clean-fid's precomputed FFHQ statistics ("clean" mode) at the evaluation resolution
+    (clean-fid publishes 256 and 1024). The file `ffhq_clean_trainval70k_<res>.npz` is looked up in
+    `eval.cleanfid_stats_dir` (default: clean-fid's own `cleanfid/stats/` folder, where clean-fid caches downloads).
+  * a path to an `.npz` written by `scripts/make_fid_stats.py --shards DIR` (default `DIR/fid_stats/clean_<res>.npz`):
+    `mu`, `sigma`, `count`, `description` (JSON: source, resize pipeline, resolution, count, date), optionally
+    `features` (for KID).
+
+Every loaded reference carries an `id` (name + content hash) that evaluate.py writes into metrics.json, so two FIDs
+are comparable only when their reference ids match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pixdit.errors import PixditError
+
+CLEANFID_STATS_URL = "https://www.cs.cmu.edu/~clean-fid/stats"
+CLEANFID_PREFIX = "cleanfid:"
+# Precomputed "clean" statistics clean-fid publishes for FFHQ (name -> resolutions).
+CLEANFID_PRECOMPUTED = {"ffhq_trainval70k": (256, 1024), "ffhq_trainval": (256, 1024), "ffhq_train": (256, 1024)}
+# How images reach the feature network: the same for generated and reference images.
+RESIZE_PIPELINE = (
+    "uint8 RGB -> cleanfid.resize.build_resizer('clean') (PIL bicubic to 299x299 on float32, no quantisation) -> "
+    "cleanfid InceptionV3W (inception-2015-12-05.pt) pool3 2048-d features"
+)
+
+
+@dataclass
+class ReferenceStats:
+    mu: np.ndarray
+    sigma: np.ndarray
+    id: str
+    count: int | None = None
+    features: np.ndarray | None = None  # only when KID reference features were stored
+    description: dict = field(default_factory=dict)
+
+
+def content_hash(mu: np.ndarray, sigma: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(mu, dtype=np.float64).tobytes())
+    digest.update(np.ascontiguousarray(sigma, dtype=np.float64).tobytes())
+    return digest.hexdigest()[:12]
+
+
+def default_stats_path(shard_dir: str | Path, resolution: int) -> Path:
+    """Where make_fid_stats.py writes (and the callback looks for) the statistics of a shard folder."""
+    return Path(shard_dir) / "fid_stats" / f"clean_{int(resolution)}.npz"
+
+
+def cleanfid_stats_dir(configured: str | None = None) -> Path:
+    if configured:
+        return Path(os.path.expanduser(str(configured)))
+    import cleanfid
+
+    return Path(os.path.dirname(cleanfid.__file__)) / "stats"
+
+
+def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, download: bool) -> ReferenceStats:
+    if name not in CLEANFID_PRECOMPUTED:
+        raise PixditError(
+            f"eval.reference={CLEANFID_PREFIX}{name}: unknown clean-fid statistics; allowed: "
+            f"{sorted(CLEANFID_PREFIX + n for n in CLEANFID_PRECOMPUTED)}, or a path made by scripts/make_fid_stats.py"
+        )
+    if resolution not in CLEANFID_PRECOMPUTED[name]:
+        raise PixditError(
+            f"eval.reference={CLEANFID_PREFIX}{name} exists only at resolutions {CLEANFID_PRECOMPUTED[name]}, "
+            f"not {resolution}; make your own with: python scripts/make_fid_stats.py --shards DIR --resolution {resolution}"
+        )
+    dataset, split = name.split("_", 1)
+    filename = f"{dataset}_clean_{split}_{resolution}.npz"
+    folder = cleanfid_stats_dir(stats_dir)
+    path = folder / filename
+    if not path.is_file():
+        url = f"{CLEANFID_STATS_URL}/{filename}"
+        if download:
+            from pixdit.eval.inception import _download
+
+            try:
+                _download(url, path)
+            except Exception as error:  # noqa: BLE001
+                raise PixditError(f"could not download {url} to {path}: {type(error).__name__}: {error}") from None
+        else:
+            raise PixditError(
+                f"clean-fid reference statistics {filename} not found in {folder}.\n"
+                f"  Download {url} into that folder (or set eval.cleanfid_stats_dir to where it is), "
+                f"or set eval.download=true on a machine with network access."
+            )
+    with np.load(path) as data:
+        mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
+    features = None
+    kid_path = folder / filename.replace(".npz", "_kid.npz")
+    if kid_path.is_file():
+        with np.load(kid_path) as data:
+            features = data["feats"]
+    return ReferenceStats(
+        mu=mu, sigma=sigma, id=f"{CLEANFID_PREFIX}{filename[:-4]}@{content_hash(mu, sigma)}", features=features,
+        description={"source": f"clean-fid precomputed {url_or_path(path)}", "resize_pipeline": RESIZE_PIPELINE,
+                     "resolution": resolution},
+    )
+
+
+def url_or_path(path: Path) -> str:
+    return f"{CLEANFID_STATS_URL}/{path.name} (cached at {path})"
+
+
+def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: str | None = None,
+                   download: bool = False) -> ReferenceStats:
+    """Load reference statistics named by `eval.reference` (see the module docstring)."""
+    if not reference:
+        raise PixditError(
+            "eval.reference is not set: give cleanfid:ffhq_trainval70k (FFHQ 256/1024) or the .npz written by "
+            "python scripts/make_fid_stats.py --shards DIR"
+        )
+    reference = str(reference)
+    if reference.startswith(CLEANFID_PREFIX):
+        return _load_cleanfid(reference[len(CLEANFID_PREFIX):], resolution, cleanfid_dir, download)
+    path = Path(os.path.expanduser(reference))
+    if not path.is_file():
+        raise PixditError(
+            f"eval.reference={reference}: file not found. Make it with: python scripts/make_fid_stats.py "
+            f"--shards DIR --resolution {resolution or 'R'} --out {reference}"
+        )
+    with np.load(path, allow_pickle=False) as data:
+        mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
+        count = int(data["count"]) if "count" in data else None
+        description = json.loads(str(data["description"])) if "description" in data else {}
+        features = data["features"] if "features" in data else None
+    stored_resolution = description.get("resolution")
+    if resolution and stored_resolution and int(stored_resolution) != int(resolution):
+        raise PixditError(
+            f"eval.reference={reference} was made at resolution {stored_resolution}, but samples are {resolution}; "
+            f"make matching statistics with: python scripts/make_fid_stats.py --shards DIR --resolution {resolution}"
+        )
+    return ReferenceStats(mu=mu, sigma=sigma, id=f"{path.name}@{content_hash(mu, sigma)}", count=count,
+                          features=features, description=description)
+
+
+def save_reference(path: str | Path, mu: np.ndarray, sigma: np.ndarray, count: int, description: dict,
+                   features: np.ndarray | None = None) -> Path:
+    """Write statistics atomically (temporary file + rename) so an interrupted run leaves no half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    arrays = {"mu": mu, "sigma": sigma, "count": np.int64(count), "description": np.array(json.dumps(description))}
+    if features is not None:
+        arrays["features"] = features
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    return path
