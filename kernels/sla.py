@@ -1,0 +1,106 @@
+"""SLA — Sparse-Linear Attention (arXiv 2509.24006), spec ``/work/shared/spec/sla.md``: top-K softmax + linear rest.
+
+    from pixdit.kernels import sla_attention
+    o_sparse, o_linear = sla_attention(q, k, v, block_size=16, topk=32)     # [batch, heads, tokens, head_dim] each
+    out = o_sparse + proj(o_linear)      # proj: the layer's zero-initialised Linear(head_dim, head_dim)
+
+Why two outputs: ``Proj`` is a learnable parameter shared across heads and owned by the attention layer (fp32 master
+weights under autocast, checkpointed with the model, spec §2.3); keeping it out of the op keeps the op parameter-free
+and lets plain autograd differentiate it. ``o_sparse + o_linear @ W.T + b`` is the method's output (spec §8).
+
+Per (batch, head), with blocks = ``block_size`` consecutive tokens for queries and keys alike (the last block may be
+partial: pooled over its real tokens, its missing keys masked):
+
+1. classification scores ``mean(q_i) . mean(k_j - mean(k))`` (fp32, smooth-K, spec §5); per query block the ``K`` key
+   blocks with the largest scores are *critical* (ties toward the smaller block id);
+2. ``o_sparse``: exact softmax attention (``scale``, default ``head_dim ** -0.5``) over the critical blocks;
+3. ``o_linear``: linear attention ``phi(q) . sum phi(k)^T v / phi(q) . sum phi(k)`` over the keys chosen by
+   ``linear_scope``: ``"noncritical"`` (default; the authors' SLA-1 code: every non-critical block), ``"all"`` (their
+   current ``main``: all keys, ``+1e-5`` in the denominator) or ``"marginal"`` (the paper: non-critical blocks minus
+   the ``floor(negligible_ratio * T)`` lowest-scoring ones, ties toward the larger id, capped at ``T - K``).
+   A row whose linear denominator is 0 (no linear keys, or relu features that vanish) gets ``o_linear = 0``, never NaN.
+
+K rule: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``topk_ratio`` (float in [0, 1],
+``K = clamp(ceil(topk_ratio * T), 1, T)`` with the product rounded to 6 decimals first). The authors use
+``int(topk_ratio * T)``, which can be 0 (NaN) and truncates ``0.29 * 100`` to 28. ``feature_map``: ``softmax``
+(default), ``elu`` (elu + 1), ``relu``. ``block_size`` in {16, 32, 64}; ``head_dim`` in {32, 64, 128}; any number of
+tokens >= 1.
+
+CPU tensors run an exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the Triton path (phase 2;
+until then the PyTorch path). Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .blocks import block_mean, topk_desc
+from .linear_attention import FEATURE_MAPS, linear_attention_torch
+from .vsa import block_sparse_attention_torch, check_qkv, num_blocks, resolve_topk
+
+LINEAR_SCOPES = ("noncritical", "all", "marginal")
+
+
+def sla_scores(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block-classification scores ``mean(q_i) . mean(k_j - mean(k))`` -> fp32 ``[B, H, T, T]`` (no grad)."""
+    with torch.no_grad():
+        k_smooth = k.float() - k.float().mean(2, keepdim=True)
+        return block_mean(q, block_size) @ block_mean(k_smooth, block_size).transpose(-1, -2)
+
+
+def num_negligible(negligible_ratio: float, num_blocks_: int, topk: int) -> int:
+    """``floor(negligible_ratio * T)`` (product rounded to 6 decimals), capped so that K + negligible <= T."""
+    return min(math.floor(round(negligible_ratio * num_blocks_, 6)), num_blocks_ - topk)
+
+
+def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
+    if linear_scope not in LINEAR_SCOPES:
+        raise ValueError(f"linear_scope must be one of {LINEAR_SCOPES}, got {linear_scope!r}")
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
+    if isinstance(negligible_ratio, bool) or not isinstance(negligible_ratio, (int, float)) \
+            or not 0.0 <= negligible_ratio < 1.0:
+        raise ValueError(f"negligible_ratio must be a float in [0, 1), got {negligible_ratio!r}")
+    if negligible_ratio > 0 and linear_scope != "marginal":
+        raise ValueError(f"negligible_ratio={negligible_ratio} only applies to linear_scope='marginal' "
+                         f"(got linear_scope={linear_scope!r}); set it to 0")
+
+
+def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0):
+    """Block classification: ``(critical, negligible)`` int32 ``[B, H, T, K]`` and ``[B, H, T, K_neg]``.
+
+    ``critical`` is best first; ``negligible`` lists the lowest-scoring blocks (used by ``linear_scope="marginal"``),
+    an empty last dimension when ``negligible_ratio`` gives 0 blocks.
+    """
+    check_qkv(q, k, k, block_size, None)
+    t = num_blocks(q.shape[2], block_size)
+    kk = resolve_topk(t, topk, topk_ratio, "topk", "topk_ratio", keep_fraction=True)
+    scores = sla_scores(q, k, block_size)
+    critical = topk_desc(scores, kk)
+    k_neg = num_negligible(negligible_ratio, t, kk)
+    if k_neg == 0:
+        return critical, critical[..., :0]
+    # the k_neg lowest scores, ties toward the larger id: top-k of the negated scores under reversed ids
+    reversed_ids = (t - 1 - torch.arange(t, device=q.device)).expand(scores.shape)
+    negligible = (t - 1) - topk_desc(-scores, k_neg, reversed_ids)
+    return critical, negligible.to(torch.int32)
+
+
+def _sla_torch(q, k, v, block_size, critical, negligible, linear_scope, feature_map, scale):
+    """Exact PyTorch path: gathered sparse branch + block-masked linear branch, autograd for all gradients."""
+    o_sparse = block_sparse_attention_torch(q, k, v, critical, block_size, scale)
+    excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
+    o_linear = linear_attention_torch(q, k, v, block_size, feature_map, excluded)
+    return o_sparse.to(q.dtype), o_linear.to(q.dtype)
+
+
+def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, linear_scope: str = "noncritical",
+                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None):
+    """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]``; see the module docstring."""
+    check_qkv(q, k, v, block_size, scale)
+    _check_options(linear_scope, feature_map, negligible_ratio)
+    critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _sla_torch(q, k, v, block_size, critical, negligible, linear_scope, feature_map, scale)
