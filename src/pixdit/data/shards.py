@@ -1,0 +1,196 @@
+"""Webdataset shards on disk: the writer every dataset builder uses, and the manifest that describes them.
+
+A dataset directory looks like this (written by `scripts/prepare_data.py` or `scripts/make_quickstart_data.py`):
+
+    data/ffhq256/
+      manifest.json            counts, resolution, classes, source, per-shard sample counts and sha256 checksums
+      train-000000.tar ...     `{split}-%06d.tar`, `maxcount` samples each (the last one may hold fewer)
+      val-000000.tar ...       optional held-out split (the training module's validation loss uses it)
+      classes.json             class names in class-id order (labelled data only)
+
+Each sample in a shard is `<key>.png` (or `.jpg`) holding an RGB image of `resolution x resolution` pixels, plus
+`<key>.cls` (the class id as ASCII digits) for labelled data and `<key>.src` (the source path, for tracing a sample
+back to its origin). Keys are the sample's position in the split, zero-padded, so they sort in write order.
+
+Shards are written atomically: `ShardWriter` writes `train-000003.tar.tmp` and renames it to `train-000003.tar` only
+after the tar is closed, so a killed run never leaves a truncated shard under a name that looks complete.
+
+    from pixdit.data.shards import ShardWriter, write_manifest
+    with ShardWriter(out_dir, "train", maxcount=1000) as writer:
+        writer.write(key="00000000", image_bytes=png_bytes, image_format="png", label=None)
+    write_manifest(out_dir, resolution=32, image_format="png", splits={"train": writer.split_info()}, ...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+
+from pixdit.errors import PixditError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "pixdit-shards"
+MANIFEST_VERSION = 1
+IMAGE_FORMATS = ("png", "jpg")
+
+
+def shard_name(split: str, index: int) -> str:
+    """File name of shard `index` of `split`: `train-000003.tar`."""
+    return f"{split}-{index:06d}.tar"
+
+
+def sha256_of_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ShardWriter:
+    """Writes the samples of one split as `{split}-%06d.tar` shards of `maxcount` samples (webdataset `ShardWriter`).
+
+    Each shard is written under a `.tmp` name and renamed when complete. `shards` lists, for every finished shard,
+    its name, sample count and sha256. `start_shard` lets a parallel or resumed writer produce shard k directly.
+    Tar headers carry a fixed mtime, so the same samples always give byte-identical shards (and checksums).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, split: str = "train", maxcount: int = 1000, start_shard: int = 0):
+        if maxcount < 1:
+            raise PixditError(f"maxcount must be >= 1, got {maxcount}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.split = split
+        self.shards: list[dict[str, Any]] = []
+        self._count_in_shard = 0
+        pattern = str(self.out_dir / f"{split}-%06d.tar.tmp")
+        # maxsize is effectively unlimited: shard boundaries depend only on sample counts (resumable prepare needs that)
+        self._writer = wds.ShardWriter(
+            pattern, maxcount=maxcount, maxsize=1e15, post=self._finish_shard, start_shard=start_shard,
+            verbose=0, encoder=False, mtime=0.0,
+        )
+
+    def _finish_shard(self, tmp_name: str) -> None:
+        """Called by webdataset after a shard's tar is closed: rename it into place and record count + checksum."""
+        count, self._count_in_shard = self._count_in_shard, 0
+        if count == 0:  # webdataset opens a shard eagerly; an unused one is removed
+            os.remove(tmp_name)
+            return
+        final = tmp_name[: -len(".tmp")]
+        with open(tmp_name, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_name, final)
+        self.shards.append({"name": os.path.basename(final), "count": count, "sha256": sha256_of_file(final)})
+
+    def write(self, key: str, image_bytes: bytes, image_format: str, label: int | None = None,
+              source: str | None = None) -> None:
+        """Add one encoded image. `key` must not contain dots (webdataset splits names at the first dot)."""
+        if image_format not in IMAGE_FORMATS:
+            raise PixditError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+        if "." in key:
+            raise ValueError(f"sample key {key!r} must not contain '.'")
+        sample: dict[str, Any] = {"__key__": key, image_format: image_bytes}
+        if label is not None:
+            sample["cls"] = str(int(label)).encode()
+        if source is not None:
+            sample["src"] = source.encode("utf-8")
+        self._writer.write(sample)  # may first close (and rename) the previous full shard
+        self._count_in_shard += 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        # on an exception the open shard stays a .tmp file: it is incomplete and must not look finished
+
+    def split_info(self, skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
+        """The manifest entry of this split (call after close)."""
+        return split_info(self.shards, skipped or [])
+
+
+def split_info(shards: list[dict[str, Any]], skipped: list[dict[str, str]]) -> dict[str, Any]:
+    """Manifest entry of one split: total count, per-shard count/sha256, and the skipped (corrupt) source files."""
+    return {
+        "count": sum(s["count"] for s in shards),
+        "shards": shards,
+        "skipped_count": len(skipped),
+        "skipped": skipped,
+    }
+
+
+def write_manifest(out_dir: str | os.PathLike, *, resolution: int, image_format: str, splits: dict[str, dict],
+                   source: str, classes: list[str] | None = None, options: dict | None = None) -> dict:
+    """Write `manifest.json` (atomically) and, for labelled data, `classes.json`. Returns the manifest dict."""
+    out_dir = Path(out_dir)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "resolution": int(resolution),
+        "image_format": image_format,
+        "source": source,
+        "classes": classes,
+        "num_classes": len(classes) if classes else 0,
+        "counts": {name: info["count"] for name, info in splits.items()},
+        "skipped_count": sum(info.get("skipped_count", 0) for info in splits.values()),
+        "splits": splits,
+        "options": options or {},
+    }
+    if classes:
+        _write_json_atomic(out_dir / "classes.json", classes)
+    _write_json_atomic(out_dir / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(root: str | os.PathLike, prepare_command: str | None = None) -> dict:
+    """Load `root/manifest.json`; missing data is a PixditError that names the path and the command that makes it."""
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        hint = prepare_command or "python scripts/prepare_data.py --source PATH --out DIR --resolution R"
+        raise PixditError(f"no dataset at {path} (manifest.json not found). Prepare it with:\n    {hint}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise PixditError(f"{path} is not a pixdit shard manifest (format={manifest.get('format')!r})")
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            shard_path = Path(root) / shard["name"]
+            if not shard_path.is_file():
+                hint = prepare_command or "scripts/prepare_data.py"
+                raise PixditError(f"shard {shard_path} listed in {path} is missing; re-run:\n    {hint}")
+    return manifest
+
+
+def verify_checksums(root: str | os.PathLike) -> list[str]:
+    """Names of the shards whose sha256 differs from the manifest (empty list = all good)."""
+    manifest = read_manifest(root)
+    bad = []
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            if sha256_of_file(Path(root) / shard["name"]) != shard["sha256"]:
+                bad.append(shard["name"])
+    return bad
+
+
+def iter_shard_samples(path: str | os.PathLike):
+    """Raw samples of one shard in file order: dicts `{"__key__", "png"|"jpg", ["cls"], ["src"]}` of bytes.
+
+    Nothing is decoded here, so skipping samples (exact resume) costs only reading the bytes.
+    """
+    yield from wds.tarfile_samples([{"url": str(path)}])
