@@ -51,6 +51,13 @@ def test_zorder_model_equals_raster_model():
     a, b = raster(x, t), zorder(x, t)
     assert a.abs().mean() > 1e-2  # non-trivial output
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    x.requires_grad_(True)  # gradients agree too (the token permutation's backward is its inverse gather)
+    (raster(x, t) * x).sum().backward()
+    grad_raster, x.grad = x.grad, None
+    (zorder(x, t) * x).sum().backward()
+    torch.testing.assert_close(x.grad, grad_raster, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(raster.named_parameters(), zorder.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_rope_matches_complex_rotation():

@@ -38,6 +38,21 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
+class PermuteTokens(torch.autograd.Function):
+    """out = x[:, order] for a permutation `order`; the backward gathers with the inverse permutation instead of
+    scatter-adding (a permutation's adjoint is its inverse): deterministic and as cheap as the forward."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse_order):
+        ctx.save_for_backward(inverse_order)
+        return x[:, order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse_order,) = ctx.saved_tensors
+        return grad[:, inverse_order], None, None
+
+
 # ------------------------------------------------------------------ 2-D rotary position embedding (spec §8 table)
 def rope_cos_sin(rows: torch.Tensor, cols: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [tokens, head_dim / 2] (fp32), one angle per interleaved pair (2j, 2j + 1) of the head dim.
@@ -210,6 +225,7 @@ class DiT(nn.Module):
         # Token order and RoPE tables for the configured size, as buffers (move with .to(), seen by torch.compile);
         # other sizes are computed on the fly in `_grid_tables`.
         perm, inv, cos, sin = self._make_grid_tables(grid_hw)
+        self._grid_cache: dict = {}  # tables of other resolutions (e.g. sampling at another size), per device
         self.register_buffer("token_perm", perm, persistent=False)
         self.register_buffer("token_inv", inv, persistent=False)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -257,8 +273,11 @@ class DiT(nn.Module):
     def _grid_tables(self, grid_hw, device):
         if grid_hw == self.grid_size(*self.input_size):
             return self.token_perm, self.token_inv, self.rope_cos, self.rope_sin
-        self.blocks[0].attn.backend.check_grid(grid_hw)
-        return tuple(t.to(device) for t in self._make_grid_tables(grid_hw))
+        key = (grid_hw, str(device))
+        if key not in self._grid_cache:
+            self.blocks[0].attn.backend.check_grid(grid_hw)
+            self._grid_cache[key] = tuple(t.to(device) for t in self._make_grid_tables(grid_hw))
+        return self._grid_cache[key]
 
     # ---------------------------------------------------------- forward
     def conditioning(self, t: torch.Tensor, y: torch.Tensor | None) -> list[torch.Tensor]:
@@ -289,7 +308,7 @@ class DiT(nn.Module):
 
         x = self.x_embedder(x).flatten(2).transpose(1, 2)  # [b, N, hidden], raster order
         if self.token_order != "raster":
-            x = x[:, inv]  # sequence position s holds raster token inv[s]
+            x = PermuteTokens.apply(x, inv, perm)  # sequence position s holds raster token inv[s]
         for block, c in zip(self.blocks, conds):
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, c, cos, sin, grid_hw, use_reentrant=False)
@@ -297,7 +316,7 @@ class DiT(nn.Module):
                 x = block(x, c, cos, sin, grid_hw)
         x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
         if self.token_order != "raster":
-            x = x[:, perm]  # back to raster order
+            x = PermuteTokens.apply(x, perm, inv)  # back to raster order
         return self.unpatchify(x, grid_hw)
 
     def unpatchify(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
