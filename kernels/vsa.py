@@ -18,9 +18,12 @@ Arguments: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``sparsity`` 
 ``(1 - 0.7) * 10 = 3.0000000000000004`` does not add a tile). ``block_size`` in {16, 32, 64}; ``head_dim`` in
 {32, 64, 128}; any number of tokens >= 1; ``scale`` defaults to ``head_dim ** -0.5`` (both stages).
 
-CPU tensors run an exact PyTorch path (gather form, fp32 math, output in the input dtype). CUDA tensors run the
-Triton path (phase 2; until it exists, the PyTorch path). Selection is not differentiable; gradients reach q, k, v
-through both stages and reach ``gate``.
+``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, gather form, output in the input dtype); CUDA
+tensors the Triton path: the fine stage is the shared block-sparse FlashAttention (``block_sparse.py``, backward
+over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage is SDPA
+over the pooled tokens in the input dtype. ``impl="triton"`` forces Triton (CPU under TRITON_INTERPRET=1),
+``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is not differentiable; gradients reach
+q, k, v through both stages and reach ``gate``.
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_vsa.py``.
 """
 
@@ -30,6 +33,9 @@ import math
 
 import torch
 
+import torch.nn.functional as F
+
+from .block_sparse import block_sparse_attention
 from .blocks import block_mean, topk_desc
 
 BLOCK_SIZES = (16, 32, 64)
@@ -92,7 +98,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# exact PyTorch building blocks (gather form: nothing larger than the pooled [T, T] scores)
+# block layout and selection
 
 
 def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -104,71 +110,83 @@ def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.reshape(b, h, t, block_size, d)
 
 
-def block_sparse_attention_torch(q, k, v, block_idx, block_size: int, scale: float) -> torch.Tensor:
-    """Exact softmax attention of each query block over the key blocks listed in ``block_idx [B, H, T, K]``.
+# ----------------------------------------------------------------------------------------------------------------------
+# public API
 
-    fp32 math, gather form (memory ``O(N * K * block_size)``); keys of a partial last block beyond the sequence
-    are masked. Differentiable in q, k, v. Returns fp32 ``[B, H, N, D]``.
+
+def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, scale: float = 1.0,
+                       max_elements: int = 1 << 26) -> torch.Tensor:
+    """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32): int32
+    ``[B, H, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc``). No grad.
+
+    The ``[T, T]`` score matrix is built a chunk of query blocks at a time (at most ``max_elements`` scores live at
+    once), so selection memory stays bounded at large T (e.g. 4096 tiles at 256x256 pixels with block 16).
     """
-    b, h, n, d = q.shape
-    t, kk = block_idx.shape[2], block_idx.shape[3]
-    c = block_size
-    q_blocks = pad_to_blocks(q.float(), c)                                       # [B, H, T, C, D]
-    idx = block_idx.long().reshape(b, h, t * kk, 1)
+    b, h, t, d = q_pool.shape
+    with torch.no_grad():
+        q_rows, k_rows = q_pool.float().reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
+        rows_per_chunk = max(1, max_elements // (t * t))          # (batch*head) slices per chunk
+        out = torch.empty(b * h, t, topk, dtype=torch.int32, device=q_pool.device)
+        if rows_per_chunk == 1:                                    # split query blocks too
+            q_chunk = max(1, max_elements // t)
+            for i in range(b * h):
+                for r in range(0, t, q_chunk):
+                    scores = scale * q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
+                    out[i, r:r + q_chunk] = topk_desc(scores, topk)
+        else:
+            for i in range(0, b * h, rows_per_chunk):
+                scores = scale * q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
+                out[i:i + rows_per_chunk] = topk_desc(scores, topk)
+        return out.reshape(b, h, t, topk)
 
-    def gather_blocks(x):                                                       # -> [B, H, T, K*C, D]
-        flat = pad_to_blocks(x.float(), c).reshape(b, h, t, c * d)
-        return torch.gather(flat, 2, idx.expand(-1, -1, -1, c * d)).reshape(b, h, t, kk * c, d)
 
-    k_sel, v_sel = gather_blocks(k), gather_blocks(v)
-    logits = scale * q_blocks @ k_sel.transpose(-1, -2)                          # [B, H, T, C, K*C]
-    if t * c != n:
-        key_pos = block_idx.long()[..., None] * c + torch.arange(c, device=q.device)   # [B, H, T, K, C]
-        valid = (key_pos < n).reshape(b, h, t, 1, kk * c)
-        logits = logits.masked_fill(~valid, float("-inf"))
-    out = torch.softmax(logits, -1) @ v_sel                                      # [B, H, T, C, D]
-    return out.reshape(b, h, t * c, d)[:, :, :n]
+def use_triton(q: torch.Tensor, impl: str) -> bool:
+    """``impl``: "auto" (Triton for CUDA tensors, PyTorch otherwise), "triton" (also on CPU under
+    TRITON_INTERPRET=1) or "torch" (the exact PyTorch path on any device)."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and q.is_cuda)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # public API
 
 
-def vsa_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """Coarse scores ``scale * mean(q_i) . mean(k_j)`` -> fp32 ``[B, H, T, T]`` (no grad)."""
-    with torch.no_grad():
-        return scale * block_mean(q, block_size) @ block_mean(k, block_size).transpose(-1, -2)
-
-
 def vsa_select(q, k, block_size: int = 16, topk=None, sparsity=None, scale=None) -> torch.Tensor:
     """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
     check_qkv(q, k, k, block_size, scale)
-    num_tiles = num_blocks(q.shape[2], block_size)
-    kk = resolve_topk(num_tiles, topk, sparsity, "topk", "sparsity", keep_fraction=False)
+    kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity", keep_fraction=False)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return topk_desc(vsa_scores(q, k, block_size, scale), kk)
+    return select_topk_blocks(block_mean(q, block_size), block_mean(k, block_size), kk, scale)
 
 
-def _vsa_torch(q, k, v, block_size: int, topk: int, gate, scale: float) -> torch.Tensor:
-    """Exact PyTorch path: autograd through pooling, coarse attention, gathered fine attention and the gate."""
-    n = q.shape[2]
-    q_pool, k_pool, v_pool = (block_mean(x, block_size) for x in (q, k, v))
-    coarse_scores = scale * q_pool @ k_pool.transpose(-1, -2)                    # [B, H, T, T]
-    out_coarse = torch.softmax(coarse_scores, -1) @ v_pool                       # [B, H, T, D]
-    out_coarse = out_coarse.repeat_interleave(block_size, dim=2)[:, :, :n]      # broadcast to the tile's tokens
-    tile_idx = topk_desc(coarse_scores.detach(), topk)
-    out_fine = block_sparse_attention_torch(q, k, v, tile_idx, block_size, scale)
-    out = out_fine + (out_coarse if gate is None else out_coarse * gate.float())
-    return out.to(q.dtype)
-
-
-def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None) -> torch.Tensor:
+def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None,
+                  impl: str = "auto") -> torch.Tensor:
     """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring."""
     check_qkv(q, k, v, block_size, scale)
     if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
         raise ValueError(f"gate must be None or a tensor shaped like q {tuple(q.shape)}, "
                          f"got {tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
-    num_tiles = num_blocks(q.shape[2], block_size)
-    kk = resolve_topk(num_tiles, topk, sparsity, "topk", "sparsity", keep_fraction=False)
+    triton_path = use_triton(q, impl)
+    kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity", keep_fraction=False)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _vsa_torch(q, k, v, block_size, kk, gate, scale)
+    n, c = q.shape[2], block_size
+
+    # coarse stage (differentiable through the fp32 pooling)
+    q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))                 # [B, H, T, D] fp32
+    tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale)
+    if triton_path:   # FlashAttention over the T pooled tokens in the input dtype: no [T, T] tensor kept for backward
+        out_coarse = F.scaled_dot_product_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype),
+                                                    scale=scale)
+    else:             # exact fp32
+        out_coarse = torch.softmax(scale * q_pool @ k_pool.transpose(-1, -2), -1) @ v_pool
+    b, h, t, d = out_coarse.shape
+    out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]
+
+    # fine stage: block-sparse FlashAttention over each query tile's K selected key tiles (shared kernel)
+    if triton_path:
+        out_fine = block_sparse_attention(q, k, v, tile_idx, query_block=c, key_block=c, scale=scale, impl="triton")
+        return out_fine + (out_coarse if gate is None else out_coarse * gate)
+    out_fine = block_sparse_attention(q.float(), k.float(), v.float(), tile_idx, query_block=c, key_block=c,
+                                      scale=scale, impl="torch")
+    return (out_fine + (out_coarse if gate is None else out_coarse * gate.float())).to(q.dtype)

@@ -1,0 +1,469 @@
+"""Block-sparse FlashAttention in Triton (forward + backward), the one attention kernel behind LLSA, VSA, SLA and
+the dense `attention=full impl=triton` path.
+
+    from pixdit.kernels import block_sparse_attention, flash_attention
+    o = block_sparse_attention(q, k, v, block_lists, query_block=64, key_block=64)     # [b, h, Nq, d]
+    o, lse = block_sparse_attention(q, k, v, block_lists, query_block=64, key_block=64, return_lse=True)
+    o = flash_attention(q, k, v)                                                      # dense, same kernel
+
+Model. Queries are cut into tiles of ``query_block`` rows, keys ("the bank") into blocks of ``key_block`` rows. Query
+tile ``t`` attends to the key blocks listed in ``block_lists[b, h, t, :]`` (int32 ids, ``-1`` = empty slot; ids
+distinct within a row), one softmax over all their keys; key rows ``>= Nk`` (a partial last block) are masked. An
+optional ``block_log_weights[key block]`` (fp32) is added to every logit of that block: LLSA's ``W_l = B^l``
+multiplicity (spec llsa.md §3.2) is ``log_weight = l * ln(B)``.
+
+Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
+* ``_fwd_kernel``   query-major: one program per (query tile, batch*head); online softmax over its list; writes O and
+                    the natural-log LSE (weights included). Can start from a previous partial result (O, LSE) of the
+                    same queries over other keys, which is how LLSA chains its fine and its pooled key banks.
+* ``_dq_kernel``    query-major over the same lists (optionally adds into an existing fp32 dq).
+* ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
+                    transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
+                    partial sums are added in a fixed order, so every gradient row has one writer.
+Per iteration the forward gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the
+key-major backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores
+with 64-wide dots.
+
+CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .blocks import csr_to_csc
+
+__all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
+                stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_on, stride_lb, stride_lt,
+                n_q, n_k, list_len, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
+                HAS_LOGW: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    BLOCK_N: tl.constexpr = KEY_BLOCK * PER_ITER
+    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if HAS_INIT:  # continue a partial softmax: m = previous LSE, l = 1, acc = previous (normalized) output
+        m_i = tl.load(LSE_INIT + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        acc = tl.load(O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    koff = tl.arange(0, BLOCK_N)
+    slot = koff // KEY_BLOCK
+    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_kb
+    for j in range(0, list_len, PER_ITER):
+        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
+        krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
+        k_ok = (blk >= 0) & (krow < n_k)
+        kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        if HAS_LOGW:
+            w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+            s += w[None, :] * 1.4426950408889634
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    tl.store(O + bh * stride_ob + rows[:, None] * stride_on + dims[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + bh * n_q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LIST, LOGW,
+               stride_qb, stride_qn, stride_kb, stride_kn, stride_lb, stride_lt,
+               n_q, n_k, list_len, qk_scale, sm_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
+               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    BLOCK_N: tl.constexpr = KEY_BLOCK * PER_ITER
+    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
+    q = tl.load(Q + q_offs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_offs, mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    koff = tl.arange(0, BLOCK_N)
+    slot = koff // KEY_BLOCK
+    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_kb
+    for j in range(0, list_len, PER_ITER):
+        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
+        krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
+        k_ok = (blk >= 0) & (krow < n_k)
+        k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if HAS_LOGW:
+            w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+            s += w[None, :] * 1.4426950408889634
+        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.where(k_ok[None, :] & row_ok[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    dq = dq * sm_scale
+    dq_ptr = DQ + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    if ACCUMULATE:
+        dq += tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptr, dq, mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW,
+                 stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_rb,
+                 n_q, n_k, blk_lo, csc_lo, csc_step, out_row0, out_rows, qk_scale, sm_scale,
+                 HEAD_DIM: tl.constexpr, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, PER_ITER: tl.constexpr, N_SPLIT: tl.constexpr,
+                 HAS_LOGW: tl.constexpr, PREC: tl.constexpr):
+    # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
+    g = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    KEY_ROWS: tl.constexpr = KEY_BLOCK * GROUP
+    QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER
+    first_blk = blk_lo + g * GROUP
+    krow = first_blk.to(tl.int64) * KEY_BLOCK + tl.arange(0, KEY_ROWS)
+    k_ok = krow < n_k
+    dims = tl.arange(0, HEAD_DIM)
+    k_offs = bh * stride_kb + krow[:, None] * stride_kn + dims[None, :]
+    k = tl.load(K + k_offs, mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
+    if HAS_LOGW:
+        w = tl.load(LOGW + krow // KEY_BLOCK, mask=k_ok, other=0.0) * 1.4426950408889634
+    csc_idx = csc_lo + g * csc_step   # = first_blk for a per-block CSC; csc_step 0: one list shared by all
+    start = tl.load(OFFSETS + bh * stride_ob + csc_idx)
+    end = tl.load(OFFSETS + bh * stride_ob + csc_idx + 1)
+    chunk = tl.cdiv(end - start, N_SPLIT)
+    s0 = start + split * chunk
+    s1 = tl.minimum(s0 + chunk, end)
+    dk = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
+    dv = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
+    roff = tl.arange(0, QROWS)
+    slot = roff // QUERY_BLOCK
+    rows_base = ROWS + bh * stride_rb
+    for j in range(s0, s1, PER_ITER):
+        e_ok = (j + slot) < s1
+        t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
+        rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
+        r_ok = e_ok & (rows < n_q)
+        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
+        q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
+        do = tl.load(DO + q_offs, mask=r_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        if HAS_LOGW:
+            st += w[:, None]
+        pt = tl.math.exp2(st - lse2[None, :])
+        pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    dk = dk * sm_scale
+    # target [N_SPLIT, BH, out_rows, d]: rows [out_row0, out_row0 + out_rows) of dk/dv of this split
+    out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
+    tl.store(DK + out, dk, mask=k_ok[:, None])
+    tl.store(DV + out, dv, mask=k_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------- launchers
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
+    x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _bstride(x: torch.Tensor) -> int:
+    """Stride of the batch*head dim; 0 when one table is shared by all heads ([1, ...])."""
+    return x.stride(0) if x.shape[0] > 1 else 0
+
+
+def _per_iter(block: int) -> int:
+    return max(1, 64 // block)
+
+
+def _warps(rows: int, cols: int) -> int:
+    return 8 if rows * cols >= 128 * 128 else 4
+
+
+def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None):
+    """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
+    dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue. Returns (o, lse)."""
+    BH, n_q, d = q.shape
+    n_k = k.shape[1]
+    n_tiles = triton.cdiv(n_q, query_block)
+    assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
+    o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype or q.dtype)
+    lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
+    per_iter = _per_iter(key_block)
+    o_init, lse_init = init if init is not None else (o, lse)
+    _fwd_kernel[(n_tiles, BH)](
+        q, k, v, o, lse, lists, log_weights if log_weights is not None else lse, o_init, lse_init,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), _bstride(lists), lists.stride(1),
+        n_q, n_k, lists.shape[2], scale * LOG2E,
+        HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
+        HAS_LOGW=log_weights is not None, HAS_INIT=init is not None, PREC=_prec(q.dtype),
+        num_warps=_warps(query_block, key_block * per_iter), num_stages=2)
+    return o, lse
+
+
+def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None):
+    """dq (fp32 [BH, Nq, d]) of one query-major pass; adds into ``dq`` when given."""
+    BH, n_q, d = q.shape
+    n_tiles = triton.cdiv(n_q, query_block)
+    accumulate = dq is not None
+    if dq is None:
+        dq = torch.empty(BH, n_q, d, device=q.device, dtype=torch.float32)
+    per_iter = _per_iter(key_block)
+    _dq_kernel[(n_tiles, BH)](
+        q, k, v, do, lse, delta, dq, lists, log_weights if log_weights is not None else lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), _bstride(lists), lists.stride(1),
+        q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
+        HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
+        HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, PREC=_prec(q.dtype),
+        num_warps=_warps(query_block, key_block * per_iter), num_stages=2)
+    return dq
+
+
+def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scale, log_weights=None,
+                      blk_range=None, group=1, n_split=1, dk=None, dv=None, shared_list=False):
+    """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` (default: all), key-major over the CSC
+    lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``. ``group`` consecutive blocks per program
+    (only valid when they share one list, e.g. a global level); ``n_split`` programs per group split its list and
+    their partial sums are added in a fixed order. Writes into ``dk``/``dv`` (rows outside the range untouched).
+    ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
+    so ``offsets`` is just ``[[0, n]]``."""
+    BH, n_q, d = q.shape
+    n_k = k.shape[1]
+    n_blocks = triton.cdiv(n_k, key_block)
+    lo, hi = blk_range if blk_range is not None else (0, n_blocks)
+    if dk is None:
+        dk = torch.zeros(BH, n_k, d, device=q.device, dtype=torch.float32)
+        dv = torch.zeros(BH, n_k, d, device=q.device, dtype=torch.float32)
+    if hi <= lo:
+        return dk, dv
+    offsets, rows = csc
+    n_groups = triton.cdiv(hi - lo, group)
+    per_iter = _per_iter(query_block)
+    r0, r1 = lo * key_block, min(n_k, hi * key_block)
+    if n_split > 1:   # every split writes all rows of the range (zeros when its part of the list is empty)
+        tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)
+        tgt_v = torch.empty_like(tgt_k)
+        out_row0, out_rows = r0, r1 - r0
+    else:
+        tgt_k, tgt_v = dk, dv
+        out_row0, out_rows = 0, n_k
+    _dkdv_kernel[(n_groups, BH, n_split)](
+        q, k, v, do, lse, delta, tgt_k, tgt_v, offsets, rows, log_weights if log_weights is not None else lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), _bstride(offsets), _bstride(rows),
+        n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
+        HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
+        N_SPLIT=n_split, HAS_LOGW=log_weights is not None, PREC=_prec(q.dtype),
+        num_warps=_warps(key_block * group, query_block * per_iter), num_stages=2)
+    if n_split > 1:
+        dk[:, r0:r1] = tgt_k.sum(0)
+        dv[:, r0:r1] = tgt_v.sum(0)
+    return dk, dv
+
+
+def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CSC of "every query tile lists this block", for ``shared_list=True``."""
+    offsets = torch.tensor([[0, n_tiles]], device=device, dtype=torch.int32)
+    return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
+
+
+def _split_for(n_programs: int, list_len: int) -> int:
+    """Split long key-major lists so that ~1000 programs run (deterministic: depends on shapes only)."""
+    want = max(1, 1024 // max(1, n_programs))
+    return int(min(want, max(1, list_len // 8), 64))
+
+
+def delta_rows(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """Δ_i = <dO_i, O_i> in fp32 ([BH, N])."""
+    return (o.float() * do.float()).sum(-1)
+
+
+# ------------------------------------------------------------------------------------------------------- public API
+def _check_inputs(q, k, v, name="block_sparse_attention", triton_path=True):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{name}: q, k, v must be [batch, heads, tokens, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{name}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES and triton_path:
+        raise TypeError(f"{name}: dtype must be one of float16, bfloat16, float32, got {q.dtype}")
+    if triton_path and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be one of {SUPPORTED_HEAD_DIMS} for the Triton kernels, "
+                         f"got {q.shape[-1]}")
+
+
+def _use_triton(q: torch.Tensor, impl: str) -> bool:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and q.is_cuda)
+
+
+class _BlockSparseFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc):
+        b, h, n_q, d = q.shape
+        qf, kf, vf = _flat(q), _flat(k), _flat(v)
+        o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
+        ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
+        ctx.csc = csc
+        ctx.cfg = (query_block, key_block, scale, q.shape, k.shape)
+        return o.view(b, h, n_q, d), lse.view(b, h, n_q)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
+        query_block, key_block, scale, q_shape, k_shape = ctx.cfg
+        do = _flat(do.contiguous())
+        delta = delta_rows(o, do)
+        if dlse is not None:  # d lse_i / d s_it = P_it: the same as an extra -dlse_i in Δ
+            delta = delta - dlse.reshape(delta.shape).float()
+        n_blocks = triton.cdiv(kf.shape[1], key_block)
+        shared = ctx.csc is not None
+        csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)
+        dq = bsa_backward_dq(qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights)
+        dk, dv = bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csc, query_block, key_block, scale, log_weights,
+                                   n_split=_split_for(qf.shape[0] * n_blocks, lf.shape[1]), shared_list=shared)
+        return (dq.view(q_shape).to(qf.dtype), dk.view(k_shape).to(kf.dtype), dv.view(k_shape).to(vf.dtype),
+                None, None, None, None, None, None)
+
+
+def block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, scale=None, block_log_weights=None,
+                                 return_lse=False):
+    """Exact gather-form PyTorch version of ``block_sparse_attention`` (fp32 math, autograd; memory
+    O(Nq * len * key_block * d))."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    n_tiles = block_lists.shape[-2]
+    pad_q = n_tiles * query_block - n_q
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad_q)).view(b, h, n_tiles, query_block, d)
+    lists = block_lists.expand(b, h, -1, -1).long()
+    valid_blk = lists >= 0
+    rows = (lists.clamp(min=0)[..., None] * key_block + torch.arange(key_block, device=q.device)).flatten(-2)
+    ok = (valid_blk[..., None] & (rows.view(*lists.shape, key_block) < n_k)).flatten(-2)
+    rows = rows.clamp(max=n_k - 1)
+    idx = rows.view(b, h, -1, 1).expand(-1, -1, -1, d)
+    kg = torch.gather(k.float(), 2, idx).view(b, h, n_tiles, -1, d)
+    vg = torch.gather(v.float(), 2, idx).view(b, h, n_tiles, -1, d)
+    s = (qf @ kg.transpose(-1, -2)) * scale                                  # [b, h, tiles, qb, len*kb]
+    if block_log_weights is not None:
+        w = block_log_weights.float()[lists.clamp(min=0)]                    # [b, h, tiles, len]
+        s = s + w.repeat_interleave(key_block, -1)[..., None, :]
+    s = s.masked_fill(~ok[..., None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = (torch.softmax(s, -1) @ vg).reshape(b, h, -1, d)[:, :, :n_q].to(q.dtype)
+    lse = lse.reshape(b, h, -1)[:, :, :n_q]
+    return (o, lse) if return_lse else o
+
+
+def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block: int, scale: float | None = None,
+                           block_log_weights: torch.Tensor | None = None, return_lse: bool = False,
+                           impl: str = "auto"):
+    """Block-sparse softmax attention, differentiable in q, k, v (also through the returned LSE).
+
+    Args:
+        q: ``[b, h, Nq, d]``; k, v: ``[b, h, Nk, d]``; fp16/bf16/fp32 (same dtype), d in {16, 32, 64, 128}.
+        block_lists: int32 ``[b, h, ceil(Nq / query_block), len]`` (or broadcastable from ``[1, 1, ...]``): key-block
+            ids each query tile attends to; ``-1`` = empty slot; ids distinct within a row; every query row should
+            see at least one key (an empty row gives output 0 and LSE -inf... avoid it).
+        query_block: rows per query tile (multiple of 16; e.g. 16 for LLSA's fine level, 64 for VSA/SLA).
+        key_block: keys per listed block (power of two >= 16); key rows >= Nk are masked (partial last block).
+        scale: logit scale, default ``1 / sqrt(d)``.
+        block_log_weights: optional fp32 ``[ceil(Nk / key_block)]`` added to the logits of each key block.
+        return_lse: also return the natural-log log-sum-exp per query row (fp32 ``[b, h, Nq]``).
+        impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also on CPU under TRITON_INTERPRET=1), "torch".
+    Returns:
+        o ``[b, h, Nq, d]`` in the input dtype (and lse).
+    """
+    use_triton = _use_triton(q, impl)
+    _check_inputs(q, k, v, triton_path=use_triton)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if query_block % 16 or query_block <= 0:
+        raise ValueError(f"block_sparse_attention: query_block must be a positive multiple of 16, got {query_block}")
+    if key_block < 16 or key_block & (key_block - 1):
+        raise ValueError(f"block_sparse_attention: key_block must be a power of two >= 16, got {key_block}")
+    n_tiles = triton.cdiv(q.shape[2], query_block)
+    if block_lists.dim() != 4 or block_lists.shape[-2] != n_tiles:
+        raise ValueError(f"block_sparse_attention: block_lists must be [b, h, {n_tiles}, len] for Nq={q.shape[2]} "
+                         f"and query_block={query_block}, got {tuple(block_lists.shape)}")
+    if not use_triton:
+        return block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, scale, block_log_weights,
+                                            return_lse)
+    o, lse = _BlockSparseFn.apply(q, k, v, _flat_lists(block_lists, q), query_block, key_block, scale,
+                                  _log_weights(block_log_weights), None)
+    return (o, lse) if return_lse else o
+
+
+def _flat_lists(block_lists: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """int32 [b*h, tiles, len], or [1, tiles, len] (stride 0 over heads) when one table serves every head."""
+    lists = block_lists.to(torch.int32)
+    if lists.shape[0] == 1 and lists.shape[1] == 1:
+        return lists[0]
+    b, h = q.shape[:2]
+    return lists.expand(b, h, -1, -1).reshape(b * h, lists.shape[-2], lists.shape[-1])
+
+
+def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
+    return w.float().contiguous() if w is not None else None
+
+
+def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
+    """Dense softmax attention through the block-sparse kernel with every key block listed (``attention=full
+    impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
+    block = 64
+    n_tiles = triton.cdiv(q.shape[2], block)
+    n_blocks = triton.cdiv(k.shape[2], block)
+    lists = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
+    if not _use_triton(q, impl):
+        return block_sparse_attention(q, k, v, lists, query_block=block, key_block=block, scale=scale, impl=impl)
+    _check_inputs(q, k, v, name="flash_attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # "every tile sees every block": all key blocks share one CSC list (no sort, no per-block copy)
+    o, _ = _BlockSparseFn.apply(q, k, v, lists[0], block, block, scale, None, shared_csc(n_tiles, q.device))
+    return o

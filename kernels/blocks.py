@@ -1,0 +1,91 @@
+"""Shared building blocks of the sparse-attention kernels (LLSA, VSA, SLA and the dense `impl: triton` path).
+
+Everything here is plain PyTorch, runs on CPU and CUDA, and is deterministic:
+
+* ``block_mean(x, block_size)``            fp32 mean over consecutive blocks of tokens (a partial last block is
+                                            averaged over its real tokens).
+* ``topk_desc(scores, k, ids=None)``        top-k ids by descending score, ties -> smaller id, bitwise reproducible.
+* ``csr_to_csc(index, num_cols)``           transpose of a per-row list of column ids (CSR) into per-column lists of
+                                            row ids (CSC), rows ascending inside a column; no float atomics.
+
+The Triton block-sparse attention that consumes these tables lives in ``block_sparse.py``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["block_mean", "topk_desc", "csr_to_csc"]
+
+
+def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean of ``block_size`` consecutive tokens, accumulated in fp32.
+
+    x: ``[..., tokens, dim]`` -> ``[..., ceil(tokens / block_size), dim]`` float32. When ``tokens`` is not a multiple
+    of ``block_size`` the last block is the mean over its real tokens only (SLA's tail block).
+    Differentiable (the adjoint broadcasts ``grad / count`` to the block's tokens).
+    """
+    n, d = x.shape[-2], x.shape[-1]
+    x = x.float()
+    full = n // block_size
+    out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2)
+    if full * block_size < n:
+        tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True)
+        out = torch.cat([out, tail], dim=-2)
+    return out
+
+
+def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is (score descending, id ascending); unique when ids are unique.
+
+    The fp32 score is mapped to an int32 that orders like the float (flip the magnitude bits of negatives), put in
+    the high 32 bits; ``2**32 - 1 - id`` in the low bits makes the smaller id win a tie. A unique key per element
+    makes ``torch.topk`` exact and deterministic on every device (its own tie order is unspecified).
+    """
+    s = scores.float() + 0.0  # turns -0.0 into +0.0 so that the two zeros tie
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - ids.to(torch.int64))
+
+
+def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Ids of the ``k`` largest scores along the last dim: descending score, ties -> smaller id, deterministic.
+
+    scores: ``[..., n]`` (compared in fp32; fp64 inputs use an exact stable sort). ids: ``[..., n]`` integer ids of
+    the candidates (distinct within a row, < 2**31), default ``arange(n)``. Returns int32 ``[..., k]``.
+    """
+    n = scores.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"topk_desc: k must be in [1, {n}] (number of candidates), got {k}")
+    if ids is None:
+        ids = torch.arange(n, device=scores.device).expand(scores.shape)
+    if scores.dtype == torch.float64:  # exact path for oracles: sort ids ascending, then a stable descending sort
+        ids_sorted, perm = ids.sort(dim=-1)
+        s = scores.gather(-1, perm)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+        return ids_sorted.gather(-1, order).to(torch.int32)
+    keys = _descending_keys(scores, ids)
+    top = torch.topk(keys, k, dim=-1, sorted=True).values
+    return ((1 << 32) - 1 - (top & 0xFFFFFFFF)).to(torch.int32)
+
+
+def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transpose per-row column lists into per-column row lists (spec llsa.md §5.2), deterministically.
+
+    index: int ``[batch, rows, width]`` column ids in ``[0, num_cols)``; ``-1`` marks an empty slot. Ids must be
+    distinct within a row. Returns ``(offsets, rows)``: int32 ``[batch, num_cols + 1]`` and int32
+    ``[batch, rows * width]``; the rows that list column ``c`` are ``rows[b, offsets[b, c]:offsets[b, c + 1]]``,
+    ascending. Implemented as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
+    same result on every run and device, no atomics), so the dk/dv sums that follow the lists are bitwise
+    reproducible.
+    """
+    if index.dim() != 3:
+        raise ValueError(f"csr_to_csc: index must be [batch, rows, width], got shape {tuple(index.shape)}")
+    batch, rows, width = index.shape
+    row_ids = torch.arange(rows, device=index.device, dtype=torch.int64).view(1, rows, 1)
+    col = index.to(torch.int64)
+    sentinel = num_cols * rows  # empty slots sort to the end
+    keys = torch.where(col >= 0, col * rows + row_ids, torch.full_like(col, sentinel)).reshape(batch, rows * width)
+    keys = torch.sort(keys, dim=-1).values
+    bounds = (torch.arange(num_cols + 1, device=index.device, dtype=torch.int64) * rows).expand(batch, -1)
+    offsets = torch.searchsorted(keys, bounds.contiguous()).to(torch.int32)
+    return offsets, (keys % rows).to(torch.int32)

@@ -1,0 +1,371 @@
+"""LLSA: Log-linear Sparse Attention (arXiv 2512.16615), exact semantics of spec llsa.md §1-§6.
+
+    from pixdit.kernels import llsa_attention, llsa_select, llsa_check, llsa_num_levels
+    o = llsa_attention(q, k, v, block_size=16, topk=8)            # q, k, v: [batch, heads, tokens, head_dim]
+    index = llsa_select(q, k, block_size=16, topk=8)              # [I^(1), ..., I^(L)], int32 [b, h, N_l, K_l]
+    llsa_check(num_tokens=16384, block_size=16, topk=8)          # config-time validation -> effective settings
+
+What a fine query attends to (spec §3.1): the B tokens of each of its K_1 selected fine blocks (weight 1), at every
+pooled level 1 <= l < L the K_{l+1}*B level-l tokens its level-(l+1) ancestor scored during selection (weight B^l),
+and every coarsest-level token (weight B^L); one softmax over all of them. Levels above ``enrich_levels`` are left
+out (the coarsest first). Pooling and selection scores are fp32; ties go to the smaller block id.
+
+CUDA tensors run Triton (``block_sparse.py``): the fine level is one block-sparse pass over ``k``/``v`` with 16-row
+query blocks; the pooled levels are a second pass over one "bank" (levels 1..L concatenated, fp32-pooled then cast
+to the input dtype) with 64-row query tiles, whose lists are shared by all 64 rows (a level-l list depends only on
+the level-(l+1) ancestor, and B^2 >= 64 rows share it); the second pass continues the first pass's softmax. The
+backward is dq query-major, dk/dv key-major over the CSC transpose, then the mean-pool adjoint. CPU tensors run the
+exact gather form (spec §4.2) in fp32 with autograd.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+import triton
+
+from . import block_sparse as bs
+from .blocks import block_mean, csr_to_csc, topk_desc
+
+__all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
+
+COARSE_TILE = 64          # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
+SELECT_CHUNK = 1 << 26    # coarsest-level score elements materialised at once during selection
+
+
+# ------------------------------------------------------------------------------------------------- configuration
+def llsa_num_levels(num_tokens: int, block_size: int = 16) -> int:
+    """The paper's default ``L = floor(log_B N - 1)`` clamped to >= 1 (integer arithmetic: largest L with
+    ``B^(L+1) <= N``). E.g. B=16: N=1024 -> 1, 4096 -> 2, 16384 -> 2, 65536 -> 3, 262144 -> 3."""
+    _check_block_size(block_size)
+    levels = 0
+    while block_size ** (levels + 2) <= num_tokens:
+        levels += 1
+    return max(levels, 1)
+
+
+def _check_block_size(block_size) -> None:
+    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size!r}")
+
+
+def llsa_check(num_tokens: int, block_size: int = 16, num_levels: int | None = None,
+               topk: int | Sequence[int] = 8, enrich_levels: int | None = None) -> dict:
+    """Validate an LLSA setting for a sequence of ``num_tokens`` and return the effective one.
+
+    Raises ValueError naming the parameter and the allowed values. Returns ``{"num_levels": L, "topk": [K_1..K_L],
+    "enrich_levels": L_e, "level_tokens": [N_0..N_L], "tokens_per_query": T}``. ``topk`` is clamped to the number of
+    candidates (documented, never an error): ``K_L <= N_L`` at the coarsest level and ``K_l <= K_{l+1} * B`` below.
+    """
+    _check_block_size(block_size)
+    if not isinstance(num_tokens, int) or num_tokens < block_size:
+        raise ValueError(f"LLSA needs at least block_size={block_size} tokens, got num_tokens={num_tokens!r}")
+    L = llsa_num_levels(num_tokens, block_size) if num_levels is None else num_levels
+    if not isinstance(L, int) or L < 1:
+        raise ValueError(f"num_levels must be an int >= 1 (or None for the default), got {num_levels!r}")
+    group = block_size ** L
+    if num_tokens % group:
+        raise ValueError(
+            f"LLSA with block_size={block_size} and num_levels={L} needs the number of tokens to be a multiple of "
+            f"block_size**num_levels = {group}, got {num_tokens} tokens ({num_tokens} / {group} = "
+            f"{num_tokens / group:.3g}); use fewer levels, a smaller block_size or an image whose token count is a "
+            f"multiple of {group}")
+    if isinstance(topk, int):
+        ks = [topk] * L
+    else:
+        ks = list(topk)
+        if len(ks) != L:
+            raise ValueError(f"topk must be an int or a list of num_levels={L} ints [K_1, ..., K_L] (finest first), "
+                             f"got {topk!r}")
+    if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in ks):
+        raise ValueError(f"topk must be >= 1 at every level (blocks kept per query block), got {topk!r}")
+    Le = L if enrich_levels is None else enrich_levels
+    if not isinstance(Le, int) or not 0 <= Le <= L:
+        raise ValueError(f"enrich_levels must be an int in [0, num_levels={L}] (or None = all), got {enrich_levels!r}")
+    sizes = [num_tokens // block_size ** lvl for lvl in range(L + 1)]
+    eff = list(ks)
+    eff[L - 1] = min(eff[L - 1], sizes[L])
+    for lvl in range(L - 1, 0, -1):  # 1-based level lvl has index lvl - 1
+        eff[lvl - 1] = min(eff[lvl - 1], eff[lvl] * block_size)
+    tokens = eff[0] * block_size + sum(eff[lvl] * block_size for lvl in range(1, min(Le, L - 1) + 1))
+    tokens += sizes[L] if Le == L else 0
+    return {"num_levels": L, "topk": eff, "enrich_levels": Le, "level_tokens": sizes, "tokens_per_query": tokens}
+
+
+def _check_qkv(q, k, v, use_triton: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"llsa_attention: {name} must be a [batch, heads, tokens, head_dim] tensor, "
+                             f"got {getattr(x, 'shape', type(x))}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"llsa_attention: q, k, v must have one shape (self-attention), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise TypeError(f"llsa_attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if use_triton:
+        if q.dtype not in bs.SUPPORTED_DTYPES:
+            raise TypeError(f"llsa_attention: the Triton path takes float16, bfloat16 or float32, got {q.dtype}")
+        if q.shape[-1] not in bs.SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"llsa_attention: head_dim must be one of {bs.SUPPORTED_HEAD_DIMS} on the Triton path, "
+                             f"got {q.shape[-1]}")
+
+
+# ----------------------------------------------------------------------------------------------------- selection
+@contextmanager
+def _exact_fp32_matmul():
+    """Selection scores are fp32 (spec §2.2): keep TF32 off for the duration (restores the user's setting)."""
+    old = torch.get_float32_matmul_precision()
+    if old != "highest":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        if old != "highest":
+            torch.set_float32_matmul_precision(old)
+
+
+def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor]:
+    """[x^(1), ..., x^(levels)]: recursive fp32 block means (spec §1.1)."""
+    out, cur = [], x
+    for _ in range(levels):
+        cur = block_mean(cur, block_size)
+        out.append(cur)
+    return out
+
+
+def _select_from_pooled(qp, kp, block_size: int, ks: list[int]) -> list[torch.Tensor]:
+    """Hierarchical top-k (spec §2.2) on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32."""
+    B, L = block_size, len(ks)
+    q_top, k_top = qp[L - 1], kp[L - 1]
+    n_top = k_top.shape[-2]
+    rows_per_chunk = max(1, SELECT_CHUNK // max(1, n_top * q_top.shape[0] * q_top.shape[1]))
+    parts = []
+    for r0 in range(0, n_top, rows_per_chunk):
+        scores = q_top[..., r0:r0 + rows_per_chunk, :] @ k_top.transpose(-1, -2)
+        parts.append(topk_desc(scores, ks[L - 1]))
+    index = [torch.cat(parts, dim=-2)]
+    for lvl in range(L - 1, 0, -1):                   # level lvl (1-based) selects I^(lvl) from I^(lvl+1)'s children
+        parent = index[0].sort(dim=-1).values.long()  # ascending parents -> ascending candidate ids
+        b, h, groups, kp_ = parent.shape
+        cand = (parent[..., None] * B + torch.arange(B, device=parent.device)).flatten(-2)   # [b, h, G, K*B]
+        keys = kp[lvl - 1]
+        d = keys.shape[-1]
+        kc = torch.gather(keys, 2, cand.reshape(b, h, -1, 1).expand(-1, -1, -1, d)).view(b, h, groups, -1, d)
+        qg = qp[lvl - 1].view(b, h, groups, B, d)     # the B siblings share the candidate set
+        scores = qg @ kc.transpose(-1, -2)            # [b, h, G, B, K*B]
+        sel = topk_desc(scores, ks[lvl - 1], ids=cand[:, :, :, None, :].expand_as(scores))
+        index.insert(0, sel.reshape(b, h, groups * B, ks[lvl - 1]))
+    return index
+
+
+def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: int | Sequence[int] = 8,
+                num_levels: int | None = None) -> list[torch.Tensor]:
+    """Hierarchical top-k selection (spec §2): ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
+
+    Row r of I^(l) lists, in descending score order (ties -> smaller id), the level-l key tokens (= level-(l-1)
+    blocks) that level-l query token r keeps. Pooling and scores in fp32, deterministic, no gradient. ``topk`` is
+    clamped as in ``llsa_check``.
+    """
+    cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
+    with torch.no_grad(), _exact_fp32_matmul():
+        qp = _pyramid(q.detach(), block_size, cfg["num_levels"])
+        kp = _pyramid(k.detach(), block_size, cfg["num_levels"])
+        return _select_from_pooled(qp, kp, block_size, cfg["topk"])
+
+
+# ---------------------------------------------------------------------------------------- exact PyTorch (CPU) path
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient multiplied by ``factor`` (reference-compat l1 pooled gradient, spec §6.2)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, compat_l1):
+    """Gather form (spec §4.2): per fine query block, gather its fine / candidate keys; the coarsest level (shared
+    by all queries) is a plain matmul. fp32 math, autograd to q, k, v; memory O(N * tokens_per_query)."""
+    B, L = block_size, len(index)
+    b, h, N, d = q.shape
+    nq = N // B
+    qb = q.float().view(b, h, nq, B, d)
+    kl, vl = k.float(), v.float()
+    logits, values = [], []
+    for lvl in range(0, min(enrich_levels, L) + 1):
+        if lvl > 0:
+            kl, vl = block_mean(kl, B), block_mean(vl, B)
+            if compat_l1 and L == 1:
+                kl, vl = _ScaleGrad.apply(kl, 1.0 / B), _ScaleGrad.apply(vl, 1.0 / B)
+        if lvl == L:          # every coarsest token
+            s = qb @ kl[:, :, None].transpose(-1, -2)                                 # [b, h, nq, B, N_L]
+            values.append(vl[:, :, None].expand(b, h, nq, -1, d))
+        else:                 # the blocks listed by I^(lvl+1) for this query block's level-(lvl+1) ancestor
+            sel = index[lvl][:, :, torch.arange(nq, device=q.device) // B ** lvl].long()  # [b, h, nq, K]
+            rows = (sel[..., None] * B + torch.arange(B, device=q.device)).flatten(-2)     # [b, h, nq, K*B]
+            idx = rows.view(b, h, -1, 1).expand(-1, -1, -1, d)
+            kg = torch.gather(kl, 2, idx).view(b, h, nq, -1, d)
+            values.append(torch.gather(vl, 2, idx).view(b, h, nq, -1, d))
+            s = qb @ kg.transpose(-1, -2)                                             # [b, h, nq, B, K*B]
+        logits.append(s * scale + lvl * math.log(B))
+    p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out = p @ torch.cat(values, dim=-2)
+    return out.view(b, h, N, d).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- Triton path
+def _bank_layout(N, B, L, Le):
+    """Pooled bank = levels 1..min(Le, L) concatenated. Returns (offsets of each level in the bank, total rows)."""
+    offsets, total = [], 0
+    for lvl in range(1, min(Le, L) + 1):
+        offsets.append(total)
+        total += N // B ** lvl
+    return offsets, total
+
+
+def _coarse_lists(index, N, B, L, Le, device):
+    """Per 64-row query tile, the bank blocks of the pooled levels: int32 [b*h, N/64 (ceil), len]."""
+    b, h = index[0].shape[:2]
+    offsets, total = _bank_layout(N, B, L, Le)
+    n_tiles = triton.cdiv(N, COARSE_TILE)
+    tile_row0 = torch.arange(n_tiles, device=device) * COARSE_TILE
+    parts = []
+    for lvl in range(1, min(Le, L - 1) + 1):        # candidates: children of the level-(lvl+1) ancestor's selection
+        anc = tile_row0 // B ** (lvl + 1)
+        parts.append(index[lvl][:, :, anc, :] + offsets[lvl - 1] // B)
+    if Le >= L:                                     # every coarsest token, partial last block masked by the kernel
+        top = torch.arange(offsets[L - 1] // B, triton.cdiv(total, B), device=device, dtype=torch.int32)
+        parts.append(top.expand(b, h, n_tiles, -1))
+    lists = torch.cat(parts, dim=-1).to(torch.int32)
+    return lists.reshape(b * h, n_tiles, lists.shape[-1]).contiguous()
+
+
+def _bank_log_weights(N, B, L, Le, device):
+    offsets, total = _bank_layout(N, B, L, Le)
+    w = torch.empty(triton.cdiv(total, B), device=device, dtype=torch.float32)
+    for lvl in range(1, min(Le, L) + 1):
+        lo = offsets[lvl - 1] // B
+        hi = triton.cdiv(offsets[lvl] if lvl < min(Le, L) else total, B)
+        w[lo:hi] = lvl * math.log(B)
+    return w
+
+
+class _LLSATriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, fine_lists, coarse_lists, block_size, num_levels, enrich_levels, scale, compat_l1):
+        b, h, N, d = q.shape
+        B, L, Le = block_size, num_levels, enrich_levels
+        qf, kf, vf = bs._flat(q), bs._flat(k), bs._flat(v)
+        has_coarse = Le >= 1
+        o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale,
+                                out_dtype=torch.float32 if has_coarse else None)
+        bank_k = bank_v = logw = None
+        if has_coarse:
+            levels_k = _pyramid(kf, B, min(Le, L))
+            levels_v = _pyramid(vf, B, min(Le, L))
+            bank_k = torch.cat(levels_k, dim=1).to(q.dtype)
+            bank_v = torch.cat(levels_v, dim=1).to(q.dtype)
+            logw = _bank_log_weights(N, B, L, Le, q.device)
+            o, lse = bs.bsa_forward(qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw,
+                                    init=(o, lse), out_dtype=q.dtype)
+        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
+        ctx.cfg = (B, L, Le, scale, compat_l1, q.shape)
+        return o.view(b, h, N, d)
+
+    @staticmethod
+    def backward(ctx, do):
+        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
+        B, L, Le, scale, compat_l1, shape = ctx.cfg
+        BH, N, d = qf.shape
+        do = bs._flat(do.contiguous())
+        delta = bs.delta_rows(o, do)
+        # fine level: 16-row query blocks over k/v
+        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale)
+        fine_csc = csr_to_csc(fine_lists, N // B)
+        n_fine = BH * (N // B)
+        dk, dv = bs.bsa_backward_dkdv(qf, kf, vf, do, lse, delta, fine_csc, B, B, scale,
+                                      n_split=bs._split_for(n_fine, fine_lists.shape[-1]))
+        if Le >= 1:
+            dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw,
+                                    dq=dq)
+            offsets, total = _bank_layout(N, B, L, Le)
+            n_bank_blocks = triton.cdiv(total, B)
+            n_tiles = coarse_lists.shape[1]
+            dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
+            dbv = torch.empty_like(dbk)
+            top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
+            n_cand = coarse_lists.shape[-1] - (n_bank_blocks - top_lo)
+            if top_lo > 0:   # candidate levels: one CSC list per bank block
+                csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
+                avg = n_cand * n_tiles // top_lo
+                bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, csc, COARSE_TILE, B, scale, logw,
+                                     blk_range=(0, top_lo), n_split=bs._split_for(BH * top_lo, avg), dk=dbk, dv=dbv)
+            if top_lo < n_bank_blocks:   # coarsest level: every tile lists every block -> one shared list,
+                group = max(1, 64 // B)  # groups of 64 keys per program
+                n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
+                bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, bs.shared_csc(n_tiles, qf.device),
+                                     COARSE_TILE, B, scale, logw, blk_range=(top_lo, n_bank_blocks), group=group,
+                                     n_split=bs._split_for(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
+            if compat_l1 and L == 1:
+                dbk, dbv = dbk / B, dbv / B
+            # mean-pool adjoint, coarsest first: dX^(l-1) += repeat(dX^(l) / B)
+            gk = gv = None
+            for lvl in range(min(Le, L), 0, -1):
+                lo = offsets[lvl - 1]
+                hi = lo + N // B ** lvl
+                gk = dbk[:, lo:hi] if gk is None else gk + dbk[:, lo:hi]
+                gv = dbv[:, lo:hi] if gv is None else gv + dbv[:, lo:hi]
+                gk = (gk / B).repeat_interleave(B, dim=1)
+                gv = (gv / B).repeat_interleave(B, dim=1)
+            dk, dv = dk + gk, dv + gv
+        dt = qf.dtype
+        return (dq.view(shape).to(dt), dk.view(shape).to(dt), dv.view(shape).to(dt),
+                None, None, None, None, None, None, None)
+
+
+# ------------------------------------------------------------------------------------------------------ public API
+def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 16,
+                   topk: int | Sequence[int] = 8, num_levels: int | None = None, enrich_levels: int | None = None,
+                   scale: float | None = None, *, index: Sequence[torch.Tensor] | None = None,
+                   reference_l1_grad: bool = False, impl: str = "auto") -> torch.Tensor:
+    """Log-linear sparse attention (spec llsa.md §3), differentiable in q, k, v.
+
+    Args:
+        q, k, v: ``[batch, heads, tokens, head_dim]``, tokens in locality (Z-) order; tokens must be a multiple of
+            ``block_size ** num_levels``. Triton path: fp16/bf16/fp32 and head_dim in {16, 32, 64, 128}.
+        block_size: B, tokens per block and pooling factor per level; a power of two >= 16.
+        topk: K (same at every level) or ``[K_1, ..., K_L]`` (finest first); clamped to the candidates
+            (``K_L <= N_L``, ``K_l <= K_{l+1} * B``), must be >= 1.
+        num_levels: L >= 1; None -> ``llsa_num_levels(tokens, block_size)`` (the paper's floor(log_B N - 1)).
+        enrich_levels: pooled levels 1..L_e that enter the softmax (None -> L; 0 -> fine tokens only).
+        scale: logit scale, None -> 1/sqrt(head_dim).
+        index: precomputed ``llsa_select`` tables (tests, diagnostics); None -> selected from q, k.
+        reference_l1_grad: reproduce the reference l1 kernel's gradient through the pooled K/V, which is B times too
+            small (spec §6.2); only affects L = 1. Off = the true gradient.
+        impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
+    Returns:
+        ``[batch, heads, tokens, head_dim]`` in the input dtype.
+    """
+    use_triton = bs._use_triton(q, impl)
+    _check_qkv(q, k, v, use_triton)
+    b, h, N, d = q.shape
+    cfg = llsa_check(N, block_size, num_levels, topk, enrich_levels)
+    L, Le = cfg["num_levels"], cfg["enrich_levels"]
+    scale = d ** -0.5 if scale is None else float(scale)
+    if index is None:
+        index = llsa_select(q, k, block_size, cfg["topk"], L)
+    else:
+        index = [t.to(device=q.device, dtype=torch.int32) for t in index]
+        if len(index) != L:
+            raise ValueError(f"llsa_attention: index must hold num_levels={L} tables, got {len(index)}")
+    if not use_triton:
+        return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
+    fine_lists = index[0].reshape(b * h, N // block_size, index[0].shape[-1]).contiguous()
+    coarse_lists = _coarse_lists(index, N, block_size, L, Le, q.device) if Le >= 1 else None
+    return _LLSATriton.apply(q, k, v, fine_lists, coarse_lists, block_size, L, Le, scale, reference_l1_grad)
