@@ -9,7 +9,6 @@ from omegaconf import OmegaConf
 
 import pixdit.kernels as kernels
 from pixdit.attention import AttentionBackend, attention_names, build_attention, register_attention
-from pixdit.attention_sparse import paper_num_levels
 from pixdit.errors import PixditError
 from pixdit.models import build_model
 
@@ -88,12 +87,50 @@ def test_model_checks_backend_token_order_and_grid():
         model(torch.randn(1, 3, 6, 6), torch.ones(1))
 
 
-@pytest.mark.parametrize("tokens,levels", [(256, 1), (1024, 1), (4096, 2), (16384, 2), (65536, 3), (262144, 3)])
-def test_paper_num_levels(tokens, levels):
-    assert paper_num_levels(tokens, 16) == levels
+needs_llsa = pytest.mark.skipif(not hasattr(kernels, "llsa_attention"), reason="pixdit.kernels.llsa_attention missing")
 
 
 @pytest.mark.skipif(hasattr(kernels, "llsa_attention"), reason="the LLSA kernel is available")
 def test_llsa_without_kernel_is_a_clear_error():
     with pytest.raises(PixditError, match="llsa.*not implemented yet"):
         build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa"})
+
+
+@needs_llsa
+def test_llsa_selecting_every_block_without_enrichment_is_full_attention():
+    """K_1 = N / B keeps every fine block and enrich_levels=0 drops the pooled tokens: exactly dense attention."""
+    q, k, v = qkv(n=64, d=16)
+    backend = build_attention({"name": "llsa", "block_size": 16, "topk": 4, "enrich_levels": 0}, dim=48, num_heads=3)
+    out = backend(q, k, v, grid_hw=(8, 8), hidden=None)
+    torch.testing.assert_close(out, softmax_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    sparse = build_attention({"name": "llsa", "block_size": 16, "topk": 1}, dim=48, num_heads=3)
+    assert not torch.allclose(sparse(q, k, v, grid_hw=(8, 8), hidden=None), out, atol=1e-3)
+
+
+@needs_llsa
+def test_llsa_model_trains_on_cpu_and_matches_full_attention_when_dense():
+    torch.manual_seed(0)
+    options = dict(input_size=(8, 16), depth=2, hidden_size=64, num_heads=2, zero_init=False)
+    full = build_model("DiT-T", **options)
+    llsa = build_model("DiT-T", **options, token_order="zorder",
+                       attention={"name": "llsa", "block_size": 16, "topk": 8, "enrich_levels": 0})
+    llsa.load_state_dict(full.state_dict())
+    x, t = torch.randn(2, 3, 8, 16), 1000 * torch.rand(2)
+    out = llsa(x, t)
+    torch.testing.assert_close(out, full(x, t), atol=1e-4, rtol=1e-4)
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in llsa.parameters())
+    default = build_model("DiT-T", input_size=16, token_order="zorder", attention=OmegaConf.load("configs/attention/llsa.yaml"))
+    assert default(torch.randn(1, 3, 16, 16), torch.ones(1)).shape == (1, 3, 16, 16)
+
+
+@needs_llsa
+def test_llsa_bad_grid_fails_at_build_with_both_numbers():
+    with pytest.raises(PixditError, match=r"6x6 token grid \(36 tokens\).*16"):
+        build_model("DiT-T", input_size=6, token_order="zorder", attention={"name": "llsa"})
+    with pytest.raises(PixditError, match=r"num_levels=2.*256"):
+        build_model("DiT-T", input_size=(16, 24), token_order="zorder", attention={"name": "llsa", "num_levels": 2})
+    with pytest.raises(PixditError, match="block_size"):
+        build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa", "block_size": 12})
+    with pytest.raises(PixditError, match="token_order='zorder'"):
+        build_model("DiT-T", input_size=16, attention={"name": "llsa"})

@@ -30,56 +30,43 @@ def _kernel(function_name: str, backend_name: str):
     return function
 
 
-def paper_num_levels(num_tokens: int, block_size: int) -> int:
-    """LLSA paper's L = floor(log_B N - 1), clamped to >= 1: the coarsest level keeps N_L in [B, B^2) tokens."""
-    levels = 0
-    while block_size ** (levels + 2) <= num_tokens:
-        levels += 1
-    return max(1, levels)
-
-
 @register_attention("llsa")
 class LLSAAttention(AttentionBackend):
-    """Log-linear sparse attention (spec llsa.md §1-§3): hierarchical top-K block selection + KV enrichment.
+    """Log-linear sparse attention (spec llsa.md §1-§3): hierarchical top-K block selection + KV enrichment, through
+    `pixdit.kernels.llsa_attention` (Triton on CUDA, exact PyTorch gather form on CPU).
 
-    block_size (B):     tokens pooled per level (16 = 4x4 pixel patches in Z-order)
+    block_size (B):     tokens pooled per level (16 = 4x4 pixel patches in Z-order); a power of two >= 16
     topk (K):           blocks kept per query block at every level (an int, or a list, one per level, finest first)
     num_levels (L):     pooled levels; null = paper formula floor(log_B N - 1) (clamped to >= 1) for each grid
-    enrich_levels (Le): levels whose pooled tokens enrich the attended set; null = all L levels
+    enrich_levels (Le): pooled levels 1..Le whose tokens enter the softmax; null = all L levels, 0 = none
+    reference_l1_grad:  reproduce the reference l1 kernel's pooled-K/V gradient, B times too small (spec §6.2)
     """
 
     token_order = "zorder"
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
-                 num_levels: int | None = None, enrich_levels: int | None = None):
+                 num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):
         super().__init__(dim, num_heads)
-        self.block_size = int(block_size)
-        self.topk = list(topk) if isinstance(topk, (list, tuple)) else int(topk)
-        self.num_levels = None if num_levels is None else int(num_levels)
-        self.enrich_levels = None if enrich_levels is None else int(enrich_levels)
+        self.block_size = block_size
+        self.topk = list(topk) if isinstance(topk, (list, tuple)) else topk
+        self.num_levels = num_levels
+        self.enrich_levels = enrich_levels
+        self.reference_l1_grad = bool(reference_l1_grad)
         self._llsa_attention = _kernel("llsa_attention", "llsa")
-
-    def levels_for(self, num_tokens: int) -> int:
-        return self.num_levels if self.num_levels is not None else paper_num_levels(num_tokens, self.block_size)
+        self._llsa_check = _kernel("llsa_check", "llsa")
 
     def check_grid(self, grid_hw):
         num_tokens = grid_hw[0] * grid_hw[1]
-        levels = self.levels_for(num_tokens)
-        validate = getattr(__import__("pixdit.kernels", fromlist=["llsa_validate"]), "llsa_validate", None)
         try:
-            if validate is not None:
-                validate(num_tokens, self.block_size, self.topk, levels, self.enrich_levels, self.head_dim)
-            elif num_tokens % self.block_size ** levels:
-                raise ValueError(f"block_size**num_levels = {self.block_size}**{levels} = "
-                                 f"{self.block_size ** levels} does not divide the token count {num_tokens}")
+            self._llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
+                             enrich_levels=self.enrich_levels)
         except (ValueError, TypeError) as error:
             raise PixditError(f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid "
-                              f"({num_tokens} tokens, block_size={self.block_size}, topk={self.topk}, "
-                              f"num_levels={levels}): {error}") from None
+                              f"({num_tokens} tokens): {error}") from None
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        return self._llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk,
-                                    num_levels=self.levels_for(q.shape[2]), enrich_levels=self.enrich_levels)
+        return self._llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk, num_levels=self.num_levels,
+                                    enrich_levels=self.enrich_levels, reference_l1_grad=self.reference_l1_grad)
 
     def extra_repr(self) -> str:
         return (f"block_size={self.block_size}, topk={self.topk}, num_levels={self.num_levels}, "
