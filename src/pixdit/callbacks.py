@@ -5,15 +5,13 @@
   sends it to the loggers that take images (TensorBoard, W&B).
 * ``ThroughputMonitor``: images/s, pixel tokens/s and peak GPU memory, logged as ``perf/*``.
 * ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
-  the target with ``os.replace``; a kill during a write leaves the previous checkpoint intact.
+  the target with ``os.replace`` (``pixdit.checkpoint``); a kill during a write leaves the previous checkpoint intact.
 * ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these plus Lightning's
   ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) and the progress bar.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,42 +22,19 @@ from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
+from pixdit.checkpoint import atomic_torch_save
 from pixdit.config import construct
 from pixdit.errors import PixditError
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes checkpoints so that a crash or kill mid-write never destroys the last good one.
-
-    Lightning's own writer serialises the whole checkpoint into memory first and does not fsync; this one streams
-    into ``<dir>/.<name>.tmp-XXXX`` (same file system, so the rename is atomic), fsyncs the file, replaces the target
-    with ``os.replace`` and fsyncs the directory so the rename itself survives a power loss.
-    """
+    """Lightning CheckpointIO whose writes are crash-safe (``pixdit.checkpoint.atomic_torch_save``): a kill during a
+    checkpoint write never destroys the last good checkpoint."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-        except BaseException:
-            # Remove the partial file; the previous checkpoint at `path` was never touched.
-            try:
-                os.unlink(tmp_name)
-            except FileNotFoundError:
-                pass
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_torch_save(checkpoint, path)
 
 
 class SampleGrid(Callback):

@@ -1,0 +1,174 @@
+"""Train a pixel diffusion transformer: compose the Hydra config, build data / model / callbacks / loggers / trainer, fit.
+
+    python train.py experiment=quickstart                          # bundled demo data, ~5 min on a laptop CPU
+    python train.py experiment=ffhq256_llsa                        # the paper's 256^2 LLSA run (needs FFHQ shards)
+    python train.py experiment=quickstart trainer.max_steps=100 attention=full model=dit_t
+    python train.py experiment=quickstart hydra.run.dir=outputs/quickstart/<time> ckpt_path=last   # resume exactly
+    python train.py experiment=ffhq128_llsa init_from=outputs/ffhq32_full/<time>/checkpoints/last.ckpt
+    python train.py -m experiment=ffhq128_llsa attention.topk=4,8,16                  # a sweep (Hydra multirun)
+    python train.py experiment=quickstart --cfg job                 # print the composed config, do nothing
+
+A run writes into its directory (default outputs/<name>/<time>, or hydra.run.dir=...): .hydra/ (the config),
+metrics.csv, checkpoints/{step=N,last}.ckpt, samples/step_N.png. User mistakes (unknown option or key, missing data,
+a size the attention cannot handle) print one message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pixdit.config import construct, plain, register_resolvers
+from pixdit.errors import PixditError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+log = logging.getLogger("pixdit")
+
+
+def build_loggers(cfg, run_dir: Path) -> list:
+    """``cfg.logger``: one entry per logger (configs/logger/{csv,tensorboard,wandb}.yaml), all writing into the run."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = []
+    for name, options in (plain(cfg) or {}).items():
+        if name == "csv":
+            loggers.append(construct(CSVLogger, options, "logger.csv", save_dir=str(run_dir), name="", version=""))
+        elif name == "tensorboard":
+            loggers.append(construct(TensorBoardLogger, options, "logger.tensorboard", save_dir=str(run_dir),
+                                     name="tensorboard", version=""))
+        elif name == "wandb":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise PixditError("logger=wandb needs the wandb package: pip install wandb") from None
+            from lightning.pytorch.loggers import WandbLogger
+
+            loggers.append(construct(WandbLogger, options, "logger.wandb", save_dir=str(run_dir)))
+        else:
+            raise PixditError(f"logger {name!r} is not known; available: csv, tensorboard, wandb")
+    return loggers
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """``last`` -> <run dir>/checkpoints/last.ckpt; any other value must be an existing file."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        path = run_dir / "checkpoints" / "last.ckpt"
+        if not path.is_file():
+            earlier = sorted(run_dir.parent.glob("*/checkpoints/last.ckpt"))
+            hint = (f"; the latest run of this name with one is {earlier[-1].parent.parent}: add "
+                    f"hydra.run.dir={earlier[-1].parent.parent}") if earlier else ""
+            raise PixditError(f"ckpt_path=last: no checkpoint at {path} (resume a run by passing its directory as "
+                              f"hydra.run.dir=<run dir>){hint}")
+        return str(path)
+    if not Path(ckpt_path).is_file():
+        raise PixditError(f"ckpt_path={ckpt_path!r}: no such file (use a .ckpt path or ckpt_path=last)")
+    return ckpt_path
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Fit one run into ``run_dir``; returns the trainer's final metrics (floats) and the output paths."""
+    import lightning as L
+    import torch
+
+    from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
+    from pixdit.data import ShardDataModule
+    from pixdit.module import DiffusionModule
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on Ampere+ (the bf16 autocast path is unaffected)
+    torch.backends.cudnn.allow_tf32 = True
+
+    datamodule = construct(ShardDataModule, cfg.data, "data")
+    module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.image_size,
+                             flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
+                             seed=cfg.seed, compile=cfg.compile)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if cfg.init_from is not None:
+        if ckpt_path is not None:
+            log.info("init_from=%s is ignored: resuming from %s restores everything", cfg.init_from, ckpt_path)
+        else:
+            log.info(module.init_from(cfg.init_from, use_ema=cfg.init_from_ema))
+
+    callbacks = build_callbacks(cfg.callbacks, run_dir)
+    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=build_loggers(cfg.logger, run_dir),
+                        plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
+    log.info("run directory: %s", run_dir.resolve())
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    result = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    result["global_step"] = trainer.global_step
+    result["run_dir"] = str(run_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    result["checkpoint"] = str(last) if last.is_file() else None
+    grids = [c.last_path for c in callbacks if isinstance(c, SampleGrid) and c.last_path is not None]
+    result["samples"] = str(grids[0]) if grids else None
+    if trainer.is_global_zero:
+        log.info("done after %d steps: checkpoint %s, samples %s", trainer.global_step, result["checkpoint"],
+                 result["samples"])
+    return result
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        train(cfg, HydraConfig.get().runtime.output_dir)
+    except PixditError as error:
+        fail(str(error))
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose the config once before Hydra runs it, to turn composition mistakes into one message with choices."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a in ("-m", "--multirun") or a.startswith("-") for a in overrides):
+        return  # flags (--cfg, --help, -m sweeps): Hydra handles them and reports its own errors
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            compose(config_name="train", overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as error:
+            fail(explain_config_error(error, overrides))
+
+
+def explain_config_error(error: Exception, overrides: list[str]) -> str:
+    """Hydra's message, plus the keys that do exist where the user named one that does not."""
+    from hydra import compose
+
+    message = str(error).strip()
+    full_key = getattr(error, "full_key", None) or getattr(getattr(error, "__cause__", None), "full_key", None)
+    if full_key and "not in struct" in message or "Could not override" in message:
+        key = full_key or message.split("'")[1]
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        rest = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(key)]
+        try:
+            cfg = compose(config_name="train", overrides=rest)
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if isinstance(node, DictConfig):
+                where = f"'{parent}'" if parent else "the top level"
+                message = (f"unknown config key '{key}'. Keys at {where}: {', '.join(str(k) for k in node.keys())}. "
+                           f"(To add a new key on purpose: +{key}=...)")
+        except Exception:  # the original message is still right; the key list is a bonus
+            pass
+    return message
+
+
+if __name__ == "__main__":
+    register_resolvers()
+    check_overrides(sys.argv[1:])
+    main()
