@@ -134,3 +134,17 @@ def test_llsa_bad_grid_fails_at_build_with_both_numbers():
         build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa", "block_size": 12})
     with pytest.raises(PixditError, match="token_order='zorder'"):
         build_model("DiT-T", input_size=16, attention={"name": "llsa"})
+
+
+@pytest.mark.parametrize("attention,order", [({"name": "full"}, "raster"),
+                                             pytest.param({"name": "llsa"}, "zorder", marks=needs_llsa)])
+def test_model_under_bf16_autocast(attention, order):
+    """q, k, v reach the backend in one dtype under autocast (the kernels require it); bf16 output near fp32."""
+    torch.manual_seed(0)
+    model = build_model("DiT-T", input_size=16, token_order=order, attention=attention, zero_init=False)
+    x, t = torch.randn(2, 3, 16, 16), 1000 * torch.rand(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, t)
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    torch.testing.assert_close(out.float(), model(x, t), atol=0.1, rtol=0.05)

@@ -34,6 +34,12 @@ from pixdit.tokens import check_token_order, token_coordinates, token_permutatio
 ROPE_THETA = 10000.0
 
 
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without affine, returned in x's dtype: autocast computes it in fp32 on CUDA; keeping the fp32 copy
+    would double the memory of every modulated activation saved for the backward pass."""
+    return F.layer_norm(x, x.shape[-1:], eps=eps).to(x.dtype)
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]
 
@@ -126,8 +132,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).unbind(2)  # each [b, n, heads, head_dim]
-        q = F.rms_norm(q, (self.head_dim,), self.q_norm_weight.to(q.dtype), self.qk_norm_eps)
-        k = F.rms_norm(k, (self.head_dim,), self.k_norm_weight.to(k.dtype), self.qk_norm_eps)
+        # Under CUDA autocast the norms may return fp32; cast back so q, k, v share one dtype (the sparse kernels
+        # require it, and RoPE / the backend then run in bf16).
+        q = F.rms_norm(q, (self.head_dim,), self.q_norm_weight.to(q.dtype), self.qk_norm_eps).to(v.dtype)
+        k = F.rms_norm(k, (self.head_dim,), self.k_norm_weight.to(k.dtype), self.qk_norm_eps).to(v.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), grid_hw=grid_hw, hidden=x)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
@@ -155,9 +163,9 @@ class DiTBlock(nn.Module):
 
     def forward(self, x, c, cos, sin, grid_hw):
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
-        h = modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift1, scale1)
+        h = modulate(layer_norm(x, eps=1e-6), shift1, scale1)
         x = x + gate1[:, None] * self.attn(h, cos, sin, grid_hw)
-        h = modulate(F.layer_norm(x, x.shape[-1:], eps=1e-5), shift2, scale2)
+        h = modulate(layer_norm(x, eps=1e-5), shift2, scale2)
         return x + gate2[:, None] * self.mlp(h)
 
 
@@ -169,7 +177,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x, c):
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(F.layer_norm(x, x.shape[-1:], eps=1e-6), shift, scale))
+        return self.linear(modulate(layer_norm(x, eps=1e-6), shift, scale))
 
 
 class DiT(nn.Module):
