@@ -26,8 +26,11 @@ K rule: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``topk_ratio`` (
 (default), ``elu`` (elu + 1), ``relu``. ``block_size`` in {16, 32, 64}; ``head_dim`` in {32, 64, 128}; any number of
 tokens >= 1.
 
-CPU tensors run an exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the Triton path (phase 2;
-until then the PyTorch path). Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py``.
+``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the
+Triton path: the sparse branch is the shared block-sparse FlashAttention (``block_sparse.py``), the linear branch
+``linear_attention.linear_attention_triton`` (global sums minus a block-sparse pass over the excluded blocks), both
+with deterministic backward passes over the CSC transpose of the block lists (no dense mask, no float atomics).
+Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py tests/kernels/test_sla_triton.py``.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import math
 
 import torch
 
+from .block_sparse import block_sparse_attention
 from .blocks import block_mean, topk_desc
-from .linear_attention import FEATURE_MAPS, linear_attention_torch
-from .vsa import block_sparse_attention_torch, check_qkv, num_blocks, resolve_topk
+from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
+from .vsa import check_qkv, num_blocks, resolve_topk, select_topk_blocks, use_triton
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
@@ -77,30 +81,35 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
     check_qkv(q, k, k, block_size, None)
     t = num_blocks(q.shape[2], block_size)
     kk = resolve_topk(t, topk, topk_ratio, "topk", "topk_ratio", keep_fraction=True)
-    scores = sla_scores(q, k, block_size)
-    critical = topk_desc(scores, kk)
+    q_pool = block_mean(q, block_size)
+    k_pool = block_mean(k.float() - k.float().mean(2, keepdim=True), block_size)        # smooth-K
+    critical = select_topk_blocks(q_pool, k_pool, kk)
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
         return critical, critical[..., :0]
+    scores = sla_scores(q, k, block_size)           # paper mode only: the full [T, T] scores for the bottom k_neg
     # the k_neg lowest scores, ties toward the larger id: top-k of the negated scores under reversed ids
     reversed_ids = (t - 1 - torch.arange(t, device=q.device)).expand(scores.shape)
     negligible = (t - 1) - topk_desc(-scores, k_neg, reversed_ids)
     return critical, negligible.to(torch.int32)
 
 
-def _sla_torch(q, k, v, block_size, critical, negligible, linear_scope, feature_map, scale):
-    """Exact PyTorch path: gathered sparse branch + block-masked linear branch, autograd for all gradients."""
-    o_sparse = block_sparse_attention_torch(q, k, v, critical, block_size, scale)
-    excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
-    o_linear = linear_attention_torch(q, k, v, block_size, feature_map, excluded)
-    return o_sparse.to(q.dtype), o_linear.to(q.dtype)
-
-
 def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, linear_scope: str = "noncritical",
-                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None):
-    """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]``; see the module docstring."""
+                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None, impl: str = "auto"):
+    """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]`` in the input dtype; see the module
+    docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch"."""
     check_qkv(q, k, v, block_size, scale)
     _check_options(linear_scope, feature_map, negligible_ratio)
+    triton_path = use_triton(q, impl)
     critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _sla_torch(q, k, v, block_size, critical, negligible, linear_scope, feature_map, scale)
+    excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
+    c = block_size
+    if triton_path:
+        o_sparse = block_sparse_attention(q, k, v, critical, query_block=c, key_block=c, scale=scale, impl="triton")
+        o_linear = linear_attention_triton(q, k, v, c, feature_map, excluded)
+    else:   # exact fp32
+        o_sparse = block_sparse_attention(q.float(), k.float(), v.float(), critical, query_block=c, key_block=c,
+                                          scale=scale, impl="torch")
+        o_linear = linear_attention_torch(q, k, v, c, feature_map, excluded)
+    return o_sparse.to(q.dtype), o_linear.to(q.dtype)

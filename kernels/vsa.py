@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 import torch.nn.functional as F
 
 from .block_sparse import block_sparse_attention

@@ -1,0 +1,99 @@
+"""SLA's Triton path: under TRITON_INTERPRET=1 on CPU (fp32, tiny sizes) against the fp64 dense oracle for every
+``linear_scope`` and feature map, and on the GPU (``-m gpu``, bf16/fp16 at real sizes) against the exact fp32 path.
+
+    .venv/bin/python -m pytest tests/kernels/test_sla_triton.py            # CPU: interpreter (tests/kernels/conftest.py)
+    python -m pytest tests/kernels/test_sla_triton.py -m gpu               # CUDA machine
+"""
+
+import pytest
+import torch
+
+from pixdit.kernels import sla_attention, sla_select
+from pixdit.kernels.reference import sla_reference
+
+CUDA = torch.cuda.is_available()
+interpreter_only = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(b, h, n, d, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(b, h, n, d, generator=g, device=device).to(dtype) for _ in range(5)]
+    return [x.requires_grad_() for x in xs[:3]] + [x.detach() for x in xs[3:]]
+
+
+def _run(q, k, v, up_s, up_l, **kwargs):
+    o_s, o_l = sla_attention(q, k, v, **kwargs)
+    loss = (o_s.float() * up_s.float()).sum() + (o_l.float() * up_l.float()).sum()
+    return [o_s.detach(), o_l.detach()] + list(torch.autograd.grad(loss, [q, k, v]))
+
+
+@interpreter_only
+@pytest.mark.parametrize("scope,negligible_ratio", [("noncritical", 0.0), ("all", 0.0), ("marginal", 0.25)])
+@pytest.mark.parametrize("feature_map", ["softmax", "elu", "relu"])
+def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio):
+    q, k, v, up_s, up_l = _inputs(1, 2, 70, 32)         # 5 blocks of 16, the last one partial
+    kwargs = dict(block_size=16, topk=2, linear_scope=scope, feature_map=feature_map,
+                  negligible_ratio=negligible_ratio)
+    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
+    critical, negligible = sla_select(q, k, 16, topk=2, negligible_ratio=negligible_ratio)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r_s, r_l = sla_reference(qd, kd, vd, 16, 2, scope, feature_map, num_negligible=negligible.shape[-1],
+                             crit_idx=critical)
+    loss = (r_s * up_s.double()).sum() + (r_l * up_l.double()).sum()
+    want = [r_s.detach(), r_l.detach()] + list(torch.autograd.grad(loss, [qd, kd, vd]))
+    for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_size,d,n", [(64, 64, 130), (32, 128, 64)])
+def test_interpreted_triton_block_sizes(block_size, d, n):
+    q, k, v, up_s, up_l = _inputs(1, 1, n, d, seed=1)
+    got = _run(q, k, v, up_s, up_l, block_size=block_size, topk=1, impl="triton")
+    want = _run(q, k, v, up_s, up_l, block_size=block_size, topk=1, impl="torch")
+    for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@interpreter_only
+def test_interpreted_triton_edge_cases_have_no_nan():
+    q, k, v, up_s, up_l = _inputs(1, 2, 48, 32, seed=2)
+    for kwargs in ({"topk": 3}, {"topk": 1, "linear_scope": "marginal", "negligible_ratio": 0.67}):
+        got = _run(q, k, v, up_s, up_l, block_size=16, impl="triton", **kwargs)   # empty linear sets
+        assert (got[1] == 0).all() and all(torch.isfinite(x).all() for x in got)
+    q_neg = (-q.detach().abs() - 0.1).requires_grad_()                            # relu(q) = 0 everywhere
+    got = _run(q_neg, k, v, up_s, up_l, block_size=16, topk=1, feature_map="relu", impl="triton")
+    assert (got[1] == 0).all() and all(torch.isfinite(x).all() for x in got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scope,feature_map", [("noncritical", "softmax"), ("all", "softmax"),
+                                               ("marginal", "elu"), ("noncritical", "relu")])
+@pytest.mark.parametrize("b,h,n,d,block_size,topk", [(2, 3, 16384, 64, 16, 20), (1, 2, 4096 - 5, 128, 64, 8)])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, block_size, topk, mark):
+    q, k, v, up_s, up_l = _inputs(b, h, n, d, dtype, "cuda")
+    kwargs = dict(block_size=block_size, topk=topk, linear_scope=scope, feature_map=feature_map,
+                  negligible_ratio=0.1 if scope == "marginal" else 0.0)
+    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = _run(*exact, up_s, up_l, impl="torch", **kwargs)
+    for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, r) < TOL[dtype], (name, _rel(a, r))
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_deterministic_bitwise(mark):
+    q, k, v, up_s, up_l = _inputs(2, 3, 16384, 64, torch.bfloat16, "cuda", seed=3)
+    a = _run(q, k, v, up_s, up_l, block_size=16, topk=20)
+    b = _run(q, k, v, up_s, up_l, block_size=16, topk=20)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
