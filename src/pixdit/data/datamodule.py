@@ -24,6 +24,7 @@ How the training stream is defined (all of it a pure function of seed, epoch, ra
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -141,22 +142,28 @@ class ShardTrainStream(IterableDataset):
             name = self.shards[shard_index][0]
             unit_end = position + size
             try:
-                for index_in_shard, sample in enumerate(iter_shard_samples(self.root / name)):
-                    if index_in_shard % parts != part:
-                        continue
-                    if position >= unit_end:
-                        break  # more samples than the manifest says: keep positions deterministic
-                    if position >= start:
-                        yield position, sample
-                    position += 1
-                    if position >= stop:
-                        return
+                with contextlib.closing(iter_shard_samples(self.root / name)) as shard_samples:
+                    yield from self._unit_samples(shard_samples, part, parts, position, unit_end, start, stop)
             except Exception as error:  # truncated / unreadable tar: warn, skip the rest of the unit
                 self.corrupt.report(f"in shard {self.root / name}", error)
             position = unit_end
 
+    @staticmethod
+    def _unit_samples(shard_samples, part, parts, position, unit_end, start, stop):
+        for index_in_shard, sample in enumerate(shard_samples):
+            if index_in_shard % parts != part:
+                continue
+            if position >= unit_end or position >= stop:
+                return  # (more samples than the manifest says: positions stay as the manifest defines them)
+            if position >= start:
+                yield position, sample
+            position += 1
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        worker, num_workers = _worker_slot()
+        worker_id, num_workers = _worker_slot()
+        # A fresh DataLoader asks worker 0 first, but after a resume the next batch (number skip_batches) belongs to
+        # worker skip_batches % W of the uninterrupted run: DataLoader worker i plays that run's worker (i + skip) % W.
+        worker = (worker_id + self.skip_batches) % num_workers
         slot, num_slots = self.rank * num_workers + worker, self.world_size * num_workers
         num_batches = len(range(worker, self.batches_per_epoch, num_workers))  # round-robin share of this worker
         done_batches = len(range(worker, self.skip_batches, num_workers))  # what it delivered before a resume

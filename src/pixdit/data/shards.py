@@ -113,7 +113,22 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        # on an exception the open shard stays a .tmp file: it is incomplete and must not look finished
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the shard being written (its .tmp file); finished shards stay."""
+        if self._writer is None:
+            return
+        tar_writer, tmp_name = self._writer.tarstream, self._writer.fname
+        self._writer = None
+        if tar_writer is not None:
+            try:
+                tar_writer.close()
+            except Exception:
+                pass
+        if tmp_name and os.path.exists(tmp_name):
+            os.remove(tmp_name)
 
     def split_info(self, skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
         """The manifest entry of this split (call after close)."""
@@ -193,4 +208,6 @@ def iter_shard_samples(path: str | os.PathLike):
 
     Nothing is decoded here, so skipping samples (exact resume) costs only reading the bytes.
     """
-    yield from wds.tarfile_samples([{"url": str(path)}])
+    with open(path, "rb") as stream:
+        files = ({**f, "__url__": str(path)} for f in wds.tariterators.tar_file_iterator(stream))
+        yield from wds.tariterators.group_by_keys(files)
