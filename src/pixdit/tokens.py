@@ -42,9 +42,10 @@ def check_token_order(token_order: str) -> None:
 def zorder_codes(height: int, width: int) -> torch.Tensor:
     """Morton code z(y, x) of every token, in raster order: int64 tensor [height * width] (not necessarily dense)."""
     num_bits = max(1, (max(height, width) - 1).bit_length())
-    y = torch.arange(height, dtype=torch.int64)[:, None]
-    x = torch.arange(width, dtype=torch.int64)[None, :]
-    codes = torch.zeros(height, width, dtype=torch.int64)
+    # Always on the CPU (the tables are cached and shared), whatever torch.set_default_device says.
+    y = torch.arange(height, dtype=torch.int64, device="cpu")[:, None]
+    x = torch.arange(width, dtype=torch.int64, device="cpu")[None, :]
+    codes = torch.zeros(height, width, dtype=torch.int64, device="cpu")
     for bit in range(num_bits):
         digit = 2 * ((y >> bit) & 1) + ((x >> bit) & 1)  # row bit is the more significant one
         codes += digit << (2 * bit)
@@ -53,13 +54,18 @@ def zorder_codes(height: int, width: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _permutation(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.device("cpu"):  # cached: must not inherit a caller's default device (e.g. a model built on "meta")
+        return _make_permutation(token_order, height, width)
+
+
+def _make_permutation(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens = height * width
     if token_order == "raster":
-        identity = torch.arange(num_tokens, dtype=torch.int64)
+        identity = torch.arange(num_tokens, dtype=torch.int64, device="cpu")
         return identity, identity
     inv = torch.argsort(zorder_codes(height, width), stable=True)
     perm = torch.empty_like(inv)
-    perm[inv] = torch.arange(num_tokens, dtype=torch.int64)
+    perm[inv] = torch.arange(num_tokens, dtype=torch.int64, device="cpu")
     return perm, inv
 
 
