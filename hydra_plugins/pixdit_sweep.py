@@ -1,0 +1,12 @@
+"""Registers pixdit's local GPU-pool launcher with Hydra (configs/hydra/launcher/local_gpus.yaml).
+
+Hydra instantiates launchers only from modules of the ``hydra_plugins`` namespace package, which it scans at start-up;
+this file is found there because train.py's directory (the repository root) is on ``sys.path``. The implementation
+and its documentation are in src/pixdit/sweep.py.
+"""
+
+from pixdit.sweep import LocalGPUPool
+
+
+class LocalGPUPoolLauncher(LocalGPUPool):
+    """``hydra/launcher=local_gpus``: one job per GPU at a time (pixdit.sweep.LocalGPUPool)."""

@@ -1,0 +1,282 @@
+"""Sweeps (Hydra multirun) over attention settings: check every run before any starts, record how each run ended,
+run one job per GPU.
+
+    python train.py -m experiment=ffhq128_llsa attention.topk=4,8,16 attention.block_size=16,32 \\
+        hydra/launcher=local_gpus                                # all local GPUs, one job per GPU at a time
+    python train.py -m experiment=ffhq128_llsa attention.topk=4,8,16 hydra/launcher=slurm \\
+        hydra.launcher.partition=<partition>                     # one SLURM job per run (configs/hydra/launcher/)
+    python scripts/summarize_sweep.py multirun/ffhq128_llsa/<time> # table + plot (docs/scaling.md)
+
+Everything that runs the jobs is Hydra's and submitit's; this module adds three small pieces:
+
+* ``SweepCallback`` (a Hydra callback, listed under ``hydra.callbacks`` in configs/train.yaml)
+    - ``on_multirun_start``: expands the sweep exactly as Hydra's BasicSweeper will, composes every job's config with
+      Hydra's own loader, and builds each job's model on PyTorch's ``meta`` device (no memory, no data) through
+      ``pixdit.module.DiffusionModule`` - the same constructor train.py calls, so the same checks run (attention
+      options, ``check_grid`` / the kernels' LLSA validation: B^L divides the token count, K_L <= N_L, ...).
+      If any job would fail there, nothing is launched and one message lists every bad combination.
+    - ``on_job_end``: writes ``<run dir>/status.json`` = {"status": "ok" | "failed", "error": ...}. Hydra catches a
+      failing job's exception, runs the remaining jobs, and reports the first failure when all are done; the
+      summary marks failed runs.
+* ``LocalGPUPool``: hydra-submitit-launcher's local launcher, except that at most one job runs per GPU (or per
+  ``gpus_per_job`` GPUs): submitit's local executor alone would start every job at once on the same GPUs. Hydra only
+  instantiates launchers from the ``hydra_plugins`` package, so the registered class is the one-line subclass
+  ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher``.
+
+Tests: ``.venv/bin/python -m pytest tests/test_sweep.py tests/test_sweep_summary.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
+from omegaconf import DictConfig, OmegaConf
+
+from pixdit.errors import PixditError
+
+log = logging.getLogger(__name__)
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")  # set by Lightning / torchrun / srun
+
+
+# ----------------------------------------------------------------------------------------------- the grid
+def expand_sweep(arguments: Sequence[str], sweeper_params: dict | None = None, config_loader=None) -> list[list[str]]:
+    """Every job's overrides, in launch order, the way Hydra's BasicSweeper expands them (it is what we call).
+
+    ``arguments``: the command-line overrides (``hydra.overrides.task``), e.g. ``["attention.topk=4,8"]``;
+    ``sweeper_params``: ``hydra.sweeper.params`` (sweeps written in a config file).
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{key}={value}" for key, value in (sweeper_params or {}).items()] + list(arguments)
+    overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(params)
+    return [job for batch in BasicSweeper.split_arguments(overrides, max_batch_size=None) for job in batch]
+
+
+def varying(jobs: Sequence[Sequence[str]]) -> set[str]:
+    """The overrides that are not the same in every job (what names a combination)."""
+    return {o for job in jobs for o in job if not all(o in other for other in jobs)}
+
+
+# ----------------------------------------------------------------------------------------------- one run's check
+def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
+    """The image size the run trains at: ``data.resolution``, or (null) the shards' own, read as the data module does."""
+    size = OmegaConf.select(cfg, "data.resolution")
+    if size is None:
+        from pixdit.data import ShardDataModule
+
+        size = ShardDataModule(root=cfg.data.root).resolution
+    return size if isinstance(size, int) else tuple(size)
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Raise PixditError if this run's model cannot be built: the same ``DiffusionModule(...)`` call as train.py,
+    on the ``meta`` device, so every check the model, attention backend and kernels make runs, in ~0.1-1 s."""
+    import torch
+
+    from pixdit.module import DiffusionModule
+
+    with torch.device("meta"):
+        DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=image_size_of(cfg), flow=cfg.flow,
+                        optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation, seed=cfg.seed,
+                        compile=False)  # compile is lazy anyway; the compiled graph is not what we check
+
+
+def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig],
+                      check: Callable[[DictConfig], None] = check_run_config) -> list[tuple[list[str], str]]:
+    """``(overrides, reason)`` of every job whose config does not compose or whose check raises a user error."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    invalid, seen = [], {}
+    for job in jobs:
+        try:
+            cfg = compose(list(job))
+            # Runs that differ only in keys the model does not see (seed, lr, ...) are checked once.
+            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, ["model", "attention", "data", "flow"]), resolve=True)
+            if key not in seen:
+                try:
+                    check(cfg)
+                    seen[key] = None
+                except PixditError as error:
+                    seen[key] = str(error)
+            reason = seen[key]
+        except (HydraException, OmegaConfBaseException, PixditError) as error:
+            reason = " ".join(str(error).split())
+        if reason is not None:
+            invalid.append((list(job), reason))
+    return invalid
+
+
+def format_invalid_runs(jobs: Sequence[Sequence[str]], invalid: list[tuple[list[str], str]]) -> str:
+    swept = varying(jobs)
+    lines = [f"{len(invalid)} of the {len(jobs)} runs of this sweep cannot start; nothing was launched:"]
+    for job, reason in invalid:
+        name = " ".join(o for o in job if o in swept) or " ".join(job)
+        lines.append(f"  {name}: {reason}")
+    lines.append("Remove these combinations (or fix the settings) and launch again.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- Hydra callback
+def is_rank_zero() -> bool:
+    return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
+
+
+def write_status(run_dir: str | Path, status: str, error: BaseException | None = None, **extra: Any) -> Path:
+    """``<run_dir>/status.json``, written atomically (read by scripts/summarize_sweep.py)."""
+    record = {"status": status, **extra}
+    if error is not None:
+        record["error"] = f"{type(error).__name__}: {error}"
+        record["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+    path = Path(run_dir) / "status.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".status.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class SweepCallback(Callback):
+    """Checks a multirun before launching it; records every run's end in ``status.json`` (see module doc)."""
+
+    def __init__(self, check_before_launch: bool = True):
+        self.check_before_launch = check_before_launch
+        self._job_start = time.time()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.check_before_launch:
+            return
+        if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+            log.warning("sweep check skipped: it knows Hydra's basic sweeper only, not %s", config.hydra.sweeper._target_)
+            return
+        from hydra.core.global_hydra import GlobalHydra
+
+        loader = GlobalHydra.instance().hydra.config_loader
+        arguments = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+        params = OmegaConf.to_container(config.hydra.sweeper.params, resolve=False) if config.hydra.sweeper.get(
+            "params") else None
+        jobs = expand_sweep(arguments, params, loader)
+        started = time.perf_counter()
+        invalid = find_invalid_runs(jobs, lambda job: loader.load_sweep_config(config, job))
+        log.info("sweep check: %d runs composed and built on the meta device in %.1f s, %d invalid", len(jobs),
+                 time.perf_counter() - started, len(invalid))
+        if invalid:
+            # One message, no traceback, exit status 2: the convention of train.py for user mistakes.
+            print(f"error: {format_invalid_runs(jobs, invalid)}", file=sys.stderr)
+            sys.exit(2)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._job_start = time.time()
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        if not is_rank_zero() or config.hydra.runtime.output_dir is None:
+            return
+        ok = job_return.status == JobStatus.COMPLETED
+        error = None if ok else job_return._return_value  # the exception; `.return_value` would raise it
+        overrides = list(job_return.overrides or [])
+        write_status(config.hydra.runtime.output_dir, "ok" if ok else "failed", error if isinstance(
+            error, BaseException) else None, overrides=overrides, seconds=round(time.time() - self._job_start, 1))
+        if not ok and config.hydra.mode == RunMode.MULTIRUN:
+            log.error("run %s failed (%s); the sweep goes on", " ".join(overrides), error)
+
+
+# ----------------------------------------------------------------------------------------------- GPU pool
+def visible_gpus() -> list[int]:
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set (integers), else every device torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip()]
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+def gpu_slots(gpus: Sequence[int], gpus_per_job: int) -> list[tuple[int, ...]]:
+    """Disjoint groups of ``gpus_per_job`` GPUs, one job each; ``[()]`` (one job at a time, CPU) without GPUs."""
+    if gpus_per_job < 1:
+        raise PixditError(f"hydra.launcher.gpus_per_job must be >= 1, got {gpus_per_job}")
+    if not gpus:
+        return [()]
+    if gpus_per_job > len(gpus):
+        raise PixditError(f"hydra.launcher.gpus_per_job={gpus_per_job} but only {len(gpus)} GPUs are visible: {gpus}")
+    return [tuple(gpus[i:i + gpus_per_job]) for i in range(0, len(gpus) - gpus_per_job + 1, gpus_per_job)]
+
+
+class LocalGPUPool(LocalLauncher):
+    """hydra-submitit-launcher's ``LocalLauncher`` with a GPU pool: each job gets its own ``gpus_per_job`` GPUs
+    (CUDA_VISIBLE_DEVICES, set by submitit's local executor); the next job starts when a GPU group is free.
+
+    gpus:         GPU ids to use (null = all visible); gpus_per_job: GPUs per run (1 = plain single-GPU runs)
+    poll_s:       how often finished jobs are looked for
+    other keys:   hydra-submitit-launcher's local options (timeout_min, submitit_folder, stderr_to_stdout, ...)
+    """
+
+    def __init__(self, gpus: Sequence[int] | None = None, gpus_per_job: int = 1, poll_s: float = 2.0,
+                 **params: Any) -> None:
+        super().__init__(**params)
+        self.gpus = None if gpus is None else [int(g) for g in gpus]
+        self.gpus_per_job = int(gpus_per_job)
+        self.poll_s = float(poll_s)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        import submitit
+        from hydra.core.singleton import Singleton
+        from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+        slots = gpu_slots(visible_gpus() if self.gpus is None else self.gpus, self.gpus_per_job)
+        params = self.params
+        executor = submitit.LocalExecutor(folder=params["submitit_folder"])
+        executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=1,
+                                   stderr_to_stdout=params.get("stderr_to_stdout", False))
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        # Workers unpickle this launcher: make its hydra_plugins module importable whatever their working directory.
+        plugin_root = str(Path(sys.modules[type(self).__module__].__file__).resolve().parents[1])
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_root, os.environ.get("PYTHONPATH")) if p)
+        log.info("local GPU pool: %d jobs, %d at a time on GPUs %s; sweep dir %s", len(job_overrides), len(slots),
+                 [list(s) for s in slots] if slots != [()] else "none (CPU)", self.config.hydra.sweep.dir)
+
+        pending = list(enumerate(job_overrides))
+        running: dict[tuple[int, ...], tuple[int, Any]] = {}
+        results: list[JobReturn | None] = [None] * len(job_overrides)
+        try:
+            while pending or running:
+                for slot in slots:
+                    if slot in running or not pending:
+                        continue
+                    i, overrides = pending.pop(0)
+                    executor.update_parameters(gpus_per_node=len(slot), visible_gpus=slot)
+                    job = executor.submit(self, list(overrides), "hydra.sweep.dir", initial_job_idx + i,
+                                          f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
+                    log.info("\t#%d on GPUs %s: %s", initial_job_idx + i, list(slot),
+                             " ".join(filter_overrides(overrides)))
+                    running[slot] = (i, job)
+                time.sleep(self.poll_s)
+                for slot, (i, job) in list(running.items()):
+                    if job.done():
+                        del running[slot]
+                        try:
+                            results[i] = job.results()[0]
+                        except Exception as error:  # the worker died (killed, out of memory, timeout): record it
+                            results[i] = JobReturn(overrides=list(job_overrides[i]), status=JobStatus.FAILED,
+                                                   _return_value=error)
+                            log.error("job #%d died: %s", initial_job_idx + i, str(error).splitlines()[0])
+        except BaseException:
+            for _, job in running.values():
+                job.cancel(check=False)
+            raise
+        return results
