@@ -132,3 +132,17 @@ def test_bad_head_dim_and_shapes_are_rejected():
     y = torch.randn(1, 1, 32, 32)
     with pytest.raises(ValueError, match="same shape"):
         vsa_attention(y, y, torch.randn(1, 1, 16, 32), topk=1)
+
+
+def test_fast_topk_equals_the_shared_exact_topk_with_and_without_ties():
+    from pixdit.kernels.blocks import topk_desc
+    from pixdit.kernels.vsa import topk_desc_fast
+    g = torch.Generator().manual_seed(11)
+    for scores in (torch.randn(64, 300, generator=g),                                  # distinct
+                   torch.randint(0, 6, (64, 300), generator=g).float(),                # ties everywhere
+                   -torch.randint(0, 3, (64, 300), generator=g).float()):                            # with -0.0
+        for k in (1, 7, 300):
+            assert torch.equal(topk_desc_fast(scores, k), topk_desc(scores, k))
+    zeros = torch.zeros(3, 10)
+    zeros[0, :5] = -0.0                                                                 # -0.0 ties with +0.0
+    assert topk_desc_fast(zeros, 4).tolist() == [[0, 1, 2, 3]] * 3
