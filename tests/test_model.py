@@ -176,3 +176,17 @@ def test_bad_inputs_name_the_numbers():
     with pytest.raises(PixditError, match="allowed"):
         build_model("DiT-T", input_size=8, dropout=0.1)
     assert model is not None
+
+
+@pytest.mark.parametrize("config", ["dit_t", "dit_s", "dit_b", "dit_l", "dit_xl"])
+def test_shipped_model_configs_build(config):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(f"configs/model/{config}.yaml"))
+    with torch.device("meta"):  # structure and parameter count only: no memory, no init cost
+        model = build_model(**cfg, input_size=(64, 64), attention={"name": "full"})
+    sizes = DIT_MODELS[cfg["name"]]
+    assert len(model.blocks) == sizes["depth"] and model.blocks[0].attn.num_heads == sizes["num_heads"]
+    assert model.token_perm.device.type == "cpu"  # the cached token tables were not created on the meta device
+    if config == "dit_s":
+        assert sum(p.numel() for p in model.parameters()) == 32_466_051

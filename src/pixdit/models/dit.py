@@ -69,7 +69,7 @@ def rope_cos_sin(rows: torch.Tensor, cols: torch.Tensor, head_dim: int) -> tuple
     if head_dim % 4:
         raise PixditError(f"2-D RoPE needs a head dim divisible by 4, got {head_dim}")
     pairs_per_axis = head_dim // 4
-    freqs = ROPE_THETA ** (-torch.arange(pairs_per_axis, dtype=torch.float64) / pairs_per_axis)
+    freqs = ROPE_THETA ** (-torch.arange(pairs_per_axis, dtype=torch.float64, device=rows.device) / pairs_per_axis)
     angles = torch.cat([rows.double()[:, None] * freqs, cols.double()[:, None] * freqs], dim=1)
     return angles.cos().float(), angles.sin().float()
 
