@@ -77,7 +77,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     import torch
 
     from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
-    from pixdit.data import ShardDataModule
+    from pixdit.data.datamodule import ShardDataModule
     from pixdit.module import DiffusionModule
 
     run_dir = Path(run_dir)
@@ -86,8 +86,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on Ampere+ (the bf16 autocast path is unaffected)
     torch.backends.cudnn.allow_tf32 = True
 
-    datamodule = construct(ShardDataModule, cfg.data, "data")
-    module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.image_size,
+    data_options = plain(cfg.data)
+    data_options.pop("_target_", None)  # constructed explicitly here, not through Hydra's string indirection
+    datamodule = construct(ShardDataModule, data_options, "data")
+    module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.resolution,
                              flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
                              seed=cfg.seed, compile=cfg.compile)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
