@@ -98,22 +98,27 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LIST, LOGW,
-               stride_qb, stride_qn, stride_kb, stride_kn, stride_lb, stride_lt,
+def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, LIST, LOGW,
+               stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_lb, stride_lt,
                n_q, n_k, list_len, qk_scale, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
+               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     BLOCK_N: tl.constexpr = KEY_BLOCK * PER_ITER
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
-    q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-    q = tl.load(Q + q_offs, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_offs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
+    do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
+    do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
+    if COMPUTE_DELTA:   # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
+        o = tl.load(O + do_offs, mask=row_ok[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + bh * n_q + rows, delta, mask=row_ok)
+    else:
+        delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff = tl.arange(0, BLOCK_N)
     slot = koff // KEY_BLOCK
@@ -144,7 +149,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LIST, LOGW,
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW,
-                 stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_rb,
+                 stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_ob, stride_rb,
                  n_q, n_k, blk_lo, csc_lo, csc_step, out_row0, out_rows, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  GROUP: tl.constexpr, PER_ITER: tl.constexpr, N_SPLIT: tl.constexpr,
@@ -180,9 +185,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW,
         t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
         rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
         r_ok = e_ok & (rows < n_q)
-        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-        q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
-        do = tl.load(DO + q_offs, mask=r_ok[:, None], other=0.0)
+        q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=r_ok[:, None], other=0.0)
+        do = tl.load(DO + bh * stride_db + rows[:, None] * stride_dn + dims[None, :], mask=r_ok[:, None], other=0.0)
         lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
@@ -206,6 +210,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
     x = x.reshape(-1, x.shape[-2], x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v flattened with one shared layout (the kernels use one set of strides for both)."""
+    kf, vf = _flat(k), _flat(v)
+    if kf.stride() != vf.stride():
+        kf, vf = kf.contiguous(), vf.contiguous()
+    return kf, vf
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -246,8 +258,9 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
     return o, lse
 
 
-def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None):
-    """dq (fp32 [BH, Nq, d]) of one query-major pass; adds into ``dq`` when given."""
+def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None, o=None):
+    """dq (fp32 [BH, Nq, d]) of one query-major pass; adds into ``dq`` when given. With ``o`` (same layout as
+    ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]) first."""
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
     accumulate = dq is not None
@@ -255,11 +268,11 @@ def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scal
         dq = torch.empty(BH, n_q, d, device=q.device, dtype=torch.float32)
     per_iter = _per_iter(key_block)
     _dq_kernel[(n_tiles, BH)](
-        q, k, v, do, lse, delta, dq, lists, log_weights if log_weights is not None else lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), _bstride(lists), lists.stride(1),
+        q, k, v, do, o if o is not None else do, lse, delta, dq, lists, log_weights if log_weights is not None else lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(lists), lists.stride(1),
         q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
-        HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, PREC=_prec(q.dtype),
+        HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, COMPUTE_DELTA=o is not None, PREC=_prec(q.dtype),
         num_warps=_warps(query_block, key_block * per_iter), num_stages=2)
     return dq
 
@@ -294,7 +307,8 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
         out_row0, out_rows = 0, n_k
     _dkdv_kernel[(n_groups, BH, n_split)](
         q, k, v, do, lse, delta, tgt_k, tgt_v, offsets, rows, log_weights if log_weights is not None else lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), _bstride(offsets), _bstride(rows),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(offsets),
+        _bstride(rows),
         n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
         HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
         N_SPLIT=n_split, HAS_LOGW=log_weights is not None, PREC=_prec(q.dtype),
@@ -348,7 +362,7 @@ class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc):
         b, h, n_q, d = q.shape
-        qf, kf, vf = _flat(q), _flat(k), _flat(v)
+        qf, (kf, vf) = _flat(q), _flat_kv(k, v)
         o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
         ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
         ctx.csc = csc
@@ -363,6 +377,8 @@ class _BlockSparseFn(torch.autograd.Function):
         delta = delta_rows(o, do)
         if dlse is not None:  # d lse_i / d s_it = P_it: the same as an extra -dlse_i in Δ
             delta = delta - dlse.reshape(delta.shape).float()
+        if kf.stride() != vf.stride():
+            kf, vf = kf.contiguous(), vf.contiguous()
         n_blocks = triton.cdiv(kf.shape[1], key_block)
         shared = ctx.csc is not None
         csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)

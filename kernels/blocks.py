@@ -12,9 +12,24 @@ The Triton block-sparse attention that consumes these tables lives in ``block_sp
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["block_mean", "topk_desc", "csr_to_csc"]
+__all__ = ["block_mean", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
+
+
+@contextmanager
+def exact_fp32_matmul():
+    """Selection scores are fp32 (spec llsa.md §2.2): keep TF32 off inside (restores the caller's setting)."""
+    old = torch.get_float32_matmul_precision()
+    if old != "highest":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        if old != "highest":
+            torch.set_float32_matmul_precision(old)
 
 
 def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -25,13 +40,12 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     Differentiable (the adjoint broadcasts ``grad / count`` to the block's tokens).
     """
     n, d = x.shape[-2], x.shape[-1]
-    x = x.float()
     full = n // block_size
-    out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2)
-    if full * block_size < n:
-        tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True)
-        out = torch.cat([out, tail], dim=-2)
-    return out
+    if full * block_size == n:   # one reduction, fp32 accumulation without an fp32 copy of x
+        return x.reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
+    out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
+    tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True, dtype=torch.float32)
+    return torch.cat([out, tail], dim=-2)
 
 
 def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -20,19 +20,18 @@ exact gather form (spec §4.2) in fp32 with autograd.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 import triton
 
 from . import block_sparse as bs
-from .blocks import block_mean, csr_to_csc, topk_desc
+from .blocks import block_mean, csr_to_csc
+from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
 
 COARSE_TILE = 64          # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
-SELECT_CHUNK = 1 << 26    # coarsest-level score elements materialised at once during selection
 
 
 # ------------------------------------------------------------------------------------------------- configuration
@@ -113,19 +112,6 @@ def _check_qkv(q, k, v, use_triton: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- selection
-@contextmanager
-def _exact_fp32_matmul():
-    """Selection scores are fp32 (spec §2.2): keep TF32 off for the duration (restores the user's setting)."""
-    old = torch.get_float32_matmul_precision()
-    if old != "highest":
-        torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        if old != "highest":
-            torch.set_float32_matmul_precision(old)
-
-
 def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor]:
     """[x^(1), ..., x^(levels)]: recursive fp32 block means (spec §1.1)."""
     out, cur = [], x
@@ -135,44 +121,31 @@ def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor
     return out
 
 
-def _select_from_pooled(qp, kp, block_size: int, ks: list[int]) -> list[torch.Tensor]:
-    """Hierarchical top-k (spec §2.2) on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32."""
-    B, L = block_size, len(ks)
-    q_top, k_top = qp[L - 1], kp[L - 1]
-    n_top = k_top.shape[-2]
-    rows_per_chunk = max(1, SELECT_CHUNK // max(1, n_top * q_top.shape[0] * q_top.shape[1]))
-    parts = []
-    for r0 in range(0, n_top, rows_per_chunk):
-        scores = q_top[..., r0:r0 + rows_per_chunk, :] @ k_top.transpose(-1, -2)
-        parts.append(topk_desc(scores, ks[L - 1]))
-    index = [torch.cat(parts, dim=-2)]
-    for lvl in range(L - 1, 0, -1):                   # level lvl (1-based) selects I^(lvl) from I^(lvl+1)'s children
-        parent = index[0].sort(dim=-1).values.long()  # ascending parents -> ascending candidate ids
-        b, h, groups, kp_ = parent.shape
-        cand = (parent[..., None] * B + torch.arange(B, device=parent.device)).flatten(-2)   # [b, h, G, K*B]
-        keys = kp[lvl - 1]
-        d = keys.shape[-1]
-        kc = torch.gather(keys, 2, cand.reshape(b, h, -1, 1).expand(-1, -1, -1, d)).view(b, h, groups, -1, d)
-        qg = qp[lvl - 1].view(b, h, groups, B, d)     # the B siblings share the candidate set
-        scores = qg @ kc.transpose(-1, -2)            # [b, h, G, B, K*B]
-        sel = topk_desc(scores, ks[lvl - 1], ids=cand[:, :, :, None, :].expand_as(scores))
-        index.insert(0, sel.reshape(b, h, groups * B, ks[lvl - 1]))
+def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
+    """Hierarchical top-k (spec §2.2) on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
+    Coarsest level: every key is a candidate; level l < L: the B children of each of the parent's K_{l+1} picks,
+    shared by the B sibling rows (``pooled_topk`` with ``parents``)."""
+    L = len(ks)
+    index = [pooled_topk(qp[L - 1], kp[L - 1], ks[L - 1], impl=impl)]
+    for lvl in range(L - 1, 0, -1):
+        index.insert(0, pooled_topk(qp[lvl - 1], kp[lvl - 1], ks[lvl - 1], parents=index[0], child_block=block_size,
+                                    impl=impl))
     return index
 
 
 def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: int | Sequence[int] = 8,
-                num_levels: int | None = None) -> list[torch.Tensor]:
+                num_levels: int | None = None, impl: str = "auto") -> list[torch.Tensor]:
     """Hierarchical top-k selection (spec §2): ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
 
     Row r of I^(l) lists, in descending score order (ties -> smaller id), the level-l key tokens (= level-(l-1)
     blocks) that level-l query token r keeps. Pooling and scores in fp32, deterministic, no gradient. ``topk`` is
-    clamped as in ``llsa_check``.
+    clamped as in ``llsa_check``. ``impl``: "auto" (fused Triton top-k on CUDA), "triton", "torch".
     """
     cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
-    with torch.no_grad(), _exact_fp32_matmul():
+    with torch.no_grad():
         qp = _pyramid(q.detach(), block_size, cfg["num_levels"])
         kp = _pyramid(k.detach(), block_size, cfg["num_levels"])
-        return _select_from_pooled(qp, kp, block_size, cfg["topk"])
+        return _select_from_pooled(qp, kp, block_size, cfg["topk"], impl)
 
 
 # ---------------------------------------------------------------------------------------- exact PyTorch (CPU) path
@@ -258,19 +231,17 @@ def _bank_log_weights(N, B, L, Le, device):
 
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fine_lists, coarse_lists, block_size, num_levels, enrich_levels, scale, compat_l1):
+    def forward(ctx, q, k, v, bank_k, bank_v, fine_lists, coarse_lists, block_size, num_levels, enrich_levels,
+                scale, compat_l1):
+        # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
-        qf, kf, vf = bs._flat(q), bs._flat(k), bs._flat(v)
+        qf, (kf, vf) = bs._flat(q), bs._flat_kv(k, v)
         has_coarse = Le >= 1
         o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale,
                                 out_dtype=torch.float32 if has_coarse else None)
-        bank_k = bank_v = logw = None
+        logw = None
         if has_coarse:
-            levels_k = _pyramid(kf, B, min(Le, L))
-            levels_v = _pyramid(vf, B, min(Le, L))
-            bank_k = torch.cat(levels_k, dim=1).to(q.dtype)
-            bank_v = torch.cat(levels_v, dim=1).to(q.dtype)
             logw = _bank_log_weights(N, B, L, Le, q.device)
             o, lse = bs.bsa_forward(qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw,
                                     init=(o, lse), out_dtype=q.dtype)
@@ -284,9 +255,9 @@ class _LLSATriton(torch.autograd.Function):
         B, L, Le, scale, compat_l1, shape = ctx.cfg
         BH, N, d = qf.shape
         do = bs._flat(do.contiguous())
-        delta = bs.delta_rows(o, do)
-        # fine level: 16-row query blocks over k/v
-        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale)
+        delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
+        # fine level: 16-row query blocks over k/v (this pass also computes Δ = rowsum(dO * O))
+        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, o=o)
         fine_csc = csr_to_csc(fine_lists, N // B)
         n_fine = BH * (N // B)
         dk, dv = bs.bsa_backward_dkdv(qf, kf, vf, do, lse, delta, fine_csc, B, B, scale,
@@ -326,7 +297,7 @@ class _LLSATriton(torch.autograd.Function):
             dk, dv = dk + gk, dv + gv
         dt = qf.dtype
         return (dq.view(shape).to(dt), dk.view(shape).to(dt), dv.view(shape).to(dt),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------------ public API
@@ -358,14 +329,29 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     cfg = llsa_check(N, block_size, num_levels, topk, enrich_levels)
     L, Le = cfg["num_levels"], cfg["enrich_levels"]
     scale = d ** -0.5 if scale is None else float(scale)
-    if index is None:
-        index = llsa_select(q, k, block_size, cfg["topk"], L)
-    else:
+    if index is not None:
         index = [t.to(device=q.device, dtype=torch.int32) for t in index]
         if len(index) != L:
             raise ValueError(f"llsa_attention: index must hold num_levels={L} tables, got {len(index)}")
     if not use_triton:
+        if index is None:
+            index = llsa_select(q, k, block_size, cfg["topk"], L, impl="torch")
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
-    fine_lists = index[0].reshape(b * h, N // block_size, index[0].shape[-1]).contiguous()
-    coarse_lists = _coarse_lists(index, N, block_size, L, Le, q.device) if Le >= 1 else None
-    return _LLSATriton.apply(q, k, v, fine_lists, coarse_lists, block_size, L, Le, scale, reference_l1_grad)
+    B, n_bank = block_size, min(Le, L)
+    with torch.no_grad():   # one fp32 pyramid of k serves selection and the bank
+        kp = _pyramid(k.detach(), B, L if index is None else n_bank)
+        if index is None:
+            index = _select_from_pooled(_pyramid(q.detach(), B, L), kp, B, cfg["topk"], impl="triton")
+        bank_k = bank_v = coarse_lists = None
+        if Le >= 1:
+            vp = _pyramid(v.detach(), B, n_bank)
+            offsets, total = _bank_layout(N, B, L, Le)
+            bank_k = torch.empty(b * h, total, d, device=q.device, dtype=q.dtype)
+            bank_v = torch.empty_like(bank_k)
+            for lvl in range(n_bank):
+                rows = slice(offsets[lvl], offsets[lvl] + N // B ** (lvl + 1))
+                bank_k[:, rows].copy_(kp[lvl].reshape(b * h, -1, d))
+                bank_v[:, rows].copy_(vp[lvl].reshape(b * h, -1, d))
+            coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
+    fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
+    return _LLSATriton.apply(q, k, v, bank_k, bank_v, fine_lists, coarse_lists, B, L, Le, scale, reference_l1_grad)

@@ -20,8 +20,8 @@ Arguments: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``sparsity`` 
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, gather form, output in the input dtype); CUDA
 tensors the Triton path: the fine stage is the shared block-sparse FlashAttention (``block_sparse.py``, backward
-over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage is SDPA
-over the pooled tokens in the input dtype. ``impl="triton"`` forces Triton (CPU under TRITON_INTERPRET=1),
+over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage our dense
+FlashAttention (same kernel, every block listed) over the pooled tokens in the input dtype. ``impl="triton"`` forces Triton (CPU under TRITON_INTERPRET=1),
 ``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is not differentiable; gradients reach
 q, k, v through both stages and reach ``gate``.
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_vsa.py``.
@@ -32,9 +32,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from .block_sparse import block_sparse_attention
+from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, topk_desc
 
 BLOCK_SIZES = (16, 32, 64)
@@ -190,9 +189,9 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=
     # coarse stage (differentiable through the fp32 pooling)
     q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))                 # [B, H, T, D] fp32
     tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale)
-    if triton_path:   # FlashAttention over the T pooled tokens in the input dtype: no [T, T] tensor kept for backward
-        out_coarse = F.scaled_dot_product_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype),
-                                                    scale=scale)
+    if triton_path:   # our deterministic FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
+        out_coarse = flash_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype), scale=scale,
+                                     impl="triton")
     else:             # exact fp32
         out_coarse = torch.softmax(scale * q_pool @ k_pool.transpose(-1, -2), -1) @ v_pool
     b, h, t, d = out_coarse.shape

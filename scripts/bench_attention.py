@@ -1,0 +1,212 @@
+"""Attention kernel benchmark: LLSA (and later VSA/SLA) against PyTorch SDPA in the same run (issue 3).
+
+    python scripts/bench_attention.py                       # 64^2..512^2 tokens, batch*N = 131072, bf16, h=6, d=64
+    python scripts/bench_attention.py --quick               # 64^2 and 128^2 only, fewer repeats
+    python scripts/bench_attention.py --backends sdpa,flash,llsa --levels 2 --out outputs/bench
+    python scripts/bench_attention.py --plot-from outputs/bench/bench_attention.json   # (re)draw the PNG only
+
+Times are ``triton.testing.do_bench`` medians (ms) of the whole call (LLSA includes pooling + selection) for the
+forward and for forward+backward (backward of a random upstream gradient). TFLOP/s counts the FLOPs of the attended
+tokens only: forward 4*N*T*d per batch*head (T = tokens per query, N for dense), forward+backward 3.5x that
+(FlashAttention convention). Writes a markdown table, a JSON file and a log-log PNG (time vs tokens) under --out.
+
+Backends: ``sdpa`` (torch scaled_dot_product_attention), ``flash`` (pixdit.kernels.flash_attention: our dense
+block-sparse kernel with every block listed), ``llsa`` (one row per valid L), ``vsa`` / ``sla`` (K per image side
+from ``--baseline-topk``, one row per block size; VSA gated, SLA timed as ``o_sparse + o_linear``; selection
+included; tok/query counts the fine/sparse keys ``K * block``). Add a backend: write a
+``make_<name>(args, q, k, v) -> list[(label, fn, tokens_per_query)]`` function and list it in BACKENDS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def make_sdpa(args, q, k, v):
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    return [("sdpa", fn, q.shape[2])]
+
+
+def make_flash(args, q, k, v):
+    from pixdit.kernels import flash_attention
+    return [("flash (ours, dense)", lambda: flash_attention(q, k, v), q.shape[2])]
+
+
+def make_llsa(args, q, k, v):
+    from pixdit.kernels import llsa_attention, llsa_check
+    out, N, B = [], q.shape[2], args.block_size
+    for L in args.levels:
+        if N % B ** L or N // B ** L < B:     # valid: B^L divides N and the coarsest level has >= B tokens
+            continue
+        T = llsa_check(N, B, L, args.topk)["tokens_per_query"]
+        fn = (lambda L=L: llsa_attention(q, k, v, block_size=B, topk=args.topk, num_levels=L))
+        out.append((f"llsa L={L}", fn, T))
+    return out
+
+
+def _baseline_topk(args, N):
+    """K of the VSA/SLA rows for this image side (``--baseline-topk side:K,...``; LLSA paper: 20 at 128², 32 at 256²)."""
+    table = dict(tuple(int(x) for x in item.split(":")) for item in args.baseline_topk.split(","))
+    return table.get(int(round(N ** 0.5)), max(table.values()))
+
+
+def make_vsa(args, q, k, v):
+    from pixdit.kernels import vsa_attention
+    K, gate = _baseline_topk(args, q.shape[2]), torch.randn_like(q)   # gate: the layer's G_c projection output
+    return [(f"vsa C={C} K={K}", (lambda C=C: vsa_attention(q, k, v, block_size=C, topk=K, gate=gate)), K * C)
+            for C in args.vsa_block_sizes]
+
+
+def make_sla(args, q, k, v):
+    from pixdit.kernels import sla_attention
+    K = _baseline_topk(args, q.shape[2])
+    return [(f"sla C={C} K={K}", (lambda C=C: sum(sla_attention(q, k, v, block_size=C, topk=K))), K * C)
+            for C in args.sla_block_sizes]
+
+
+BACKENDS = {"sdpa": make_sdpa, "flash": make_flash, "llsa": make_llsa, "vsa": make_vsa, "sla": make_sla}
+
+
+def bench_one(fn, q, k, v, quick):
+    from triton.testing import do_bench
+    warm, rep = (10, 30) if quick else (25, 100)
+    o = fn()
+    do = torch.randn_like(o)
+
+    def fwd_bwd():
+        for x in (q, k, v):
+            x.grad = None
+        fn().backward(do)
+
+    with torch.no_grad():
+        t_fwd = do_bench(fn, warmup=warm, rep=rep, return_mode="median")
+    t_fb = do_bench(fwd_bwd, warmup=warm, rep=rep, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return t_fwd, t_fb, peak
+
+
+def run(args):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    rows = []
+    for side in args.sizes:
+        N = side * side
+        batch = max(1, args.tokens_total // N)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, args.heads, N, args.head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        sdpa_ms = None
+        for name in args.backends:
+            for label, fn, T in BACKENDS[name](args, q, k, v):
+                if label.startswith("flash") and N > args.max_dense_ours:
+                    continue
+                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick)
+                if label == "sdpa":
+                    sdpa_ms = (t_fwd, t_fb)
+                flops = 4.0 * N * T * args.head_dim * batch * args.heads
+                row = dict(side=side, tokens=N, batch=batch, backend=label, tokens_per_query=T, fwd_ms=t_fwd,
+                           fwdbwd_ms=t_fb, peak_mib=peak, fwd_tflops=flops / t_fwd * 1e-9,
+                           fwdbwd_tflops=3.5 * flops / t_fb * 1e-9,
+                           speedup_fwd=sdpa_ms[0] / t_fwd if sdpa_ms else None,
+                           speedup_fwdbwd=sdpa_ms[1] / t_fb if sdpa_ms else None)
+                rows.append(row)
+                print(format_row(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+HEADER = ("| tokens | batch | backend | tok/query | fwd ms | fwd+bwd ms | speed-up fwd | speed-up fwd+bwd | "
+          "peak MiB | TFLOP/s fwd | TFLOP/s fwd+bwd |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_row(r):
+    sp = lambda x: "-" if x is None else f"{x:.1f}x"  # noqa: E731
+    return (f"| {r['tokens']:,} ({r['side']}²) | {r['batch']} | {r['backend']} | {r['tokens_per_query']:,} | "
+            f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {sp(r['speedup_fwd'])} | {sp(r['speedup_fwdbwd'])} | "
+            f"{r['peak_mib']:.0f} | {r['fwd_tflops']:.0f} | {r['fwdbwd_tflops']:.0f} |")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (re-run with --plot-from on a machine that has it)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwdbwd_ms", "forward + backward")):
+        for label in dict.fromkeys(r["backend"] for r in rows):
+            pts = [(r["tokens"], r[key] / r["batch"]) for r in rows if r["backend"] == label]
+            ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per image")
+        ax.set_ylabel("ms per image (batch-normalised)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="sdpa,flash,llsa", help="comma list of " + ",".join(BACKENDS))
+    p.add_argument("--sizes", default="64,128,256,512", help="image sides; tokens = side^2")
+    p.add_argument("--levels", default="1,2,3", help="LLSA levels to time (only valid ones run)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--baseline-topk", default="64:8,128:20,256:32,512:32", help="VSA/SLA K per image side")
+    p.add_argument("--vsa-block-sizes", default="16,64", help="VSA tile sizes to time")
+    p.add_argument("--sla-block-sizes", default="16", help="SLA block sizes to time")
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
+    p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
+    p.add_argument("--out", default="outputs/bench_attention")
+    p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.plot_from:
+        plot(json.load(open(args.plot_from))["rows"], os.path.join(args.out, "bench_attention.png"))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU (the CPU path is an exact reference, not a fast kernel)")
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown:
+        sys.exit(f"unknown backend(s) {unknown}; choose from {sorted(BACKENDS)}")
+    args.sizes = [64, 128] if args.quick else [int(s) for s in args.sizes.split(",")]
+    args.levels = [int(x) for x in args.levels.split(",")]
+    args.vsa_block_sizes = [int(x) for x in args.vsa_block_sizes.split(",")]
+    args.sla_block_sizes = [int(x) for x in args.sla_block_sizes.split(",")]
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {args.dtype} heads {args.heads} "
+          f"head_dim {args.head_dim} B={args.block_size} K={args.topk}")
+    print(HEADER)
+    rows = run(args)
+    cmd = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = os.path.join(args.out, "bench_attention.md")
+    with open(md, "w") as f:
+        f.write(f"`{cmd}` on {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+                f"heads {args.heads}, head_dim {args.head_dim}, B={args.block_size}, K={args.topk}\n\n")
+        f.write(HEADER + "\n" + "\n".join(format_row(r) for r in rows) + "\n")
+    json.dump({"command": cmd, "rows": rows}, open(os.path.join(args.out, "bench_attention.json"), "w"), indent=1)
+    print(f"wrote {md}")
+    plot(rows, os.path.join(args.out, "bench_attention.png"))
+
+
+if __name__ == "__main__":
+    main()
