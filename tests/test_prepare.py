@@ -1,0 +1,254 @@
+"""prepare_data: FFHQ-like (flat folder, zip, parquet) and ImageNet-like (synset folders, val + devkit) sources built
+here -> shards -> ShardDataModule. Pixel-exact for png, labels, counts, corrupt files, resume without duplicates."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pixdit.data.datamodule import ShardDataModule
+from pixdit.data.prepare import prepare_dataset
+from pixdit.data.shards import iter_shard_samples, verify_checksums
+from pixdit.errors import PixditError
+
+RES = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_image(seed, size=(RES, RES)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+def png_bytes(pixels) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def make_flat_folder(root: Path, count: int, corrupt=()) -> dict[str, np.ndarray]:
+    """FFHQ-like: root/00000.png ... (some in a sub-folder, as FFHQ's 00000/ 01000/ layout); returns ref -> pixels."""
+    originals = {}
+    for i in range(count):
+        ref = f"{i // 5:02d}000/{i:05d}.png"
+        (root / ref).parent.mkdir(parents=True, exist_ok=True)
+        if i in corrupt:
+            (root / ref).write_bytes(png_bytes(random_image(i))[:40])  # truncated file
+            continue
+        originals[ref] = random_image(i)
+        Image.fromarray(originals[ref]).save(root / ref)
+    return originals
+
+
+def all_samples(out: Path) -> dict[str, dict]:
+    """src -> raw sample, over every shard in the manifest (fails on duplicate sources)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    samples = {}
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            for sample in iter_shard_samples(out / shard["name"]):
+                src = sample["src"].decode()
+                assert src not in samples, f"duplicate sample {src}"
+                samples[src] = sample
+    return samples
+
+
+def loader_images(out: Path, labelled=False) -> list[tuple[np.ndarray, int | None]]:
+    dm = ShardDataModule(out, batch_size=1, num_workers=0, flip=False, labelled=labelled)
+    result = []
+    for batch in dm.train_dataloader():
+        pixels = torch.round((batch["image"][0] + 1) * 127.5).to(torch.uint8).permute(1, 2, 0).numpy()
+        result.append((pixels, batch["label"].item() if labelled else None))
+    return result
+
+
+def test_flat_folder_pixel_exact_with_val_and_corrupt(tmp_path):
+    originals = make_flat_folder(tmp_path / "src", 14, corrupt=(3, 9))
+    manifest = prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=4, val=3, progress=False)
+    assert manifest["counts"] == {"train": 9, "val": 3} and manifest["skipped_count"] == 2
+    skipped = sorted(s["path"] for info in manifest["splits"].values() for s in info["skipped"])
+    assert [Path(p).name for p in skipped] == ["00003.png", "00009.png"]
+    assert verify_checksums(tmp_path / "out") == []
+    samples = all_samples(tmp_path / "out")
+    assert sorted(samples) == sorted(originals)  # every readable image exactly once, over train + val
+    got = loader_images(tmp_path / "out")
+    assert len(got) == 9
+    for pixels, _ in got:  # the loader returns exactly the source pixels (png, no resize needed)
+        assert sum(np.array_equal(pixels, o) for o in originals.values()) == 1
+
+
+def test_resize_is_box_halving_then_centre_crop(tmp_path):
+    source = random_image(7, size=(4 * RES, 2 * RES))  # 64 wide, 32 high -> box 2x -> 32x16 -> centre 16 columns
+    (tmp_path / "src").mkdir()
+    Image.fromarray(source).save(tmp_path / "src" / "wide.png")
+    prepare_dataset(tmp_path / "src", tmp_path / "out", RES, progress=False)
+    (pixels, _), = loader_images(tmp_path / "out")
+    halved = source.reshape(RES, 2, 2 * RES, 2, 3).astype(np.float64).mean(axis=(1, 3))
+    expected = halved[:, RES // 2: RES // 2 + RES]
+    assert np.abs(pixels.astype(np.float64) - expected).max() <= 1.0
+
+
+def test_zip_source_matches_folder_source(tmp_path):
+    make_flat_folder(tmp_path / "src", 7)
+    with zipfile.ZipFile(tmp_path / "ffhq.zip", "w") as archive:
+        for path in sorted((tmp_path / "src").rglob("*.png")):
+            archive.write(path, "images/" + path.relative_to(tmp_path / "src").as_posix())
+    a = prepare_dataset(tmp_path / "src", tmp_path / "a", RES, maxcount=3, progress=False)
+    b = prepare_dataset(tmp_path / "ffhq.zip", tmp_path / "b", RES, maxcount=3, progress=False)
+    assert a["counts"] == b["counts"] == {"train": 7}
+    assert [s["sha256"] for s in a["splits"]["train"]["shards"]] != []
+    assert {k: v["png"] for k, v in all_samples(tmp_path / "a").items()} == {
+        k.removeprefix("images/"): v["png"] for k, v in all_samples(tmp_path / "b").items()}
+
+
+def test_parquet_source_both_column_styles(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    images = [random_image(100 + i) for i in range(10)]
+    hf_style = pa.table({"image": [{"bytes": png_bytes(x), "path": f"{i}.png"} for i, x in enumerate(images[:6])],
+                         "label": list(range(6))})
+    pq.write_table(hf_style, tmp_path / "pq" / "train-00000.parquet", row_group_size=4)
+    pq.write_table(pa.table({"png": [png_bytes(x) for x in images[6:]]}), tmp_path / "pq" / "train-00001.parquet")
+    manifest = prepare_dataset(tmp_path / "pq", tmp_path / "out", RES, maxcount=4, progress=False)
+    assert manifest["counts"] == {"train": 10} and manifest["options"]["kind"] == "parquet"
+    samples = all_samples(tmp_path / "out")
+    assert sorted(samples) == sorted([f"train-00000.parquet#{i}" for i in range(6)] +
+                                     [f"train-00001.parquet#{i}" for i in range(4)])
+    for pixels, _ in loader_images(tmp_path / "out"):
+        assert sum(np.array_equal(pixels, x) for x in images) == 1
+    pq.write_table(pa.table({"caption": ["no image here"]}), tmp_path / "pq" / "train-00002.parquet")
+    with pytest.raises(PixditError, match="no image-bytes column.*caption"):
+        prepare_dataset(tmp_path / "pq", tmp_path / "out2", RES, progress=False)
+
+
+SYNSETS = ["n01440764", "n01443537", "n01484850"]  # sorted: class ids 0, 1, 2
+
+
+def make_imagenet(root: Path, per_class=4):
+    """train/<synset>/<synset>_<i>.JPEG and a flat val/ with devkit ground truth whose ILSVRC ids are NOT sorted."""
+    for c, synset in enumerate(SYNSETS):
+        (root / "train" / synset).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(random_image(1000 * c + i)).save(root / "train" / synset / f"{synset}_{i}.JPEG",
+                                                             format="PNG")  # content type does not matter to PIL
+    # devkit: ILSVRC2012_ID 1 -> n01484850, 2 -> n01440764, 3 -> n01443537 (+ a non-leaf synset, id 4)
+    import scipy.io
+
+    id_to_wnid = {1: SYNSETS[2], 2: SYNSETS[0], 3: SYNSETS[1], 4: "n00000001"}
+    synsets = np.zeros((4,), dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("words", "O"), ("num_children", "O")])
+    for row, (ilsvrc_id, wnid) in enumerate(id_to_wnid.items()):
+        synsets[row] = (ilsvrc_id, wnid, "words", 0 if ilsvrc_id <= 3 else 3)
+    devkit = root / "ILSVRC2012_devkit_t12" / "data"
+    devkit.mkdir(parents=True)
+    scipy.io.savemat(devkit / "meta.mat", {"synsets": synsets})
+    truth = [1, 2, 3, 3, 2, 1, 2]  # ILSVRC ids of val images 1..7
+    (devkit / "ILSVRC2012_validation_ground_truth.txt").write_text("\n".join(map(str, truth)) + "\n")
+    (root / "val").mkdir()
+    for i in range(len(truth)):
+        Image.fromarray(random_image(5000 + i)).save(root / "val" / f"ILSVRC2012_val_{i + 1:08d}.JPEG", format="PNG")
+    return [SYNSETS.index(id_to_wnid[t]) for t in truth]
+
+
+def test_imagenet_train_folders_and_val_devkit_labels(tmp_path):
+    val_labels = make_imagenet(tmp_path / "imagenet")
+    train = prepare_dataset(tmp_path / "imagenet" / "train", tmp_path / "train", RES, labels="folders", maxcount=5,
+                            progress=False)
+    assert train["classes"] == SYNSETS and train["num_classes"] == 3 and train["counts"] == {"train": 12}
+    assert json.loads((tmp_path / "train" / "classes.json").read_text()) == SYNSETS
+    # round-robin dealing: each shard holds a cross-section of the (class-sorted) list
+    assert [s["count"] for s in train["splits"]["train"]["shards"]] == [4, 4, 4]  # ceil(12 / 5) shards, balanced
+    first_shard_labels = sorted(int(s["cls"]) for s in iter_shard_samples(tmp_path / "train" / "train-000000.tar"))
+    assert set(first_shard_labels) == {0, 1, 2}
+    for pixels, label in loader_images(tmp_path / "train", labelled=True):
+        owners = [c for c in range(3) for i in range(4) if np.array_equal(pixels, random_image(1000 * c + i))]
+        assert owners == [label]
+
+    val = prepare_dataset(tmp_path / "imagenet" / "val", tmp_path / "val", RES, labels="folders", progress=False)
+    assert val["classes"] == SYNSETS and val["counts"] == {"train": 7}
+    for pixels, label in loader_images(tmp_path / "val", labelled=True):
+        index = [i for i in range(7) if np.array_equal(pixels, random_image(5000 + i))]
+        assert len(index) == 1 and label == val_labels[index[0]]
+
+
+def test_imagenet_val_kaggle_csv(tmp_path):
+    (tmp_path / "val").mkdir()
+    rows = ["ImageId,PredictionString"]
+    for i, synset in enumerate([SYNSETS[1], SYNSETS[0], SYNSETS[2]]):
+        Image.fromarray(random_image(i)).save(tmp_path / "val" / f"ILSVRC2012_val_{i + 1:08d}.JPEG", format="PNG")
+        rows.append(f"ILSVRC2012_val_{i + 1:08d},{synset} 1 2 3 4")
+    (tmp_path / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    prepare_dataset(tmp_path / "val", tmp_path / "out", RES, labels="folders", progress=False)
+    labels = {src: int(s["cls"]) for src, s in all_samples(tmp_path / "out").items()}
+    assert labels == {"ILSVRC2012_val_00000001.JPEG": 1, "ILSVRC2012_val_00000002.JPEG": 0,
+                      "ILSVRC2012_val_00000003.JPEG": 2}
+
+
+def test_resume_after_interruption_keeps_shards_no_duplicates(tmp_path):
+    make_flat_folder(tmp_path / "src", 23, corrupt=(4,))
+    reference = prepare_dataset(tmp_path / "src", tmp_path / "ref", RES, maxcount=4, val=2, progress=False)
+    out = tmp_path / "out"
+    prepare_dataset(tmp_path / "src", out, RES, maxcount=4, val=2, progress=False)
+    # simulate kills: before shard 2 was written, during shard 3 (a .tmp left), between shard 4's rename and record
+    (out / "train-000002.tar").unlink()
+    (out / ".prepare" / "train-000002.tar.json").unlink()
+    (out / "train-000003.tar").rename(out / "train-000003.tar.tmp")
+    (out / ".prepare" / "train-000003.tar.json").unlink()
+    (out / ".prepare" / "train-000004.tar.json").unlink()
+    (out / "manifest.json").unlink()
+    kept = out / "train-000000.tar"
+    os.utime(kept, (1, 1))
+    resumed = prepare_dataset(tmp_path / "src", out, RES, maxcount=4, val=2, progress=False)
+    assert kept.stat().st_mtime == 1  # finished shards are not rewritten
+    assert resumed["splits"] == reference["splits"]  # same shards, counts, checksums, skipped list
+    assert not list(out.glob("*.tmp"))
+    assert len(all_samples(out)) == 22  # unique sources (all_samples asserts no duplicates)
+    with pytest.raises(PixditError, match="different settings.*resolution"):
+        prepare_dataset(tmp_path / "src", out, RES * 2, maxcount=4, val=2, progress=False)
+
+
+def test_cli_parallel_jpg_limit(tmp_path):
+    make_flat_folder(tmp_path / "src", 12)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+         "--out", str(tmp_path / "out"), "--resolution", str(RES), "--maxcount", "3", "--workers", "2",
+         "--format", "jpg", "--quality", "90", "--limit", "10"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["counts"] == {"train": 10} and manifest["image_format"] == "jpg"
+    assert len(manifest["splits"]["train"]["shards"]) == 4
+    samples = all_samples(tmp_path / "out")
+    assert all("jpg" in s for s in samples.values())
+    assert sorted(samples) == sorted(f"{i // 5:02d}000/{i:05d}.png" for i in range(10))  # first 10 sorted
+    batch = next(iter(ShardDataModule(tmp_path / "out", batch_size=10, num_workers=0).train_dataloader()))
+    assert batch["image"].shape == (10, 3, RES, RES)
+
+
+def test_cli_user_error_is_one_message(tmp_path, monkeypatch):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["prepare_data.py", "--source", str(tmp_path / "missing"), "--out",
+                                      str(tmp_path / "x"), "--resolution", "8"])
+    with pytest.raises(SystemExit, match="error: --source .*missing does not exist"):
+        runpy.run_path(str(REPO / "scripts" / "prepare_data.py"), run_name="__main__")
+
+
+def test_bad_options_are_clear_errors(tmp_path):
+    make_flat_folder(tmp_path / "src", 3)
+    Image.fromarray(random_image(0)).save(tmp_path / "src" / "stray.png")
+    with pytest.raises(PixditError, match="--labels folders: 1 images .* not inside a class folder"):
+        prepare_dataset(tmp_path / "src", tmp_path / "o1", RES, labels="folders", progress=False)
+    with pytest.raises(PixditError, match="no class folders and no ImageNet val ground truth"):
+        prepare_dataset(tmp_path / "src" / "00000", tmp_path / "o1", RES, labels="folders", progress=False)
+    with pytest.raises(PixditError, match="--val must be"):
+        prepare_dataset(tmp_path / "src", tmp_path / "o2", RES, val=4, progress=False)
+    with pytest.raises(PixditError, match="--format"):
+        prepare_dataset(tmp_path / "src", tmp_path / "o3", RES, image_format="gif", progress=False)
