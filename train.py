@@ -126,10 +126,13 @@ def fail(message: str) -> None:
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
         train(cfg, HydraConfig.get().runtime.output_dir)
     except PixditError as error:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # a sweep goes on: Hydra records this run as failed (status.json, pixdit.sweep) and runs the rest
         fail(str(error))
 
 
