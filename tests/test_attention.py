@@ -149,3 +149,9 @@ def test_model_under_bf16_autocast(attention, order):
     assert out.dtype == torch.bfloat16
     out.float().square().mean().backward()
     torch.testing.assert_close(out.float(), model(x, t), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("name", ["vsa", "sla"])
+def test_unfinished_backends_fail_at_build(name):
+    with pytest.raises(PixditError, match=f"attention={name} is not implemented yet"):
+        build_model("DiT-T", input_size=16, token_order="zorder", attention=OmegaConf.load(f"configs/attention/{name}.yaml"))

@@ -89,9 +89,11 @@ class VSAAttention(AttentionBackend):
         nn.init.zeros_(self.gate.weight)
         nn.init.zeros_(self.gate.bias)
         self._vsa_attention = _kernel("vsa_attention", "vsa")
+        raise PixditError("attention=vsa is not implemented yet (its backend arrives with the VSA issue); "
+                          "use attention=full or attention=llsa")
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        raise PixditError("attention=vsa is not implemented yet; use attention=full or attention=llsa")
+        raise NotImplementedError("VSA backend: see __init__")
 
 
 @register_attention("sla")
@@ -110,8 +112,10 @@ class SLAAttention(AttentionBackend):
         nn.init.zeros_(self.proj_linear.weight)
         nn.init.zeros_(self.proj_linear.bias)
         self._sla_attention = _kernel("sla_attention", "sla")
+        raise PixditError("attention=sla is not implemented yet (its backend arrives with the SLA issue); "
+                          "use attention=full or attention=llsa")
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        raise PixditError("attention=sla is not implemented yet; use attention=full or attention=llsa")
+        raise NotImplementedError("SLA backend: see __init__")
 
 
