@@ -308,3 +308,12 @@ def test_lightning_resume_continues_the_stream(tmp_path, num_workers, accumulate
     second = fit(2 * k, tmp_path / "resumed", ckpt_path=str(tmp_path / "resumed" / "last.ckpt"))
     assert len(straight) == 2 * k * accumulate
     assert first + second == straight
+
+
+def test_val_root_validates_on_another_dataset(tmp_path):
+    make_dataset(tmp_path / "train", [4])
+    make_dataset(tmp_path / "other", [6])  # no val split: its train split is the validation set
+    dm = ShardDataModule(tmp_path / "train", batch_size=2, num_workers=0, val_images=4, val_root=tmp_path / "other")
+    assert [identities(b) for b in dm.val_dataloader()] == [[0, 1], [2, 3]]
+    with pytest.warns(UserWarning, match="no held-out 'val' split"):
+        ShardDataModule(tmp_path / "train", batch_size=2, num_workers=0).val_dataloader()

@@ -292,6 +292,8 @@ class ShardDataModule(L.LightningDataModule):
         epoch_images: images per epoch over all GPUs (None: the training split's size).
         val_images: images of the validation split used per validation run (fixed, in order).
         val_batch_size: batch size for validation (None: batch_size).
+        val_root: another prepared dataset to validate on (its `val` split, or its `train` split if it has none),
+            e.g. ImageNet's official val images; None: this dataset's `val` split.
         labelled: feed class labels (the manifest must have classes). num_classes: checked against the manifest.
         seed: the data stream's seed. shuffle_block: samples permuted together (memory: this many encoded images
             per worker).
@@ -301,7 +303,8 @@ class ShardDataModule(L.LightningDataModule):
 
     def __init__(self, root: str, resolution: int | None = None, batch_size: int = 32, num_workers: int = 4,
                  flip: bool = True, epoch_images: int | None = None, val_images: int = 256,
-                 val_batch_size: int | None = None, labelled: bool = False, num_classes: int | None = None,
+                 val_batch_size: int | None = None, val_root: str | None = None, labelled: bool = False,
+                 num_classes: int | None = None,
                  seed: int = 0, shuffle_block: int = 1000, prepare_command: str | None = None,
                  pin_memory: bool = True, rank: int | None = None, world_size: int | None = None):
         super().__init__()
@@ -323,6 +326,15 @@ class ShardDataModule(L.LightningDataModule):
             raise PixditError(f"data.num_classes={num_classes} but {self.root} has {manifest_classes} classes")
         if "train" not in self.manifest["splits"]:
             raise PixditError(f"{self.root}/manifest.json has no 'train' split")
+        self.val_root, self.val_manifest = self.root, self.manifest
+        if val_root is not None:
+            self.val_root = Path(val_root)
+            self.val_manifest = read_manifest(self.val_root, f"scripts/prepare_data.py ... --out {val_root}")
+            if int(self.val_manifest["resolution"]) != manifest_resolution:
+                raise PixditError(f"data.val_root={val_root} is {self.val_manifest['resolution']} px but data.root "
+                                  f"is {manifest_resolution} px")
+            if labelled and self.val_manifest.get("classes") != self.manifest.get("classes"):
+                raise PixditError(f"data.val_root={val_root} has different classes than data.root={root}")
         self.resolution = manifest_resolution
         self.labelled = bool(labelled)
         self.num_classes = manifest_classes if labelled else 0
@@ -362,15 +374,17 @@ class ShardDataModule(L.LightningDataModule):
                             pin_memory=self.pin_memory and torch.cuda.is_available(), persistent_workers=False)
 
     def val_dataloader(self) -> DataLoader:
+        splits = self.val_manifest["splits"]
         split = "val"
-        if "val" not in self.manifest["splits"] or self.manifest["splits"]["val"]["count"] == 0:
-            warnings.warn(f"{self.root} has no held-out 'val' split (prepare_data.py --val N makes one); "
-                          f"the validation loss uses the first {self.val_images} training images", stacklevel=2)
+        if "val" not in splits or splits["val"]["count"] == 0:
+            if self.val_root == self.root:
+                warnings.warn(f"{self.root} has no held-out 'val' split (prepare_data.py --val N makes one); "
+                              f"the validation loss uses the first {self.val_images} training images", stacklevel=2)
             split = "train"
         rank, world_size = self.rank_and_world_size()
-        num_images = min(self.val_images, self.manifest["splits"][split]["count"])
+        num_images = min(self.val_images, splits[split]["count"])
         num_images -= num_images % world_size  # every rank gets the same number of images
-        dataset = ShardValStream(self.root, self.manifest["splits"][split]["shards"], resolution=self.resolution,
+        dataset = ShardValStream(self.val_root, splits[split]["shards"], resolution=self.resolution,
                                  batch_size=self.val_batch_size, num_images=num_images, rank=rank,
                                  world_size=world_size, labelled=self.labelled)
         return DataLoader(dataset, batch_size=None, num_workers=min(self.num_workers, len(dataset)),
