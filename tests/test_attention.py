@@ -2,6 +2,7 @@
 an explicit softmax oracle, the model's token-order check. Run: .venv/bin/python -m pytest tests/test_attention.py"""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import pixdit.kernels as kernels
 from pixdit.attention import AttentionBackend, attention_names, build_attention, register_attention
 from pixdit.errors import PixditError
 from pixdit.models import build_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def softmax_attention(q, k, v):
@@ -44,10 +47,10 @@ def test_config_errors_list_the_choices():
 
 
 def test_accepts_omegaconf_and_shipped_configs():
-    cfg = OmegaConf.load("configs/attention/full.yaml")
+    cfg = OmegaConf.load(CONFIGS / "attention/full.yaml")
     assert build_attention(cfg, dim=64, num_heads=2).impl == "sdpa"
     for name in ["llsa", "vsa", "sla"]:  # every key of the shipped config is a constructor option
-        cfg = OmegaConf.load(f"configs/attention/{name}.yaml")
+        cfg = OmegaConf.load(CONFIGS / f"attention/{name}.yaml")
         try:
             build_attention(cfg, dim=64, num_heads=2)
         except PixditError as error:
@@ -120,7 +123,8 @@ def test_llsa_model_trains_on_cpu_and_matches_full_attention_when_dense():
     torch.testing.assert_close(out, full(x, t), atol=1e-4, rtol=1e-4)
     out.square().mean().backward()
     assert all(p.grad is not None for p in llsa.parameters())
-    default = build_model("DiT-T", input_size=16, token_order="zorder", attention=OmegaConf.load("configs/attention/llsa.yaml"))
+    default_llsa = OmegaConf.load(CONFIGS / "attention/llsa.yaml")
+    default = build_model("DiT-T", input_size=16, token_order="zorder", attention=default_llsa)
     assert default(torch.randn(1, 3, 16, 16), torch.ones(1)).shape == (1, 3, 16, 16)
 
 
@@ -154,4 +158,5 @@ def test_model_under_bf16_autocast(attention, order):
 @pytest.mark.parametrize("name", ["vsa", "sla"])
 def test_unfinished_backends_fail_at_build(name):
     with pytest.raises(PixditError, match=f"attention={name} is not implemented yet"):
-        build_model("DiT-T", input_size=16, token_order="zorder", attention=OmegaConf.load(f"configs/attention/{name}.yaml"))
+        build_model("DiT-T", input_size=16, token_order="zorder",
+                    attention=OmegaConf.load(CONFIGS / f"attention/{name}.yaml"))

@@ -1,12 +1,16 @@
 """The pixel DiT (pixdit.models): shapes, gradients, token-order equivariance, RoPE against a complex-number oracle,
 zero-init, CFG, parameter counts of spec llsa.md §8. Run: .venv/bin/python -m pytest tests/test_model.py"""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pixdit.errors import PixditError
 from pixdit.models import DIT_MODELS, build_model
 from pixdit.models.dit import apply_rope, rope_cos_sin
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def tiny(**overrides):
@@ -69,7 +73,8 @@ def test_rope_matches_complex_rotation():
     freqs = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
     for i in range(3):
         angles = torch.cat([rows[i] * freqs, cols[i] * freqs])  # first half: row, second half: column
-        z = torch.view_as_complex(x[i].double().reshape(2, 8, 2).contiguous()) * torch.polar(torch.ones(8, dtype=torch.float64), angles)
+        rotation = torch.polar(torch.ones(8, dtype=torch.float64), angles)
+        z = torch.view_as_complex(x[i].double().reshape(2, 8, 2).contiguous()) * rotation
         torch.testing.assert_close(out[i].double(), torch.view_as_real(z).reshape(2, head_dim), atol=1e-5, rtol=1e-5)
 
 
@@ -182,7 +187,7 @@ def test_bad_inputs_name_the_numbers():
 def test_shipped_model_configs_build(config):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_container(OmegaConf.load(f"configs/model/{config}.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / f"model/{config}.yaml"))
     with torch.device("meta"):  # structure and parameter count only: no memory, no init cost
         model = build_model(**cfg, input_size=(64, 64), attention={"name": "full"})
     sizes = DIT_MODELS[cfg["name"]]

@@ -129,7 +129,8 @@ class FullAttention(AttentionBackend):
     def __init__(self, dim: int, num_heads: int, impl: str = "sdpa"):
         super().__init__(dim, num_heads)
         if impl not in FULL_ATTENTION_IMPLS:
-            raise PixditError(f"attention.impl={impl!r} is not known; allowed values: {', '.join(FULL_ATTENTION_IMPLS)}")
+            raise PixditError(f"attention.impl={impl!r} is not known; "
+                              f"allowed values: {', '.join(FULL_ATTENTION_IMPLS)}")
         self.impl = impl
         self._flash_attention = _import_flash_attention() if impl == "triton" else None
 

@@ -22,7 +22,8 @@ def _kernel(function_name: str, backend_name: str):
     try:
         import pixdit.kernels as kernels
     except ImportError as error:  # pragma: no cover - the package is part of the install
-        raise PixditError(f"attention={backend_name} needs pixdit.kernels, which cannot be imported ({error})") from None
+        raise PixditError(f"attention={backend_name} needs pixdit.kernels, "
+                          f"which cannot be imported ({error})") from None
     function = getattr(kernels, function_name, None)
     if function is None:
         raise PixditError(f"attention={backend_name} is not implemented yet (pixdit.kernels.{function_name} is "
