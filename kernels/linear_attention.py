@@ -57,9 +57,19 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, nonzero: tor
     return torch.where(nonzero, numerator / safe, torch.zeros_like(numerator))
 
 
-def _global_sums(phi_k: torch.Tensor, v: torch.Tensor):
-    """fp32 ``sum_u phi(k_u) v_u^T`` ``[B, H, D, D]`` and ``sum_u phi(k_u)`` ``[B, H, D]``."""
-    return phi_k.float().transpose(-1, -2) @ v.float(), phi_k.float().sum(2)
+def _global_sums(phi_k: torch.Tensor, v: torch.Tensor, chunk: int = 1024):
+    """fp32 ``sum_u phi(k_u) v_u^T`` ``[B, H, D, D]`` and ``sum_u phi(k_u)`` ``[B, H, D]``.
+
+    The token sum is split into chunks of ``chunk`` tokens (a batched product per chunk, then a sum): one ``D x D``
+    product per (batch, head) reduced over N tokens would run on a handful of thread blocks (measured 2.3 ms at
+    N = 65536, 12 heads on an H200, forward and again in backward)."""
+    b, h, n, d = phi_k.shape
+    chunk = min(n, chunk)
+    a, c = phi_k.float(), v.float()
+    if n % chunk:                                                   # zero rows add nothing to the sums
+        a, c = F.pad(a, (0, 0, 0, chunk - n % chunk)), F.pad(c, (0, 0, 0, chunk - n % chunk))
+    a, c = a.reshape(b, h, -1, chunk, d), c.reshape(b, h, -1, chunk, c.shape[-1])
+    return (a.transpose(-1, -2) @ c).sum(2), phi_k.float().sum(2)
 
 
 def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excluded_idx=None) -> torch.Tensor:
@@ -236,22 +246,22 @@ class _ExcludedSum(torch.autograd.Function):
 
 def linear_attention_triton(q, k, v, block_size: int, feature_map_name: str, excluded_idx=None) -> torch.Tensor:
     """The linear branch ``[B, H, N, D]`` in fp32 (Triton for the excluded part); arguments as
-    ``linear_attention_torch``. phi is applied in fp32 and rounded to the input dtype for the tensor cores."""
+    ``linear_attention_torch``. phi is computed in the input dtype (fp32 math inside, one rounding) and feeds the tensor
+    cores; the global sums and the subtraction are fp32."""
     b, h, n, d = q.shape
-    phi_q = feature_map(q.float(), feature_map_name).to(q.dtype)
-    phi_k = feature_map(k.float(), feature_map_name).to(k.dtype)
+    phi_q, phi_k = feature_map(q, feature_map_name), feature_map(k, feature_map_name)   # fp32 math inside
     kv_total, z_total = _global_sums(phi_k, v)
-    numerator = phi_q.float() @ kv_total                                             # [B, H, N, D]
-    denominator = (phi_q.float() @ z_total[..., None]).squeeze(-1)                   # [B, H, N]
+    # phi(q) . (sum phi(k) v^T | sum phi(k)) in one product: numerator [.., :D], denominator [.., D]
+    both = phi_q.float() @ torch.cat([kv_total, z_total[..., None]], -1)             # [B, H, N, D + 1]
+    numerator, denominator = both[..., :d], both[..., d]
     if excluded_idx is None:
         return numerator / (denominator + ALL_SCOPE_EPS)[..., None]
     num_blocks_ = excluded_idx.shape[2]
     if excluded_idx.shape[3] >= num_blocks_:                                         # nothing left to attend to
-        return torch.zeros_like(numerator) + 0.0 * numerator
+        return numerator * 0.0
     lists = excluded_idx.to(torch.int32).reshape(b * h, num_blocks_, -1).contiguous()
     flat = [x.reshape(b * h, n, d).contiguous() for x in (phi_q, phi_k, v)]
     num_excluded, den_excluded = _ExcludedSum.apply(*flat, lists, block_size)
-    numerator = numerator - num_excluded.view(b, h, n, d)
     remaining = denominator - den_excluded.view(b, h, n)
     nonzero = remaining > EMPTY_ROW_REL_EPS * denominator
-    return safe_divide(numerator, remaining[..., None], nonzero[..., None])
+    return safe_divide(numerator - num_excluded.view(b, h, n, d), remaining[..., None], nonzero[..., None])

@@ -115,16 +115,17 @@ def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Same result as ``blocks.topk_desc`` (descending score, ties toward the smaller id), cheaper on large rows.
 
-    One ``torch.topk`` on the fp32 scores; its set is unambiguous in every row where fewer than ``k + 1`` scores reach
-    the k-th value, and then only the order inside the ``k`` winners needs fixing (a small exact sort). Rows with a tie
-    across the threshold are redone with ``topk_desc`` (exact, 64-bit keys).
+    One ``torch.topk`` of ``k + 1`` on the fp32 scores: where the (k+1)-th value is below the k-th, the set of the k
+    winners is unambiguous and only their order needs fixing (a small exact sort); rows where a tie straddles the
+    threshold are redone with ``topk_desc`` (exact, 64-bit keys).
     """
-    scores = scores.float() + 0.0                                  # -0.0 -> +0.0, as topk_desc
-    values, ids = torch.topk(scores, k, dim=-1, sorted=True)
-    ambiguous = (scores >= values[..., -1:]).sum(-1) > k           # [rows]: a tie straddles the threshold
-    order = topk_desc(values, k, ids)                              # exact order of the k winners (ids distinct)
-    if ambiguous.any():
-        order[ambiguous] = topk_desc(scores[ambiguous], k)
+    n = scores.shape[-1]
+    values, ids = torch.topk(scores, min(k + 1, n), dim=-1, sorted=True)
+    order = topk_desc(values[..., :k], k, ids[..., :k])           # exact order of the k winners (ids distinct)
+    if k < n:
+        ambiguous = values[..., k] == values[..., k - 1]           # [rows] (-0.0 == +0.0 counts as a tie)
+        if ambiguous.any():
+            order[ambiguous] = topk_desc(scores[ambiguous], k)
     return order
 
 
@@ -138,18 +139,19 @@ def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, sc
     """
     b, h, t, d = q_pool.shape
     with torch.no_grad():
-        q_rows, k_rows = q_pool.float().reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
+        # the scale goes on the [T, D] operand, not on the [T, T] scores (one pass less over the big matrix)
+        q_rows, k_rows = (scale * q_pool.float()).reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
         rows_per_chunk = max(1, max_elements // (t * t))          # (batch*head) slices per chunk
         out = torch.empty(b * h, t, topk, dtype=torch.int32, device=q_pool.device)
         if rows_per_chunk == 1:                                    # split query blocks too
             q_chunk = max(1, max_elements // t)
             for i in range(b * h):
                 for r in range(0, t, q_chunk):
-                    scores = scale * q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
+                    scores = q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
                     out[i, r:r + q_chunk] = topk_desc_fast(scores, topk)
         else:
             for i in range(0, b * h, rows_per_chunk):
-                scores = scale * q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
+                scores = q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
                 out[i:i + rows_per_chunk] = topk_desc_fast(scores, topk)
         return out.reshape(b, h, t, topk)
 
