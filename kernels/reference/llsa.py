@@ -55,8 +55,10 @@ def llsa_hier_topk(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: list
 
 
 def llsa_dense(q, k, v, block_size: int, index: list[torch.Tensor], enrich_levels: int | None = None,
-               scale: float | None = None) -> torch.Tensor:
-    """Dense LLSA output (spec §4.1) given the index tables [I^(1), ..., I^(L)]; levels 1..enrich_levels enrich."""
+               scale: float | None = None, pooled_grad_scale: float = 1.0) -> torch.Tensor:
+    """Dense LLSA output (spec §4.1) given the index tables [I^(1), ..., I^(L)]; levels 1..enrich_levels enrich.
+    ``pooled_grad_scale`` multiplies the gradient that flows through the pooled K/V (1/B with L = 1 models the
+    reference l1 kernel, spec §6.2); the forward value is unchanged."""
     B, L = block_size, len(index)
     Le = L if enrich_levels is None else enrich_levels
     b, h, N, d = q.shape
@@ -66,6 +68,9 @@ def llsa_dense(q, k, v, block_size: int, index: list[torch.Tensor], enrich_level
     for lvl in range(0, L + 1):
         if lvl > 0:
             kl, vl = llsa_block_mean(kl, B), llsa_block_mean(vl, B)
+            if lvl == 1 and pooled_grad_scale != 1.0:   # value unchanged, gradient scaled
+                kl = kl * pooled_grad_scale + kl.detach() * (1 - pooled_grad_scale)
+                vl = vl * pooled_grad_scale + vl.detach() * (1 - pooled_grad_scale)
         if lvl > Le:
             continue
         n_l = N // B ** lvl

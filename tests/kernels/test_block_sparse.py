@@ -1,0 +1,137 @@
+"""Shared building blocks on CPU: deterministic top-k, CSR->CSC transpose, fp32 block mean, and the Triton
+block-sparse attention (TRITON_INTERPRET=1, set in conftest.py) against an fp64 dense masked softmax.
+
+    .venv/bin/python -m pytest tests/kernels/test_block_sparse.py -q
+"""
+import os
+
+import pytest
+import torch
+
+from pixdit.kernels import block_mean, block_sparse_attention, csr_to_csc, flash_attention, topk_desc
+from pixdit.kernels.topk import pooled_topk
+
+needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_topk_desc_matches_stable_sort_with_ties_and_signs():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(-3, 4, (64, 40), generator=g).float() * 0.5      # many ties, negatives, +-0
+    s[0, :5] = -0.0
+    ids = torch.randperm(40, generator=g).expand(64, 40)
+    got = topk_desc(s, 7, ids)
+    for r in range(64):
+        want = sorted(range(40), key=lambda c: (-s[r, c].item(), ids[r, c].item()))[:7]
+        assert got[r].tolist() == [ids[r, c].item() for c in want]
+    assert topk_desc(s.double(), 7, ids).tolist() == got.tolist()
+    with pytest.raises(ValueError, match="k must be in"):
+        topk_desc(s, 41)
+
+
+def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows():
+    g = torch.Generator().manual_seed(1)
+    batch, rows, width, cols = 3, 37, 5, 11
+    index = torch.stack([torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)])
+                         for _ in range(batch)]).int()
+    index[:, ::4, -1] = -1                                                  # empty slots
+    offsets, flat = csr_to_csc(index, cols)
+    for bi in range(batch):
+        assert offsets[bi, 0] == 0 and offsets[bi, -1] == (index[bi] >= 0).sum()
+        for c in range(cols):
+            got = flat[bi, offsets[bi, c]:offsets[bi, c + 1]].tolist()
+            assert got == [r for r in range(rows) if c in index[bi, r].tolist()]
+
+
+def test_block_mean_fp32_and_partial_tail():
+    x = torch.randn(2, 3, 40, 8, dtype=torch.bfloat16)
+    m = block_mean(x, 16)
+    assert m.dtype == torch.float32 and m.shape == (2, 3, 3, 8)
+    assert torch.allclose(m[:, :, 2], x[:, :, 32:].float().mean(2))
+    assert torch.allclose(m[:, :, 0], x[:, :, :16].float().mean(2))
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_pooled_topk_children_mode(impl):
+    g = torch.Generator().manual_seed(2)
+    qp, kp = torch.randn(2, 64, 32, generator=g), torch.randn(2, 64, 32, generator=g)
+    parents = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(2 * 4)]).view(2, 4, 2)
+    got = pooled_topk(qp.to(DEVICE), kp.to(DEVICE), 5, parents=parents.to(DEVICE), child_block=16, impl=impl).cpu()
+    for bi in range(2):
+        for r in range(64):
+            cand = [p * 16 + j for p in parents[bi, r // 16].tolist() for j in range(16)]
+            sc = {c: (qp[bi, r].double() @ kp[bi, c].double()).item() for c in cand}
+            assert got[bi, r].tolist() == sorted(cand, key=lambda c: (-sc[c], c))[:5]
+
+
+def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
+    """fp64 softmax over the keys of the listed blocks (a dense mask built from the lists)."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    lists = lists.expand(b, h, -1, -1)
+    rows = torch.arange(nq) // qb
+    key_blk = torch.arange(nk) // kb
+    sel = (lists[:, :, rows, :, None] == key_blk) & (lists[:, :, rows, :, None] >= 0)   # [b, h, nq, len, nk]
+    mask = sel.any(3)
+    s = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5
+    if logw is not None:
+        s = s + logw.double()[key_blk]
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("qb,kb,nq", [(16, 16, 200), (64, 32, 150), (32, 64, 256)])
+def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq):
+    g = torch.Generator().manual_seed(3)
+    b, h, d = 2, 2, 32
+    nk = nq - 7                                                              # partial last key block
+    q = torch.randn(b, h, nq, d, generator=g)
+    k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
+    n_tiles, n_blocks = -(-nq // qb), -(-nk // kb)
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:3] for _ in range(b * h * n_tiles)])
+    lists = lists.view(b, h, n_tiles, 3).int()
+    lists[:, :, 1::2, 2] = -1
+    logw = torch.rand(n_blocks, generator=g)
+    go, gl = torch.randn(b, h, nq, d, generator=g), torch.randn(b, h, nq, generator=g)
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o, lse = block_sparse_attention(*leaves, lists.to(DEVICE), query_block=qb, key_block=kb,
+                                    block_log_weights=logw.to(DEVICE), return_lse=True, impl=impl)
+    ((o * go.to(DEVICE)).sum() + (lse * gl.to(DEVICE)).sum()).backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ro, rl = dense_masked_reference(*ref_leaves, lists, qb, kb, logw)
+    ((ro * go.double()).sum() + (rl * gl.double()).sum()).backward()
+    assert rel(o, ro) < 1e-5 and rel(lse, rl) < 1e-5
+    for a, r in zip(leaves, ref_leaves):
+        assert rel(a.grad, r.grad) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_flash_attention_is_dense_softmax(impl):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 130, 32, generator=g) for _ in range(3))
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o = flash_attention(*leaves, impl=impl)
+    o.sum().backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    r = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+    r.sum().backward()
+    assert rel(o, r) < 1e-5
+    for a, b in zip(leaves, ref_leaves):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+def test_block_sparse_rejects_bad_blocks():
+    q = torch.randn(1, 1, 64, 32)
+    lists = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="key_block must be a power of two >= 16"):
+        block_sparse_attention(q, q, q, lists, query_block=16, key_block=24)
+    with pytest.raises(ValueError, match="query_block must be a positive multiple of 16"):
+        block_sparse_attention(q, q, q, lists, query_block=8, key_block=16)
+    with pytest.raises(ValueError, match="block_lists must be"):
+        block_sparse_attention(q, q, q, lists, query_block=32, key_block=16)

@@ -1,0 +1,211 @@
+"""LLSA on CPU: exact PyTorch path and the Triton kernels under TRITON_INTERPRET=1 (set in conftest.py) against the
+independent fp64 dense oracle (pixdit.kernels.reference), given the same index tables (spec llsa.md §4.3).
+
+    .venv/bin/python -m pytest tests/kernels/test_llsa.py -q
+"""
+import math
+
+import pytest
+import torch
+
+from pixdit.kernels import llsa_attention, llsa_check, llsa_num_levels, llsa_select
+from pixdit.kernels.reference import llsa_dense, llsa_hier_topk
+
+needs_interpreter = pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before pixdit.kernels is imported")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def grads(fn, q, k, v, go):
+    for x in (q, k, v):
+        x.grad = None
+    o = fn(q, k, v)
+    o.backward(go)
+    return o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+
+def compare_to_oracle(b, h, N, d, B, L, K, Le=None, impl="torch", compat=False, seed=0, tol=1e-5):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, go = (torch.randn(b, h, N, d, generator=g) for _ in range(4))
+    q, k, v = (x.to(DEVICE).requires_grad_() for x in (q, k, v))
+    go = go.to(DEVICE)
+    ks = llsa_check(N, B, L, K, Le)["topk"]
+    index = llsa_select(q, k, B, ks, L)
+    ours = grads(lambda q, k, v: llsa_attention(q, k, v, B, K, L, Le, index=index, impl=impl,
+                                                reference_l1_grad=compat), q, k, v, go)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    scale = 1.0 / B if compat and L == 1 else 1.0
+    ref = grads(lambda q, k, v: llsa_dense(q, k, v, B, [i.long() for i in index], Le, pooled_grad_scale=scale),
+                q64, k64, v64, go.double())
+    for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, r) < tol, (name, rel(a, r))
+    return ours, ref
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+def test_num_levels_follows_the_paper():
+    assert [llsa_num_levels(n, 16) for n in (16, 256, 1024, 4096, 16384, 65536, 262144)] == [1, 1, 1, 2, 2, 3, 3]
+    assert llsa_num_levels(768, 16) == 1 and llsa_num_levels(4096, 64) == 1
+
+
+def test_check_reports_effective_settings():
+    cfg = llsa_check(16384, 16, 2, 8)
+    assert cfg["topk"] == [8, 8] and cfg["tokens_per_query"] == 128 + 128 + 64
+    assert llsa_check(65536, 16, 3, 8)["tokens_per_query"] == 400          # spec §3.1
+    assert llsa_check(65536, 16, 2, 8)["tokens_per_query"] == 512
+    assert llsa_check(512, 16, 2, 8)["topk"] == [8, 2]                     # K_L clamped to N_L = 2
+    assert llsa_check(512, 16, 2, [64, 1])["topk"] == [16, 1]              # K_1 clamped to K_2 * B
+    assert llsa_check(1024, 16, 2, 8, enrich_levels=1)["tokens_per_query"] == 128 + 64
+    assert llsa_check(1024, 16, 2, 8, enrich_levels=0)["tokens_per_query"] == 128
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_tokens=1000, block_size=16), "multiple of block_size\\*\\*num_levels = 16, got 1000"),
+    (dict(num_tokens=4096 + 16, block_size=16, num_levels=2), "= 256, got 4112"),
+    (dict(num_tokens=1024, block_size=24), "power of two >= 16"),
+    (dict(num_tokens=1024, block_size=8), "power of two >= 16"),
+    (dict(num_tokens=1024, block_size=16, topk=0), "topk must be >= 1"),
+    (dict(num_tokens=1024, block_size=16, topk=[8, 8]), "list of num_levels=1"),
+    (dict(num_tokens=1024, block_size=16, num_levels=0), "num_levels must be an int >= 1"),
+    (dict(num_tokens=1024, block_size=16, enrich_levels=2), "enrich_levels must be an int in \\[0, num_levels=1\\]"),
+    (dict(num_tokens=8, block_size=16), "at least block_size=16 tokens"),
+])
+def test_check_rejects_impossible_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llsa_check(**kwargs)
+
+
+def test_bad_tensor_inputs():
+    q = torch.randn(1, 1, 256, 32)
+    with pytest.raises(ValueError, match="one shape"):
+        llsa_attention(q, q, torch.randn(1, 1, 256, 16))
+    with pytest.raises(ValueError, match="batch, heads, tokens, head_dim"):
+        llsa_attention(q[0], q[0], q[0])
+    with pytest.raises(TypeError, match="floating dtype"):
+        llsa_attention(q, q, q.long())
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        x = torch.randn(1, 1, 256, 48)
+        llsa_attention(x, x, x, impl="triton")
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        x = torch.randn(1, 1, 250, 32)
+        llsa_attention(x, x, x)
+
+
+# ------------------------------------------------------------------------------------- exact PyTorch path (CPU)
+@pytest.mark.parametrize("b,h,N,d,B,L,K,Le", [
+    (2, 2, 256, 32, 16, 1, 8, None),          # l1 with N/B < 64 (the reference drops enrichment here)
+    (1, 2, 3 * 256, 32, 16, 1, 8, None),      # token count not a power of two
+    (2, 1, 2 * 16 * 16, 32, 16, 2, 8, None),  # L = 2, N_2 = 2 (partial coarsest block, K_2 clamped)
+    (1, 1, 4096, 16, 16, 3, [4, 4, 1], None),  # L = 3
+    (1, 2, 1024, 32, 16, 2, 8, 1),            # enrich_levels < L
+    (1, 1, 1024, 32, 16, 2, 8, 0),            # no enrichment at all
+    (1, 1, 1024, 32, 32, 1, 3, None),         # B = 32
+    (1, 1, 512, 32, 16, 2, [32, 2], None),    # K_L = N_L and K_1 = K_2 * B (every candidate kept)
+    (2, 2, 512, 32, 16, 1, 1, None),          # K = 1
+])
+def test_torch_path_matches_oracle(b, h, N, d, B, L, K, Le):
+    compare_to_oracle(b, h, N, d, B, L, K, Le, impl="torch")
+
+
+def test_torch_path_compat_flag_scales_pooled_gradient():
+    (o, dq, dk, dv), _ = compare_to_oracle(1, 2, 512, 32, 16, 1, 4, impl="torch", compat=True)
+    (o2, dq2, dk2, dv2), _ = compare_to_oracle(1, 2, 512, 32, 16, 1, 4, impl="torch")
+    assert torch.equal(o, o2) and torch.allclose(dq, dq2) and not torch.allclose(dk, dk2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------------------- Triton kernels (interpreter)
+@needs_interpreter
+@pytest.mark.parametrize("b,h,N,d,B,L,K,Le", [
+    (2, 2, 256, 32, 16, 1, 8, None),
+    (1, 1, 3 * 256, 32, 16, 1, 8, None),
+    (1, 2, 2 * 16 * 16, 32, 16, 2, 8, None),
+    (1, 1, 4096, 16, 16, 3, [2, 2, 1], None),
+    (1, 1, 1024, 32, 16, 2, 4, 1),
+    (1, 1, 1024, 32, 32, 1, 3, None),
+    (1, 1, 512, 32, 16, 2, [32, 2], None),
+    (1, 1, 512, 64, 16, 1, 1, 0),
+])
+def test_triton_matches_oracle(b, h, N, d, B, L, K, Le):
+    compare_to_oracle(b, h, N, d, B, L, K, Le, impl="triton")
+
+
+@needs_interpreter
+def test_triton_compat_flag():
+    compare_to_oracle(1, 1, 512, 32, 16, 1, 4, impl="triton", compat=True)
+
+
+@needs_interpreter
+def test_triton_gradients_bitwise_deterministic():
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, 2, 512, 32, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    fn = lambda q, k, v: llsa_attention(q, k, v, 16, 4, 2, impl="triton")  # noqa: E731
+    a, b = grads(fn, q, k, v, go), grads(fn, q, k, v, go)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------ selection
+def sets(t):
+    return t.long().sort(-1).values
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("N,L,K", [(1024, 1, 8), (4096, 2, 8), (4096, 3, [8, 8, 4])])
+def test_selection_matches_fp64_oracle_as_sets(impl, N, L, K):
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 2, N, 32, generator=g).to(DEVICE) for _ in range(2))
+    ks = llsa_check(N, 16, L, K)["topk"]
+    ours = llsa_select(q, k, 16, ks, L, impl=impl)
+    ref = llsa_hier_topk(q.double(), k.double(), 16, ks)
+    for lvl in range(L):
+        assert ours[lvl].dtype == torch.int32 and ours[lvl].shape == ref[lvl].shape
+    # coarsest level on equal inputs; finer levels given the same parents (use ours to build the oracle's)
+    assert (sets(ours[-1]) == sets(ref[-1])).all(-1).float().mean() >= 0.99
+    for lvl in range(L - 1):
+        same = (sets(ours[lvl]) == sets(ref[lvl])).all(-1).float().mean()
+        assert same >= 0.99 or lvl < L - 1 and same >= 0.95
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_selection_order_is_descending_and_ties_go_to_smaller_ids(impl):
+    q = torch.ones(1, 1, 4096, 32, device=DEVICE)
+    index = llsa_select(q, torch.ones_like(q), 16, [8, 8], 2, impl=impl)   # every score ties
+    assert (index[1] == torch.arange(8, device=DEVICE, dtype=torch.int32)).all()
+    # level 1: candidates = children of parents 0..7 (ids 0..127), the smallest 8 win
+    assert index[0].shape == (1, 1, 256, 8) and (index[0] == torch.arange(8, device=DEVICE, dtype=torch.int32)).all()
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(2))
+    idx = llsa_select(q, k, 16, 8, 1, impl=impl)[0].long()
+    qp, kp = q.view(1, 2, 64, 16, 32).mean(3), k.view(1, 2, 64, 16, 32).mean(3)
+    s = (qp @ kp.transpose(-1, -2)).gather(-1, idx)
+    assert (s[..., 1:] <= s[..., :-1]).all()
+
+
+def test_selection_is_deterministic_and_int32():
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 3, 4096, 32, generator=g) for _ in range(2))
+    a, b = llsa_select(q, k, 16, 8), llsa_select(q, k, 16, 8)
+    assert all(torch.equal(x, y) and x.dtype == torch.int32 for x, y in zip(a, b))
+
+
+def test_worked_example_weights():
+    """Spec §3.2: a pooled token counts B^l times: equal keys/values at all levels -> plain weighted average."""
+    B, N = 16, 512
+    q = torch.zeros(1, 1, N, 32)
+    k = torch.zeros(1, 1, N, 32)
+    v = torch.randn(1, 1, N, 32)
+    index = llsa_select(q, k, B, 1, 2)
+    o = llsa_attention(q, k, v, B, 1, 2, index=index)
+    # query block 0 sees fine block 0 (16 tokens, w 1), level-1 children of level-2 block 0 (16 tokens, w 16),
+    # both level-2 tokens (w 256): zero logits -> weights are the multiplicities
+    v1 = v.view(1, 1, 32, 16, 32).mean(3)
+    v2 = v.view(1, 1, 2, 256, 32).mean(3)
+    want = (v[0, 0, :16].sum(0) + 16 * v1[0, 0, :16].sum(0) + 256 * v2[0, 0].sum(0)) / (16 + 16 * 16 + 2 * 256)
+    assert torch.allclose(o[0, 0, 0], want, atol=1e-5)
+    assert math.isclose(llsa_check(N, B, 2, 1)["tokens_per_query"], 16 + 16 + 2)
