@@ -13,6 +13,10 @@ LLSA reference does (35,177,859 parameters for the unconditional DiT-S); the def
     >>> model = build_model("DiT-S", input_size=(128, 128), token_order="zorder", attention={"name": "full"})
     >>> velocity = model(x_sigma, 1000 * sigma)                  # x_sigma: [b, 3, 128, 128], sigma: [b]
 
+Differences from the LLSA reference (set `per_block_conditioning=True, zero_init=False` to reproduce its model):
+shared timestep MLP by default; DiT's zero-init by default; label dropout drawn once per sample (not per block);
+RoPE positions are the integer coordinates of the actual token grid (no `rope_size` resampling); any H x W.
+
 Tests: ``.venv/bin/python -m pytest tests/test_model.py``.
 """
 
