@@ -134,3 +134,19 @@ def test_gpu_slots():
     assert gpu_slots([], 1) == [()]  # no GPU: one run at a time on the CPU
     with pytest.raises(PixditError, match="gpus_per_job=4"):
         gpu_slots([0, 1], 4)
+
+
+def test_local_gpu_pool_runs_one_job_per_gpu(tmp_path, tiny_data):
+    """hydra/launcher=local_gpus with two (pretend) GPUs: each run is its own submitit process with its own
+    CUDA_VISIBLE_DEVICES; the failing run is recorded and the other one still finishes. (This machine has no GPU:
+    the runs use trainer=cpu, the GPU ids only travel through the environment.)"""
+    sweep_dir = tmp_path / "sweep"
+    result = train_py("-m", *TINY_RUN, f"data.root={tiny_data}", "data.batch_size=4,0", "hydra/launcher=local_gpus",
+                      "hydra.launcher.gpus=[0,1]", "hydra.launcher.poll_s=0.2", f"hydra.sweep.dir={sweep_dir}",
+                      cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    statuses = [json.loads((sweep_dir / str(i) / "status.json").read_text()) for i in range(2)]
+    assert [s["status"] for s in statuses] == ["ok", "failed"]
+    assert [s["cuda_visible_devices"] for s in statuses] == ["0", "1"]
+    assert "data.batch_size" in statuses[1]["error"]
+    assert (sweep_dir / "0" / "metrics.csv").is_file() and (sweep_dir / ".submitit").is_dir()

@@ -190,7 +190,8 @@ class SweepCallback(Callback):
         error = None if ok else job_return._return_value  # the exception; `.return_value` would raise it
         overrides = list(job_return.overrides or [])
         write_status(config.hydra.runtime.output_dir, "ok" if ok else "failed", error if isinstance(
-            error, BaseException) else None, overrides=overrides, seconds=round(time.time() - self._job_start, 1))
+            error, BaseException) else None, overrides=overrides, seconds=round(time.time() - self._job_start, 1),
+                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
         if not ok and config.hydra.mode == RunMode.MULTIRUN:
             log.error("run %s failed (%s); the sweep goes on", " ".join(overrides), error)
 
