@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -29,14 +30,22 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 log = logging.getLogger("pixdit")
 
 
-def build_loggers(cfg, run_dir: Path) -> list:
-    """``cfg.logger``: one entry per logger (configs/logger/{csv,tensorboard,wandb}.yaml), all writing into the run."""
+def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
+    """``cfg.logger``: one entry per logger (configs/logger/{csv,tensorboard,wandb}.yaml), all writing into the run.
+
+    The CSV logger writes <run dir>/metrics.csv; a resumed run writes <run dir>/resumed_N/metrics.csv instead, because
+    Lightning's CSV logger deletes an existing metrics.csv (the metrics before the resume would be lost).
+    """
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     loggers = []
     for name, options in (plain(cfg) or {}).items():
         if name == "csv":
-            loggers.append(construct(CSVLogger, options, "logger.csv", save_dir=str(run_dir), name="", version=""))
+            version = ""
+            if resuming and (run_dir / "metrics.csv").exists():
+                version = f"resumed_{len(list(run_dir.glob('resumed_*'))) + 1}"
+            loggers.append(construct(CSVLogger, options, "logger.csv", save_dir=str(run_dir), name="",
+                                     version=version))
         elif name == "tensorboard":
             loggers.append(construct(TensorBoardLogger, options, "logger.tensorboard", save_dir=str(run_dir),
                                      name="tensorboard", version=""))
@@ -82,6 +91,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Lightning warnings that are wrong for pixdit: the EMA copy is in eval mode on purpose, and the data module
+    # restores the exact data position itself (ShardDataModule.state_dict), so mid-epoch checkpoints do resume exactly.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on Ampere+ (the bf16 autocast path is unaffected)
     torch.backends.cudnn.allow_tf32 = True
@@ -100,7 +113,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
             log.info(module.init_from(cfg.init_from, use_ema=cfg.init_from_ema))
 
     callbacks = build_callbacks(cfg.callbacks, run_dir)
-    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=build_loggers(cfg.logger, run_dir),
+    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None),
                         plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
     log.info("run directory: %s", run_dir.resolve())
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -155,7 +168,7 @@ def explain_config_error(error: Exception, overrides: list[str]) -> str:
     """Hydra's message, plus the keys that do exist where the user named one that does not."""
     from hydra import compose
 
-    message = str(error).strip()
+    message = str(error).strip().split("\nConfig search path:")[0].strip()  # the search path is noise to a user
     full_key = getattr(error, "full_key", None) or getattr(getattr(error, "__cause__", None), "full_key", None)
     if full_key and "not in struct" in message or "Could not override" in message:
         key = full_key or message.split("'")[1]

@@ -208,11 +208,14 @@ class DiffusionModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning does not save RNG states. Ours (rank 0's): the training noise does not depend on them (see the
         # module docstring), but anything else that draws from the global generators resumes where it was.
+        # Stored as tensors / plain Python values so the checkpoint loads with torch.load(weights_only=True).
+        kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        version, python_state, gauss_next = random.getstate()
         checkpoint["rng_states"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": np.random.get_state(),
-            "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)],
+            "python": [version, torch.tensor(python_state, dtype=torch.int64), gauss_next],
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -222,8 +225,10 @@ class DiffusionModule(L.LightningModule):
         torch.set_rng_state(states["torch"])
         if states["cuda"] and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states["cuda"])
-        np.random.set_state(states["numpy"])
-        random.setstate(states["python"])
+        kind, keys, pos, has_gauss, cached_gaussian = states["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+        version, python_state, gauss_next = states["python"]
+        random.setstate((version, tuple(python_state.tolist()), gauss_next))
 
     def init_from(self, path: str | Path, use_ema: bool = True) -> str:
         """Start from another run's weights (e.g. the 32-px model for a 128-px run: RoPE and no absolute positions
