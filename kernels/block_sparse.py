@@ -98,7 +98,7 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, LIST, LOGW,
+def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
                stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_lb, stride_lt,
                n_q, n_k, list_len, qk_scale, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
@@ -141,19 +141,19 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ, LIST, LOGW,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     dq = dq * sm_scale
-    dq_ptr = DQ + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-    if ACCUMULATE:
-        dq += tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
-    tl.store(dq_ptr, dq, mask=row_ok[:, None])
+    dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    if ACCUMULATE:   # add an earlier pass's fp32 dq (other keys of the same queries)
+        dq += tl.load(DQ_IN + dq_offs, mask=row_ok[:, None], other=0.0)
+    tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, ADD_V,
                  stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_ob, stride_rb,
                  n_q, n_k, blk_lo, csc_lo, csc_step, out_row0, out_rows, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  GROUP: tl.constexpr, PER_ITER: tl.constexpr, N_SPLIT: tl.constexpr,
-                 HAS_LOGW: tl.constexpr, PREC: tl.constexpr):
+                 HAS_LOGW: tl.constexpr, HAS_ADD: tl.constexpr, PREC: tl.constexpr):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
     g = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -199,10 +199,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW,
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     dk = dk * sm_scale
+    if HAS_ADD:   # mean-pool adjoint: + (gradient of the pooled token that contains this key) / KEY_BLOCK
+        a_offs = bh * tl.cdiv(n_k, KEY_BLOCK) * HEAD_DIM + (krow // KEY_BLOCK)[:, None] * HEAD_DIM + dims[None, :]
+        dk += tl.load(ADD_K + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
+        dv += tl.load(ADD_V + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
     # target [N_SPLIT, BH, out_rows, d]: rows [out_row0, out_row0 + out_rows) of dk/dv of this split
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
-    tl.store(DK + out, dk, mask=k_ok[:, None])
-    tl.store(DV + out, dv, mask=k_ok[:, None])
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -258,17 +262,18 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
     return o, lse
 
 
-def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None, o=None):
-    """dq (fp32 [BH, Nq, d]) of one query-major pass; adds into ``dq`` when given. With ``o`` (same layout as
-    ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]) first."""
+def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None, o=None,
+                    out_dtype=torch.float32):
+    """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
+    With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq])."""
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
     accumulate = dq is not None
-    if dq is None:
-        dq = torch.empty(BH, n_q, d, device=q.device, dtype=torch.float32)
+    dq_in = dq
+    dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = _per_iter(key_block)
     _dq_kernel[(n_tiles, BH)](
-        q, k, v, do, o if o is not None else do, lse, delta, dq, lists, log_weights if log_weights is not None else lse,
+        q, k, v, do, o if o is not None else do, lse, delta, dq_in if accumulate else dq, dq, lists, log_weights if log_weights is not None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(lists), lists.stride(1),
         q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
@@ -278,20 +283,24 @@ def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scal
 
 
 def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scale, log_weights=None,
-                      blk_range=None, group=1, n_split=1, dk=None, dv=None, shared_list=False):
+                      blk_range=None, group=1, n_split=1, dk=None, dv=None, shared_list=False, pooled_add=None,
+                      out_dtype=torch.float32):
     """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` (default: all), key-major over the CSC
     lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``. ``group`` consecutive blocks per program
     (only valid when they share one list, e.g. a global level); ``n_split`` programs per group split its list and
     their partial sums are added in a fixed order. Writes into ``dk``/``dv`` (rows outside the range untouched).
     ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
-    so ``offsets`` is just ``[[0, n]]``."""
+    so ``offsets`` is just ``[[0, n]]``. ``pooled_add = (gk, gv)`` (fp32 [BH, ceil(Nk / key_block), d], n_split 1
+    only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused)."""
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_blocks = triton.cdiv(n_k, key_block)
     lo, hi = blk_range if blk_range is not None else (0, n_blocks)
-    if dk is None:
-        dk = torch.zeros(BH, n_k, d, device=q.device, dtype=torch.float32)
-        dv = torch.zeros(BH, n_k, d, device=q.device, dtype=torch.float32)
+    if dk is None:   # every row of the range is written (zeros for blocks nobody attends)
+        alloc = torch.empty if (lo, hi) == (0, n_blocks) else torch.zeros
+        dk = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
+        dv = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
+    assert pooled_add is None or n_split == 1
     if hi <= lo:
         return dk, dv
     offsets, rows = csc
@@ -307,11 +316,12 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
         out_row0, out_rows = 0, n_k
     _dkdv_kernel[(n_groups, BH, n_split)](
         q, k, v, do, lse, delta, tgt_k, tgt_v, offsets, rows, log_weights if log_weights is not None else lse,
+        *(pooled_add if pooled_add is not None else (lse, lse)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(offsets),
         _bstride(rows),
         n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
         HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
-        N_SPLIT=n_split, HAS_LOGW=log_weights is not None, PREC=_prec(q.dtype),
+        N_SPLIT=n_split, HAS_LOGW=log_weights is not None, HAS_ADD=pooled_add is not None, PREC=_prec(q.dtype),
         num_warps=_warps(key_block * group, query_block * per_iter), num_stages=2)
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
@@ -382,10 +392,13 @@ class _BlockSparseFn(torch.autograd.Function):
         n_blocks = triton.cdiv(kf.shape[1], key_block)
         shared = ctx.csc is not None
         csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)
-        dq = bsa_backward_dq(qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights)
+        dq = bsa_backward_dq(qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights,
+                             out_dtype=qf.dtype)
+        n_split = _split_for(qf.shape[0] * n_blocks, lf.shape[1])
         dk, dv = bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csc, query_block, key_block, scale, log_weights,
-                                   n_split=_split_for(qf.shape[0] * n_blocks, lf.shape[1]), shared_list=shared)
-        return (dq.view(q_shape).to(qf.dtype), dk.view(k_shape).to(kf.dtype), dv.view(k_shape).to(vf.dtype),
+                                   n_split=n_split, shared_list=shared,
+                                   out_dtype=kf.dtype if n_split == 1 else torch.float32)
+        return (dq.view(q_shape), dk.view(k_shape).to(kf.dtype), dv.view(k_shape).to(vf.dtype),
                 None, None, None, None, None, None)
 
 

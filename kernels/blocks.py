@@ -88,7 +88,7 @@ def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.
     index: int ``[batch, rows, width]`` column ids in ``[0, num_cols)``; ``-1`` marks an empty slot. Ids must be
     distinct within a row. Returns ``(offsets, rows)``: int32 ``[batch, num_cols + 1]`` and int32
     ``[batch, rows * width]``; the rows that list column ``c`` are ``rows[b, offsets[b, c]:offsets[b, c + 1]]``,
-    ascending. Implemented as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
+    ascending (empty slots are sorted to the front, so ``offsets[b, 0]`` = their number, not always 0). Implemented as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
     same result on every run and device, no atomics), so the dk/dv sums that follow the lists are bitwise
     reproducible.
     """
@@ -96,10 +96,8 @@ def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.
         raise ValueError(f"csr_to_csc: index must be [batch, rows, width], got shape {tuple(index.shape)}")
     batch, rows, width = index.shape
     row_ids = torch.arange(rows, device=index.device, dtype=torch.int64).view(1, rows, 1)
-    col = index.to(torch.int64)
-    sentinel = num_cols * rows  # empty slots sort to the end
-    keys = torch.where(col >= 0, col * rows + row_ids, torch.full_like(col, sentinel)).reshape(batch, rows * width)
-    keys = torch.sort(keys, dim=-1).values
-    bounds = (torch.arange(num_cols + 1, device=index.device, dtype=torch.int64) * rows).expand(batch, -1)
-    offsets = torch.searchsorted(keys, bounds.contiguous()).to(torch.int32)
+    # key = c * rows + r; an empty slot (c = -1) gives a negative key, sorted before every real one
+    keys = torch.sort((index.to(torch.int64) * rows + row_ids).view(batch, rows * width), dim=-1).values
+    bounds = torch.arange(num_cols + 1, device=index.device, dtype=torch.int64) * rows
+    offsets = torch.searchsorted(keys, bounds.expand(batch, -1).contiguous()).to(torch.int32)
     return offsets, (keys % rows).to(torch.int32)

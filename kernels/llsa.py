@@ -19,6 +19,7 @@ exact gather form (spec §4.2) in fp32 with autograd.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -207,11 +208,10 @@ def _coarse_lists(index, N, B, L, Le, device):
     b, h = index[0].shape[:2]
     offsets, total = _bank_layout(N, B, L, Le)
     n_tiles = triton.cdiv(N, COARSE_TILE)
-    tile_row0 = torch.arange(n_tiles, device=device) * COARSE_TILE
     parts = []
     for lvl in range(1, min(Le, L - 1) + 1):        # candidates: children of the level-(lvl+1) ancestor's selection
-        anc = tile_row0 // B ** (lvl + 1)
-        parts.append(index[lvl][:, :, anc, :] + offsets[lvl - 1] // B)
+        tiles_per_ancestor = B ** (lvl + 1) // COARSE_TILE
+        parts.append(index[lvl].repeat_interleave(tiles_per_ancestor, dim=2) + offsets[lvl - 1] // B)
     if Le >= L:                                     # every coarsest token, partial last block masked by the kernel
         top = torch.arange(offsets[L - 1] // B, triton.cdiv(total, B), device=device, dtype=torch.int32)
         parts.append(top.expand(b, h, n_tiles, -1))
@@ -219,6 +219,7 @@ def _coarse_lists(index, N, B, L, Le, device):
     return lists.reshape(b * h, n_tiles, lists.shape[-1]).contiguous()
 
 
+@functools.lru_cache(maxsize=64)
 def _bank_log_weights(N, B, L, Le, device):
     offsets, total = _bank_layout(N, B, L, Le)
     w = torch.empty(triton.cdiv(total, B), device=device, dtype=torch.float32)
@@ -254,50 +255,59 @@ class _LLSATriton(torch.autograd.Function):
         qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
         B, L, Le, scale, compat_l1, shape = ctx.cfg
         BH, N, d = qf.shape
+        dt = qf.dtype
         do = bs._flat(do.contiguous())
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
-        # fine level: 16-row query blocks over k/v (this pass also computes Δ = rowsum(dO * O))
-        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, o=o)
-        fine_csc = csr_to_csc(fine_lists, N // B)
-        n_fine = BH * (N // B)
-        dk, dv = bs.bsa_backward_dkdv(qf, kf, vf, do, lse, delta, fine_csc, B, B, scale,
-                                      n_split=bs._split_for(n_fine, fine_lists.shape[-1]))
+        dq = pooled_k = pooled_v = None
         if Le >= 1:
+            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
             dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw,
-                                    dq=dq)
-            offsets, total = _bank_layout(N, B, L, Le)
-            n_bank_blocks = triton.cdiv(total, B)
-            n_tiles = coarse_lists.shape[1]
-            dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
-            dbv = torch.empty_like(dbk)
-            top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
-            n_cand = coarse_lists.shape[-1] - (n_bank_blocks - top_lo)
-            if top_lo > 0:   # candidate levels: one CSC list per bank block
-                csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
-                avg = n_cand * n_tiles // top_lo
-                bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, csc, COARSE_TILE, B, scale, logw,
-                                     blk_range=(0, top_lo), n_split=bs._split_for(BH * top_lo, avg), dk=dbk, dv=dbv)
-            if top_lo < n_bank_blocks:   # coarsest level: every tile lists every block -> one shared list,
-                group = max(1, 64 // B)  # groups of 64 keys per program
-                n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
-                bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, bs.shared_csc(n_tiles, qf.device),
-                                     COARSE_TILE, B, scale, logw, blk_range=(top_lo, n_bank_blocks), group=group,
-                                     n_split=bs._split_for(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
-            if compat_l1 and L == 1:
-                dbk, dbv = dbk / B, dbv / B
-            # mean-pool adjoint, coarsest first: dX^(l-1) += repeat(dX^(l) / B)
-            gk = gv = None
-            for lvl in range(min(Le, L), 0, -1):
-                lo = offsets[lvl - 1]
-                hi = lo + N // B ** lvl
-                gk = dbk[:, lo:hi] if gk is None else gk + dbk[:, lo:hi]
-                gv = dbv[:, lo:hi] if gv is None else gv + dbv[:, lo:hi]
-                gk = (gk / B).repeat_interleave(B, dim=1)
-                gv = (gv / B).repeat_interleave(B, dim=1)
-            dk, dv = dk + gk, dv + gv
-        dt = qf.dtype
-        return (dq.view(shape).to(dt), dk.view(shape).to(dt), dv.view(shape).to(dt),
-                None, None, None, None, None, None, None, None, None)
+                                    o=o)
+            pooled_k, pooled_v = _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw,
+                                                    B, L, Le, scale, compat_l1)
+        # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
+        # adjoint of the pooled gradients; writes the input dtype directly
+        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq,
+                                o=o if dq is None else None, out_dtype=dt)
+        dk, dv = bs.bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csr_to_csc(fine_lists, N // B), B, B, scale,
+                                      pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
+                                      out_dtype=dt)
+        return (dq.view(shape), dk.view(shape), dv.view(shape), None, None, None, None, None, None, None, None, None)
+
+
+def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, compat_l1):
+    """Key-major dK/dV of the pooled bank, then pushed down the pyramid to level 1: returns fp32
+    ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
+    BH, N, d = qf.shape
+    offsets, total = _bank_layout(N, B, L, Le)
+    n_bank_blocks = triton.cdiv(total, B)
+    n_tiles = coarse_lists.shape[1]
+    dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
+    dbv = torch.empty_like(dbk)
+    top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
+    n_cand = coarse_lists.shape[-1] - (n_bank_blocks - top_lo)
+    if top_lo > 0:   # candidate levels: one CSC list per bank block
+        csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
+        bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, csc, COARSE_TILE, B, scale, logw,
+                             blk_range=(0, top_lo), n_split=bs._split_for(BH * top_lo, n_cand * n_tiles // top_lo),
+                             dk=dbk, dv=dbv)
+    if top_lo < n_bank_blocks:   # coarsest level: every tile lists every block -> one shared list,
+        group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
+        n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
+        bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, bs.shared_csc(n_tiles, qf.device), COARSE_TILE, B,
+                             scale, logw, blk_range=(top_lo, n_bank_blocks), group=group,
+                             n_split=bs._split_for(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
+    if compat_l1 and L == 1:   # reference l1 kernel: pooled-path gradient B times too small (spec §6.2)
+        dbk, dbv = dbk / B, dbv / B
+    gk = gv = None
+    for lvl in range(min(Le, L), 0, -1):   # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
+        lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B ** lvl
+        if gk is not None:
+            gk = dbk[:, lo:hi] + (gk / B).repeat_interleave(B, dim=1)
+            gv = dbv[:, lo:hi] + (gv / B).repeat_interleave(B, dim=1)
+        else:
+            gk, gv = dbk[:, lo:hi], dbv[:, lo:hi]
+    return gk.contiguous(), gv.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------------ public API

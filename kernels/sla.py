@@ -23,8 +23,8 @@ partial: pooled over its real tokens, its missing keys masked):
 K rule: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``topk_ratio`` (float in [0, 1],
 ``K = clamp(ceil(topk_ratio * T), 1, T)`` with the product rounded to 6 decimals first). The authors use
 ``int(topk_ratio * T)``, which can be 0 (NaN) and truncates ``0.29 * 100`` to 28. ``feature_map``: ``softmax``
-(default), ``elu`` (elu + 1), ``relu``. ``block_size`` in {16, 32, 64}; ``head_dim`` in {32, 64, 128}; any number of
-tokens >= 1.
+(default), ``elu`` (elu + 1), ``relu``. ``block_size`` in {16, 32, 64}; ``head_dim`` in {16, 32, 64, 128}; any
+number of tokens >= 1.
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the
 Triton path: the sparse branch is the shared block-sparse FlashAttention (``block_sparse.py``), the linear branch

@@ -16,15 +16,15 @@ model's Z-order; the last tile may be partial and then holds the ``tokens mod bl
 Arguments: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``sparsity`` (float in [0, 1],
 ``K = clamp(ceil((1 - sparsity) * T), 1, T)``, the product rounded to 6 decimals first so that float noise such as
 ``(1 - 0.7) * 10 = 3.0000000000000004`` does not add a tile). ``block_size`` in {16, 32, 64}; ``head_dim`` in
-{32, 64, 128}; any number of tokens >= 1; ``scale`` defaults to ``head_dim ** -0.5`` (both stages).
+{16, 32, 64, 128}; any number of tokens >= 1; ``scale`` defaults to ``head_dim ** -0.5`` (both stages).
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, gather form, output in the input dtype); CUDA
 tensors the Triton path: the fine stage is the shared block-sparse FlashAttention (``block_sparse.py``, backward
 over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage our dense
-FlashAttention (same kernel, every block listed) over the pooled tokens in the input dtype. ``impl="triton"`` forces Triton (CPU under TRITON_INTERPRET=1),
-``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is not differentiable; gradients reach
-q, k, v through both stages and reach ``gate``.
-Tests: ``.venv/bin/python -m pytest tests/kernels/test_vsa.py``.
+FlashAttention (same kernel, every block listed) over the pooled tokens in the input dtype. ``impl="triton"`` forces
+Triton (CPU under TRITON_INTERPRET=1), ``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is
+not differentiable; gradients reach q, k, v through both stages and reach ``gate``.
+Tests: ``.venv/bin/python -m pytest tests/kernels/test_vsa.py tests/kernels/test_vsa_triton.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, topk_desc
 
 BLOCK_SIZES = (16, 32, 64)
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
