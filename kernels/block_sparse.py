@@ -29,6 +29,7 @@ CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exac
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -209,6 +210,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
+# On the GPU the three kernels are autotuned over a few warp/stage counts (keyed by the tile shapes); the
+# interpreter (TRITON_INTERPRET=1, CPU tests) launches them directly with 4 warps.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (2, 2))]
+
+
+def _tuned(kernel, key):
+    return kernel if _INTERPRET else triton.autotune(configs=_CONFIGS, key=key)(kernel)
+
+
+_fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC"])
+_dq = _tuned(_dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC"])
+_dkdv = _tuned(_dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD",
+                              "PREC"])
+_LAUNCH = {"num_warps": 4} if _INTERPRET else {}
+
+
 # ---------------------------------------------------------------------------------------------------------- launchers
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
@@ -237,10 +255,6 @@ def _per_iter(block: int) -> int:
     return max(1, 64 // block)
 
 
-def _warps(rows: int, cols: int) -> int:
-    return 8 if rows * cols >= 128 * 128 else 4
-
-
 def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue. Returns (o, lse)."""
@@ -252,13 +266,13 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = _per_iter(key_block)
     o_init, lse_init = init if init is not None else (o, lse)
-    _fwd_kernel[(n_tiles, BH)](
+    _fwd[(n_tiles, BH)](
         q, k, v, o, lse, lists, log_weights if log_weights is not None else lse, o_init, lse_init,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), _bstride(lists), lists.stride(1),
         n_q, n_k, lists.shape[2], scale * LOG2E,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None, HAS_INIT=init is not None, PREC=_prec(q.dtype),
-        num_warps=_warps(query_block, key_block * per_iter), num_stages=2)
+        **_LAUNCH)
     return o, lse
 
 
@@ -272,13 +286,13 @@ def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scal
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = _per_iter(key_block)
-    _dq_kernel[(n_tiles, BH)](
+    _dq[(n_tiles, BH)](
         q, k, v, do, o if o is not None else do, lse, delta, dq_in if accumulate else dq, dq, lists, log_weights if log_weights is not None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(lists), lists.stride(1),
         q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, COMPUTE_DELTA=o is not None, PREC=_prec(q.dtype),
-        num_warps=_warps(query_block, key_block * per_iter), num_stages=2)
+        **_LAUNCH)
     return dq
 
 
@@ -314,7 +328,7 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
     else:
         tgt_k, tgt_v = dk, dv
         out_row0, out_rows = 0, n_k
-    _dkdv_kernel[(n_groups, BH, n_split)](
+    _dkdv[(n_groups, BH, n_split)](
         q, k, v, do, lse, delta, tgt_k, tgt_v, offsets, rows, log_weights if log_weights is not None else lse,
         *(pooled_add if pooled_add is not None else (lse, lse)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(offsets),
@@ -322,7 +336,7 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
         n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
         HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
         N_SPLIT=n_split, HAS_LOGW=log_weights is not None, HAS_ADD=pooled_add is not None, PREC=_prec(q.dtype),
-        num_warps=_warps(key_block * group, query_block * per_iter), num_stages=2)
+        **_LAUNCH)
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
         dv[:, r0:r1] = tgt_v.sum(0)

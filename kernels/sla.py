@@ -40,18 +40,23 @@ import math
 import torch
 
 from .block_sparse import block_sparse_attention
-from .blocks import block_mean, topk_desc
+from .blocks import block_mean, exact_fp32_matmul, topk_desc
 from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
 from .vsa import check_qkv, num_blocks, resolve_topk, select_topk_blocks, use_triton
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
 
+def _pooled_for_scores(q: torch.Tensor, k: torch.Tensor, block_size: int):
+    """fp32 ``mean(q_i)`` and smooth-K ``mean(k_j) - mean(k)`` (= ``mean(k_j - mean(k))``), ``[B, H, T, D]`` each."""
+    return block_mean(q, block_size), block_mean(k, block_size) - k.mean(2, keepdim=True, dtype=torch.float32)
+
+
 def sla_scores(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block-classification scores ``mean(q_i) . mean(k_j - mean(k))`` -> fp32 ``[B, H, T, T]`` (no grad)."""
-    with torch.no_grad():
-        k_smooth = k.float() - k.float().mean(2, keepdim=True)
-        return block_mean(q, block_size) @ block_mean(k_smooth, block_size).transpose(-1, -2)
+    with torch.no_grad(), exact_fp32_matmul():
+        q_pool, k_pool = _pooled_for_scores(q, k, block_size)
+        return q_pool @ k_pool.transpose(-1, -2)
 
 
 def num_negligible(negligible_ratio: float, num_blocks_: int, topk: int) -> int:
@@ -72,7 +77,8 @@ def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
                          f"(got linear_scope={linear_scope!r}); set it to 0")
 
 
-def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0):
+def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0,
+               impl: str = "auto"):
     """Block classification: ``(critical, negligible)`` int32 ``[B, H, T, K]`` and ``[B, H, T, K_neg]``.
 
     ``critical`` is best first; ``negligible`` lists the lowest-scoring blocks (used by ``linear_scope="marginal"``),
@@ -81,13 +87,14 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
     check_qkv(q, k, k, block_size, None)
     t = num_blocks(q.shape[2], block_size)
     kk = resolve_topk(t, topk, topk_ratio, "topk", "topk_ratio", keep_fraction=True)
-    q_pool = block_mean(q, block_size)
-    k_pool = block_mean(k.float() - k.float().mean(2, keepdim=True), block_size)        # smooth-K
-    critical = select_topk_blocks(q_pool, k_pool, kk)
+    with torch.no_grad():
+        q_pool, k_pool = _pooled_for_scores(q, k, block_size)
+    critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=use_triton(q, impl))
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
         return critical, critical[..., :0]
-    scores = sla_scores(q, k, block_size)           # paper mode only: the full [T, T] scores for the bottom k_neg
+    with torch.no_grad(), exact_fp32_matmul():      # paper mode only: the full [T, T] scores for the bottom k_neg
+        scores = q_pool @ k_pool.transpose(-1, -2)
     # the k_neg lowest scores, ties toward the larger id: top-k of the negated scores under reversed ids
     reversed_ids = (t - 1 - torch.arange(t, device=q.device)).expand(scores.shape)
     negligible = (t - 1) - topk_desc(-scores, k_neg, reversed_ids)
@@ -101,7 +108,7 @@ def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, lin
     check_qkv(q, k, v, block_size, scale)
     _check_options(linear_scope, feature_map, negligible_ratio)
     triton_path = use_triton(q, impl)
-    critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio)
+    critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
     c = block_size

@@ -8,7 +8,7 @@ launch (shared by LLSA's selection levels; VSA/SLA's single-level selection can 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id,
 deterministic. The Triton kernel computes the scores with fp32 FMA (``input_precision="ieee"``) and picks the top
 k by k rounds of (row max, smallest id reaching it, remove it); rows with more than ``MAX_CANDIDATES`` candidates
-fall back to a PyTorch matmul + ``topk_desc``. Summation order differs between the two paths, so on near-ties
+(or a ``[d, candidates]`` tile over 128 KiB) fall back to a PyTorch matmul + ``topk_desc``. Summation order differs between the two paths, so on near-ties
 (differences ~1e-7 relative) they may pick different ids; both are exact fp32 selections.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .blocks import exact_fp32_matmul, topk_desc
 __all__ = ["pooled_topk", "MAX_CANDIDATES"]
 
 MAX_CANDIDATES = 1024
+_MAX_CAND_X_DIM = 32768   # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
 _ROWS = 16
 
 
@@ -70,14 +71,15 @@ def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents:
     R, d = q_pooled.shape[-2:]
     n_cand = k_pooled.shape[-2] if parents is None else parents.shape[-1] * child_block
     use_triton = impl == "triton" or (impl == "auto" and q_pooled.is_cuda)
-    if not use_triton or n_cand > MAX_CANDIDATES or d < 16 or (parents is not None and child_block % _ROWS):
+    cand = max(16, triton.next_power_of_2(n_cand))
+    if (not use_triton or cand > MAX_CANDIDATES or cand * d > _MAX_CAND_X_DIM or d < 16
+            or (parents is not None and child_block % _ROWS)):
         return _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block)
     qf = q_pooled.float().reshape(-1, R, d).contiguous()
     kf = k_pooled.float().reshape(-1, k_pooled.shape[-2], d).contiguous()
     BH = qf.shape[0]
     out = torch.empty(BH, R, k, device=qf.device, dtype=torch.int32)
     par = parents.reshape(BH, -1).to(torch.int32).contiguous() if parents is not None else out
-    cand = max(16, triton.next_power_of_2(n_cand))
     _pooled_topk_kernel[(triton.cdiv(R, _ROWS), BH)](
         qf, kf, par, out, R, n_cand, qf.stride(0), kf.stride(0), par.stride(0), out.stride(0),
         HEAD_DIM=d, ROWS=_ROWS, CAND=cand, TOPK=k, CHILD=child_block or 0,

@@ -34,7 +34,8 @@ import math
 import torch
 
 from .block_sparse import block_sparse_attention, flash_attention
-from .blocks import block_mean, topk_desc
+from .blocks import block_mean, exact_fp32_matmul, topk_desc
+from .topk import MAX_CANDIDATES, pooled_topk
 
 BLOCK_SIZES = (16, 32, 64)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -130,29 +131,34 @@ def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, scale: float = 1.0,
-                       max_elements: int = 1 << 26) -> torch.Tensor:
-    """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32): int32
-    ``[B, H, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc``). No grad.
+                       use_triton_topk: bool = False, max_elements: int = 1 << 26) -> torch.Tensor:
+    """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32, TF32 off): int32
+    ``[B, H, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc`` semantics). No grad.
 
-    The ``[T, T]`` score matrix is built a chunk of query blocks at a time (at most ``max_elements`` scores live at
-    once), so selection memory stays bounded at large T (e.g. 4096 tiles at 256x256 pixels with block 16).
+    ``use_triton_topk`` and ``T <= topk.MAX_CANDIDATES`` (1024): the shared fused Triton kernel ``topk.pooled_topk``
+    (scores + top-k in one launch, nothing [T, T] in memory). Otherwise the ``[T, T]`` scores are built a chunk of
+    query blocks at a time (at most ``max_elements`` live at once; e.g. 4096 tiles at 256x256 pixels with block 16)
+    and reduced with ``topk_desc_fast``.
     """
     b, h, t, d = q_pool.shape
     with torch.no_grad():
         # the scale goes on the [T, D] operand, not on the [T, T] scores (one pass less over the big matrix)
         q_rows, k_rows = (scale * q_pool.float()).reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
+        if use_triton_topk and t <= MAX_CANDIDATES:
+            return pooled_topk(q_rows, k_rows, topk, impl="triton").reshape(b, h, t, topk)
         rows_per_chunk = max(1, max_elements // (t * t))          # (batch*head) slices per chunk
         out = torch.empty(b * h, t, topk, dtype=torch.int32, device=q_pool.device)
-        if rows_per_chunk == 1:                                    # split query blocks too
-            q_chunk = max(1, max_elements // t)
-            for i in range(b * h):
-                for r in range(0, t, q_chunk):
-                    scores = q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
-                    out[i, r:r + q_chunk] = topk_desc_fast(scores, topk)
-        else:
-            for i in range(0, b * h, rows_per_chunk):
-                scores = q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
-                out[i:i + rows_per_chunk] = topk_desc_fast(scores, topk)
+        with exact_fp32_matmul():
+            if rows_per_chunk == 1:                                # split query blocks too
+                q_chunk = max(1, max_elements // t)
+                for i in range(b * h):
+                    for r in range(0, t, q_chunk):
+                        scores = q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
+                        out[i, r:r + q_chunk] = topk_desc_fast(scores, topk)
+            else:
+                for i in range(0, b * h, rows_per_chunk):
+                    scores = q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
+                    out[i:i + rows_per_chunk] = topk_desc_fast(scores, topk)
         return out.reshape(b, h, t, topk)
 
 
@@ -168,12 +174,13 @@ def use_triton(q: torch.Tensor, impl: str) -> bool:
 # public API
 
 
-def vsa_select(q, k, block_size: int = 16, topk=None, sparsity=None, scale=None) -> torch.Tensor:
+def vsa_select(q, k, block_size: int = 16, topk=None, sparsity=None, scale=None, impl: str = "auto") -> torch.Tensor:
     """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
     check_qkv(q, k, k, block_size, scale)
     kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity", keep_fraction=False)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return select_topk_blocks(block_mean(q, block_size), block_mean(k, block_size), kk, scale)
+    return select_topk_blocks(block_mean(q, block_size), block_mean(k, block_size), kk, scale,
+                              use_triton_topk=use_triton(q, impl))
 
 
 def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None,
@@ -190,7 +197,7 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=
 
     # coarse stage (differentiable through the fp32 pooling)
     q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))                 # [B, H, T, D] fp32
-    tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale)
+    tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=triton_path)
     if triton_path:   # our deterministic FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
         out_coarse = flash_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype), scale=scale,
                                      impl="triton")
