@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from pixdit.errors import PixditError
-from pixdit.sweep import expand_sweep, find_invalid_runs, gpu_slots, varying
+from pixdit.sweep import check_launch_layout, expand_sweep, find_invalid_runs, gpu_slots, varying
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
@@ -126,6 +126,29 @@ def test_launcher_configs_compose():
     assert params["cpus_per_gpu"] > 0 and params["cpus_per_task"] is None and params["partition"] == "gpu"
     assert local.hydra.launcher._target_ == "hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher"
     assert local.hydra.launcher.gpus_per_job == 1
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ([], None),                                                              # basic launcher, one device
+    (["trainer=ddp"], "basic launcher runs every run as one process"),        # Lightning would re-run `train.py -m`
+    (["hydra/launcher=local_gpus"], None),
+    (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2", "trainer=ddp", "trainer.devices=2"], None),
+    (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2"], "gpus_per_job=2"),
+    (["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "hydra.launcher.gpus_per_node=4"], None),
+    (["hydra/launcher=slurm", "trainer=ddp", "hydra.launcher.gpus_per_node=4"], None),   # devices=auto: all 4
+    (["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=2", "hydra.launcher.gpus_per_node=4"],
+     "tasks_per_node=4"),
+    (["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "hydra.launcher.nodes=1"], "nodes=1"),
+])
+def test_launch_layout(overrides, problem):
+    """Every process of a multi-GPU run must be started by the launcher (see pixdit.sweep.check_launch_layout)."""
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    if problem is None:
+        check_launch_layout(cfg)
+    else:
+        with pytest.raises(PixditError, match=problem):
+            check_launch_layout(cfg)
 
 
 def test_gpu_slots():

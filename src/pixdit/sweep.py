@@ -94,6 +94,34 @@ def check_run_config(cfg: DictConfig) -> None:
                         compile=False)  # compile is lazy anyway; the compiled graph is not what we check
 
 
+def check_launch_layout(cfg: DictConfig) -> None:
+    """Raise PixditError if the launcher would not start the processes a run with ``trainer.devices`` needs.
+
+    In a sweep the launcher must start one process per device: Lightning's own DDP launcher re-runs the command line
+    in each extra process, which inside ``train.py -m`` (basic launcher) or a submitit job re-runs the sweep or the
+    job runner instead of one run. So: the basic launcher takes one-device runs; local_gpus starts
+    ``gpus_per_job`` processes; slurm starts ``tasks_per_node`` per node (Lightning checks it equals trainer.devices).
+    """
+    launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default=""))
+    devices = OmegaConf.select(cfg, "trainer.devices", default=1)
+    num_nodes = OmegaConf.select(cfg, "trainer.num_nodes", default=1)
+    if launcher.endswith(".LocalGPUPoolLauncher"):
+        per_job = int(cfg.hydra.launcher.gpus_per_job)
+        if (devices != per_job and not (devices == "auto" and per_job == 1)) or num_nodes != 1:
+            raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} but hydra/launcher=local_gpus "
+                              f"starts gpus_per_job={per_job} processes on this machine: set trainer.devices to "
+                              f"the same number (and trainer.num_nodes=1)")
+    elif launcher.endswith(".SlurmLauncher"):
+        tasks, nodes = cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.nodes
+        if devices not in (tasks, "auto") or num_nodes != nodes:
+            raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} must match the SLURM layout "
+                              f"hydra.launcher.tasks_per_node={tasks} (= gpus_per_node), hydra.launcher.nodes={nodes}")
+    elif devices != 1 or num_nodes != 1:
+        raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} in a sweep: Hydra's basic "
+                          f"launcher runs every run as one process; use trainer.devices=1, or hydra/launcher=local_gpus "
+                          f"hydra.launcher.gpus_per_job=N, or hydra/launcher=slurm")
+
+
 def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig],
                       check: Callable[[DictConfig], None] = check_run_config) -> list[tuple[list[str], str]]:
     """``(overrides, reason)`` of every job whose config does not compose or whose check raises a user error."""
@@ -113,6 +141,8 @@ def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str
                 except PixditError as error:
                     seen[key] = str(error)
             reason = seen[key]
+            if reason is None and OmegaConf.select(cfg, "hydra.launcher") is not None:
+                check_launch_layout(cfg)
         except (HydraException, OmegaConfBaseException, PixditError) as error:
             reason = " ".join(str(error).split())
         if reason is not None:
@@ -234,6 +264,17 @@ class LocalGPUPool(LocalLauncher):
         self.gpus_per_job = int(gpus_per_job)
         self.poll_s = float(poll_s)
 
+    def __call__(self, *args: Any, **kwargs: Any):
+        """Runs in each process of a job. With several processes per job, tell Lightning it was started externally
+        (its documented ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` environment), as srun does on SLURM."""
+        import submitit
+
+        job = submitit.JobEnvironment()
+        if job.num_tasks > 1:
+            os.environ.update(LOCAL_RANK=str(job.local_rank), NODE_RANK="0", WORLD_SIZE=str(job.num_tasks),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 20000))
+        return super().__call__(*args, **kwargs)
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         import submitit
         from hydra.core.singleton import Singleton
@@ -242,7 +283,8 @@ class LocalGPUPool(LocalLauncher):
         slots = gpu_slots(visible_gpus() if self.gpus is None else self.gpus, self.gpus_per_job)
         params = self.params
         executor = submitit.LocalExecutor(folder=params["submitit_folder"])
-        executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=1,
+        # One process per GPU of a run (submitit tasks; see __call__ for how Lightning learns its rank).
+        executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=self.gpus_per_job,
                                    stderr_to_stdout=params.get("stderr_to_stdout", False))
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         # Workers unpickle this launcher: make its hydra_plugins module importable whatever their working directory.
