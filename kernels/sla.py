@@ -42,7 +42,7 @@ import torch
 from .block_sparse import block_sparse_attention
 from .blocks import block_mean, exact_fp32_matmul, topk_desc
 from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
-from .vsa import check_qkv, num_blocks, resolve_topk, select_topk_blocks, use_triton
+from .vsa import check_qkv, check_selection, num_blocks, resolve_topk, select_topk_blocks, use_triton
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
@@ -102,13 +102,21 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
 
 
 def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, linear_scope: str = "noncritical",
-                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None, impl: str = "auto"):
+                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None, impl: str = "auto",
+                  selection=None):
     """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]`` in the input dtype; see the module
-    docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch"."""
+    docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch".
+    ``selection``: optional precomputed ``(critical, negligible)`` from ``sla_select`` (then ``topk``/``topk_ratio``/
+    ``negligible_ratio`` are not used), e.g. to run two paths on the same selection."""
     check_qkv(q, k, v, block_size, scale)
     _check_options(linear_scope, feature_map, negligible_ratio)
     triton_path = use_triton(q, impl)
-    critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl)
+    if selection is None:
+        critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl)
+    else:
+        critical, negligible = selection
+        check_selection(critical, q, block_size, "selection[0] (critical)")
+        check_selection(negligible, q, block_size, "selection[1] (negligible)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
     c = block_size

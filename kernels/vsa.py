@@ -183,21 +183,40 @@ def vsa_select(q, k, block_size: int = 16, topk=None, sparsity=None, scale=None,
                               use_triton_topk=use_triton(q, impl))
 
 
+def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
+    """A precomputed block selection must be an int tensor ``[B, H, T, K]`` of ids in ``[0, T)`` on q's device."""
+    b, h, n, _ = q.shape
+    t = num_blocks(n, block_size)
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 4 \
+            or tuple(idx.shape[:3]) != (b, h, t) or idx.device != q.device:
+        raise ValueError(f"{name} must be an int32/int64 tensor [{b}, {h}, {t}, K] on {q.device} "
+                         f"(as returned by the matching *_select), got "
+                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+
+
 def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None,
-                  impl: str = "auto") -> torch.Tensor:
-    """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring."""
+                  impl: str = "auto", tile_idx=None) -> torch.Tensor:
+    """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring.
+
+    ``tile_idx``: optional precomputed selection from ``vsa_select`` (then ``topk``/``sparsity`` are not needed),
+    e.g. to run two paths on the same selection."""
     check_qkv(q, k, v, block_size, scale)
     if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
         raise ValueError(f"gate must be None or a tensor shaped like q {tuple(q.shape)}, "
                          f"got {tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
     triton_path = use_triton(q, impl)
-    kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity", keep_fraction=False)
+    if tile_idx is None:
+        kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity",
+                          keep_fraction=False)
+    else:
+        check_selection(tile_idx, q, block_size, "tile_idx")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     n, c = q.shape[2], block_size
 
     # coarse stage (differentiable through the fp32 pooling)
     q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))                 # [B, H, T, D] fp32
-    tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=triton_path)
+    if tile_idx is None:
+        tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=triton_path)
     if triton_path:   # our deterministic FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
         out_coarse = flash_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype), scale=scale,
                                      impl="triton")

@@ -11,6 +11,7 @@ Tests: ``.venv/bin/python -m pytest tests/test_attention.py``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from pixdit.attention import AttentionBackend, register_attention
@@ -74,49 +75,144 @@ class LLSAAttention(AttentionBackend):
                 f"enrich_levels={self.enrich_levels}")
 
 
+class ZeroInitLinear(nn.Module):
+    """``y = x W^T + b`` with W, b starting at zero (VSA's gate G_c, SLA's Proj: the method starts as its sparse part).
+
+    Deliberately not an ``nn.Linear``: ``DiT.initialize_weights`` re-initialises every ``nn.Linear`` with xavier, which
+    would silently undo the zero init the methods require (vsa.md §2.2, sla.md §2.3). Same state-dict keys."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
+def _check_kernel_options(backend_name: str, head_dim: int, block_size: int, call) -> None:
+    """Validate a backend's options once at build time by running its kernel on a tiny CPU input (the kernels own
+    the rules: allowed block sizes, head dims, K, scopes...); their ValueError/TypeError becomes a PixditError."""
+    x = torch.zeros(1, 1, block_size if isinstance(block_size, int) and block_size > 0 else 1, head_dim)
+    try:
+        call(x)
+    except (ValueError, TypeError) as error:
+        raise PixditError(f"attention={backend_name}: {error}") from None
+
+
+def vsa_annealed_topk(step: int, num_tiles: int, target_topk: int, anneal_every: int, anneal_rate: float) -> int:
+    """Dense-to-sparse schedule for fine-tuning a dense checkpoint (spec vsa.md §2.2, FastVideo's rule): the sparsity
+    grows by ``anneal_rate`` every ``anneal_every`` steps from 0 (all tiles) until the target K is reached.
+    ``anneal_every = 0``: the target K from step 0."""
+    if anneal_every <= 0:
+        return target_topk
+    from pixdit.kernels.vsa import topk_from_fraction  # the kernels' K rule: clamp(ceil(fraction * T), 1, T)
+
+    sparsity = min(1.0, (step // anneal_every) * anneal_rate)
+    return max(target_topk, topk_from_fraction(1.0 - sparsity, num_tiles))
+
+
 @register_attention("vsa")
 class VSAAttention(AttentionBackend):
-    """Video Sparse Attention on 2-D tiles (spec vsa.md): coarse attention between tile means + fine attention to the
-    top-K tiles, output = fine + gate * coarse. The gate is a per-layer Linear(dim, dim) of the modulated hidden
-    states, zero-initialised so that VSA starts as pure fine-stage sparse attention."""
+    """Video Sparse Attention on 2-D tiles (spec vsa.md) through `pixdit.kernels.vsa_attention`: coarse attention
+    between tile means + exact fine attention to the top-K tiles of each query tile, output = fine + gate * coarse.
+
+    block_size (C):  tokens per tile (16 = 4x4 pixels in Z-order; 16, 32 or 64)
+    topk (K):        key tiles kept per query tile (clamped to the number of tiles); or
+    sparsity:        instead of topk, the fraction of tiles dropped: K = clamp(ceil((1 - sparsity) * T), 1, T)
+    gate:            true = G_c = Linear(dim, dim) of the modulated hidden states, zero-initialised (VSA starts as
+                     its fine stage, spec §2.2); false = coarse output added ungated
+    anneal_every, anneal_rate: dense-to-sparse schedule for fine-tuning a dense checkpoint (spec §2.2): the sparsity
+                     grows by anneal_rate every anneal_every optimizer steps from 0 (dense) to the target K;
+                     anneal_every = 0 (default) = target K from step 0. Needs the training loop to call
+                     ``set_training_step(global_step)`` on the backend (the step is stored in the state dict).
+    """
 
     token_order = "zorder"
 
-    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int = 32):
+    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
+                 sparsity: float | None = None, gate: bool = True, anneal_every: int = 0, anneal_rate: float = 0.02):
         super().__init__(dim, num_heads)
-        self.block_size = int(block_size)
-        self.topk = int(topk)
-        self.gate = nn.Linear(dim, dim)
-        nn.init.zeros_(self.gate.weight)
-        nn.init.zeros_(self.gate.bias)
         self._vsa_attention = _kernel("vsa_attention", "vsa")
-        raise PixditError("attention=vsa is not implemented yet (its backend arrives with the VSA issue); "
-                          "use attention=full or attention=llsa")
+        self.block_size, self.topk, self.sparsity = block_size, topk, sparsity
+        _check_kernel_options("vsa", self.head_dim, block_size,
+                              lambda x: self._vsa_attention(x, x, x, block_size=block_size, topk=topk,
+                                                            sparsity=sparsity))
+        if isinstance(anneal_every, bool) or not isinstance(anneal_every, int) or anneal_every < 0:
+            raise PixditError(f"attention=vsa: anneal_every must be an int >= 0 (0 = no annealing), "
+                              f"got {anneal_every!r}")
+        if not isinstance(anneal_rate, (int, float)) or not 0 < anneal_rate <= 1:
+            raise PixditError(f"attention=vsa: anneal_rate must be a float in (0, 1], got {anneal_rate!r}")
+        self.anneal_every, self.anneal_rate = anneal_every, float(anneal_rate)
+        self.gate = None
+        if gate:
+            self.gate = ZeroInitLinear(dim, dim)
+        self.register_buffer("training_step", torch.zeros((), dtype=torch.long))
+        self._step_was_set = False
+
+    def set_training_step(self, step: int) -> None:
+        """The optimizer step that drives the annealing schedule (call once per training step)."""
+        self.training_step.fill_(int(step))
+        self._step_was_set = True
+
+    def current_topk(self, num_tokens: int) -> int:
+        from pixdit.kernels.vsa import topk_from_fraction
+
+        num_tiles = -(-num_tokens // self.block_size)
+        target = min(self.topk, num_tiles) if self.topk is not None else \
+            topk_from_fraction(1.0 - self.sparsity, num_tiles)
+        if self.anneal_every and self.training and not self._step_was_set:
+            raise PixditError("attention=vsa with anneal_every > 0 needs the training loop to call "
+                              "set_training_step(global_step) on the attention backends")
+        return vsa_annealed_topk(int(self.training_step), num_tiles, target, self.anneal_every, self.anneal_rate)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        raise NotImplementedError("VSA backend: see __init__")
+        b, h, n, d = q.shape
+        gate = None
+        if self.gate is not None:     # [b, N, dim] -> [b, heads, N, head_dim], no activation (spec §7)
+            gate = self.gate(hidden).view(b, n, h, d).transpose(1, 2).to(q.dtype)
+        return self._vsa_attention(q, k, v, block_size=self.block_size, topk=self.current_topk(n), gate=gate)
+
+    def extra_repr(self) -> str:
+        return (f"block_size={self.block_size}, topk={self.topk}, sparsity={self.sparsity}, "
+                f"gate={self.gate is not None}, anneal_every={self.anneal_every}")
 
 
 @register_attention("sla")
 class SLAAttention(AttentionBackend):
-    """Sparse-Linear Attention (spec sla.md): block-sparse softmax attention over the top-K key blocks + a linear
-    attention branch passed through a Linear(head_dim, head_dim) shared across heads, zero-initialised so that SLA
-    starts as pure block-sparse attention."""
+    """Sparse-Linear Attention (spec sla.md) through `pixdit.kernels.sla_attention`: exact softmax attention over the
+    top-K ("critical") key blocks + linear attention over the rest, output = O_sparse + Proj(O_linear) with Proj a
+    Linear(head_dim, head_dim) shared across heads, zero-initialised (SLA starts as block-sparse attention, §2.3).
+
+    block_size:        tokens per block for queries and keys (16 = 4x4 pixels in Z-order; 16, 32 or 64)
+    topk (K):          critical key blocks per query block (clamped to the number of blocks); or
+    topk_ratio:        instead of topk, the fraction kept: K = clamp(ceil(topk_ratio * T), 1, T)
+    linear_scope:      noncritical (the authors' SLA-1 code, default) | all (their current main) | marginal (paper)
+    feature_map:       softmax (default) | elu (elu + 1) | relu
+    negligible_ratio:  marginal scope only: the fraction of lowest-scoring blocks skipped entirely
+    """
 
     token_order = "zorder"
 
-    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int = 32):
+    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
+                 topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",
+                 negligible_ratio: float = 0.0):
         super().__init__(dim, num_heads)
-        self.block_size = int(block_size)
-        self.topk = int(topk)
-        self.proj_linear = nn.Linear(self.head_dim, self.head_dim)
-        nn.init.zeros_(self.proj_linear.weight)
-        nn.init.zeros_(self.proj_linear.bias)
         self._sla_attention = _kernel("sla_attention", "sla")
-        raise PixditError("attention=sla is not implemented yet (its backend arrives with the SLA issue); "
-                          "use attention=full or attention=llsa")
+        self.options = dict(block_size=block_size, topk=topk, topk_ratio=topk_ratio, linear_scope=linear_scope,
+                            feature_map=feature_map, negligible_ratio=negligible_ratio)
+        _check_kernel_options("sla", self.head_dim, block_size, lambda x: self._sla_attention(x, x, x, **self.options))
+        self.proj_linear = ZeroInitLinear(self.head_dim, self.head_dim)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        raise NotImplementedError("SLA backend: see __init__")
+        o_sparse, o_linear = self._sla_attention(q, k, v, **self.options)
+        # fp32 master weights; under autocast F.linear runs in the autocast dtype (spec §8)
+        projected = self.proj_linear(o_linear if torch.is_autocast_enabled(o_linear.device.type)
+                                     else o_linear.to(self.proj_linear.weight.dtype))
+        return o_sparse + projected.to(o_sparse.dtype)
 
-
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value}" for key, value in self.options.items())

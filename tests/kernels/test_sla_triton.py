@@ -1,8 +1,8 @@
 """SLA's Triton path: under TRITON_INTERPRET=1 on CPU (fp32, tiny sizes) against the fp64 dense oracle for every
 ``linear_scope`` and feature map, and on the GPU (``-m gpu``, bf16/fp16 at real sizes) against the exact fp32 path.
 
-    .venv/bin/python -m pytest tests/kernels/test_sla_triton.py            # CPU: interpreter (tests/kernels/conftest.py)
-    python -m pytest tests/kernels/test_sla_triton.py -m gpu               # CUDA machine
+    .venv/bin/python -m pytest tests/kernels/test_sla_triton.py  # CPU: interpreter (see tests/kernels/conftest.py)
+    python -m pytest tests/kernels/test_sla_triton.py -m gpu  # CUDA machine
 """
 
 import pytest
@@ -41,7 +41,7 @@ def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio)
     kwargs = dict(block_size=16, topk=2, linear_scope=scope, feature_map=feature_map,
                   negligible_ratio=negligible_ratio)
     got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
-    critical, negligible = sla_select(q, k, 16, topk=2, negligible_ratio=negligible_ratio)
+    critical, negligible = sla_select(q, k, 16, topk=2, negligible_ratio=negligible_ratio, impl="triton")
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     r_s, r_l = sla_reference(qd, kd, vd, 16, 2, scope, feature_map, num_negligible=negligible.shape[-1],
                              crit_idx=critical)
@@ -82,7 +82,8 @@ def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, bl
     q, k, v, up_s, up_l = _inputs(b, h, n, d, dtype, "cuda")
     kwargs = dict(block_size=block_size, topk=topk, linear_scope=scope, feature_map=feature_map,
                   negligible_ratio=0.1 if scope == "marginal" else 0.0)
-    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
+    kwargs["selection"] = sla_select(q, k, block_size, topk=topk, negligible_ratio=kwargs["negligible_ratio"])
+    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)                 # one selection for both paths
     exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
     want = _run(*exact, up_s, up_l, impl="torch", **kwargs)
     for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):

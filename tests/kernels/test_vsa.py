@@ -146,3 +146,13 @@ def test_fast_topk_equals_the_shared_exact_topk_with_and_without_ties():
     zeros = torch.zeros(3, 10)
     zeros[0, :5] = -0.0                                                                 # -0.0 ties with +0.0
     assert topk_desc_fast(zeros, 4).tolist() == [[0, 1, 2, 3]] * 3
+
+
+def test_precomputed_selection_is_used_and_checked():
+    q, k, v, _ = _inputs(1, 2, 64, 32, seed=12)
+    tile_idx = torch.tensor([[3, 0], [1, 2], [0, 3], [2, 1]], dtype=torch.int32).expand(1, 2, 4, 2)
+    out = vsa_attention(q, k, v, block_size=16, tile_idx=tile_idx)
+    ref = vsa_reference(q.double(), k.double(), v.double(), 16, 2, tile_idx=tile_idx)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tile_idx"):
+        vsa_attention(q, k, v, block_size=16, tile_idx=tile_idx[:, :, :3])

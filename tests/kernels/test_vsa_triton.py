@@ -1,8 +1,8 @@
 """VSA's Triton path: under TRITON_INTERPRET=1 on CPU (fp32, tiny sizes) against the fp64 dense oracle, and on the GPU
 (``-m gpu``, bf16/fp16 at real sizes) against the exact fp32 PyTorch path.
 
-    .venv/bin/python -m pytest tests/kernels/test_vsa_triton.py            # CPU: interpreter (tests/kernels/conftest.py)
-    python -m pytest tests/kernels/test_vsa_triton.py -m gpu               # CUDA machine
+    .venv/bin/python -m pytest tests/kernels/test_vsa_triton.py  # CPU: interpreter (see tests/kernels/conftest.py)
+    python -m pytest tests/kernels/test_vsa_triton.py -m gpu  # CUDA machine
 """
 
 import pytest
@@ -39,7 +39,7 @@ def _inputs(b, h, n, d, dtype=torch.float32, device="cpu", seed=0):
 def test_interpreted_triton_matches_oracle(b, h, n, d, block_size, topk):
     q, k, v, gate, upstream = _inputs(b, h, n, d)
     got = _run(q, k, v, gate, upstream.detach(), block_size=block_size, topk=topk, impl="triton")
-    tile_idx = vsa_select(q, k, block_size=block_size, topk=topk)
+    tile_idx = vsa_select(q, k, block_size=block_size, topk=topk, impl="triton")  # the same selection path
     qd, kd, vd, gd = (x.detach().double().requires_grad_() for x in (q, k, v, gate))
     ref = vsa_reference(qd, kd, vd, block_size, topk, gate=gd, tile_idx=tile_idx)
     want = [ref.detach()] + list(torch.autograd.grad(ref, [qd, kd, vd, gd], upstream.detach().double()))
@@ -66,9 +66,10 @@ def test_interpreted_triton_all_tiles_is_full_attention_and_deterministic():
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_triton_matches_exact_path(dtype, b, h, n, d, block_size, topk, mark):
     q, k, v, gate, upstream = _inputs(b, h, n, d, dtype, "cuda")
-    got = _run(q, k, v, gate, upstream.detach(), block_size=block_size, topk=topk, impl="triton")
+    tile_idx = vsa_select(q, k, block_size=block_size, topk=topk)      # one selection for both paths
+    got = _run(q, k, v, gate, upstream.detach(), block_size=block_size, tile_idx=tile_idx, impl="triton")
     exact = [x.detach().float().requires_grad_() for x in (q, k, v, gate)]
-    want = _run(*exact, upstream.detach().float(), block_size=block_size, topk=topk, impl="torch")
+    want = _run(*exact, upstream.detach().float(), block_size=block_size, tile_idx=tile_idx, impl="torch")
     for name, a, r in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
         assert torch.isfinite(a).all(), name
         assert _rel(a, r) < TOL[dtype], (name, _rel(a, r))
