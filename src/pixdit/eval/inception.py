@@ -38,6 +38,11 @@ FEATURE_DIM = 2048
 DOWNLOAD_TIMEOUT_S = 20
 
 
+def option_name(config_prefix: str, name: str) -> str:
+    """How the user sets option `name`: `eval.inception_path` (Hydra) or `--inception-path` (config_prefix="--")."""
+    return f"--{name.replace('_', '-')}" if config_prefix == "--" else f"{config_prefix}.{name}"
+
+
 def _candidate_paths(inception_path: str | None, cache_dir: str | None) -> list[Path]:
     if inception_path:
         path = Path(os.path.expanduser(str(inception_path)))
@@ -46,7 +51,7 @@ def _candidate_paths(inception_path: str | None, cache_dir: str | None) -> list[
     return [Path(os.path.expanduser(str(d))) / INCEPTION_FILENAME for d in [*dirs, CLEANFID_DEFAULT_DIR]]
 
 
-def _download(url: str, destination: Path) -> None:
+def download_file(url: str, destination: Path) -> None:
     """Download with a timeout to a temporary file, then rename (never leaves a half-written weights file)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as tmp:
@@ -60,12 +65,13 @@ def _download(url: str, destination: Path) -> None:
 
 
 def resolve_inception_path(inception_path: str | None = None, cache_dir: str | None = None,
-                           download: bool = False) -> Path:
+                           download: bool = False, config_prefix: str = "eval") -> Path:
     """Path of the Inception weights file; raise PixditError (at start-up) when it is missing.
 
     inception_path: the file, or a folder containing `inception-2015-12-05.pt` (config key `eval.inception_path`).
     cache_dir: a folder searched when inception_path is not set (config key `eval.cache_dir`), before clean-fid's /tmp.
     download: when the file is missing, download it (with a timeout) to the first candidate location.
+    config_prefix: the config section the error message names (`eval` for evaluate.py, `callbacks.fid` in training).
     """
     candidates = _candidate_paths(inception_path, cache_dir)
     for path in candidates:
@@ -74,17 +80,19 @@ def resolve_inception_path(inception_path: str | None = None, cache_dir: str | N
     target = candidates[0]
     if download:
         try:
-            _download(INCEPTION_URL, target)
+            download_file(INCEPTION_URL, target)
             return target
         except Exception as error:  # noqa: BLE001 - any network / disk failure becomes the message below
             reason = f"the download failed ({type(error).__name__}: {error})"
     else:
-        reason = "downloading is off (eval.download=false)"
+        reason = f"downloading is off ({option_name(config_prefix, 'download')} not set)"
     raise PixditError(
         f"Inception weights for FID/IS not found: looked for {', '.join(str(p) for p in candidates)}; {reason}.\n"
         f"  The file is {INCEPTION_FILENAME} from {INCEPTION_URL}\n"
-        f"  Fix: download it on a machine with network access and set eval.inception_path=/path/to/{INCEPTION_FILENAME}"
-        f" (or put it in eval.cache_dir), or set eval.download=true on a machine with network access."
+        f"  Fix: download it on a machine with network access and set "
+        f"{option_name(config_prefix, 'inception_path')}=/path/to/{INCEPTION_FILENAME} (or put it in "
+        f"{option_name(config_prefix, 'cache_dir')}), or turn on {option_name(config_prefix, 'download')} on a "
+        f"machine with network access."
     )
 
 
@@ -100,15 +108,16 @@ class InceptionFeatureExtractor:
     GIL), the network on `device`.
     """
 
-    def __init__(self, weights_path: str | Path, device: torch.device | str = "cpu", resize_threads: int = 8):
+    def __init__(self, weights_path: str | Path, device: torch.device | str = "cpu", resize_threads: int = 8,
+                 config_prefix: str = "eval"):
         from cleanfid.inception_torchscript import InceptionV3W
         from cleanfid.resize import build_resizer
 
         weights_path = Path(weights_path)
         if weights_path.name != INCEPTION_FILENAME:
             raise PixditError(
-                f"eval.inception_path={weights_path}: clean-fid loads the weights by their file name; "
-                f"rename the file to {INCEPTION_FILENAME} (or point eval.inception_path at its folder)"
+                f"{option_name(config_prefix, 'inception_path')}={weights_path}: clean-fid loads the weights by their file name; "
+                f"rename the file to {INCEPTION_FILENAME} (or point {option_name(config_prefix, 'inception_path')} at its folder)"
             )
         self.device = torch.device(device)
         # download=False: clean-fid would otherwise fetch the file without a timeout; we resolved it already.

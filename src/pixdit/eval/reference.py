@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pixdit.errors import PixditError
+from pixdit.eval.inception import download_file, option_name
 
 CLEANFID_STATS_URL = "https://www.cs.cmu.edu/~clean-fid/stats"
 CLEANFID_PREFIX = "cleanfid:"
@@ -65,15 +66,16 @@ def cleanfid_stats_dir(configured: str | None = None) -> Path:
     return Path(os.path.dirname(cleanfid.__file__)) / "stats"
 
 
-def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, download: bool) -> ReferenceStats:
+def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, download: bool,
+                   config_prefix: str) -> ReferenceStats:
     if name not in CLEANFID_PRECOMPUTED:
         raise PixditError(
-            f"eval.reference={CLEANFID_PREFIX}{name}: unknown clean-fid statistics; allowed: "
+            f"{option_name(config_prefix, 'reference')}={CLEANFID_PREFIX}{name}: unknown clean-fid statistics; allowed: "
             f"{sorted(CLEANFID_PREFIX + n for n in CLEANFID_PRECOMPUTED)}, or a path made by scripts/make_fid_stats.py"
         )
     if resolution not in CLEANFID_PRECOMPUTED[name]:
         raise PixditError(
-            f"eval.reference={CLEANFID_PREFIX}{name} exists only at resolutions {CLEANFID_PRECOMPUTED[name]}, "
+            f"{option_name(config_prefix, 'reference')}={CLEANFID_PREFIX}{name} exists only at resolutions {CLEANFID_PRECOMPUTED[name]}, "
             f"not {resolution}; make your own with: python scripts/make_fid_stats.py --shards DIR --resolution {resolution}"
         )
     dataset, split = name.split("_", 1)
@@ -83,10 +85,8 @@ def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, dow
     if not path.is_file():
         url = f"{CLEANFID_STATS_URL}/{filename}"
         if download:
-            from pixdit.eval.inception import _download
-
             try:
-                _download(url, path)
+                download_file(url, path)
             except Exception as error:  # noqa: BLE001
                 raise PixditError(f"could not download {url} to {path}: {type(error).__name__}: {error}") from None
         else:
@@ -114,20 +114,20 @@ def url_or_path(path: Path) -> str:
 
 
 def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: str | None = None,
-                   download: bool = False) -> ReferenceStats:
-    """Load reference statistics named by `eval.reference` (see the module docstring)."""
+                   download: bool = False, config_prefix: str = "eval") -> ReferenceStats:
+    """Load reference statistics named by `<config_prefix>.reference` (see the module docstring)."""
     if not reference:
         raise PixditError(
-            "eval.reference is not set: give cleanfid:ffhq_trainval70k (FFHQ 256/1024) or the .npz written by "
+            f"{option_name(config_prefix, 'reference')} is not set: give cleanfid:ffhq_trainval70k (FFHQ 256/1024) or the .npz written by "
             "python scripts/make_fid_stats.py --shards DIR"
         )
     reference = str(reference)
     if reference.startswith(CLEANFID_PREFIX):
-        return _load_cleanfid(reference[len(CLEANFID_PREFIX):], resolution, cleanfid_dir, download)
+        return _load_cleanfid(reference[len(CLEANFID_PREFIX):], resolution, cleanfid_dir, download, config_prefix)
     path = Path(os.path.expanduser(reference))
     if not path.is_file():
         raise PixditError(
-            f"eval.reference={reference}: file not found. Make it with: python scripts/make_fid_stats.py "
+            f"{option_name(config_prefix, 'reference')}={reference}: file not found. Make it with: python scripts/make_fid_stats.py "
             f"--shards DIR --resolution {resolution or 'R'} --out {reference}"
         )
     with np.load(path, allow_pickle=False) as data:
@@ -138,7 +138,7 @@ def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: 
     stored_resolution = description.get("resolution")
     if resolution and stored_resolution and int(stored_resolution) != int(resolution):
         raise PixditError(
-            f"eval.reference={reference} was made at resolution {stored_resolution}, but samples are {resolution}; "
+            f"{option_name(config_prefix, 'reference')}={reference} was made at resolution {stored_resolution}, but samples are {resolution}; "
             f"make matching statistics with: python scripts/make_fid_stats.py --shards DIR --resolution {resolution}"
         )
     return ReferenceStats(mu=mu, sigma=sigma, id=f"{path.name}@{content_hash(mu, sigma)}", count=count,
@@ -157,3 +157,94 @@ def save_reference(path: str | Path, mu: np.ndarray, sigma: np.ndarray, count: i
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
     return path
+
+
+def _shards_fingerprint(manifest: dict, split: str) -> str:
+    digest = hashlib.sha256()
+    for shard in manifest["splits"][split]["shards"]:
+        digest.update(f"{shard['name']}:{shard.get('sha256', '')}:{shard['count']};".encode())
+    return digest.hexdigest()[:16]
+
+
+def make_reference_stats(root: str | Path, extractor, *, resolution: int | None = None, split: str = "train",
+                         batch_size: int = 64, kid: bool = False, out: str | Path | None = None,
+                         force: bool = False, max_images: int | None = None, progress=print) -> Path:
+    """Stream the shards of `root` (a pixdit shard folder) through the FID pipeline and save their statistics.
+
+    Images are decoded from the shards as stored (uint8); when `resolution` differs from the shards' own, they are
+    resized with the data pipeline's `center_crop_arr` first (the way the training data were made). Cached: when `out`
+    exists and describes the same shards (checksums), split, resolution, image count and KID setting, nothing runs.
+    """
+    import datetime
+
+    import torch
+
+    from pixdit.data.imageops import center_crop_arr, decode_image
+    from pixdit.data.shards import iter_shard_samples, read_manifest
+    from pixdit.eval.stats import FeatureStatistics
+    from PIL import Image
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    if split not in manifest["splits"]:
+        raise PixditError(f"--split {split}: {root}/manifest.json has splits {sorted(manifest['splits'])}")
+    stored_resolution = int(manifest["resolution"])
+    resolution = int(resolution or stored_resolution)
+    out = Path(out) if out else default_stats_path(root, resolution)
+    total = int(manifest["splits"][split]["count"])
+    count = min(total, max_images) if max_images else total
+    description = {
+        "source": str(root.resolve()),
+        "dataset": manifest.get("source"),
+        "split": split,
+        "shards_fingerprint": _shards_fingerprint(manifest, split),
+        "stored_resolution": stored_resolution,
+        "resolution": resolution,
+        "data_resize": "none" if resolution == stored_resolution else
+        "pixdit.data.imageops.center_crop_arr (box halvings + bicubic + centre crop)",
+        "resize_pipeline": RESIZE_PIPELINE,
+        "count": count,
+        "kid_features": bool(kid),
+    }
+    if out.is_file() and not force:
+        with np.load(out) as data:
+            cached = json.loads(str(data["description"])) if "description" in data else {}
+        if all(cached.get(k) == v for k, v in description.items() if k != "source"):
+            progress(f"{out}: up to date ({count} images at {resolution}px), nothing to do (--force recomputes)")
+            return out
+
+    stats = FeatureStatistics(2048, device=extractor.device)
+    features, batch, seen = [], [], 0
+
+    def flush():
+        feats, _ = extractor(torch.from_numpy(np.stack(batch)).permute(0, 3, 1, 2))
+        stats.update(feats)
+        if kid:
+            features.append(feats.cpu().numpy())
+        batch.clear()
+
+    for shard in manifest["splits"][split]["shards"]:
+        for sample in iter_shard_samples(root / shard["name"]):
+            if seen >= count:
+                break
+            data = next((sample[k] for k in ("png", "jpg") if k in sample), None)
+            if data is None:
+                continue
+            pixels = decode_image(data)
+            if pixels.shape[:2] != (resolution, resolution):
+                pixels = center_crop_arr(Image.fromarray(pixels), resolution)
+            batch.append(pixels)
+            seen += 1
+            if len(batch) == batch_size:
+                flush()
+                if seen % (batch_size * 50) == 0:
+                    progress(f"{seen}/{count} images")
+    if batch:
+        flush()
+    if seen != count:
+        raise PixditError(f"{root}: manifest lists {count} {split} images but only {seen} were readable")
+    mu, sigma = stats.mean_and_covariance()
+    description["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    save_reference(out, mu, sigma, count, description, np.concatenate(features) if kid else None)
+    progress(f"wrote {out} ({count} images at {resolution}px)")
+    return out

@@ -67,7 +67,7 @@ class FeatureStatistics:
 
 def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:
     """Square root of a symmetric positive semi-definite matrix (negative round-off eigenvalues clipped to 0)."""
-    eigenvalues, eigenvectors = linalg.eigh(matrix)
+    eigenvalues, eigenvectors = linalg.eigh(matrix, driver="evd")  # divide and conquer: the fastest for all vectors
     return (eigenvectors * np.sqrt(np.clip(eigenvalues, 0.0, None))) @ eigenvectors.T
 
 
@@ -87,14 +87,18 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
             f"frechet_distance: shapes do not match: mu1 {mu1.shape}, mu2 {mu2.shape}, sigma1 {sigma1.shape}, "
             f"sigma2 {sigma2.shape} (the reference statistics must come from the same feature network)"
         )
-    sigma1 = 0.5 * (sigma1 + sigma1.T)
-    sigma2 = 0.5 * (sigma2 + sigma2.T)
+    diff = mu1 - mu2
+    mean_term = diff @ diff
+    # Dimensions without variance in either set have zero rows and columns in both (PSD) and add nothing to the trace
+    # terms: dropping them is exact and makes the eigen-solvers cheaper.
+    keep = (np.diag(sigma1) > 0) | (np.diag(sigma2) > 0)
+    sigma1 = 0.5 * (sigma1 + sigma1.T)[np.ix_(keep, keep)]
+    sigma2 = 0.5 * (sigma2 + sigma2.T)[np.ix_(keep, keep)]
     sqrt_sigma1 = _psd_sqrt(sigma1)
     middle = sqrt_sigma1 @ sigma2 @ sqrt_sigma1
     eigenvalues = linalg.eigvalsh(0.5 * (middle + middle.T))
     trace_sqrt_product = np.sqrt(np.clip(eigenvalues, 0.0, None)).sum()
-    diff = mu1 - mu2
-    distance = diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * trace_sqrt_product
+    distance = mean_term + np.trace(sigma1) + np.trace(sigma2) - 2.0 * trace_sqrt_product
     return float(max(distance, 0.0))
 
 

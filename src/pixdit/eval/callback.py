@@ -1,0 +1,167 @@
+"""FIDCallback: FID / Inception Score (/ KID) of the EMA model during training, logged as `fid`, `is_mean`, `is_std`.
+
+Config: configs/callbacks/fid.yaml (train.py builds it as `callbacks.fid`); e.g.
+
+    python train.py experiment=ffhq128_llsa callbacks.fid.every_n_steps=5000 callbacks.fid.num_samples=10000 \
+        callbacks.fid.reference=cleanfid:ffhq_trainval70k callbacks.fid.inception_path=/data/inception-2015-12-05.pt
+
+* Start-up checks (`setup`): the Inception weights file and the reference statistics are found (or a PixditError
+  names the file, its source and the config key) before the first training step, never mid-training.
+* Every rank generates its share of the samples (per-index seeds: same images for any GPU count), features are
+  combined across ranks and the metrics computed once (rank 0) and sent to every rank, so all ranks log the same value
+  and `ModelCheckpoint(monitor="fid")` works.
+* Memory: generation runs in batches of at most `batch_size` and halves the batch on CUDA out-of-memory, so an
+  evaluation cannot kill the training run. It is skipped under `fast_dev_run`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from pixdit.errors import PixditError
+from pixdit.eval.evaluator import evaluate_generator
+from pixdit.eval.inception import InceptionFeatureExtractor, resolve_inception_path
+from pixdit.eval.reference import ReferenceStats, default_stats_path, load_reference
+
+log = logging.getLogger(__name__)
+
+# Trainer precision -> the autocast precision of generation.
+TRAINER_PRECISIONS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16", "16-mixed": "fp16",
+                      "16-true": "fp16", "16": "fp16", "32-true": "fp32", "32": "fp32", "64-true": "fp32"}
+
+
+def generation_precision(precision: str, trainer_precision: str | None) -> str:
+    if precision != "auto":
+        return precision
+    return TRAINER_PRECISIONS.get(str(trainer_precision), "fp32")
+
+
+class FIDCallback(Callback):
+    """FID/IS of generated samples every `every_n_steps` optimizer steps (0 = never) and/or at the end of training."""
+
+    config_key = "callbacks.fid"
+
+    def __init__(
+        self,
+        reference: str | None = None,  # None: <data root>/fid_stats/clean_<res>.npz (scripts/make_fid_stats.py)
+        every_n_steps: int = 0,
+        at_end: bool = True,
+        num_samples: int = 10_000,
+        steps: int = 20,
+        cfg_scale: float = 1.0,
+        seed: int = 0,
+        batch_size: int = 64,
+        use_ema: bool = True,
+        precision: str = "auto",
+        kid: bool = False,
+        inception_splits: int = 10,
+        inception_path: str | None = None,
+        cache_dir: str | None = None,
+        cleanfid_stats_dir: str | None = None,
+        download: bool = False,
+    ):
+        key = self.config_key
+        if every_n_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1:
+            raise PixditError(
+                f"{key}: every_n_steps must be >= 0 (0 = only at the end), num_samples >= inception_splits "
+                f"({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_steps={every_n_steps}, "
+                f"num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
+            )
+        if precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise PixditError(f"{key}.precision={precision!r}; allowed: auto (the trainer's), fp32, bf16, fp16")
+        self.reference_name = reference
+        self.every_n_steps = every_n_steps
+        self.at_end = at_end
+        self.num_samples = num_samples
+        self.steps = steps
+        self.cfg_scale = cfg_scale
+        self.seed = seed
+        self.batch_size = batch_size
+        self.use_ema = use_ema
+        self.precision = precision
+        self.kid = kid
+        self.inception_splits = inception_splits
+        self.inception_path = inception_path
+        self.cache_dir = cache_dir
+        self.cleanfid_stats_dir = cleanfid_stats_dir
+        self.download = download
+        self.enabled = every_n_steps > 0 or at_end
+        self.reference: ReferenceStats | None = None
+        self.extractor: InceptionFeatureExtractor | None = None
+        self.last_metrics: dict | None = None
+        self._weights_path = None
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ start-up checks
+    def setup(self, trainer: Trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or not self.enabled:
+            return
+        if trainer.fast_dev_run:
+            log.info("FIDCallback: skipped under fast_dev_run")
+            self.enabled = False
+            return
+        key = self.config_key
+        self._weights_path = resolve_inception_path(self.inception_path, self.cache_dir, self.download, key)
+        resolution = int(pl_module.image_size[0])
+        reference = self.reference_name
+        data_root = getattr(trainer.datamodule, "root", None) if trainer.datamodule is not None else None
+        if not reference and data_root is not None:
+            # Default: the statistics scripts/make_fid_stats.py writes next to the training shards.
+            reference = str(default_stats_path(data_root, resolution))
+            if not Path(reference).is_file():
+                raise PixditError(
+                    f"{key}.reference is not set and {reference} does not exist. Make it once with:\n"
+                    f"    python scripts/make_fid_stats.py --shards {data_root} --resolution {resolution}\n"
+                    f"  or set {key}.reference=cleanfid:ffhq_trainval70k (FFHQ at 256/1024 px), or {key}=null to "
+                    f"turn FID off"
+                )
+        if not reference:
+            raise PixditError(
+                f"{key}.reference is not set: use cleanfid:ffhq_trainval70k (FFHQ at 256 or 1024 px) or the .npz made "
+                f"by `python scripts/make_fid_stats.py --shards DATA_DIR --resolution R` (or set {key}=null to turn "
+                f"FID off)"
+            )
+        self.reference = load_reference(reference, resolution=resolution,
+                                        cleanfid_dir=self.cleanfid_stats_dir, download=self.download,
+                                        config_prefix=key)
+
+    # ------------------------------------------------------------------ when to evaluate
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.enabled and self.every_n_steps and step > 0 and step % self.every_n_steps == 0 \
+                and step != self._last_step:
+            self.evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:
+        if self.enabled and self.at_end and trainer.global_step != self._last_step:
+            self.evaluate(trainer, pl_module)
+
+    # ------------------------------------------------------------------ the evaluation
+    def evaluate(self, trainer: Trainer, pl_module) -> dict:
+        """Run one evaluation on every rank (collective) and log the result; returns the metrics."""
+        self._last_step = trainer.global_step
+        device = pl_module.device
+        if self.extractor is None or self.extractor.device != device:
+            self.extractor = InceptionFeatureExtractor(self._weights_path, device=device, config_prefix=self.config_key)
+        model = pl_module.ema.model if self.use_ema and hasattr(pl_module, "ema") else pl_module.model
+        metrics = evaluate_generator(
+            model, pl_module.flow, self.extractor, self.reference,
+            num_samples=self.num_samples, image_size=pl_module.image_size, steps=self.steps, seed=self.seed,
+            cfg_scale=self.cfg_scale, num_classes=pl_module.num_classes, batch_size=self.batch_size, device=device,
+            precision=generation_precision(self.precision, trainer.precision), inception_splits=self.inception_splits,
+            kid=self.kid,
+        )
+        logged = {k: float(metrics[k]) for k in ("fid", "is_mean", "is_std", "kid") if metrics.get(k) is not None}
+        for name, value in logged.items():
+            trainer.callback_metrics[name] = torch.tensor(value)  # visible to ModelCheckpoint(monitor="fid")
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=trainer.global_step)
+            log.info("step %d: %s (%d samples)", trainer.global_step,
+                     ", ".join(f"{k}={v:.4g}" for k, v in logged.items()), metrics["num_samples"])
+        self.last_metrics = {**metrics, "step": trainer.global_step}
+        return metrics
