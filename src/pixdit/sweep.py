@@ -13,17 +13,19 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
     - ``on_multirun_start``: expands the sweep exactly as Hydra's BasicSweeper will, composes every job's config with
       Hydra's own loader, and builds each job's model on PyTorch's ``meta`` device (no memory, no data) through
       ``pixdit.module.DiffusionModule`` - the same constructor train.py calls, so the same checks run (attention
-      options, ``check_grid`` / the kernels' LLSA validation: B^L divides the token count, K_L <= N_L, ...).
-      If any job would fail there, nothing is launched and one message lists every bad combination.
+      options, ``check_grid`` / the kernels' ``llsa_check``: B a power of two >= 16, B^L divides the token count...).
+      It also checks that the launcher starts every process a run needs (``check_launch_layout``). If any job
+      would fail there, nothing is launched and one message lists every bad combination.
     - ``on_job_end``: writes ``<run dir>/status.json`` = {"status": "ok" | "failed", "error": ...}. Hydra catches a
       failing job's exception, runs the remaining jobs, and reports the first failure when all are done; the
       summary marks failed runs.
 * ``LocalGPUPool``: hydra-submitit-launcher's local launcher, except that at most one job runs per GPU (or per
-  ``gpus_per_job`` GPUs): submitit's local executor alone would start every job at once on the same GPUs. Hydra only
-  instantiates launchers from the ``hydra_plugins`` package, so the registered class is the one-line subclass
-  ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher``.
+  ``gpus_per_job`` GPUs, one process each): submitit's local executor alone would start every job at once on the same
+  GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` package, so the registered class is the one-line
+  subclass ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher`` (hydra_plugins/ at the repository root, next to
+  train.py, whose directory Python puts on ``sys.path``).
 
-Tests: ``.venv/bin/python -m pytest tests/test_sweep.py tests/test_sweep_summary.py``.
+Guide: docs/scaling.md. Tests: ``.venv/bin/python -m pytest tests/test_sweep.py tests/test_sweep_summary.py``.
 """
 
 from __future__ import annotations
