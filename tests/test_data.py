@@ -298,9 +298,10 @@ def test_lightning_resume_continues_the_stream(tmp_path, num_workers, accumulate
             use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
             limit_val_batches=0, default_root_dir=ckpt_dir,
             callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True)])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        assert not [w for w in caught if "not resumable" in str(w.message)]  # Lightning sees a resumable loader
         return module.seen
 
     straight = fit(2 * k, tmp_path / "straight")

@@ -279,6 +279,14 @@ class _TrainLoader(DataLoader):
             self.datamodule._batches_yielded += 1
             yield batch
 
+    # Lightning also checkpoints "stateful" dataloaders (and otherwise warns that a mid-epoch resume is not
+    # resumable): hand it the data module's position, the one mechanism.
+    def state_dict(self) -> dict[str, Any]:
+        return self.datamodule.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.datamodule.load_state_dict(state_dict)
+
 
 class ShardDataModule(L.LightningDataModule):
     """Lightning data module over a directory of shards + manifest.json (see configs/data/*.yaml for the keys).
@@ -439,4 +447,7 @@ class ShardDataModule(L.LightningDataModule):
             warnings.warn("resuming with different data settings " + ", ".join(
                 f"{k}: {old} -> {new}" for k, (old, new) in changed.items()) + "; the data position is kept in "
                 "images seen this epoch, but the sample order is not the one of an uninterrupted run", stacklevel=2)
-        self._resume = {"epoch": int(state["epoch"]), "batches_consumed": int(state["batches_consumed"]), **now}
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        if consumed >= self.batches_per_epoch():
+            epoch, consumed = epoch + 1, 0
+        self._resume = {"epoch": epoch, "batches_consumed": consumed, **now}
