@@ -252,3 +252,28 @@ def test_bad_options_are_clear_errors(tmp_path):
         prepare_dataset(tmp_path / "src", tmp_path / "o2", RES, val=4, progress=False)
     with pytest.raises(PixditError, match="--format"):
         prepare_dataset(tmp_path / "src", tmp_path / "o3", RES, image_format="gif", progress=False)
+
+
+def test_prepare_killed_then_rerun_completes_without_duplicates(tmp_path):
+    """A real SIGKILL of prepare_data.py part-way, then the same command again: same result as one clean run."""
+    import signal
+    import time
+
+    make_flat_folder(tmp_path / "src", 60)
+    for path in (tmp_path / "src").rglob("*.png"):  # bigger sources: the run takes long enough to be killed
+        Image.fromarray(np.kron(np.asarray(Image.open(path)), np.ones((16, 16, 1), np.uint8))).save(path)
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+               "--out", str(out), "--resolution", str(RES), "--maxcount", "2", "--val", "4"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while process.poll() is None and time.time() < deadline:
+        if len(list((out / ".prepare").glob("train-*.json"))) >= 3:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    process.wait(timeout=60)
+    resumed = prepare_dataset(tmp_path / "src", out, RES, maxcount=2, val=4, progress=False)
+    reference = prepare_dataset(tmp_path / "src", tmp_path / "ref", RES, maxcount=2, val=4, progress=False)
+    assert resumed["splits"] == reference["splits"]
+    assert len(all_samples(out)) == 60 and not list(out.glob("*.tmp"))
