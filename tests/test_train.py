@@ -107,3 +107,40 @@ def test_research_command_without_data_is_one_clear_message(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "data/ffhq256" in result.stderr and "prepare_data.py" in result.stderr
+
+
+def test_init_from_lower_resolution_checkpoint(tiny_shards, tmp_path, caplog):
+    """The paper's 32 -> 128 progression, in small: a 32-px checkpoint initialises a 16-px Z-order model; the EMA
+    weights are loaded, EMA/optimizer/step start fresh and the log says so."""
+    import train
+    from pixdit.data.quickstart import make_quickstart_dataset
+    from pixdit.module import DiffusionModule
+
+    low = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards),
+                          "trainer.max_steps=2", "callbacks.samples=null"])
+    train.train(low, tmp_path / "low")
+    checkpoint_path = tmp_path / "low" / "checkpoints" / "last.ckpt"
+    state = torch.load(checkpoint_path, weights_only=False)["state_dict"]
+
+    module = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
+                                    "token_order": "zorder", "patch_size": 2}, image_size=16)
+    message = module.init_from(checkpoint_path)
+    assert "EMA" in message and "start fresh" in message
+    for name, value in module.model.state_dict().items():
+        if f"ema.model.{name}" in state:
+            assert torch.equal(value, state[f"ema.model.{name}"]), name
+    assert int(module.ema.num_updates) == 0
+    assert torch.equal(module.ema.model.final_layer.linear.weight, module.model.final_layer.linear.weight)
+
+    other = tmp_path / "other_data"
+    make_quickstart_dataset(other, train_count=4, val_count=2, resolution=16, maxcount=4, seed=1)
+    high = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(other),
+                           "model.token_order=zorder", "trainer.fast_dev_run=1", "callbacks.samples=null",
+                           f"init_from={checkpoint_path}"])
+    with caplog.at_level("INFO", logger="pixdit"):
+        train.train(high, tmp_path / "high")
+    assert any("init_from: loaded" in r.getMessage() for r in caplog.records)
+
+    wrong = DiffusionModule(model={"name": "DiT-T", "hidden_size": 64, "depth": 1, "num_heads": 2, "patch_size": 2}, image_size=16)
+    with pytest.raises(PixditError, match="does not fit this model"):
+        wrong.init_from(checkpoint_path)
