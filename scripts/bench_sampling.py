@@ -1,0 +1,128 @@
+"""Sample-generation throughput (images/s) of the pixel DiT: full vs sparse attention, as a markdown table.
+
+Times what an FID evaluation spends on the GPU per batch: `RectifiedFlow.sample` (20 Euler steps by default, bf16
+autocast, model in eval mode, no gradients) on a batch of noise already on the device. Per (attention, size): 2
+warm-up batches, then the median of --repeats batches timed with CUDA events. Default: DiT-S, full and llsa
+(Z-order token order for the sparse one), 128^2 and 256^2, batch 64 at 128^2 and 16 at 256^2 (--batch overrides).
+
+    python scripts/bench_sampling.py                                    # H200: the table for docs/benchmarks.md
+    python scripts/bench_sampling.py --attention full llsa vsa --sizes 128 256 512 --batch 8
+    python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from pixdit.flow import RectifiedFlow
+from pixdit.models import DIT_MODELS, build_model
+
+DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="DiT-S", choices=list(DIT_MODELS))
+    parser.add_argument("--attention", nargs="+", default=["full", "llsa"], help="backends (configs/attention/)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="image sides in pixels")
+    parser.add_argument("--batch", type=int, default=None, help="images per batch (default: by size)")
+    parser.add_argument("--steps", type=int, default=20, help="Euler steps per sample")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
+    return parser.parse_args(argv)
+
+
+def bench(args, attention: str, side: int) -> dict:
+    device = torch.device(args.device)
+    overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
+    model = build_model(args.model, input_size=(side, side), attention={"name": attention},
+                        token_order="raster" if attention == "full" else "zorder", **overrides)
+    model = model.to(device).eval().requires_grad_(False)
+    flow = RectifiedFlow(image_size=side)
+    batch = args.batch or DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
+    noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.precision]
+    cuda = device.type == "cuda"
+
+    def sample():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            return flow.sample(model, noise, args.steps)
+
+    for _ in range(args.warmup):
+        sample()
+    times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sample()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            start = time.perf_counter()
+            sample()
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    result = {
+        "attention": attention, "size": f"{side}x{side}", "batch": batch, "steps": args.steps,
+        "batch s": seconds, "images/s": batch / seconds,
+        "peak GB": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else float("nan"),
+    }
+    del model, noise
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(rows: list[dict]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[c]:,.3f}" if isinstance(row[c], float) else str(row[c])
+                                       for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.quick:
+        args.sizes, args.batch, args.steps, args.warmup, args.repeats = [16], 2, 2, 1, 1
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
+    rows = []
+    for side in args.sizes:
+        for attention in args.attention:
+            try:
+                rows.append(bench(args, attention, side))
+            except torch.OutOfMemoryError:
+                rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM"})
+                torch.cuda.empty_cache()
+            print(rows[-1], file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"\n{args.model}, {args.steps} Euler steps, {args.precision} autocast, eval mode, {device}, "
+          f"torch {torch.__version__}; median of {args.repeats} batches after {args.warmup} warm-up\n")
+    done = [r for r in rows if "images/s" in r]
+    print(markdown(done) if done else "every setting ran out of memory")
+    for side in args.sizes:
+        speed = {r["attention"]: r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
+        if "full" in speed:
+            print(f"{side}x{side}: " + ", ".join(f"{name} {value / speed['full']:.2f}x full"
+                                                  for name, value in speed.items() if name != "full"))
+    print(f"\ncommand: python scripts/bench_sampling.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
