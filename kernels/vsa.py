@@ -35,7 +35,7 @@ import torch
 
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, exact_fp32_matmul, topk_desc
-from .topk import MAX_CANDIDATES, pooled_topk
+from . import topk as shared_topk
 
 BLOCK_SIZES = (16, 32, 64)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -135,8 +135,8 @@ def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, sc
     """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32, TF32 off): int32
     ``[B, H, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc`` semantics). No grad.
 
-    ``use_triton_topk`` and ``T <= topk.MAX_CANDIDATES`` (1024): the shared fused Triton kernel ``topk.pooled_topk``
-    (scores + top-k in one launch, nothing [T, T] in memory). Otherwise the ``[T, T]`` scores are built a chunk of
+    ``use_triton_topk`` and T small enough for its register tile (``T * D <= 32768``, e.g. T <= 512 at D = 64): the
+    shared fused Triton kernel ``topk.pooled_topk`` (scores + top-k in one launch, nothing [T, T] in memory). Otherwise the ``[T, T]`` scores are built a chunk of
     query blocks at a time (at most ``max_elements`` live at once; e.g. 4096 tiles at 256x256 pixels with block 16)
     and reduced with ``topk_desc_fast``.
     """
@@ -144,8 +144,11 @@ def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, sc
     with torch.no_grad():
         # the scale goes on the [T, D] operand, not on the [T, T] scores (one pass less over the big matrix)
         q_rows, k_rows = (scale * q_pool.float()).reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
-        if use_triton_topk and t <= MAX_CANDIDATES:
-            return pooled_topk(q_rows, k_rows, topk, impl="triton").reshape(b, h, t, topk)
+        # only where pooled_topk's Triton kernel runs (its own fallback is slower than topk_desc_fast below)
+        candidates = max(16, 1 << (t - 1).bit_length())
+        if use_triton_topk and candidates <= shared_topk.MAX_CANDIDATES \
+                and candidates * d <= shared_topk._MAX_CAND_X_DIM:
+            return shared_topk.pooled_topk(q_rows, k_rows, topk, impl="triton").reshape(b, h, t, topk)
         rows_per_chunk = max(1, max_elements // (t * t))          # (batch*head) slices per chunk
         out = torch.empty(b * h, t, topk, dtype=torch.int32, device=q_pool.device)
         with exact_fp32_matmul():
