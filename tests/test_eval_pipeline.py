@@ -180,3 +180,21 @@ def test_cleanfid_precomputed_statistics_are_read_from_the_cache_dir(tmp_path):
     assert reference.id.startswith("cleanfid:ffhq_clean_trainval70k_256@")
     np.testing.assert_array_equal(reference.mu, mu)
     assert json.dumps(reference.description)  # serialisable into metrics.json
+
+
+def test_make_fid_stats_script(tmp_path, weights, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_fid_stats.py"
+    spec = importlib.util.spec_from_file_location("make_fid_stats", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    write_tiny_shards(tmp_path / "shards", count=20)
+    out = tmp_path / "stats.npz"
+    args = ["--shards", str(tmp_path / "shards"), "--out", str(out), "--device", "cpu", "--batch-size", "8"]
+    assert script.main([*args, "--inception-path", str(weights), "--kid"]) == 0
+    reference = load_reference(str(out), resolution=8)
+    assert reference.count == 20 and reference.features.shape == (20, 2048)
+    assert script.main([*args, "--inception-path", str(tmp_path / "missing")]) == 2
+    assert "--inception-path" in capsys.readouterr().err
