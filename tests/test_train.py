@@ -144,3 +144,20 @@ def test_init_from_lower_resolution_checkpoint(tiny_shards, tmp_path, caplog):
     wrong = DiffusionModule(model={"name": "DiT-T", "hidden_size": 64, "depth": 1, "num_heads": 2, "patch_size": 2}, image_size=16)
     with pytest.raises(PixditError, match="does not fit this model"):
         wrong.init_from(checkpoint_path)
+
+
+def test_fid_callback_is_wired_and_checked_at_start(tiny_shards, tmp_path):
+    """callbacks.fid (configs/callbacks/fid.yaml) is off by default; switched on, its start-up check runs before the
+    first step (no Inception weights or reference statistics here -> a PixditError naming the config key)."""
+    import train
+    from pixdit.callbacks import build_callbacks
+
+    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards)])
+    assert "FIDCallback" not in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
+    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards),
+                          "callbacks.fid.at_end=true", f"callbacks.fid.cache_dir={tmp_path}/none",
+                          f"callbacks.fid.inception_path={tmp_path}/none/inception.pt"])
+    assert "FIDCallback" in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
+    with pytest.raises(PixditError, match="callbacks.fid"):
+        train.train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before training

@@ -133,10 +133,11 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml). Each key names one callback:
 
     ``checkpoint`` -> ModelCheckpoint(dirpath=<run>/checkpoints), ``samples`` -> SampleGrid(dirpath=<run>/samples),
-    ``throughput`` -> ThroughputMonitor, ``progress_bar`` -> TQDMProgressBar; a null entry turns one off.
+    ``throughput`` -> ThroughputMonitor, ``progress_bar`` -> TQDMProgressBar, ``fid`` -> pixdit.eval FIDCallback
+    (configs/callbacks/fid.yaml; built only when it is on: every_n_steps > 0 or at_end); a null entry turns one off.
     """
     run_dir = Path(run_dir)
-    known = {"checkpoint", "samples", "throughput", "progress_bar"}
+    known = {"checkpoint", "samples", "throughput", "progress_bar", "fid"}
     cfg = dict(cfg or {})
     unknown = sorted(set(cfg) - known)
     if unknown:
@@ -153,4 +154,9 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
         callbacks.append(construct(ThroughputMonitor, cfg["throughput"], "callbacks.throughput"))
     if cfg.get("progress_bar") is not None:
         callbacks.append(construct(TQDMProgressBar, cfg["progress_bar"], "callbacks.progress_bar"))
+    fid = cfg.get("fid")
+    if fid is not None and (fid.get("every_n_steps", 0) > 0 or fid.get("at_end", False)):
+        from pixdit.eval.callback import FIDCallback  # imported only when on: it loads the Inception network
+
+        callbacks.append(construct(FIDCallback, fid, "callbacks.fid"))
     return callbacks
