@@ -1,5 +1,6 @@
 """`trainer=ddp` on the CPU: two processes (gloo) train a few steps through train.py's own `train()`; afterwards both
-ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint samples.
+ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint samples. Resuming a DDP run from
+its last checkpoint continues exactly: same weights on every rank as the run that never stopped, same samples.
 
 The test runs this file as a script (``python tests/test_ddp.py OUT_DIR OVERRIDES...``). Lightning's DDP launcher
 re-runs the same command for rank 1, so the script is the whole program of both ranks: it composes configs/train.yaml
@@ -19,13 +20,14 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, BATCH = 3, 4
+STEPS, BATCH = 4, 4
+CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=0"]
 OVERRIDES = [
     "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
-    f"trainer.max_steps={STEPS}", "trainer.val_check_interval=1000", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=1000", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
     "model=dit_t", "+model.depth=1", "+model.hidden_size=32", "+model.num_heads=2", "model.patch_size=2",
     f"data.batch_size={BATCH}", "data.num_workers=0", "data.val_images=8", "data.flip=false",
-    "callbacks.samples=null", "callbacks.checkpoint=null", "callbacks.progress_bar=null",
+    "callbacks.samples=null", "callbacks.progress_bar=null",
     "callbacks.throughput.window=1",
 ]
 
@@ -67,32 +69,64 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
     train_script.train(cfg, out_dir / "run")
 
 
-def test_ddp_two_cpu_processes_agree_on_weights(tmp_path):
+def run_ddp(out_dir: Path, data_root: Path, *overrides: str) -> list[dict]:
+    """Run this file as a 2-process DDP training into ``out_dir``; the two ranks' end states."""
+    command = [sys.executable, str(Path(__file__).resolve()), str(out_dir), f"data.root={data_root}",
+               "data.resolution=16", *OVERRIDES, *overrides]
+    result = subprocess.run(command, cwd=out_dir.parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def assert_same_weights(a: dict, b: dict, what: str) -> None:
+    for key in ("weights", "ema"):
+        assert a[key].keys() == b[key].keys()
+        different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
+        assert not different, f"{what}: {key} differ: {different[:5]}"
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
     from pixdit.data.quickstart import make_quickstart_dataset
 
-    make_quickstart_dataset(tmp_path / "data", train_count=64, val_count=8, resolution=16, maxcount=16)
-    command = [sys.executable, str(Path(__file__).resolve()), str(tmp_path), f"data.root={tmp_path / 'data'}",
-               "data.resolution=16", *OVERRIDES]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    root = tmp_path_factory.mktemp("ddp") / "data"
+    make_quickstart_dataset(root, train_count=64, val_count=8, resolution=16, maxcount=16)
+    return root
 
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_root):
+    """STEPS steps without a stop: the two ranks' end states (and the run directory)."""
+    out_dir = tmp_path_factory.mktemp("ddp") / "straight"
+    return run_ddp(out_dir, data_root, f"trainer.max_steps={STEPS}", *CHECKPOINT_EVERY_2), out_dir
+
+
+def test_ddp_two_cpu_processes_agree_on_weights(straight):
+    ranks, out_dir = straight
     for r, state in enumerate(ranks):
         assert (state["rank"], state["world_size"], state["step"]) == (r, 2, STEPS)
         assert state["strategy"] == "DDPStrategy"
         assert len(state["seen"]) == STEPS * BATCH
     # Same weights and EMA weights on both ranks, bit for bit (gradients were all-reduced every step) ...
-    for key in ("weights", "ema"):
-        a, b = ranks[0][key], ranks[1][key]
-        assert a.keys() == b.keys()
-        different = [k for k in a if not torch.equal(a[k], b[k])]
-        assert not different, f"{key} differ between ranks: {different[:5]}"
+    assert_same_weights(ranks[0], ranks[1], "rank 0 vs rank 1")
     # ... and training moved them (the adaLN-Zero output layer starts at exactly zero).
     assert any(v.abs().sum() > 0 for k, v in ranks[0]["weights"].items() if "final_layer.linear" in k)
     # Each rank got its own samples.
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
-    # Only rank 0 wrote the logs.
-    assert (tmp_path / "run" / "metrics.csv").is_file()
+    # Rank 0 wrote the logs and the checkpoint.
+    assert (out_dir / "run" / "metrics.csv").is_file() and (out_dir / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_ddp_resume_is_exact(tmp_path, data_root, straight):
+    """Half the steps, stop, resume from last.ckpt for the rest == straight through, on both ranks (model, EMA, data)."""
+    half = STEPS // 2
+    run_ddp(tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
+    resumed = run_ddp(tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
+                      *CHECKPOINT_EVERY_2)
+    for r in (0, 1):
+        assert resumed[r]["step"] == STEPS
+        assert resumed[r]["seen"] == straight[0][r]["seen"][half * BATCH:]  # the data picks up where it stopped
+        assert_same_weights(straight[0][r], resumed[r], f"rank {r}, straight vs resumed")
 
 
 if __name__ == "__main__":
