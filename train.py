@@ -11,6 +11,15 @@
 A run writes into its directory (default outputs/<name>/<time>, or hydra.run.dir=...): .hydra/ (the config),
 metrics.csv, checkpoints/{step=N,last}.ckpt, samples/step_N.png. User mistakes (unknown option or key, missing data,
 a size the attention cannot handle) print one message and exit with status 2.
+
+Resuming (`ckpt_path=last` or a .ckpt path) restores exactly: the model, the EMA (weights and update count), AdamW's
+state, the LR schedule, the step / epoch / batch counters, the data position (ShardDataModule.state_dict: same
+samples in the same order when world size, workers and batch size are unchanged; otherwise the same number of images,
+with a warning), and randomness: the training noise, timesteps and label dropout are drawn from a stream keyed by
+(seed, rank, step), and the global torch / CUDA / numpy / python RNG states are saved and restored (rank 0's).
+Not restored: a validation or sampling pass that was interrupted (it simply runs again at its next step), the
+throughput monitor's timing window, torch.compile's caches (it recompiles). Metrics after a resume go to
+<run dir>/resumed_N/metrics.csv (Lightning's CSV logger would otherwise delete the earlier metrics.csv).
 """
 
 from __future__ import annotations
