@@ -15,11 +15,11 @@ Per run it reads:
 
 * the swept values: the overrides whose value differs between runs (``.hydra/overrides.yaml``);
 * Lightning's CSV logger output (``metrics.csv`` anywhere below the run directory; the newest one if several):
-  final validation loss (``val/loss``), training throughput (median of ``perf/images_per_s`` and
+  final validation loss of the weights and of the EMA weights (``val/loss``, ``val/loss_ema``), training throughput (median of ``perf/images_per_s`` and
   ``perf/tokens_per_s``: the median ignores the slow first window), peak memory (max of ``perf/peak_mem_gb``),
   FID / IS (last logged value) when the evaluation callback logged them;
-* ``metrics.json`` below the run directory (written by the evaluation entry point), whose ``fid`` / ``is_mean`` keys
-  take precedence over logged values;
+* ``metrics.json`` below the run directory (written by scripts/evaluate.py), whose ``fid`` / ``is_mean`` keys take
+  precedence over logged values (several files: the last in path order wins);
 * ``status.json`` in the run directory, written by ``pixdit.sweep.SweepCallback`` when the job ends: ``ok`` or
   ``failed`` plus the error. A run without it is ``incomplete`` (still running, or killed before Hydra could record
   the end: out of memory, time limit).
@@ -42,7 +42,8 @@ import yaml
 # The names are the ones the pixdit module / callbacks log (src/pixdit/module.py, callbacks.py, eval/); the
 # alternatives keep older runs readable.
 METRICS: dict[str, tuple[tuple[str, ...], str]] = {
-    "val_loss": ((r"^val/loss$", r"^val_loss$", r"^val/loss_ema$"), "last"),
+    "val_loss": ((r"^val/loss$", r"^val_loss$"), "last"),
+    "val_loss_ema": ((r"^val/loss_ema$",), "last"),
     "fid": ((r"^fid$", r"^(val|eval)/fid$", r"fid"), "last"),
     "inception_score": ((r"^is_mean$", r"^inception_score$", r"^(val|eval)/is(_mean)?$", r"^is$"), "last"),
     "images_per_s": ((r"^perf/images_per_s$", r"images_per_s"), "median"),
