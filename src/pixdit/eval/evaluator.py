@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from pixdit.errors import PixditError
 from pixdit.eval.inception import FEATURE_DIM, InceptionFeatureExtractor
 from pixdit.eval.reference import ReferenceStats
 from pixdit.eval.sampling import generate_uint8, rank_indices
@@ -84,6 +85,9 @@ def evaluate_generator(
     Collective: every rank of the default process group must call it with the same arguments.
     """
     rank, world_size = _distributed()
+    if num_samples < max(2, inception_splits):
+        raise PixditError(f"num_samples={num_samples} must be at least 2 and at least inception_splits "
+                          f"({inception_splits})")
     was_training = model.training
     model.eval()
     stats = FeatureStatistics(FEATURE_DIM, device=extractor.device)
@@ -115,18 +119,29 @@ def evaluate_generator(
         features = torch.cat(local_features) if local_features else torch.empty(0, FEATURE_DIM, device=extractor.device)
         features = gather_by_index(features, indices)
 
-    metrics = [None]
+    # Rank 0 computes; the result - or the error - goes to every rank, so no rank is left waiting in a collective.
+    payload = [None, None]
     if rank == 0:
-        result = {"num_samples": int(stats.count.item())}
-        mu, sigma = stats.mean_and_covariance()
-        result["fid"] = frechet_distance(mu, sigma, reference.mu, reference.sigma) if reference is not None else None
-        result["is_mean"], result["is_std"] = inception_score(torch.softmax(logits.double(), dim=1), inception_splits)
-        if kid:
-            if reference is None or reference.features is None:
-                result["kid"] = None  # the reference has no stored features (make_fid_stats.py --kid stores them)
-            else:
-                result["kid"] = kernel_inception_distance(reference.features, features)
-        metrics = [result]
+        try:
+            payload[0] = _metrics(stats, logits, features, reference, inception_splits, kid)
+        except Exception as error:  # noqa: BLE001 - re-raised below on every rank
+            payload[1] = error
     if world_size > 1:
-        dist.broadcast_object_list(metrics, src=0)
-    return metrics[0]
+        dist.broadcast_object_list(payload, src=0)
+    if payload[1] is not None:
+        raise payload[1]
+    return payload[0]
+
+
+def _metrics(stats: FeatureStatistics, logits: torch.Tensor, features: torch.Tensor | None,
+             reference: ReferenceStats | None, inception_splits: int, kid: bool) -> dict:
+    result = {"num_samples": int(stats.count.item())}
+    mu, sigma = stats.mean_and_covariance()
+    result["fid"] = frechet_distance(mu, sigma, reference.mu, reference.sigma) if reference is not None else None
+    result["is_mean"], result["is_std"] = inception_score(torch.softmax(logits.double(), dim=1), inception_splits)
+    if kid:
+        if reference is None or reference.features is None:
+            result["kid"] = None  # the reference has no stored features (make_fid_stats.py --kid stores them)
+        else:
+            result["kid"] = kernel_inception_distance(reference.features, features)
+    return result
