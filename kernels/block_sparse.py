@@ -379,7 +379,24 @@ def _check_inputs(q, k, v, name="block_sparse_attention", triton_path=True):
 def _use_triton(q: torch.Tensor, impl: str) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    return impl == "triton" or (impl == "auto" and q.is_cuda)
+    use = impl == "triton" or (impl == "auto" and q.is_cuda)
+    if use and not q.is_cuda and not _INTERPRET:
+        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
+                         "pixdit.kernels is imported (or use impl='torch' / 'auto')")
+    return use
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under CUDA autocast, fp32 q/k/v are cast to the autocast dtype (what SDPA does), so an fp32 qk-norm/RoPE
+    output does not silently run the slow exact-fp32 kernels."""
+    t = tensors[0]
+    if not t.is_cuda or t.dtype != torch.float32:
+        return tensors
+    try:
+        enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    except (TypeError, AttributeError):   # older torch
+        enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return tuple(x.to(dtype) for x in tensors) if enabled else tensors
 
 
 class _BlockSparseFn(torch.autograd.Function):
@@ -465,6 +482,8 @@ def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block:
         o ``[b, h, Nq, d]`` in the input dtype (and lse).
     """
     use_triton = _use_triton(q, impl)
+    if use_triton:
+        q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v, triton_path=use_triton)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if query_block % 16 or query_block <= 0:
@@ -505,6 +524,7 @@ def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     lists = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
     if not _use_triton(q, impl):
         return block_sparse_attention(q, k, v, lists, query_block=block, key_block=block, scale=scale, impl=impl)
+    q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v, name="flash_attention")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # "every tile sees every block": all key blocks share one CSC list (no sort, no per-block copy)

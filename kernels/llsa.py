@@ -331,9 +331,12 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
             small (spec §6.2); only affects L = 1. Off = the true gradient.
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
     Returns:
-        ``[batch, heads, tokens, head_dim]`` in the input dtype.
+        ``[batch, heads, tokens, head_dim]`` in the input dtype (under CUDA autocast, fp32 inputs run and return
+        the autocast dtype, like SDPA).
     """
     use_triton = bs._use_triton(q, impl)
+    if use_triton:
+        q, k, v = bs.autocast_inputs(q, k, v)
     _check_qkv(q, k, v, use_triton)
     b, h, N, d = q.shape
     cfg = llsa_check(N, block_size, num_levels, topk, enrich_levels)
