@@ -164,6 +164,12 @@ def test_missing_weights_fail_with_file_url_and_config_key(tmp_path):
         resolve_inception_path(str(missing), config_prefix="--")
 
 
+def test_corrupt_weights_file_is_a_user_error(tmp_path):
+    (tmp_path / INCEPTION_FILENAME).write_bytes(b"<html>proxy error</html>")
+    with pytest.raises(PixditError, match="not a loadable TorchScript Inception file"):
+        InceptionFeatureExtractor(resolve_inception_path(str(tmp_path)))
+
+
 def test_missing_reference_statistics_messages(tmp_path):
     with pytest.raises(PixditError, match="(?s)ffhq_clean_trainval70k_256.npz not found.*clean-fid/stats/ffhq"):
         load_reference("cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path))

@@ -106,6 +106,9 @@ class FIDCallback(Callback):
             return
         key = self.config_key
         self._weights_path = resolve_inception_path(self.inception_path, self.cache_dir, self.download, key)
+        # Load it now (a corrupt file fails here too, not at the first evaluation).
+        self.extractor = InceptionFeatureExtractor(self._weights_path, device=trainer.strategy.root_device,
+                                                   config_prefix=key)
         resolution = int(pl_module.image_size[0])
         reference = self.reference_name
         data_root = getattr(trainer.datamodule, "root", None) if trainer.datamodule is not None else None

@@ -121,7 +121,14 @@ class InceptionFeatureExtractor:
             )
         self.device = torch.device(device)
         # download=False: clean-fid would otherwise fetch the file without a timeout; we resolved it already.
-        self.network = InceptionV3W(str(weights_path.parent), download=False, resize_inside=False).to(self.device)
+        try:
+            network = InceptionV3W(str(weights_path.parent), download=False, resize_inside=False)
+        except RuntimeError as error:  # torch.jit.load of a truncated / wrong file
+            raise PixditError(
+                f"{weights_path} is not a loadable TorchScript Inception file ({str(error).splitlines()[0]}); "
+                f"download it again from {INCEPTION_URL}"
+            ) from None
+        self.network = network.to(self.device)
         self.network.eval()
         self.classifier_weight = self.network.base.output.weight.detach().float().to(self.device)
         self.num_classes = self.classifier_weight.shape[0]  # 1008 for the real network
