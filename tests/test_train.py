@@ -161,3 +161,29 @@ def test_fid_callback_is_wired_and_checked_at_start(tiny_shards, tmp_path):
     with pytest.raises(PixditError, match="callbacks.fid"):
         train.train(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before training
+
+
+def test_validation_loss_is_fixed_across_batch_sizes(tiny_shards):
+    """val/loss uses per-image fixed noise and timesteps: the same number for any validation batch size, and a
+    different seed gives a different number (so the noise really is fixed by the seed, not by chance)."""
+    import lightning as L
+
+    from pixdit.data.datamodule import ShardDataModule
+    from pixdit.module import DiffusionModule
+
+    model = {"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2, "zero_init": False}
+
+    def val_loss(val_batch_size, seed=0):
+        torch.manual_seed(0)  # same initial weights every time
+        module = DiffusionModule(model=model, image_size=32, validation={"seed": seed})
+        torch.manual_seed(1234 + val_batch_size)  # global RNG state must not matter
+        data = ShardDataModule(root=str(tiny_shards), batch_size=2, val_batch_size=val_batch_size, num_workers=0,
+                               val_images=8)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False)
+        return trainer.validate(module, datamodule=data, verbose=False)[0]
+
+    a, b, c = val_loss(2), val_loss(8), val_loss(3)
+    for key in ("val/loss", "val/loss_ema"):
+        assert abs(a[key] - b[key]) < 1e-6 and abs(a[key] - c[key]) < 1e-6, (key, a, b, c)
+    assert abs(val_loss(2, seed=1)["val/loss"] - a["val/loss"]) > 1e-4
