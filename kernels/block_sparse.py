@@ -210,21 +210,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
-# On the GPU the three kernels are autotuned over a few warp/stage counts (keyed by the tile shapes); the
-# interpreter (TRITON_INTERPRET=1, CPU tests) launches them directly with 4 warps.
+# On the GPU the three kernels are autotuned over a few warp/stage counts (keyed by the tile shapes: a few seconds
+# of compiling per new shape). PIXDIT_KERNELS_AUTOTUNE=0 (set by tests/kernels/conftest.py) and the interpreter
+# (TRITON_INTERPRET=1, CPU tests) launch them directly with 4 warps and 2 stages.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_AUTOTUNE = not _INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
 _CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (2, 2))]
 
 
 def _tuned(kernel, key):
-    return kernel if _INTERPRET else triton.autotune(configs=_CONFIGS, key=key)(kernel)
+    return triton.autotune(configs=_CONFIGS, key=key)(kernel) if _AUTOTUNE else kernel
 
 
 _fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC"])
 _dq = _tuned(_dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC"])
 _dkdv = _tuned(_dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD",
                               "PREC"])
-_LAUNCH = {"num_warps": 4} if _INTERPRET else {}
+_LAUNCH = {} if _AUTOTUNE else {"num_warps": 4, "num_stages": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
