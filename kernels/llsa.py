@@ -177,9 +177,9 @@ def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, compat_l1):
             kl, vl = block_mean(kl, B), block_mean(vl, B)
             if compat_l1 and L == 1:
                 kl, vl = _ScaleGrad.apply(kl, 1.0 / B), _ScaleGrad.apply(vl, 1.0 / B)
-        if lvl == L:          # every coarsest token
+        if lvl == L:          # every coarsest token (not gathered: one shared [N_L, d] matrix)
             s = qb @ kl[:, :, None].transpose(-1, -2)                                 # [b, h, nq, B, N_L]
-            values.append(vl[:, :, None].expand(b, h, nq, -1, d))
+            values.append(vl[:, :, None])
         else:                 # the blocks listed by I^(lvl+1) for this query block's level-(lvl+1) ancestor
             sel = index[lvl][:, :, torch.arange(nq, device=q.device) // B ** lvl].long()  # [b, h, nq, K]
             rows = (sel[..., None] * B + torch.arange(B, device=q.device)).flatten(-2)     # [b, h, nq, K*B]
@@ -189,8 +189,10 @@ def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, compat_l1):
             s = qb @ kg.transpose(-1, -2)                                             # [b, h, nq, B, K*B]
         logits.append(s * scale + lvl * math.log(B))
     p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-    out = p @ torch.cat(values, dim=-2)
-    return out.view(b, h, N, d).to(q.dtype)
+    out = 0
+    for part, vals in zip(p.split([x.shape[-1] for x in logits], dim=-1), values):
+        out = out + part @ vals
+    return out.reshape(b, h, N, d).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------- Triton path

@@ -209,3 +209,20 @@ def test_worked_example_weights():
     want = (v[0, 0, :16].sum(0) + 16 * v1[0, 0, :16].sum(0) + 256 * v2[0, 0].sum(0)) / (16 + 16 * 16 + 2 * 256)
     assert torch.allclose(o[0, 0, 0], want, atol=1e-5)
     assert math.isclose(llsa_check(N, B, 2, 1)["tokens_per_query"], 16 + 16 + 2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_non_contiguous_inputs_and_tiny_sequences(impl):
+    """q/k/v as transposed views of [b, N, h, d] (what a fused qkv projection gives), N = 16 and 32 (one or two
+    fine blocks; the 64-row pooled tiles are mostly masked)."""
+    for N in (16, 32):
+        g = torch.Generator().manual_seed(N)
+        leaves = [torch.randn(2, N, 3, 32, generator=g).to(DEVICE).requires_grad_() for _ in range(3)]
+        q, k, v = (x.transpose(1, 2) for x in leaves)
+        index = llsa_select(q, k, 16, 8, 1)
+        llsa_attention(q, k, v, 16, 8, 1, index=index, impl=impl).sum().backward()
+        ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+        llsa_dense(*(x.transpose(1, 2) for x in ref_leaves), 16, [i.long() for i in index]).sum().backward()
+        for a, r in zip(leaves, ref_leaves):
+            assert rel(a.grad, r.grad) < 1e-5
