@@ -80,6 +80,15 @@ def test_unknown_trainer_argument_is_named(tiny_shards, tmp_path):
         train.train(cfg, tmp_path)
 
 
+def test_word_for_a_number_is_named(tiny_shards, tmp_path):
+    import train
+
+    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards),
+                          "data.batch_size=abc"])
+    with pytest.raises(PixditError, match=r"data.batch_size='abc' must be int"):
+        train.train(cfg, tmp_path)
+
+
 def test_patch_size_not_dividing_image_names_both(tiny_shards, tmp_path):
     import train
 

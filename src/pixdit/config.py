@@ -2,7 +2,8 @@
 
 * ``construct(cls, options, "callbacks.checkpoint", dirpath=...)`` calls ``cls(**options, **fixed)`` after checking
   every option name against ``cls``'s signature: an unknown key raises ``PixditError`` naming the config section and
-  listing the allowed keys (instead of a bare ``TypeError`` deep inside a library).
+  listing the allowed keys (instead of a bare ``TypeError`` deep inside a library), and so does a word given where
+  the default is a number or a flag (``data.batch_size=abc``).
 * ``register_resolvers()`` adds ``${auto_precision:}`` for configs: ``bf16-mixed`` when a CUDA GPU is present,
   ``32-true`` otherwise (configs/trainer/auto.yaml uses it so ``experiment=quickstart`` runs on either).
 """
@@ -40,6 +41,13 @@ def construct(cls, options, where: str, **fixed):
     unknown = sorted(set(options) - set(allowed))
     if unknown and not takes_kwargs:
         raise PixditError(f"unknown key(s) {unknown} in {where}; allowed keys for {cls.__name__}: {', '.join(allowed)}")
+    by_name = {p.name: p for p in params}
+    for key, value in options.items():
+        default = by_name[key].default if key in by_name else None
+        # A word where the default is a number or a flag (data.batch_size=abc): say so here, not deep inside.
+        if isinstance(value, str) and isinstance(default, (bool, int, float)):
+            kind = "true/false" if isinstance(default, bool) else type(default).__name__
+            raise PixditError(f"{where}.{key}={value!r} must be {kind} (default: {default!r})")
     clash = sorted(set(options) & set(fixed))
     if clash:
         raise PixditError(f"{where}: {clash} is set by pixdit itself and cannot be configured")
