@@ -1,5 +1,8 @@
 """Shared test helpers: tiny webdataset shards built on the fly, and in-process Hydra composition of train.py's config.
 
+Tests get the helpers through the `train_helpers` fixture (never `from conftest import ...`: tests/kernels has its own
+conftest module, and the two would shadow each other).
+
     .venv/bin/python -m pytest tests/test_train.py tests/test_resume.py tests/test_experiments.py
 """
 
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,6 +39,13 @@ TINY_MODEL = ["model=dit_t", "+model.hidden_size=32", "+model.depth=1", "+model.
 def tiny_data_overrides(root: Path, batch_size: int = 2) -> list[str]:
     return [f"data.root={root}", "data.resolution=null", "data.num_workers=0", f"data.batch_size={batch_size}",
             "data.val_images=4", "data.epoch_images=null"]
+
+
+@pytest.fixture(scope="session")
+def train_helpers() -> SimpleNamespace:
+    """root, config_dir, compose(overrides), tiny_model (overrides), tiny_data(root, batch_size) (overrides)."""
+    return SimpleNamespace(root=ROOT, config_dir=CONFIG_DIR, compose=compose_config, tiny_model=TINY_MODEL,
+                           tiny_data=tiny_data_overrides)
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,20 @@ Sparse backends that are not implemented yet must fail with their clear message 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conftest import CONFIG_DIR, TINY_MODEL, compose_config, tiny_data_overrides
 from pixdit.errors import PixditError
 
-EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+
+@pytest.fixture
+def h(train_helpers):
+    """conftest.py's helpers: h.compose(overrides), h.tiny_model, h.tiny_data(root), h.root."""
+    return train_helpers
+
+
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "experiment").glob("*.yaml"))
 
 
 def test_the_paper_experiments_exist():
@@ -21,9 +29,9 @@ def test_the_paper_experiments_exist():
 
 
 @pytest.mark.parametrize("experiment", [e for e in EXPERIMENTS if e != "quickstart"])
-def test_experiment_recipe(experiment):
+def test_experiment_recipe(h, experiment):
     """The composed config carries the recipe of spec llsa.md §10 (DiT-S, patch 1, AdamW 1e-4, bf16, clip 1)."""
-    cfg = compose_config([f"experiment={experiment}"])
+    cfg = h.compose([f"experiment={experiment}"])
     attention = experiment.rsplit("_", 1)[1]
     assert cfg.name == experiment
     assert cfg.model.name == "DiT-S" and cfg.model.patch_size == 1
@@ -44,12 +52,12 @@ def test_experiment_recipe(experiment):
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_experiment_fast_dev_run(experiment, tiny_shards, tiny_labelled_shards, tmp_path):
+def test_experiment_fast_dev_run(h, experiment, tiny_shards, tiny_labelled_shards, tmp_path):
     import train
 
     shards = tiny_labelled_shards if experiment.startswith("imagenet") else tiny_shards
-    cfg = compose_config([f"experiment={experiment}", "trainer=cpu", "trainer.devices=1", "trainer.fast_dev_run=1",
-                          *TINY_MODEL, *tiny_data_overrides(shards), "callbacks.samples.num_samples=2",
+    cfg = h.compose([f"experiment={experiment}", "trainer=cpu", "trainer.devices=1", "trainer.fast_dev_run=1",
+                          *h.tiny_model, *h.tiny_data(shards), "callbacks.samples.num_samples=2",
                           "callbacks.samples.steps=2"])
     attention = cfg.attention.name
     try:

@@ -6,21 +6,26 @@ LR schedule of 2k steps straight (CPU, fixed seeds; crosses an epoch boundary, v
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from conftest import TINY_MODEL, compose_config, tiny_data_overrides
+
+@pytest.fixture
+def h(train_helpers):
+    """conftest.py's helpers: h.compose(overrides), h.tiny_model, h.tiny_data(root), h.root."""
+    return train_helpers
 
 
-def _run(run_dir, tiny_shards, max_steps, ckpt_path=None):
+def _run(h, run_dir, tiny_shards, max_steps, ckpt_path=None):
     import train
 
-    overrides = ["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards, batch_size=4),
+    overrides = ["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards, batch_size=4),
                  f"trainer.max_steps={max_steps}", "trainer.val_check_interval=2", "optimizer.warmup_steps=5",
                  "callbacks.checkpoint.every_n_train_steps=3", "callbacks.samples=null", "callbacks.throughput=null",
                  "model.class_dropout=0.1"]
     if ckpt_path:
         overrides.append(f"ckpt_path={ckpt_path}")
-    train.train(compose_config(overrides), run_dir)
+    train.train(h.compose(overrides), run_dir)
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
 
@@ -39,18 +44,18 @@ def _assert_same(a, b, where="checkpoint"):
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-def test_resume_is_exact(tiny_shards, tmp_path):
+def test_resume_is_exact(h, tiny_shards, tmp_path):
     # 16 training images at batch 4 = 4 batches per epoch: the resumed half starts mid-epoch 0 and crosses into epoch 1.
-    straight = _run(tmp_path / "straight", tiny_shards, max_steps=6)
-    _run(tmp_path / "halves", tiny_shards, max_steps=3)
-    resumed = _run(tmp_path / "halves", tiny_shards, max_steps=6, ckpt_path="last")
+    straight = _run(h, tmp_path / "straight", tiny_shards, max_steps=6)
+    _run(h, tmp_path / "halves", tiny_shards, max_steps=3)
+    resumed = _run(h, tmp_path / "halves", tiny_shards, max_steps=6, ckpt_path="last")
 
     assert straight["global_step"] == resumed["global_step"] == 6
     weights = {k: v for k, v in straight["state_dict"].items() if k.startswith("model.")}
     ema = {k: v for k, v in straight["state_dict"].items() if k.startswith("ema.")}
     assert weights and ema and int(ema["ema.num_updates"]) == 6
     # The run must actually have changed the weights (otherwise equality would prove nothing).
-    first = _run(tmp_path / "one_step", tiny_shards, max_steps=1)
+    first = _run(h, tmp_path / "one_step", tiny_shards, max_steps=1)
     assert not torch.equal(first["state_dict"]["model.final_layer.linear.weight"],
                            straight["state_dict"]["model.final_layer.linear.weight"])
 

@@ -15,15 +15,20 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT, TINY_MODEL, compose_config, tiny_data_overrides
 from pixdit.errors import PixditError
 
 
-def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(tiny_shards, tmp_path):
+@pytest.fixture
+def h(train_helpers):
+    """conftest.py's helpers: h.compose(overrides), h.tiny_model, h.tiny_data(root), h.root."""
+    return train_helpers
+
+
+def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, tmp_path):
     import train
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards, batch_size=4),
-                          *TINY_MODEL, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4),
+                          *h.tiny_model, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
                           "callbacks.checkpoint.every_n_train_steps=2", "callbacks.samples.every_n_steps=2",
                           "callbacks.samples.num_samples=4", "callbacks.samples.steps=2", "callbacks.throughput.window=2",
                           "logger=[csv,tensorboard]"])
@@ -71,46 +76,46 @@ def test_unknown_key_lists_keys(capsys):
     assert "optimizer.learning_rate" in err and "lr" in err and "warmup_steps" in err
 
 
-def test_unknown_trainer_argument_is_named(tiny_shards, tmp_path):
+def test_unknown_trainer_argument_is_named(h, tiny_shards, tmp_path):
     import train
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards),
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards),
                           "+trainer.max_stepz=3"])
     with pytest.raises(PixditError, match=r"max_stepz.*trainer.*max_steps"):
         train.train(cfg, tmp_path)
 
 
-def test_word_for_a_number_is_named(tiny_shards, tmp_path):
+def test_word_for_a_number_is_named(h, tiny_shards, tmp_path):
     import train
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards),
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards),
                           "data.batch_size=abc"])
     with pytest.raises(PixditError, match=r"data.batch_size='abc' must be int"):
         train.train(cfg, tmp_path)
 
 
-def test_patch_size_not_dividing_image_names_both(tiny_shards, tmp_path):
+def test_patch_size_not_dividing_image_names_both(h, tiny_shards, tmp_path):
     import train
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards),
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards),
                           "model.patch_size=3"])
     with pytest.raises(PixditError, match=r"32x32.*patch_size=3"):
         train.train(cfg, tmp_path)
 
 
-def test_ckpt_path_last_without_checkpoint(tiny_shards, tmp_path):
+def test_ckpt_path_last_without_checkpoint(h, tiny_shards, tmp_path):
     import train
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *tiny_data_overrides(tiny_shards),
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards),
                           "ckpt_path=last"])
     with pytest.raises(PixditError, match="hydra.run.dir"):
         train.train(cfg, tmp_path / "run")
 
 
-def test_research_command_without_data_is_one_clear_message(tmp_path):
+def test_research_command_without_data_is_one_clear_message(h, tmp_path):
     """The README's research command on a machine without FFHQ shards: the path and the prepare command, exit 2."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ffhq256_llsa",
+    result = subprocess.run([sys.executable, str(h.root / "train.py"), "experiment=ffhq256_llsa",
                              f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, env=env,
                             timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -118,14 +123,14 @@ def test_research_command_without_data_is_one_clear_message(tmp_path):
     assert "data/ffhq256" in result.stderr and "prepare_data.py" in result.stderr
 
 
-def test_init_from_lower_resolution_checkpoint(tiny_shards, tmp_path, caplog):
+def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog):
     """The paper's 32 -> 128 progression, in small: a 32-px checkpoint initialises a 16-px Z-order model; the EMA
     weights are loaded, EMA/optimizer/step start fresh and the log says so."""
     import train
     from pixdit.data.quickstart import make_quickstart_dataset
     from pixdit.module import DiffusionModule
 
-    low = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards),
+    low = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards),
                           "trainer.max_steps=2", "callbacks.samples=null"])
     train.train(low, tmp_path / "low")
     checkpoint_path = tmp_path / "low" / "checkpoints" / "last.ckpt"
@@ -143,7 +148,7 @@ def test_init_from_lower_resolution_checkpoint(tiny_shards, tmp_path, caplog):
 
     other = tmp_path / "other_data"
     make_quickstart_dataset(other, train_count=4, val_count=2, resolution=16, maxcount=4, seed=1)
-    high = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(other),
+    high = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(other),
                            "model.token_order=zorder", "trainer.fast_dev_run=1", "callbacks.samples=null",
                            f"init_from={checkpoint_path}"])
     with caplog.at_level("INFO", logger="pixdit"):
@@ -155,15 +160,15 @@ def test_init_from_lower_resolution_checkpoint(tiny_shards, tmp_path, caplog):
         wrong.init_from(checkpoint_path)
 
 
-def test_fid_callback_is_wired_and_checked_at_start(tiny_shards, tmp_path):
+def test_fid_callback_is_wired_and_checked_at_start(h, tiny_shards, tmp_path):
     """callbacks.fid (configs/callbacks/fid.yaml) is off by default; switched on, its start-up check runs before the
     first step (no Inception weights or reference statistics here -> a PixditError naming the config key)."""
     import train
     from pixdit.callbacks import build_callbacks
 
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards)])
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards)])
     assert "FIDCallback" not in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
-    cfg = compose_config(["experiment=quickstart", "trainer=cpu", *TINY_MODEL, *tiny_data_overrides(tiny_shards),
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards),
                           "callbacks.fid.at_end=true", f"callbacks.fid.cache_dir={tmp_path}/none",
                           f"callbacks.fid.inception_path={tmp_path}/none/inception.pt"])
     assert "FIDCallback" in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
@@ -172,7 +177,7 @@ def test_fid_callback_is_wired_and_checked_at_start(tiny_shards, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before training
 
 
-def test_validation_loss_is_fixed_across_batch_sizes(tiny_shards):
+def test_validation_loss_is_fixed_across_batch_sizes(h, tiny_shards):
     """val/loss uses per-image fixed noise and timesteps: the same number for any validation batch size, and a
     different seed gives a different number (so the noise really is fixed by the seed, not by chance)."""
     import lightning as L
