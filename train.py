@@ -114,6 +114,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.resolution,
                              flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
                              seed=cfg.seed, compile=cfg.compile)
+    if module.num_classes and module.num_classes != datamodule.num_classes:
+        raise PixditError(f"model.num_classes={module.num_classes} but the data at {datamodule.root} has "
+                          f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "
+                          f"use labelled data with as many classes, or model.num_classes=0")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if cfg.init_from is not None:
         if ckpt_path is not None:

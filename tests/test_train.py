@@ -201,3 +201,16 @@ def test_validation_loss_is_fixed_across_batch_sizes(h, tiny_shards):
     for key in ("val/loss", "val/loss_ema"):
         assert abs(a[key] - b[key]) < 1e-6 and abs(a[key] - c[key]) < 1e-6, (key, a, b, c)
     assert abs(val_loss(2, seed=1)["val/loss"] - a["val/loss"]) > 1e-4
+
+
+def test_class_conditional_model_needs_labelled_data(h, tiny_shards, tmp_path):
+    import train
+
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards),
+                     "model.num_classes=10"])
+    with pytest.raises(PixditError, match=r"model.num_classes=10 .* no class labels"):
+        train.train(cfg, tmp_path)
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards), "flow.noise_scale=auto",
+                     "+flow.noise_scal=2"])
+    with pytest.raises(PixditError, match=r"noise_scal.*flow"):
+        train.train(cfg, tmp_path)

@@ -34,7 +34,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from pixdit.config import plain
+from pixdit.config import construct, plain
 from pixdit.ema import EMA
 from pixdit.errors import PixditError
 from pixdit.flow import RectifiedFlow
@@ -64,6 +64,8 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
 
 
 class DiffusionModule(L.LightningModule):
+    """Pixel DiT + rectified flow + AdamW + EMA; each argument is one section of configs/train.yaml (see there)."""
+
     def __init__(
         self,
         model: dict,
@@ -85,14 +87,14 @@ class DiffusionModule(L.LightningModule):
                                        compile=compile))
         self.image_size = image_size
         self.model = build_model(**model, attention=attention, input_size=image_size)
-        self.flow = RectifiedFlow(image_size=image_size, **flow)
+        self.flow = construct(RectifiedFlow, flow, "flow", image_size=image_size)
         self.optimizer_options = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8,
                                   "warmup_steps": 0, **optimizer}
         unknown = sorted(set(self.optimizer_options) - {"lr", "betas", "weight_decay", "eps", "warmup_steps", "fused"})
         if unknown:
             raise PixditError(f"unknown optimizer option(s) {unknown}; allowed: lr, betas, weight_decay, eps, "
                               f"warmup_steps, fused")
-        self.ema = EMA(self.model, **ema)
+        self.ema = construct(EMA, ema, "ema", model=self.model)
         self.validation_seed = int(validation.get("seed", 0))
         unknown = sorted(set(validation) - {"seed"})
         if unknown:
