@@ -214,3 +214,15 @@ def test_class_conditional_model_needs_labelled_data(h, tiny_shards, tmp_path):
                      "+flow.noise_scal=2"])
     with pytest.raises(PixditError, match=r"noise_scal.*flow"):
         train.train(cfg, tmp_path)
+
+
+def test_bench_train_script_runs_on_cpu(h, capsys):
+    """scripts/bench_train.py's CPU check (the GPU numbers are in docs/benchmarks.md)."""
+    import runpy
+
+    bench = runpy.run_path(str(h.root / "scripts" / "bench_train.py"))
+    bench["main"](["--device", "cpu", "--quick"])
+    out = capsys.readouterr().out
+    assert "| 16x16 | 8 | 256 |" in out and "| 32x32 | 2 | 1024 |" in out
+    # 3 x forward FLOPs of a 1-block, width-1 model on 2 tokens: 3 * (24*2*1 + 4*4*1) = 192 per image
+    assert bench["step_flops"](batch=1, tokens=2, hidden=1, depth=1) == 192
