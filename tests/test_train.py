@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -226,3 +227,20 @@ def test_bench_train_script_runs_on_cpu(h, capsys):
     assert "| 16x16 | 8 | 256 |" in out and "| 32x32 | 2 | 1024 |" in out
     # 3 x forward FLOPs of a 1-block, width-1 model on 2 tokens: 3 * (24*2*1 + 4*4*1) = 192 per image
     assert bench["step_flops"](batch=1, tokens=2, hidden=1, depth=1) == 192
+
+
+def test_loggers(h, tmp_path):
+    """logger=[csv,tensorboard] both write into the run directory; logger=wandb without the package says how to get
+    it; an unknown logger option is named."""
+    import importlib.util
+
+    import train
+
+    loggers = train.build_loggers(h.compose(["logger=[csv,tensorboard]"]).logger, tmp_path)
+    assert [type(x).__name__ for x in loggers] == ["CSVLogger", "TensorBoardLogger"]
+    assert Path(loggers[0].log_dir) == tmp_path and Path(loggers[1].log_dir) == tmp_path / "tensorboard"
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(PixditError, match="pip install wandb"):
+            train.build_loggers(h.compose(["logger=wandb"]).logger, tmp_path)
+    with pytest.raises(PixditError, match="flush_every.*logger.csv"):
+        train.build_loggers(h.compose(["+logger.csv.flush_every=3"]).logger, tmp_path)
