@@ -105,7 +105,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls on Ampere+ (bf16 autocast is unaffected)
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
+    torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
 
     data_options = plain(cfg.data)
     data_options.pop("_target_", None)  # constructed explicitly here, not through Hydra's string indirection

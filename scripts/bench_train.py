@@ -136,7 +136,8 @@ def main(argv=None) -> None:
         args.sizes, args.tokens_per_step, args.warmup, args.steps = [16, 32], 2048, 1, 3
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
-    torch.set_float32_matmul_precision("high")  # as train.py
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
+    torch.backends.cudnn.allow_tf32 = True
     rows = []
     for side in args.sizes:
         try:
