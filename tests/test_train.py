@@ -244,3 +244,18 @@ def test_loggers(h, tmp_path):
             train.build_loggers(h.compose(["logger=wandb"]).logger, tmp_path)
     with pytest.raises(PixditError, match="flush_every.*logger.csv"):
         train.build_loggers(h.compose(["+logger.csv.flush_every=3"]).logger, tmp_path)
+
+
+def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
+    """The training loop drives VSA's dense-to-sparse schedule: the backends see global_step, and it is checkpointed."""
+    import train
+
+    cfg = h.compose(["trainer=cpu", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
+                     "attention=vsa", "model.token_order=zorder", "attention.topk=1", "attention.anneal_every=1",
+                     "attention.anneal_rate=0.5", "trainer.max_steps=3", "trainer.limit_val_batches=0",
+                     "callbacks.samples.every_n_steps=0"])
+    result = train.train(cfg, tmp_path)
+    assert result["global_step"] == 3
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    steps = {k: int(v) for k, v in state.items() if k.endswith("attn.backend.training_step")}
+    assert steps and set(steps.values()) == {2}, steps  # set before the third (last) optimizer step

@@ -95,6 +95,8 @@ class DiffusionModule(L.LightningModule):
             raise PixditError(f"unknown optimizer option(s) {unknown}; allowed: lr, betas, weight_decay, eps, "
                               f"warmup_steps, fused")
         self.ema = construct(EMA, ema, "ema", model=self.model)
+        # Attention backends whose behaviour follows the optimizer step (VSA's dense-to-sparse annealing).
+        self._step_scheduled = [m for m in self.model.modules() if hasattr(m, "set_training_step")]
         self.validation_seed = int(validation.get("seed", 0))
         unknown = sorted(set(validation) - {"seed"})
         if unknown:
@@ -137,6 +139,10 @@ class DiffusionModule(L.LightningModule):
             raise PixditError(f"model.num_classes={self.num_classes} needs labelled data, but the batches have no "
                               f"'label' (use a labelled dataset or model.num_classes=0)")
         return batch["label"]
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        for module in self._step_scheduled:
+            module.set_training_step(self.trainer.global_step)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images = batch["image"]
