@@ -45,6 +45,23 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr):
+    """Where query tile ``tile``'s list of key blocks starts, and the per-key offsets (``koff``) and list slots
+    (``slot``) of one step that gathers ``PER_ITER`` listed blocks of ``KEY_BLOCK`` rows."""
+    koff = tl.arange(0, KEY_BLOCK * PER_ITER)
+    return koff, koff // KEY_BLOCK, LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+
+
+@triton.jit
+def listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK: tl.constexpr):
+    """The key rows listed at slots ``j .. j + PER_ITER - 1`` and which of them exist (``-1`` = empty slot; rows
+    ``>= n_k`` = the masked tail of a partial last block). Also returns the block ids (for per-block weights)."""
+    blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
+    krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
+    return blk, krow, (blk >= 0) & (krow < n_k)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
                 stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_on, stride_lb, stride_lt,
@@ -53,7 +70,6 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
                 HAS_LOGW: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    BLOCK_N: tl.constexpr = KEY_BLOCK * PER_ITER
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
@@ -67,15 +83,11 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    koff = tl.arange(0, BLOCK_N)
-    slot = koff // KEY_BLOCK
-    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     for j in range(0, list_len, PER_ITER):
-        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
-        krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
-        k_ok = (blk >= 0) & (krow < n_k)
+        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
         kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         if HAS_LOGW:
@@ -106,7 +118,6 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
                HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    BLOCK_N: tl.constexpr = KEY_BLOCK * PER_ITER
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
@@ -121,15 +132,11 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
     else:
         delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    koff = tl.arange(0, BLOCK_N)
-    slot = koff // KEY_BLOCK
-    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     for j in range(0, list_len, PER_ITER):
-        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
-        krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
-        k_ok = (blk >= 0) & (krow < n_k)
+        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
         k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale

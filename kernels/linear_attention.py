@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .block_sparse import list_walk_start, listed_key_rows
 from .blocks import csr_to_csc
 from .vsa import pad_to_blocks
 
@@ -105,7 +106,6 @@ def _excluded_fwd_kernel(FQ, FK, V, NUM, DEN, LIST, stride_lb, stride_lt, n, lis
                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    BLOCK_N: tl.constexpr = BLOCK * PER_ITER
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < n
     dims = tl.arange(0, HEAD_DIM)
@@ -113,16 +113,12 @@ def _excluded_fwd_kernel(FQ, FK, V, NUM, DEN, LIST, stride_lb, stride_lt, n, lis
     fq = tl.load(FQ + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     den = tl.zeros([BLOCK], tl.float32)
-    koff = tl.arange(0, BLOCK_N)
-    slot = koff // BLOCK
-    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
     for j in range(0, list_len, PER_ITER):
-        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
-        krow = blk.to(tl.int64) * BLOCK + (koff % BLOCK)
-        k_ok = (blk >= 0) & (krow < n)
+        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
         fkt = tl.load(FK + base + krow[None, :] * HEAD_DIM + dims[:, None], mask=k_ok[None, :], other=0.0)
         v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        w = tl.dot(fq, fkt, input_precision=PREC)                                    # [BLOCK, BLOCK_N]
+        w = tl.dot(fq, fkt, input_precision=PREC)                                    # [BLOCK, BLOCK * PER_ITER]
         w = tl.where(k_ok[None, :], w, 0.0)
         den += tl.sum(w, 1)
         num += tl.dot(w.to(v.dtype), v, input_precision=PREC)
@@ -136,7 +132,6 @@ def _excluded_dfq_kernel(FK, V, GNUM, GDEN, DFQ, LIST, stride_lb, stride_lt, n, 
     # dphi(q_t) = sum_{u in E(t)} (g_num_t . v_u + g_den_t) phi(k_u)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    BLOCK_N: tl.constexpr = BLOCK * PER_ITER
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < n
     dims = tl.arange(0, HEAD_DIM)
@@ -144,13 +139,9 @@ def _excluded_dfq_kernel(FK, V, GNUM, GDEN, DFQ, LIST, stride_lb, stride_lt, n, 
     g_num = tl.load(GNUM + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     g_den = tl.load(GDEN + bh * n + rows, mask=row_ok, other=0.0)
     dfq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    koff = tl.arange(0, BLOCK_N)
-    slot = koff // BLOCK
-    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
     for j in range(0, list_len, PER_ITER):
-        blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
-        krow = blk.to(tl.int64) * BLOCK + (koff % BLOCK)
-        k_ok = (blk >= 0) & (krow < n)
+        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
         fk = tl.load(FK + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
         dw = tl.dot(g_num.to(v.dtype), tl.trans(v), input_precision=PREC) + g_den[:, None]
