@@ -21,6 +21,7 @@ import torch
 
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
+from pixdit.report import markdown_table
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
 
@@ -87,12 +88,7 @@ def bench(args, attention: str, side: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(f"{row[c]:,.3f}" if isinstance(row[c], float) else str(row[c])
-                                       for c in columns) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, cell=lambda column, value: f"{value:,.3f}" if isinstance(value, float) else str(value))
 
 
 def main(argv=None) -> list[dict]:

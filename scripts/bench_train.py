@@ -25,6 +25,7 @@ import time
 import torch
 
 from pixdit.models import DIT_MODELS
+from pixdit.report import markdown_table
 
 
 def parse_args(argv=None):
@@ -113,21 +114,14 @@ def bench_size(args, side: int) -> dict:
     return result
 
 
+def format_cell(column: str, value) -> str:
+    if column == "tokens/s":
+        return f"{value / 1e3:,.1f}k"
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+
 def markdown(rows: list[dict]) -> str:
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = []
-        for key in columns:
-            value = row[key]
-            if key == "tokens/s":
-                cells.append(f"{value / 1e3:,.1f}k")
-            elif isinstance(value, float):
-                cells.append(f"{value:,.2f}")
-            else:
-                cells.append(str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, cell=format_cell)
 
 
 def main(argv=None) -> None:

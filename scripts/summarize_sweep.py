@@ -38,6 +38,8 @@ from pathlib import Path
 
 import yaml
 
+from pixdit.report import markdown_table
+
 # Each reported metric: table column -> (regular expressions tried in order against the CSV/JSON keys, reduction).
 # The names are the ones the pixdit module / callbacks log (src/pixdit/module.py, callbacks.py, eval/); the
 # alternatives keep older runs readable.
@@ -177,10 +179,7 @@ def format_cell(value) -> str:
 
 
 def to_markdown(columns: list[str], rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(format_cell(row.get(c, "")) for c in columns) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(rows, columns, cell=lambda column, value: format_cell(value)) + "\n"
 
 
 def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
