@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything a CUDA machine should check and time, in stages that each fit a 10-minute device call.
+# Results (logs, markdown tables, PNG plots) go under OUT (default: bench/). Run from the repository root:
+#
+#   bash scripts/device_suite.sh tests      # GPU correctness tests of every kernel and of train.py (make test-gpu)
+#   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
+#   bash scripts/device_suite.sh train      # DiT-S training throughput for full, LLSA, VSA, SLA at 64..512 px
+#   bash scripts/device_suite.sh sampling   # sample-generation images/s, full vs LLSA, 128 and 256 px
+#   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
+#
+# The tables go into docs/benchmarks.md together with the command that made them.
+set -uo pipefail
+stage=${1:?usage: device_suite.sh tests|attention|train|sampling|scaling}
+OUT=${OUT:-bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+case "$stage" in
+  tests)
+    # One fixed launch configuration: autotuning would spend minutes compiling variants for every test shape.
+    PIXDIT_KERNELS_AUTOTUNE=0 $PY -m pytest tests -m gpu -q -p no:cacheprovider --timeout 500 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  attention)
+    $PY scripts/bench_attention.py --backends sdpa,flash,llsa,vsa,sla --out "$OUT/attention" 2>&1 | tee "$OUT/bench_attention.log" ;;
+  train)
+    for attention in full llsa vsa sla; do
+      $PY scripts/bench_train.py --attention "$attention" --sizes 64 128 256 --warmup 3 --steps 10 2>&1 | tee -a "$OUT/bench_train.log"
+      $PY scripts/bench_train.py --attention "$attention" --sizes 512 --warmup 1 --steps 3 2>&1 | tee -a "$OUT/bench_train.log"
+    done ;;
+  sampling)
+    $PY scripts/bench_sampling.py --attention full llsa --sizes 128 256 2>&1 | tee "$OUT/bench_sampling.log" ;;
+  scaling)
+    $PY scripts/bench_scaling.py --out "$OUT/scaling" 2>&1 | tee "$OUT/bench_scaling.log" ;;
+  *)
+    echo "unknown stage '$stage': use tests, attention, train, sampling or scaling" >&2; exit 2 ;;
+esac
