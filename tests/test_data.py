@@ -318,3 +318,13 @@ def test_val_root_validates_on_another_dataset(tmp_path):
     assert [identities(b) for b in dm.val_dataloader()] == [[0, 1], [2, 3]]
     with pytest.warns(UserWarning, match="no held-out 'val' split"):
         ShardDataModule(tmp_path / "train", batch_size=2, num_workers=0).val_dataloader()
+
+
+def test_setting_range_errors_name_the_value_the_user_gave(tmp_path):
+    make_dataset(tmp_path, [4])
+    with pytest.raises(PixditError, match=r"data\.batch_size must be >= 1, got 0"):
+        ShardDataModule(tmp_path, batch_size=0)
+    with pytest.raises(PixditError, match=r"data\.val_images must be >= 0, got -1"):
+        ShardDataModule(tmp_path, val_images=-1)
+    with pytest.raises(PixditError, match=r"data\.num_workers must be >= 0, got -2"):
+        ShardDataModule(tmp_path, num_workers=-2)

@@ -323,9 +323,10 @@ class ShardDataModule(L.LightningDataModule):
             raise PixditError(f"data.resolution={resolution} but the shards in {self.root} are "
                               f"{manifest_resolution}x{manifest_resolution}; set data.resolution={manifest_resolution} "
                               f"or prepare the data at {resolution}:\n    {prepare_command or 'scripts/prepare_data.py'}")
-        for name, value in (("batch_size", batch_size), ("val_images", val_images + 1), ("num_workers", num_workers + 1)):
-            if int(value) < 1:
-                raise PixditError(f"data.{name} must be positive, got {value}")
+        for name, value, low in (("batch_size", batch_size, 1), ("val_images", val_images, 0),
+                                 ("num_workers", num_workers, 0)):
+            if int(value) < low:
+                raise PixditError(f"data.{name} must be >= {low}, got {value}")
         manifest_classes = int(self.manifest.get("num_classes") or 0)
         if labelled and manifest_classes == 0:
             raise PixditError(f"data.labelled=true but {self.root} has no class labels; prepare it with "
