@@ -173,3 +173,14 @@ def test_local_gpu_pool_runs_one_job_per_gpu(tmp_path, tiny_data):
     assert [s["cuda_visible_devices"] for s in statuses] == ["0", "1"]
     assert "data.batch_size" in statuses[1]["error"]
     assert (sweep_dir / "0" / "metrics.csv").is_file() and (sweep_dir / ".submitit").is_dir()
+
+
+def test_find_invalid_runs_checks_every_section_the_module_reads():
+    """Runs that differ only in the EMA / optimizer / validation sections are not the same check: a bad EMA value in
+    one of them must be reported (it used to share the cached verdict of the good run)."""
+    jobs = expand_sweep(["ema.max_decay=0.9999,abc"])
+    base = ["model=dit_t", "data.resolution=32"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
+    assert [job for job, _ in invalid] == [["ema.max_decay=abc"]]
+    assert "ema.max_decay" in invalid[0][1]

@@ -83,6 +83,10 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
     return size if isinstance(size, int) else tuple(size)
 
 
+# The config sections check_run_config reads (the arguments of DiffusionModule, plus data for the image size).
+CHECKED_SECTIONS = ("model", "attention", "data", "flow", "optimizer", "ema", "validation", "seed")
+
+
 def check_run_config(cfg: DictConfig) -> None:
     """Raise PixditError if this run's model cannot be built: the same ``DiffusionModule(...)`` call as train.py,
     on the ``meta`` device, so every check the model, attention backend and kernels make runs, in ~0.1-1 s."""
@@ -134,8 +138,8 @@ def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str
     for job in jobs:
         try:
             cfg = compose(list(job))
-            # Runs that differ only in keys the model does not see (seed, lr, ...) are checked once.
-            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, ["model", "attention", "data", "flow"]), resolve=True)
+            # Runs that differ only in keys the check does not read (trainer, callbacks, ...) are checked once.
+            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, list(CHECKED_SECTIONS)), resolve=True)
             if key not in seen:
                 try:
                     check(cfg)
