@@ -112,6 +112,21 @@ def test_reference_statistics_from_shards_are_exact_and_cached(tmp_path, weights
         load_reference(str(path), resolution=16)
 
 
+def test_reference_statistics_report_a_corrupt_sample_instead_of_crashing(tmp_path, weights):
+    rng = np.random.default_rng(0)
+    with ShardWriter(tmp_path, "train", maxcount=16) as writer:
+        for i in range(12):
+            data = encode_image(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+            writer.write(key=f"{i:08d}", image_bytes=data[:40] if i == 5 else data, image_format="png")
+    write_manifest(tmp_path, resolution=8, image_format="png", splits={"train": writer.split_info()}, source="test")
+    extractor = InceptionFeatureExtractor(weights)
+    with pytest.warns(UserWarning, match="00000005"), \
+            pytest.raises(PixditError, match=r"(?s)lists 12 train images but only 11.*00000005 in .*train-000000.tar"):
+        make_reference_stats(tmp_path, extractor, batch_size=4, progress=lambda message: None)
+    # the first 5 images are all readable: a --max-images run over them works
+    make_reference_stats(tmp_path, extractor, batch_size=4, max_images=5, progress=lambda message: None)
+
+
 def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, weights, reference_path):
     reference = load_reference(str(reference_path))
     metrics, images = run_evaluation(weights, reference, batch_size=SETTINGS["num_samples"])

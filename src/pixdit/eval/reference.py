@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,14 +224,22 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
             features.append(feats.cpu().numpy())
         batch.clear()
 
+    unreadable = []  # "key in shard: reason" of samples that could not be decoded (reported, skipped)
     for shard in manifest["splits"][split]["shards"]:
+        if seen >= count:
+            break  # --max-images reached: the remaining shards are not opened
         for sample in iter_shard_samples(root / shard["name"]):
             if seen >= count:
                 break
-            data = next((sample[k] for k in ("png", "jpg") if k in sample), None)
-            if data is None:
+            try:
+                data = next((sample[k] for k in ("png", "jpg") if k in sample), None)
+                if data is None:
+                    raise ValueError("no png/jpg image in the sample")
+                pixels = decode_image(data)
+            except Exception as error:  # corrupt sample: report it, keep going, fail below with the full list
+                unreadable.append(f"{sample.get('__key__')} in {root / shard['name']}: {error}")
+                warnings.warn(f"make_fid_stats: skipping unreadable sample {unreadable[-1]}", stacklevel=2)
                 continue
-            pixels = decode_image(data)
             if pixels.shape[:2] != (resolution, resolution):
                 pixels = center_crop_arr(Image.fromarray(pixels), resolution)
             batch.append(pixels)
@@ -242,7 +251,9 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     if batch:
         flush()
     if seen != count:
-        raise PixditError(f"{root}: manifest lists {count} {split} images but only {seen} were readable")
+        raise PixditError(f"{root}: manifest lists {count} {split} images but only {seen} were readable"
+                          + "".join(f"\n  unreadable: {entry}" for entry in unreadable)
+                          + "\n  check the shards with pixdit.data.shards.verify_checksums, or re-run prepare_data.py")
     mu, sigma = stats.mean_and_covariance()
     description["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     save_reference(out, mu, sigma, count, description, np.concatenate(features) if kid else None)
