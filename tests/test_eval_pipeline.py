@@ -188,6 +188,10 @@ def test_corrupt_weights_file_is_a_user_error(tmp_path):
 def test_missing_reference_statistics_messages(tmp_path):
     with pytest.raises(PixditError, match="(?s)ffhq_clean_trainval70k_256.npz not found.*clean-fid/stats/ffhq"):
         load_reference("cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path))
+    # in training the keys live under callbacks.fid: the message must name those, not evaluate.py's eval.*
+    with pytest.raises(PixditError, match=r"(?s)callbacks\.fid\.cleanfid_stats_dir.*callbacks\.fid\.download=true"):
+        load_reference("cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path),
+                       config_prefix="callbacks.fid")
     with pytest.raises(PixditError, match="only at resolutions"):
         load_reference("cleanfid:ffhq_trainval70k", resolution=128, cleanfid_dir=str(tmp_path))
     with pytest.raises(PixditError, match="make_fid_stats.py"):

@@ -93,8 +93,8 @@ def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, dow
         else:
             raise PixditError(
                 f"clean-fid reference statistics {filename} not found in {folder}.\n"
-                f"  Download {url} into that folder (or set eval.cleanfid_stats_dir to where it is), "
-                f"or set eval.download=true on a machine with network access."
+                f"  Download {url} into that folder (or set {option_name(config_prefix, 'cleanfid_stats_dir')} to "
+                f"where it is), or set {option_name(config_prefix, 'download')}=true on a machine with network access."
             )
     with np.load(path) as data:
         mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
