@@ -44,7 +44,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from pixdit.data.imageops import center_crop_arr, encode_image
-from pixdit.data.shards import ShardWriter, shard_name, split_info, write_manifest
+from pixdit.data.shards import ShardWriter, shard_name, split_info, write_json_atomic, write_manifest
 from pixdit.errors import PixditError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -249,10 +249,8 @@ def write_one_shard(task: dict) -> dict:
     shard = writer.shards[0] if writer.shards else {"name": shard_name(task["split"], task["index"]), "count": 0,
                                                     "sha256": None}
     result = {**shard, "index": task["index"], "skipped": skipped}
-    state = out / STATE_DIR / (shard_name(task["split"], task["index"]) + ".json")
-    tmp = state.with_name(state.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, state)  # written after the shard's rename: a state file means the shard is complete
+    # written after the shard's rename: a state file means the shard is complete
+    write_json_atomic(out / STATE_DIR / (shard_name(task["split"], task["index"]) + ".json"), result)
     return result
 
 
@@ -291,7 +289,7 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
             raise PixditError(f"{out} holds shards prepared with different settings ({', '.join(changed)}); "
                               f"use another --out, or delete {out} to start over")
     else:
-        options_file.write_text(json.dumps(options, indent=1))
+        write_json_atomic(options_file, options)  # a half-written options.json would block every later run
     for stale in out.glob("*.tar.tmp"):  # shards a killed run left half-written
         stale.unlink()
 

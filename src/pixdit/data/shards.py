@@ -163,12 +163,14 @@ def write_manifest(out_dir: str | os.PathLike, *, resolution: int, image_format:
         "options": options or {},
     }
     if classes:
-        _write_json_atomic(out_dir / "classes.json", classes)
-    _write_json_atomic(out_dir / MANIFEST_NAME, manifest)
+        write_json_atomic(out_dir / "classes.json", classes)
+    write_json_atomic(out_dir / MANIFEST_NAME, manifest)
     return manifest
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to a temporary file, then rename it over `path`: a killed run leaves the old file or the
+    new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
