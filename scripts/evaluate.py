@@ -20,7 +20,6 @@ Samples are seeded per index (seed, i), so results do not depend on the GPU coun
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torchvision.utils
 from omegaconf import DictConfig, OmegaConf
 
+from pixdit.data.shards import write_json_atomic
 from pixdit.errors import PixditError
 from pixdit.eval import (
     INCEPTION_FILENAME,
@@ -186,7 +186,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
             labels = labels_for_indices(range(cfg.num_samples), module.num_classes)
             if labels is not None:
                 arrays["arr_1"] = labels.numpy()
-            np.savez(out_dir / "samples.npz", **arrays)
+            np.savez(out_dir / "samples.tmp.npz", **arrays)  # renamed when complete: no half file under the name
+            os.replace(out_dir / "samples.tmp.npz", out_dir / "samples.npz")
             os.remove(npy_path)
 
     if rank != 0:
@@ -217,7 +218,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
-    (out_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json_atomic(out_dir / "metrics.json", result)  # summarize_sweep.py must never read half a file
     spread = f" ± {result['fid_std_over_seeds']:.3f}" if "fid_std_over_seeds" in result else ""
     print(f"FID {result['fid']:.3f}{spread}, IS {result['is_mean']:.2f} ({cfg.seeds} x {cfg.num_samples} samples) "
           f"-> {out_dir}/metrics.json", flush=True)
