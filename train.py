@@ -96,7 +96,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
     from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
     from pixdit.data.datamodule import ShardDataModule
-    from pixdit.module import DiffusionModule
+    from pixdit.module import DiffusionModule, check_seed
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     # restores the exact data position itself (ShardDataModule.state_dict), so mid-epoch checkpoints do resume exactly.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    L.seed_everything(check_seed(cfg.seed), workers=True, verbose=False)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
     torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
 

@@ -95,6 +95,30 @@ def test_word_for_a_number_is_named(h, tiny_shards, tmp_path):
         train.train(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("section, options, message", [
+    ("optimizer", {"lr": "abc"}, r"optimizer.lr='abc' must be float"),
+    ("optimizer", {"warmup_stepz": 3}, r"warmup_stepz.*optimizer.*warmup_steps"),
+    ("validation", {"seed": "abc"}, r"validation.seed='abc' must be int"),
+    ("validation", {"sead": 1}, r"sead.*validation.*seed"),
+    ("seed", "abc", r"seed='abc' must be a non-negative integer"),
+])
+def test_module_sections_name_bad_values(h, section, options, message):
+    """A word for a number in the optimizer / validation sections or the seed is a clear error when the module is
+    built, not a TypeError from AdamW at the first step."""
+    from pixdit.module import DiffusionModule
+
+    with pytest.raises(PixditError, match=message):
+        DiffusionModule(model={"name": "DiT-T", "depth": 1}, image_size=8, **{section: options})
+
+
+def test_seed_word_is_one_clear_message(h, tiny_shards, tmp_path):
+    import train
+
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards), "seed=abc"])
+    with pytest.raises(PixditError, match=r"seed='abc' must be a non-negative integer"):
+        train.train(cfg, tmp_path)
+
+
 def test_patch_size_not_dividing_image_names_both(h, tiny_shards, tmp_path):
     import train
 

@@ -63,6 +63,24 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
     return noise, sigma
 
 
+def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
+                  eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None) -> dict:
+    """The ``optimizer`` section: AdamW's arguments (recipe defaults, spec llsa.md §10.1) plus the linear LR warm-up.
+    Built through ``pixdit.config.construct``, so an unknown key or a word for a number is a clear error."""
+    return dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused)
+
+
+def validation_options(seed: int = 0) -> dict:
+    """The ``validation`` section: the seed of the fixed validation noise and timesteps."""
+    return dict(seed=check_seed(seed, "validation.seed"))
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise PixditError(f"{name}={seed!r} must be a non-negative integer")
+    return seed
+
+
 class DiffusionModule(L.LightningModule):
     """Pixel DiT + rectified flow + AdamW + EMA; each argument is one section of configs/train.yaml (see there)."""
 
@@ -88,20 +106,12 @@ class DiffusionModule(L.LightningModule):
         self.image_size = image_size
         self.model = build_model(**model, attention=attention, input_size=image_size)
         self.flow = construct(RectifiedFlow, flow, "flow", image_size=image_size)
-        self.optimizer_options = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8,
-                                  "warmup_steps": 0, **optimizer}
-        unknown = sorted(set(self.optimizer_options) - {"lr", "betas", "weight_decay", "eps", "warmup_steps", "fused"})
-        if unknown:
-            raise PixditError(f"unknown optimizer option(s) {unknown}; allowed: lr, betas, weight_decay, eps, "
-                              f"warmup_steps, fused")
+        self.optimizer_options = construct(adamw_options, optimizer, "optimizer")
         self.ema = construct(EMA, ema, "ema", model=self.model)
         # Attention backends whose behaviour follows the optimizer step (VSA's dense-to-sparse annealing).
         self._step_scheduled = [m for m in self.model.modules() if hasattr(m, "set_training_step")]
-        self.validation_seed = int(validation.get("seed", 0))
-        unknown = sorted(set(validation) - {"seed"})
-        if unknown:
-            raise PixditError(f"unknown validation option(s) {unknown}; allowed: seed")
-        self.seed = int(seed)
+        self.validation_seed = construct(validation_options, validation, "validation")["seed"]
+        self.seed = check_seed(seed)
         if compile:
             # In place (keeps parameter names, so checkpoints load into uncompiled models); the EMA copy stays eager.
             self.model.compile()
@@ -165,7 +175,7 @@ class DiffusionModule(L.LightningModule):
     def configure_optimizers(self):
         options = dict(self.optimizer_options)
         warmup_steps = int(options.pop("warmup_steps"))
-        fused = options.pop("fused", None)
+        fused = options.pop("fused")
         if fused is None:
             fused = self.device.type == "cuda"
         params = [p for p in self.model.parameters() if p.requires_grad]
