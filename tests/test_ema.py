@@ -46,9 +46,11 @@ def test_ema_is_fp32_frozen_saved_and_restored():
     assert int(state["num_updates"]) == 2
     other = EMA(nn.Linear(4, 4).to(torch.bfloat16))
     other.load_state_dict(state)
-    assert int(other.num_updates) == 2
+    assert int(other.num_updates) == 2 and other.update_count == 2
+    assert other.update(model) == other.decay(3)  # the loaded count goes on
+    assert int(other.num_updates) == 3
     assert torch.equal(other.model.weight, ema.model.weight)
     other.train()
     assert not other.model.training  # the average never runs in training mode
     other.reset(model)
-    assert int(other.num_updates) == 0 and torch.equal(other.model.weight, model.weight.float())
+    assert int(other.num_updates) == 0 == other.update_count and torch.equal(other.model.weight, model.weight.float())

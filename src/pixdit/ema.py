@@ -29,8 +29,10 @@ class EMA(nn.Module):
         self.max_decay = float(max_decay)
         self.power = float(power)
         self.model = copy.deepcopy(model).float().eval().requires_grad_(False)
-        # A buffer (not a Python int) so it is saved with the weights and restored on resume.
+        # A buffer so it is saved with the weights and restored on resume; `_count` is its host-side copy, which the
+        # per-step update reads (reading the buffer would make the CPU wait for the GPU after every optimizer step).
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64))
+        self._count = 0
 
     def decay(self, n: int) -> float:
         """Decay used by the n-th update (n >= 1)."""
@@ -39,8 +41,9 @@ class EMA(nn.Module):
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
         """Move the average towards ``model``'s current weights; returns the decay used."""
-        self.num_updates += 1
-        decay = self.decay(int(self.num_updates))
+        self._count += 1
+        self.num_updates.fill_(self._count)
+        decay = self.decay(self._count)
         ema_params = list(self.model.parameters())
         params = [p.detach().to(torch.float32) for p in model.parameters()]
         if len(ema_params) != len(params):
@@ -59,6 +62,16 @@ class EMA(nn.Module):
         for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
             ema_buffer.copy_(buffer)
         self.num_updates.zero_()
+        self._count = 0
+
+    @property
+    def update_count(self) -> int:
+        """Number of updates so far (the decay of the last one is ``decay(update_count)``)."""
+        return self._count
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._count = int(self.num_updates)  # resume: the host-side count follows the loaded buffer
 
     def train(self, mode: bool = True) -> "EMA":
         # The averaged model always stays in eval mode (no dropout), whatever its owner does.

@@ -169,7 +169,7 @@ class DiffusionModule(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
-            self.log("train/ema_decay", self.ema.decay(max(1, int(self.ema.num_updates))), on_step=True,
+            self.log("train/ema_decay", self.ema.decay(max(1, self.ema.update_count)), on_step=True,
                      on_epoch=False)
 
     def configure_optimizers(self):
