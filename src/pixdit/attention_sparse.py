@@ -167,6 +167,8 @@ class VSAAttention(AttentionBackend):
         if self.anneal_every and self.training and not self._step_was_set:
             raise PixditError("attention=vsa with anneal_every > 0 needs the training loop to call "
                               "set_training_step(global_step) on the attention backends")
+        if not self.anneal_every:
+            return target  # without annealing, do not read the step buffer (a GPU sync in every layer's forward)
         return vsa_annealed_topk(int(self.training_step), num_tiles, target, self.anneal_every, self.anneal_rate)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
