@@ -105,10 +105,10 @@ def summarize(per_seed: list[dict]) -> dict:
 def evaluate(cfg: DictConfig) -> dict | None:
     rank, world_size, device = setup_distributed(str(cfg.device))
     precision = {"auto": "bf16" if device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
-    if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1:
+    if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1 or cfg.batch_size < 1:
         raise PixditError(f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
-                          f"sampler.steps >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
-                          f"sampler.steps={cfg.sampler.steps}")
+                          f"sampler.steps >= 1, batch_size >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
+                          f"sampler.steps={cfg.sampler.steps}, batch_size={cfg.batch_size}")
     if cfg.sampler.name != "euler":
         raise PixditError(f"sampler.name={cfg.sampler.name!r}; allowed: euler")
     # Start-up checks first: nothing is generated before the weights file and the reference are known to be there.

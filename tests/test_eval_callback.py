@@ -144,3 +144,14 @@ def test_evaluate_script_end_to_end(tmp_path, files):
         cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}"])
     with pytest.raises(PixditError, match=r"(?s)missing.pt.*nvlabs-fi-cdn.*eval.inception_path"):
         script.evaluate(cfg)
+
+
+def test_evaluate_script_rejects_a_batch_size_below_one_at_start_up(tmp_path):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(REPO / "configs" / "eval" / "evaluate.yaml")
+    for key in ("defaults", "hydra"):
+        cfg.pop(key)
+    cfg.merge_with({"ckpt": str(tmp_path / "missing.ckpt"), "device": "cpu", "batch_size": 0})
+    with pytest.raises(PixditError, match="batch_size >= 1.*batch_size=0"):
+        load_evaluate_script().evaluate(cfg)
