@@ -38,6 +38,9 @@ def construct(cls, options, where: str, **fixed):
     params = inspect.signature(cls).parameters.values()
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
     allowed = [k for k in allowed_keys(cls) if k not in fixed]
+    clash = sorted(set(options) & set(fixed))
+    if clash:
+        raise PixditError(f"{where}: {clash} is set by pixdit itself and cannot be configured")
     unknown = sorted(set(options) - set(allowed))
     if unknown and not takes_kwargs:
         raise PixditError(f"unknown key(s) {unknown} in {where}; allowed keys for {cls.__name__}: {', '.join(allowed)}")
@@ -48,9 +51,6 @@ def construct(cls, options, where: str, **fixed):
         if isinstance(value, str) and isinstance(default, (bool, int, float)):
             kind = "true/false" if isinstance(default, bool) else type(default).__name__
             raise PixditError(f"{where}.{key}={value!r} must be {kind} (default: {default!r})")
-    clash = sorted(set(options) & set(fixed))
-    if clash:
-        raise PixditError(f"{where}: {clash} is set by pixdit itself and cannot be configured")
     return cls(**options, **fixed)
 
 
