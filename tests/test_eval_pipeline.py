@@ -223,3 +223,7 @@ def test_make_fid_stats_script(tmp_path, weights, capsys):
     assert reference.count == 20 and reference.features.shape == (20, 2048)
     assert script.main([*args, "--inception-path", str(tmp_path / "missing")]) == 2
     assert "--inception-path" in capsys.readouterr().err
+    # --batch-size 0 never flushed (every image in one batch); --max-images 0 silently meant "all images"
+    for bad in (["--batch-size", "0"], ["--max-images", "0"]):
+        assert script.main([*args, "--inception-path", str(weights), "--force", *bad]) == 2
+        assert "--batch-size must be >= 1 and --max-images >= 1" in capsys.readouterr().err

@@ -185,6 +185,9 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     from pixdit.eval.stats import FeatureStatistics
     from PIL import Image
 
+    if batch_size < 1 or (max_images is not None and max_images < 1):
+        raise PixditError(f"--batch-size must be >= 1 and --max-images >= 1 (or unset); got batch_size={batch_size}, "
+                          f"max_images={max_images}")
     root = Path(root)
     manifest = read_manifest(root)
     if split not in manifest["splits"]:
@@ -193,7 +196,7 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     resolution = int(resolution or stored_resolution)
     out = Path(out) if out else default_stats_path(root, resolution)
     total = int(manifest["splits"][split]["count"])
-    count = min(total, max_images) if max_images else total
+    count = min(total, max_images) if max_images is not None else total
     description = {
         "source": str(root.resolve()),
         "dataset": manifest.get("source"),
