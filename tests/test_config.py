@@ -23,3 +23,12 @@ def test_unknown_key_and_word_for_number_are_named():
     with pytest.raises(PixditError, match=r"section.every_n_steps='abc' must be int"):
         construct(make, {"every_n_steps": "abc"}, "section", dirpath="/run")
     assert construct(make, {"every_n_steps": 3}, "section", dirpath="/run") == ("/run", 3, "x")
+
+
+def test_fid_word_for_a_number_is_named(tmp_path):
+    """callbacks.fid.every_n_steps=abc: a clear message, not a TypeError from comparing a word with 0."""
+    from pixdit.callbacks import build_callbacks
+
+    with pytest.raises(PixditError, match=r"callbacks.fid.every_n_steps='abc' must be int"):
+        build_callbacks({"fid": {"every_n_steps": "abc"}}, tmp_path)
+    assert build_callbacks({"fid": {"every_n_steps": 0, "at_end": False}}, tmp_path) == []  # off: not built

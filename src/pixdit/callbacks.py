@@ -155,7 +155,8 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     if cfg.get("progress_bar") is not None:
         callbacks.append(construct(TQDMProgressBar, cfg["progress_bar"], "callbacks.progress_bar"))
     fid = cfg.get("fid")
-    if fid is not None and (fid.get("every_n_steps", 0) > 0 or fid.get("at_end", False)):
+    # Built when switched on (any non-zero every_n_steps or at_end); FIDCallback then checks the values themselves.
+    if fid is not None and (fid.get("every_n_steps") or fid.get("at_end")):
         from pixdit.eval.callback import FIDCallback  # imported only when on: it loads the Inception network
 
         callbacks.append(construct(FIDCallback, fid, "callbacks.fid"))
