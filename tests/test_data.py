@@ -328,3 +328,21 @@ def test_setting_range_errors_name_the_value_the_user_gave(tmp_path):
         ShardDataModule(tmp_path, val_images=-1)
     with pytest.raises(PixditError, match=r"data\.num_workers must be >= 0, got -2"):
         ShardDataModule(tmp_path, num_workers=-2)
+
+
+def test_truncated_shard_is_warned_and_does_not_shift_validation_indices(tmp_path):
+    make_dataset(tmp_path, [8, 8])
+    shard = tmp_path / "train-000000.tar"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # Python's tarfile stops here silently
+    dm = ShardDataModule(tmp_path, batch_size=4, num_workers=0, flip=False, val_images=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train = sum((identities(b) for b in dm.train_dataloader()), [])
+        val = list(dm.val_dataloader())
+    truncated = [str(w.message) for w in caught if "train-000000.tar" in str(w.message)]
+    assert len(truncated) == 2 and all("manifest" in m for m in truncated)  # one from each loader
+    assert dm._train_dataset.corrupt.count == 1
+    assert set(range(8, 16)) <= set(train) <= set(range(16))
+    # validation (the train split here, there is no val split): `index` is still the image's position in the split
+    assert all(batch["index"].tolist() == identities(batch) for batch in val)
+    assert sum((identities(b) for b in val), [])[-8:] == list(range(8, 16))

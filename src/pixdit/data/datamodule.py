@@ -139,25 +139,31 @@ class ShardTrainStream(IterableDataset):
             if position + size <= start:
                 position += size
                 continue
-            name = self.shards[shard_index][0]
+            name, count = self.shards[shard_index]
             unit_end = position + size
             try:
                 with contextlib.closing(iter_shard_samples(self.root / name)) as shard_samples:
-                    yield from self._unit_samples(shard_samples, part, parts, position, unit_end, start, stop)
+                    reached = yield from self._unit_samples(shard_samples, part, parts, position, unit_end, start,
+                                                            stop)
+                if reached < min(unit_end, stop):  # Python's tarfile ends a truncated tar silently
+                    raise ValueError(f"it holds fewer samples than the {count} of the manifest (truncated? check "
+                                     f"it with pixdit.data.shards.verify_checksums)")
             except Exception as error:  # truncated / unreadable tar: warn, skip the rest of the unit
                 self.corrupt.report(f"in shard {self.root / name}", error)
             position = unit_end
 
     @staticmethod
     def _unit_samples(shard_samples, part, parts, position, unit_end, start, stop):
+        """Yields (position, sample) of the unit's samples in [start, stop); returns the position it reached."""
         for index_in_shard, sample in enumerate(shard_samples):
             if index_in_shard % parts != part:
                 continue
             if position >= unit_end or position >= stop:
-                return  # (more samples than the manifest says: positions stay as the manifest defines them)
+                return position  # (more samples than the manifest says: positions stay as the manifest defines them)
             if position >= start:
                 yield position, sample
             position += 1
+        return position
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker_id, num_workers = _worker_slot()
@@ -216,12 +222,13 @@ class ShardTrainStream(IterableDataset):
 class ShardValStream(IterableDataset):
     """The first `num_images` samples of a split, in shard order, no flip: rank r takes images r, r+R, ...; batches
     are dealt to workers round-robin, so the batch sequence is the same for any number of workers.
-    Batches carry `index` (int64: the image's position in the split) so a model can fix per-image noise."""
+    Batches carry `index` (int64: the image's position in the split, by the manifest's shard counts) so a model can
+    fix per-image noise. Unreadable samples and shards are warned about and skipped like in training."""
 
     def __init__(self, root: str | Path, shards: list[dict], *, resolution: int, batch_size: int, num_images: int,
                  rank: int, world_size: int, labelled: bool):
         self.root = Path(root)
-        self.shards = [s["name"] for s in shards]
+        self.shards = [(s["name"], int(s["count"])) for s in shards]
         self.resolution, self.batch_size, self.labelled = resolution, batch_size, labelled
         self.indices = list(range(rank, num_images, world_size))
         self.corrupt = _CorruptCounter()
@@ -229,35 +236,50 @@ class ShardValStream(IterableDataset):
     def __len__(self) -> int:
         return math.ceil(len(self.indices) / self.batch_size)
 
+    def _positioned_samples(self, last: int) -> Iterator[tuple[int, dict]]:
+        """(position in the split, raw sample) up to `last`; positions follow the manifest's shard counts, so a
+        truncated or unreadable shard (warned about) does not shift the images after it."""
+        shard_start = 0
+        for name, count in self.shards:
+            if shard_start > last:
+                return
+            read = 0
+            try:
+                with contextlib.closing(iter_shard_samples(self.root / name)) as samples:
+                    for sample in itertools.islice(samples, count):
+                        read += 1
+                        yield shard_start + read - 1, sample
+                        if shard_start + read - 1 >= last:
+                            return
+                if read < count:  # Python's tarfile ends a truncated tar silently
+                    raise ValueError(f"it holds {read} samples, the manifest says {count} (truncated? check it "
+                                     f"with pixdit.data.shards.verify_checksums)")
+            except Exception as error:
+                self.corrupt.report(f"in shard {self.root / name}", error)
+            shard_start += count
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = _worker_slot()
         mine = {index: position // self.batch_size for position, index in enumerate(self.indices)
                 if (position // self.batch_size) % num_workers == worker}
         if not mine:
             return
-        last = max(mine)
         pixels, labels, indices, current = [], [], [], None
-        position = 0
-        for name in self.shards:
-            for sample in iter_shard_samples(self.root / name):
-                if position in mine:
-                    batch = mine[position]
-                    if current is not None and batch != current and pixels:
-                        yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
-                        pixels, labels, indices = [], [], []
-                    current = batch
-                    try:
-                        image, label = _decode_sample(sample, self.resolution, self.labelled)
-                        pixels.append(image)
-                        labels.append(label)
-                        indices.append(position)
-                    except Exception as error:
-                        self.corrupt.report(f"{sample.get('__key__')} in shard {self.root / name}", error)
-                if position == last:
-                    if pixels:
-                        yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
-                    return
-                position += 1
+        for position, sample in self._positioned_samples(max(mine)):
+            if position not in mine:
+                continue
+            batch = mine[position]
+            if current is not None and batch != current and pixels:
+                yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
+                pixels, labels, indices = [], [], []
+            current = batch
+            try:
+                image, label = _decode_sample(sample, self.resolution, self.labelled)
+                pixels.append(image)
+                labels.append(label)
+                indices.append(position)
+            except Exception as error:
+                self.corrupt.report(f"{sample.get('__key__')} in shard {sample.get('__url__')}", error)
         if pixels:
             yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
 
