@@ -283,3 +283,23 @@ def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     steps = {k: int(v) for k, v in state.items() if k.endswith("attn.backend.training_step")}
     assert steps and set(steps.values()) == {2}, steps  # set before the third (last) optimizer step
+
+
+def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monkeypatch):
+    """callbacks.throughput.window is in optimizer steps: with 2 micro-batches of 4 images per step and window=2, a
+    window holds 16 images. A clock that advances 1 s per reading makes images_per_s = images in the window."""
+    import itertools
+
+    import train
+    import pixdit.callbacks
+
+    clock = itertools.count()
+    monkeypatch.setattr(pixdit.callbacks.time, "perf_counter", lambda: float(next(clock)))
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
+                     "model.patch_size=2", "trainer.max_steps=4", "trainer.accumulate_grad_batches=2",
+                     "trainer.val_check_interval=100", "trainer.log_every_n_steps=2", "callbacks.throughput.window=2",
+                     "callbacks.samples=null", "callbacks.checkpoint=null", "callbacks.progress_bar=null"])
+    train.train(cfg, tmp_path)
+    with open(tmp_path / "metrics.csv") as f:
+        rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
+    assert rates == [16.0, 16.0], rates

@@ -94,9 +94,9 @@ class ThroughputMonitor(Callback):
             raise PixditError(f"callbacks.throughput.window must be >= 1, got {window}")
         self.window = window
         self._start: float | None = None
+        self._start_step = 0
         self._images = 0
         self._tokens = 0
-        self._steps = 0
 
     def _sync(self, pl_module) -> None:
         if pl_module.device.type == "cuda":
@@ -106,6 +106,7 @@ class ThroughputMonitor(Callback):
         if self._start is None:
             self._sync(pl_module)
             self._start = time.perf_counter()
+            self._start_step = trainer.global_step
             if pl_module.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
 
@@ -113,8 +114,8 @@ class ThroughputMonitor(Callback):
         images = batch["image"]
         self._images += images.shape[0] * trainer.world_size
         self._tokens += images.shape[0] * trainer.world_size * pl_module.tokens_per_image
-        self._steps += 1
-        if self._steps < self.window:
+        # Optimizer steps, not batches: with gradient accumulation a window ends after a step's last micro-batch.
+        if trainer.global_step - self._start_step < self.window:
             return
         self._sync(pl_module)
         elapsed = time.perf_counter() - self._start
@@ -122,11 +123,11 @@ class ThroughputMonitor(Callback):
         if pl_module.device.type == "cuda":
             metrics["perf/peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
-        self._start, self._images, self._tokens, self._steps = None, 0, 0, 0
+        self._start, self._images, self._tokens = None, 0, 0
 
     def on_validation_start(self, trainer, pl_module) -> None:
         # Validation and sampling are not training throughput: start a fresh window afterwards.
-        self._start, self._images, self._tokens, self._steps = None, 0, 0, 0
+        self._start, self._images, self._tokens = None, 0, 0
 
 
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
