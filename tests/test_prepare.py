@@ -179,6 +179,17 @@ def test_imagenet_train_folders_and_val_devkit_labels(tmp_path):
         assert len(index) == 1 and label == val_labels[index[0]]
 
 
+def test_zip_of_imagenet_train_folder_labels_from_the_synset_folders(tmp_path):
+    make_imagenet(tmp_path / "imagenet")
+    with zipfile.ZipFile(tmp_path / "train.zip", "w") as archive:  # as zipping train/ gives: train/<synset>/...
+        for path in sorted((tmp_path / "imagenet" / "train").rglob("*.JPEG")):
+            archive.write(path, path.relative_to(tmp_path / "imagenet").as_posix())
+    manifest = prepare_dataset(tmp_path / "train.zip", tmp_path / "out", RES, labels="folders", progress=False)
+    assert manifest["classes"] == SYNSETS and manifest["counts"] == {"train": 12}
+    labels = {src: int(s["cls"]) for src, s in all_samples(tmp_path / "out").items()}
+    assert labels == {f"train/{synset}/{synset}_{i}.JPEG": c for c, synset in enumerate(SYNSETS) for i in range(4)}
+
+
 def test_imagenet_val_kaggle_csv(tmp_path):
     (tmp_path / "val").mkdir()
     rows = ["ImageId,PredictionString"]

@@ -13,7 +13,8 @@ Sources (detected from the path):
   + meta.mat) or from Kaggle's LOC_val_solution.csv, found in the source folder, its parent, or a devkit folder there.
 
 `--labels folders`: class id = index of the image's top-level folder name in the sorted list of names
-(torchvision ImageFolder order; for ImageNet the sorted synset ids), saved as classes.json.
+(torchvision ImageFolder order; for ImageNet the sorted synset ids), saved as classes.json. In a .zip, the top level
+is below the folders every member shares (train.zip holding train/<synset>/... gives the synsets).
 
 Every image: ADM's center_crop_arr (pixdit.data.imageops) to `resolution`, then PNG (default) or JPEG.
 
@@ -142,8 +143,24 @@ def list_source(source: Path, labels: str) -> tuple[str, list[Item], list[str] |
         if missing:
             raise PixditError(f"no ground-truth label for {len(missing)} images, e.g. {missing[0]}")
         return kind, [Item(r, class_id[synset_of[r]]) for r in refs], classes
-    items, classes = _folder_labels(refs, str(source))
-    return kind, items, classes
+    # A zip usually wraps the class folders in one folder (train.zip -> train/<synset>/...): the classes are the
+    # first folders below what every member shares, as if the user had pointed at the unzipped folder.
+    wrapper = _common_folder(refs) if kind == "zip" else ""
+    items, classes = _folder_labels([r[len(wrapper):] for r in refs], str(source) + ("/" + wrapper if wrapper else ""))
+    return kind, [Item(wrapper + it.ref, it.label) for it in items], classes
+
+
+def _common_folder(refs: list[str]) -> str:
+    """The leading folders ('a/b/') that every path in `refs` shares, excluding each path's own folder level."""
+    parts = [r.split("/")[:-1] for r in refs]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    # keep one folder level for the classes: a shared folder that is some image's own folder is not a wrapper
+    common = common[: min(len(p) for p in parts) - 1] if parts else []
+    return "".join(name + "/" for name in common)
 
 
 # ---- the plan: which image goes into which shard --------------------------------------------------------------------
