@@ -71,6 +71,25 @@ def test_callback_logs_fid_of_the_ema_model_every_n_steps_and_at_the_end(tmp_pat
     assert direct["is_mean"] == pytest.approx(float(fid_rows[-1]["is_mean"]), rel=1e-4)
 
 
+def test_callback_does_not_evaluate_the_checkpoint_step_again_after_a_resume(tmp_path, files):
+    class Recording(FIDCallback):
+        def evaluate(self, trainer, pl_module):
+            evaluated.append(trainer.global_step)
+            return super().evaluate(trainer, pl_module)
+
+    options = dict(reference=str(files["reference"]), every_n_steps=1, at_end=False,
+                   inception_path=str(files["weights"]), **FID_OPTIONS)
+    evaluated = []
+    first = trainer(tmp_path, Recording(**options), max_steps=1, accumulate_grad_batches=2)
+    first.fit(tiny_module(), train_dataloaders=loader())
+    first.save_checkpoint(tmp_path / "step1.ckpt")
+    assert evaluated == [1]
+    evaluated.clear()  # resumed: the first micro-batch (no optimizer step yet) still sees global_step 1
+    resumed = trainer(tmp_path, Recording(**options), max_steps=2, accumulate_grad_batches=2)
+    resumed.fit(tiny_module(), train_dataloaders=loader(), ckpt_path=tmp_path / "step1.ckpt")
+    assert evaluated == [2]
+
+
 def test_callback_fails_at_start_up_without_weights_and_is_off_in_fast_dev_run(tmp_path, files):
     missing = tmp_path / "none" / "inception-2015-12-05.pt"
     callback = FIDCallback(reference=str(files["reference"]), every_n_steps=1, inception_path=str(missing),

@@ -143,6 +143,14 @@ class FIDCallback(Callback):
         if self.enabled and self.at_end and trainer.global_step != self._last_step:
             self.evaluate(trainer, pl_module)
 
+    # The step last evaluated travels in checkpoints: with gradient accumulation the first micro-batches after a
+    # resume still see the checkpoint's global_step, which must not be evaluated (and logged) a second time.
+    def state_dict(self) -> dict:
+        return {"last_step": self._last_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._last_step = int(state_dict.get("last_step", -1))
+
     # ------------------------------------------------------------------ the evaluation
     def evaluate(self, trainer: Trainer, pl_module) -> dict:
         """Run one evaluation on every rank (collective) and log the result; returns the metrics."""
