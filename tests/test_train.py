@@ -289,12 +289,13 @@ def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monk
     """callbacks.throughput.window is in optimizer steps: with 2 micro-batches of 4 images per step and window=2, a
     window holds 16 images. A clock that advances 1 s per reading makes images_per_s = images in the window."""
     import itertools
+    from types import SimpleNamespace
 
     import train
     import pixdit.callbacks
 
     clock = itertools.count()
-    monkeypatch.setattr(pixdit.callbacks.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(pixdit.callbacks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
                      "model.patch_size=2", "trainer.max_steps=4", "trainer.accumulate_grad_batches=2",
                      "trainer.val_check_interval=100", "trainer.log_every_n_steps=2", "callbacks.throughput.window=2",
@@ -303,3 +304,33 @@ def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monk
     with open(tmp_path / "metrics.csv") as f:
         rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
     assert rates == [16.0, 16.0], rates
+
+
+def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypatch):
+    """A sample grid written at the step a window ends is not training time: with a clock that advances 1 s per
+    reading and 100 s per sample grid, every window still reports its images per 1 s."""
+    import itertools
+    from types import SimpleNamespace
+
+    import train
+    import pixdit.callbacks
+
+    clock = itertools.count()
+    monkeypatch.setattr(pixdit.callbacks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    write = pixdit.callbacks.SampleGrid.write
+
+    def slow_write(self, trainer, pl_module):  # the real write, plus 100 s on the fake clock
+        for _ in range(100):
+            next(clock)
+        return write(self, trainer, pl_module)
+
+    monkeypatch.setattr(pixdit.callbacks.SampleGrid, "write", slow_write)
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
+                     "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=100",
+                     "trainer.log_every_n_steps=2", "callbacks.throughput.window=2", "callbacks.samples.every_n_steps=2",
+                     "callbacks.samples.num_samples=1", "callbacks.samples.steps=1", "+callbacks.samples.at_end=false",
+                     "callbacks.checkpoint=null", "callbacks.progress_bar=null"])
+    train.train(cfg, tmp_path)
+    with open(tmp_path / "metrics.csv") as f:
+        rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
+    assert rates == [8.0, 8.0], rates

@@ -144,6 +144,10 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     if unknown:
         raise PixditError(f"unknown callbacks {unknown}; allowed: {sorted(known)} (set one to null to turn it off)")
     callbacks: list[Callback] = []
+    # The throughput monitor first: Lightning calls on_train_batch_end in list order (checkpoints always last), so a
+    # window that ends at a sampling / checkpoint / FID step is measured before that work runs.
+    if cfg.get("throughput") is not None:
+        callbacks.append(construct(ThroughputMonitor, cfg["throughput"], "callbacks.throughput"))
     if cfg.get("checkpoint") is not None:
         options = {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
                    "save_top_k": -1, **cfg["checkpoint"]}
@@ -151,8 +155,6 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
                                    dirpath=str(run_dir / "checkpoints")))
     if cfg.get("samples") is not None:
         callbacks.append(construct(SampleGrid, cfg["samples"], "callbacks.samples", dirpath=str(run_dir / "samples")))
-    if cfg.get("throughput") is not None:
-        callbacks.append(construct(ThroughputMonitor, cfg["throughput"], "callbacks.throughput"))
     if cfg.get("progress_bar") is not None:
         callbacks.append(construct(TQDMProgressBar, cfg["progress_bar"], "callbacks.progress_bar"))
     fid = cfg.get("fid")
