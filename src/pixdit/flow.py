@@ -13,7 +13,8 @@ Timestep sampling (`timestep_sampling`):
   uniform       sigma in {0.001, 0.002, ..., 1.000}, as the reference trainer (sigma = 0 is never drawn)
   logit_normal  sigma = sigmoid(logit_normal_mean + logit_normal_std * n), n ~ N(0, 1) (SD3)
   shift         uniform sigma, then sigma -> shift * sigma / (1 + (shift - 1) * sigma) (SD3's resolution shift;
-                shift="auto" = side / 64, which matches the SNR of noise rescaling, so use it with noise_scale=1).
+                shift="auto" = side / 64 (1 up to 64 px, like noise_scale="auto"), which matches the SNR of noise
+                rescaling, so use it with noise_scale=1).
                 The sampler uses the same shifted schedule.
 
 Sampling (Euler, deterministic): x = s * eps, sigma_k = linspace(1, 0.001, steps) then 0,

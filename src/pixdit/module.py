@@ -52,7 +52,7 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
     """Fixed noise [n, *shape] and sigma [n] for held-out images with the given dataset indices (CPU, fp32).
 
     Depends only on (seed, index): not on the batch size, the rank, the device or anything drawn before.
-    sigma_i = 0.001 + 0.999 * frac(0.5 + i * golden ratio) covers (0, 1] evenly for any number of images.
+    sigma_i = 0.001 + 0.999 * frac(0.5 + i * golden ratio) covers [0.001, 1) evenly for any number of images.
     """
     noise = torch.stack([
         torch.randn(shape, generator=torch.Generator().manual_seed(mixed_seed(seed, int(i))), dtype=torch.float32)
