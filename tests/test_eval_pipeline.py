@@ -59,6 +59,27 @@ def _rank_main(rank, world_size, init_file, weights, reference_path, out_dir):
         dist.destroy_process_group()
 
 
+def _failing_rank_main(rank, world_size, init_file, weights, out_dir):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))  # without the fix rank 0 waits for this long
+    try:
+        def fail_on_rank1(indices, images):
+            if rank == 1:
+                raise PixditError("rank 1 failed")
+
+        evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), InceptionFeatureExtractor(weights), None,
+                           batch_size=4, on_batch=fail_on_rank1, **SETTINGS)
+        outcome = "returned"
+    except Exception as error:  # noqa: BLE001
+        outcome = f"{type(error).__name__}: {error}"
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"outcome{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
 def write_tiny_shards(folder, count=40, resolution=8):
     rng = np.random.default_rng(0)
     with ShardWriter(folder, "train", maxcount=16) as writer:
@@ -150,6 +171,13 @@ def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, wei
     assert rank0["metrics"] == rank1["metrics"]  # computed once, broadcast
     for key in ("fid", "is_mean", "is_std", "kid"):
         assert rank0["metrics"][key] == pytest.approx(metrics[key], rel=1e-3), key
+
+
+def test_a_failing_rank_stops_every_rank_instead_of_hanging_the_others(tmp_path, weights):
+    mp.spawn(_failing_rank_main, args=(2, str(tmp_path / "pg"), str(weights), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"outcome{r}.txt").read_text() for r in (0, 1)]
+    assert outcomes == ["PixditError: the evaluation failed on another rank (its log has the error)",
+                        "PixditError: rank 1 failed"]
 
 
 def test_fid_against_own_statistics_is_zero(weights):

@@ -30,6 +30,15 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on at least one (a collective; just `flag` without a process group)."""
+    if _distributed()[1] == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def gather_by_index(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """all_gather rows `[n_r, d]` with their global sample indices `[n_r]` from every rank (n_r may differ) and return
     all rows `[sum n_r, d]` sorted by index, on every rank."""
@@ -92,6 +101,7 @@ def evaluate_generator(
     model.eval()
     stats = FeatureStatistics(FEATURE_DIM, device=extractor.device)
     local_indices, local_logits, local_features = [], [], []
+    local_error = None
     try:
         for indices, images in generate_uint8(
             model, flow, rank_indices(num_samples, rank, world_size, index_offset),
@@ -106,8 +116,15 @@ def evaluate_generator(
             local_logits.append(logits)
             if kid:
                 local_features.append(features)
+    except Exception as error:  # noqa: BLE001 - re-raised below, after the other ranks have been told
+        local_error = error
     finally:
         model.train(was_training)
+    # A rank that failed (e.g. out of memory at batch size 1) must not leave the others waiting in all_reduce.
+    if _any_rank(local_error is not None, extractor.device):
+        if local_error is not None:
+            raise local_error
+        raise PixditError("the evaluation failed on another rank (its log has the error)")
 
     stats.all_reduce()
     empty = torch.empty(0, dtype=torch.int64)
