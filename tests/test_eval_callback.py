@@ -174,3 +174,8 @@ def test_evaluate_script_rejects_a_batch_size_below_one_at_start_up(tmp_path):
     cfg.merge_with({"ckpt": str(tmp_path / "missing.ckpt"), "device": "cpu", "batch_size": 0})
     with pytest.raises(PixditError, match="batch_size >= 1.*batch_size=0"):
         load_evaluate_script().evaluate(cfg)
+
+
+def test_callback_rejects_zero_inception_splits_at_construction():
+    with pytest.raises(PixditError, match="callbacks.fid: .*inception_splits >= 1"):
+        FIDCallback(inception_splits=0)  # would give IS = nan after the first evaluation, hours into the run

@@ -96,6 +96,8 @@ def test_inception_score_known_answers():
     assert mean == pytest.approx(3.5) and std == pytest.approx(1.5)
     with pytest.raises(PixditError, match="num_splits"):
         inception_score(uniform[:5], num_splits=10)
+    with pytest.raises(PixditError, match=r"num_splits \(eval.inception_splits\) must be >= 1, got 0"):
+        inception_score(uniform, num_splits=0)  # was nan (mean of no splits)
 
 
 def test_kid_is_reproducible_and_near_zero_for_same_distribution():

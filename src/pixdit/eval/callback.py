@@ -65,11 +65,12 @@ class FIDCallback(Callback):
         download: bool = False,
     ):
         key = self.config_key
-        if every_n_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1:
+        if every_n_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1 \
+                or inception_splits < 1:
             raise PixditError(
-                f"{key}: every_n_steps must be >= 0 (0 = only at the end), num_samples >= inception_splits "
-                f"({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_steps={every_n_steps}, "
-                f"num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
+                f"{key}: every_n_steps must be >= 0 (0 = only at the end), inception_splits >= 1, num_samples >= "
+                f"inception_splits ({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_steps="
+                f"{every_n_steps}, num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
             )
         if precision not in ("auto", "fp32", "bf16", "fp16"):
             raise PixditError(f"{key}.precision={precision!r}; allowed: auto (the trainer's), fp32, bf16, fp16")

@@ -107,6 +107,8 @@ def inception_score(probs, num_splits: int = 10) -> tuple[float, float]:
     exp(E_x KL(p(y|x) || p(y))) over `num_splits` contiguous splits, as in the original implementation."""
     probs = probs.detach().cpu().double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, np.float64)
     n = probs.shape[0]
+    if num_splits < 1:
+        raise PixditError(f"inception_score: num_splits (eval.inception_splits) must be >= 1, got {num_splits}")
     if n < num_splits:
         raise PixditError(f"inception_score: need at least num_splits={num_splits} samples, got {n}")
     scores = []
