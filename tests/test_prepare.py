@@ -108,6 +108,17 @@ def test_zip_source_matches_folder_source(tmp_path):
         k.removeprefix("images/"): v["png"] for k, v in all_samples(tmp_path / "b").items()}
 
 
+def test_truncated_zip_source_is_a_clear_error(tmp_path):
+    make_flat_folder(tmp_path / "src", 3)
+    with zipfile.ZipFile(tmp_path / "ffhq.zip", "w") as archive:
+        for path in sorted((tmp_path / "src").rglob("*.png")):
+            archive.write(path, path.relative_to(tmp_path / "src").as_posix())
+    data = (tmp_path / "ffhq.zip").read_bytes()
+    (tmp_path / "ffhq.zip").write_bytes(data[: len(data) // 2])  # an interrupted download: no central directory
+    with pytest.raises(PixditError, match="ffhq.zip is not a readable .zip"):
+        prepare_dataset(tmp_path / "ffhq.zip", tmp_path / "out", RES, progress=False)
+
+
 def test_parquet_source_both_column_styles(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -108,8 +108,11 @@ def list_source(source: Path, labels: str) -> tuple[str, list[Item], list[str] |
     if not source.exists():
         raise PixditError(f"--source {source} does not exist")
     if source.is_file() and source.suffix.lower() == ".zip":
-        with zipfile.ZipFile(source) as archive:
-            refs = sorted(n for n in archive.namelist() if _is_image(n) and not n.endswith("/"))
+        try:
+            with zipfile.ZipFile(source) as archive:
+                refs = sorted(n for n in archive.namelist() if _is_image(n) and not n.endswith("/"))
+        except zipfile.BadZipFile as error:  # truncated download, or not a zip at all
+            raise PixditError(f"--source {source} is not a readable .zip ({error}); download it again") from None
         kind = "zip"
     elif source.is_dir() and not any(_is_image(p.name) for p in source.rglob("*") if p.is_file()) and list(
             source.rglob("*.parquet")):
