@@ -346,3 +346,13 @@ def test_truncated_shard_is_warned_and_does_not_shift_validation_indices(tmp_pat
     # validation (the train split here, there is no val split): `index` is still the image's position in the split
     assert all(batch["index"].tolist() == identities(batch) for batch in val)
     assert sum((identities(b) for b in val), [])[-8:] == list(range(8, 16))
+
+
+def test_epoch_and_batch_settings_below_one_are_errors_not_silent_defaults(tmp_path):
+    make_dataset(tmp_path, [4])
+    # epoch_images=0 used to mean the split size, a negative one one batch per epoch; val_batch_size=0 meant
+    # batch_size and a negative one broke the validation batches; shuffle_block <= 0 became 1
+    for name, value in (("epoch_images", 0), ("epoch_images", -8), ("val_batch_size", 0), ("val_batch_size", -2),
+                        ("shuffle_block", 0)):
+        with pytest.raises(PixditError, match=rf"data\.{name} must be >= 1, got {value}"):
+            ShardDataModule(tmp_path, **{name: value})

@@ -346,8 +346,9 @@ class ShardDataModule(L.LightningDataModule):
                               f"{manifest_resolution}x{manifest_resolution}; set data.resolution={manifest_resolution} "
                               f"or prepare the data at {resolution}:\n    {prepare_command or 'scripts/prepare_data.py'}")
         for name, value, low in (("batch_size", batch_size, 1), ("val_images", val_images, 0),
-                                 ("num_workers", num_workers, 0)):
-            if int(value) < low:
+                                 ("num_workers", num_workers, 0), ("shuffle_block", shuffle_block, 1),
+                                 ("epoch_images", epoch_images, 1), ("val_batch_size", val_batch_size, 1)):
+            if value is not None and int(value) < low:  # (None: epoch_images / val_batch_size take their default)
                 raise PixditError(f"data.{name} must be >= {low}, got {value}")
         manifest_classes = int(self.manifest.get("num_classes") or 0)
         if labelled and manifest_classes == 0:
