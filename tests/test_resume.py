@@ -63,3 +63,15 @@ def test_resume_is_exact(h, tiny_shards, tmp_path):
     _assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
     _assert_same(straight["lr_schedulers"], resumed["lr_schedulers"], "lr_schedulers")
     _assert_same(straight["ShardDataModule"], resumed["ShardDataModule"], "data position")
+
+
+def test_resume_from_a_final_step_off_the_checkpoint_interval_is_exact(h, tiny_shards, tmp_path):
+    """5 steps with a checkpoint every 3: the final-step checkpoint (step 5, mid-epoch 1) resumes exactly too."""
+    straight = _run(h, tmp_path / "straight", tiny_shards, max_steps=6)
+    first = _run(h, tmp_path / "halves", tiny_shards, max_steps=5)
+    assert first["global_step"] == 5
+    resumed = _run(h, tmp_path / "halves", tiny_shards, max_steps=6, ckpt_path="last")
+    assert resumed["global_step"] == 6
+    _assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")
+    _assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
+    _assert_same(straight["ShardDataModule"], resumed["ShardDataModule"], "data position")

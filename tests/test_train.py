@@ -334,3 +334,19 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
     with open(tmp_path / "metrics.csv") as f:
         rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
     assert rates == [8.0, 8.0], rates
+
+
+def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(h, tiny_shards, tmp_path):
+    """max_steps=5 with a checkpoint every 2 steps: last.ckpt must hold step 5 (it held step 4: the last step's
+    training was lost, and result["checkpoint"] pointed at an older model than the one that was sampled)."""
+    import train
+
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
+                     "model.patch_size=2", "trainer.max_steps=5", "trainer.val_check_interval=2",
+                     "callbacks.checkpoint.every_n_train_steps=2", "callbacks.samples=null",
+                     "callbacks.progress_bar=null"])
+    result = train.train(cfg, tmp_path)
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"], checkpoints
+    last = torch.load(result["checkpoint"], weights_only=False)
+    assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5

@@ -6,8 +6,9 @@
 * ``ThroughputMonitor``: images/s, pixel tokens/s and peak GPU memory, logged as ``perf/*``.
 * ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
   the target with ``os.replace`` (``pixdit.checkpoint``); a kill during a write leaves the previous checkpoint intact.
-* ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these plus Lightning's
-  ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) and the progress bar.
+* ``StepCheckpoint``: Lightning's ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) that also
+  saves the final step when ``every_n_train_steps`` does not divide ``max_steps``.
+* ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these and the progress bar.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         atomic_torch_save(checkpoint, path)
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` that also saves the final step: ``every_n_train_steps`` need not divide
+    ``trainer.max_steps`` (43,750 steps saved every 5,000 would otherwise end with last.ckpt at step 40,000 and the
+    last 3,750 steps lost). The final save is an ordinary step checkpoint (``step=N.ckpt`` + ``last.ckpt``)."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
 
 
 class SampleGrid(Callback):
@@ -133,7 +147,7 @@ class ThroughputMonitor(Callback):
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml). Each key names one callback:
 
-    ``checkpoint`` -> ModelCheckpoint(dirpath=<run>/checkpoints), ``samples`` -> SampleGrid(dirpath=<run>/samples),
+    ``checkpoint`` -> StepCheckpoint(dirpath=<run>/checkpoints), ``samples`` -> SampleGrid(dirpath=<run>/samples),
     ``throughput`` -> ThroughputMonitor, ``progress_bar`` -> TQDMProgressBar, ``fid`` -> pixdit.eval FIDCallback
     (configs/callbacks/fid.yaml; built only when it is on: every_n_steps > 0 or at_end); a null entry turns one off.
     """
@@ -151,7 +165,7 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     if cfg.get("checkpoint") is not None:
         options = {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
                    "save_top_k": -1, **cfg["checkpoint"]}
-        callbacks.append(construct(ModelCheckpoint, options, "callbacks.checkpoint",
+        callbacks.append(construct(StepCheckpoint, options, "callbacks.checkpoint",
                                    dirpath=str(run_dir / "checkpoints")))
     if cfg.get("samples") is not None:
         callbacks.append(construct(SampleGrid, cfg["samples"], "callbacks.samples", dirpath=str(run_dir / "samples")))
