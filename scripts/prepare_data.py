@@ -13,7 +13,8 @@ interrupted run: complete shards are kept. Details: docs/data.md and src/pixdit/
 import argparse
 import sys
 
-from pixdit.data.prepare import FORMATS, LABEL_MODES, prepare_dataset
+from pixdit.data.prepare import LABEL_MODES, prepare_dataset
+from pixdit.data.shards import IMAGE_FORMATS
 from pixdit.errors import PixditError
 
 
@@ -26,7 +27,7 @@ def main() -> None:
                         help="folders: class ids from sorted folder names (ImageNet synsets); default none")
     parser.add_argument("--maxcount", type=int, default=1000, help="images per shard (default 1000)")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes (default 1)")
-    parser.add_argument("--format", choices=FORMATS, default="png", help="png (lossless, default) or jpg")
+    parser.add_argument("--format", choices=IMAGE_FORMATS, default="png", help="png (lossless, default) or jpg")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality 1..100 for --format jpg (default 95)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N images of the sorted source")
     parser.add_argument("--val", type=int, default=0, help="hold out N images as a 'val' split (default 0)")

@@ -37,10 +37,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pixdit.data.imageops import decode_image
-from pixdit.data.shards import iter_shard_samples, read_manifest
+from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest
 from pixdit.errors import PixditError
 
-IMAGE_KEYS = ("png", "jpg")
 _BLOCK_SEED, _FLIP_SEED = 1, 2  # stream tags, so block-shuffle and flip random numbers never coincide
 
 
@@ -51,9 +50,9 @@ def _worker_slot() -> tuple[int, int]:
 
 def _decode_sample(sample: dict, resolution: int, labelled: bool) -> tuple[np.ndarray, int | None]:
     """uint8 [H, W, 3] pixels and the label of one raw sample; raises ValueError when it is unusable."""
-    data = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+    data = next((sample[k] for k in IMAGE_FORMATS if k in sample), None)
     if data is None:
-        raise ValueError(f"no image ({'/'.join(IMAGE_KEYS)}) in sample")
+        raise ValueError(f"no image ({'/'.join(IMAGE_FORMATS)}) in sample")
     pixels = decode_image(data)
     if pixels.shape != (resolution, resolution, 3):
         raise ValueError(f"image is {pixels.shape[1]}x{pixels.shape[0]}, expected {resolution}x{resolution}")

@@ -45,12 +45,11 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from pixdit.data.imageops import center_crop_arr, encode_image
-from pixdit.data.shards import ShardWriter, shard_name, split_info, write_json_atomic, write_manifest
+from pixdit.data.shards import IMAGE_FORMATS, ShardWriter, shard_name, split_info, write_json_atomic, write_manifest
 from pixdit.errors import PixditError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 LABEL_MODES = ("none", "folders")
-FORMATS = ("png", "jpg")
 VAL_SEED = 0  # which images --val holds out; fixed so re-runs and resumes agree
 STATE_DIR = ".prepare"
 PARQUET_IMAGE_COLUMNS = ("image", "img", "png", "jpg", "jpeg", "image_bytes", "bytes")
@@ -280,8 +279,8 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
                     limit: int | None = None, val: int = 0, progress: bool = True) -> dict:
     """Prepare (or finish preparing) shards of `source` in `out`; returns the manifest. See the module docstring."""
     source, out = Path(source).expanduser().resolve(), Path(out)
-    if image_format not in FORMATS:
-        raise PixditError(f"--format must be one of {FORMATS}, got {image_format!r}")
+    if image_format not in IMAGE_FORMATS:
+        raise PixditError(f"--format must be one of {IMAGE_FORMATS}, got {image_format!r}")
     for flag, value, low in (("--resolution", resolution, 1), ("--maxcount", maxcount, 1), ("--workers", workers, 1),
                              ("--quality", quality, 1), ("--val", val, 0)):
         if value < low:

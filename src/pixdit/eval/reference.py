@@ -181,7 +181,7 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     import torch
 
     from pixdit.data.imageops import center_crop_arr, decode_image
-    from pixdit.data.shards import iter_shard_samples, read_manifest
+    from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest
     from pixdit.eval.stats import FeatureStatistics
     from PIL import Image
 
@@ -235,7 +235,7 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
             if seen >= count:
                 break
             try:
-                data = next((sample[k] for k in ("png", "jpg") if k in sample), None)
+                data = next((sample[k] for k in IMAGE_FORMATS if k in sample), None)
                 if data is None:
                     raise ValueError("no png/jpg image in the sample")
                 pixels = decode_image(data)
