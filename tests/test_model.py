@@ -183,6 +183,15 @@ def test_bad_inputs_name_the_numbers():
     assert model is not None
 
 
+@pytest.mark.parametrize("key, value, kind", [("patch_size", "abc", "int"), ("mlp_ratio", "abc", "float"),
+                                              ("class_dropout", "abc", "float"), ("zero_init", "no", "true/false")])
+def test_word_for_a_number_or_flag_is_named(key, value, kind):
+    """model.patch_size=abc etc.: a PixditError naming the key, not a TypeError/ValueError from deep inside torch
+    (and zero_init='no' is not silently true)."""
+    with pytest.raises(PixditError, match=rf"model.{key}='{value}' must be {kind}"):
+        build_model("DiT-T", input_size=8, **{key: value})
+
+
 @pytest.mark.parametrize("config", ["dit_t", "dit_s", "dit_b", "dit_l", "dit_xl"])
 def test_shipped_model_configs_build(config):
     from omegaconf import OmegaConf

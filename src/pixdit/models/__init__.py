@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-import inspect
-
+from pixdit.config import construct
 from pixdit.errors import PixditError
 from pixdit.models.dit import DIT_MODELS, DiT
 
@@ -17,8 +16,5 @@ __all__ = ["DIT_MODELS", "DiT", "build_model"]
 def build_model(name: str = "DiT-S", **overrides) -> DiT:
     if name not in DIT_MODELS:
         raise PixditError(f"model name={name!r} is not known; available: {', '.join(DIT_MODELS)}")
-    allowed = [p for p in inspect.signature(DiT.__init__).parameters if p != "self"]
-    unknown = sorted(set(overrides) - set(allowed))
-    if unknown:
-        raise PixditError(f"model got unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    return DiT(**{**DIT_MODELS[name], **overrides})
+    # construct names an unknown key, or a word where a number / flag is expected (model.patch_size=abc).
+    return construct(DiT, {**DIT_MODELS[name], **overrides}, "model")
