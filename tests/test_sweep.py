@@ -184,3 +184,12 @@ def test_find_invalid_runs_checks_every_section_the_module_reads():
         invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
     assert [job for job, _ in invalid] == [["ema.max_decay=abc"]]
     assert "ema.max_decay" in invalid[0][1]
+
+
+def test_image_size_is_read_from_the_shards_when_the_config_leaves_it_null(tiny_data):
+    from omegaconf import OmegaConf
+
+    from pixdit.sweep import image_size_of
+
+    assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": None}})) == 16
+    assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": 24}})) == 24

@@ -77,7 +77,7 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
     """The image size the run trains at: ``data.resolution``, or (null) the shards' own, read as the data module does."""
     size = OmegaConf.select(cfg, "data.resolution")
     if size is None:
-        from pixdit.data import ShardDataModule
+        from pixdit.data.datamodule import ShardDataModule
 
         size = ShardDataModule(root=cfg.data.root).resolution
     return size if isinstance(size, int) else tuple(size)
