@@ -108,9 +108,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
     torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
 
-    data_options = plain(cfg.data)
-    data_options.pop("_target_", None)  # constructed explicitly here, not through Hydra's string indirection
-    datamodule = construct(ShardDataModule, data_options, "data")
+    datamodule = construct(ShardDataModule, plain(cfg.data), "data")
     module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.resolution,
                              flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
                              seed=cfg.seed, compile=cfg.compile)
