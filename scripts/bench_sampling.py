@@ -13,15 +13,13 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
-from pixdit.report import markdown_table
+from pixdit.report import markdown_table, time_median
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
 
@@ -57,29 +55,11 @@ def bench(args, attention: str, side: int) -> dict:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             return flow.sample(model, noise, args.steps)
 
-    for _ in range(args.warmup):
-        sample()
-    times = []
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(args.repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            sample()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            start = time.perf_counter()
-            sample()
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)
     result = {
         "attention": attention, "size": f"{side}x{side}", "batch": batch, "steps": args.steps,
         "batch s": seconds, "images/s": batch / seconds,
-        "peak GB": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else float("nan"),
+        "peak GB": peak_gb,
     }
     del model, noise
     if cuda:

@@ -18,14 +18,12 @@ attention, so their "MFU" reads as a speed-up over dense) against --peak-tflops 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from pixdit.models import DIT_MODELS
-from pixdit.report import markdown_table
+from pixdit.report import markdown_table, time_median
 
 
 def parse_args(argv=None):
@@ -78,27 +76,7 @@ def bench_size(args, side: int) -> dict:
         ema.update(model)
         return loss
 
-    for _ in range(args.warmup):
-        train_step()
-    times = []
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            train_step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
-    else:
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            train_step()
-            times.append(time.perf_counter() - start)
-        peak_gb = float("nan")
-    step_s = statistics.median(times)
+    step_s, peak_gb = time_median(train_step, args.warmup, args.steps, device)
     tokens = module.tokens_per_image
     hidden, depth = model.blocks[0].attn.qkv.in_features, len(model.blocks)
     flops = step_flops(batch, tokens, hidden, depth)
