@@ -1,15 +1,24 @@
-"""Fused pooled-score top-k in Triton: scores of pooled queries against candidate pooled keys + an exact top-k, one
-launch (shared by LLSA's selection levels; VSA/SLA's single-level selection can use ``pooled_topk`` as is).
+"""Pooled-score top-k selection in Triton, shared by LLSA's levels and by VSA's / SLA's single-level selection.
 
     from pixdit.kernels.topk import pooled_topk
     idx = pooled_topk(q_pooled, k_pooled, k=8)                              # candidates: every key row
     idx = pooled_topk(q_pooled, k_pooled, k=8, parents=I2, child_block=16)  # candidates: children of I2[r // 16]
 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id,
-deterministic. The Triton kernel computes the scores with fp32 FMA (``input_precision="ieee"``) and picks the top
-k by k rounds of (row max, smallest id reaching it, remove it); rows with more than ``MAX_CANDIDATES`` candidates
-(or a ``[d, candidates]`` tile over 128 KiB) fall back to a PyTorch matmul + ``topk_desc``. Summation order differs between the two paths, so on near-ties
-(differences ~1e-7 relative) they may pick different ids; both are exact fp32 selections.
+deterministic. Scores are fp32 FMA products (``input_precision="ieee"``, never TF32). Three paths, one result:
+
+* ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
+  128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
+* ``_streaming_topk_kernel`` (every key row a candidate, any number of them, ``k <= 128``): scores a chunk of 128
+  candidates at a time and keeps each row's best k in registers. Chunks come in ascending id order, so a newcomer
+  enters only if it is *strictly* better than the worst kept entry (on a tie the kept, smaller id wins); each chunk
+  costs as many insertion rounds as its most-improved row needs, which after the first chunks is a few. Nothing
+  ``[T, T]`` is written: at 256x256 pixels with 16-token tiles (4096 tiles) the PyTorch form materialises 805 MB
+  of scores per call.
+* PyTorch (CPU, or shapes the kernels do not take): chunked fp32 matmuls (TF32 off) + ``topk_desc_fast``.
+
+Summation order differs between the paths, so on near-ties (differences ~1e-7 relative) they may pick different
+ids; each is an exact fp32 selection. Tests: ``tests/kernels/test_block_sparse.py``, ``tests/kernels/test_vsa.py``.
 """
 from __future__ import annotations
 
@@ -19,11 +28,15 @@ import triton.language as tl
 
 from .blocks import exact_fp32_matmul, topk_desc
 
-__all__ = ["pooled_topk", "MAX_CANDIDATES"]
+__all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES"]
 
 MAX_CANDIDATES = 1024
 _MAX_CAND_X_DIM = 32768   # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
 _ROWS = 16
+_STREAM_ROWS = 32         # query rows per program: each loaded key chunk serves 32 rows
+_STREAM_CHUNK = 128       # candidates scored per step
+_STREAM_MAX_K = 128       # kept entries live in registers: [rows, next_pow2(k)] values + ids
+_TORCH_MAX_SCORES = 1 << 26   # fp32 scores alive at once in the PyTorch path (256 MiB)
 
 
 @triton.jit
@@ -58,6 +71,53 @@ def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, stride_qb, stride_kb, 
         s = tl.where(ids[None, :] == sel[:, None], float("-inf"), s)
 
 
+@triton.jit
+def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, stride_qb, stride_kb, stride_ob,
+                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, TOPK: tl.constexpr,
+                           SLOTS: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    dims = tl.arange(0, HEAD_DIM)
+    qp = tl.load(QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    big = 2147483647
+    slot = tl.arange(0, SLOTS)
+    live = (slot < TOPK)[None, :]
+    # kept entries: -inf until filled; slots beyond TOPK hold +inf so they are never the worst; distinct ids
+    kept = tl.where(live, float("-inf"), float("inf")) + tl.zeros([ROWS, SLOTS], tl.float32)
+    kept_id = -1 - slot[None, :] + tl.zeros([ROWS, SLOTS], tl.int32)
+    worst = tl.full([ROWS], float("-inf"), tl.float32)
+    c = tl.arange(0, CHUNK)
+    for c0 in range(0, n_cand, CHUNK):
+        ids = c0 + c
+        ok = ids < n_cand
+        kt = tl.load(KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :],
+                     other=0.0)
+        s = tl.dot(qp, kt, input_precision="ieee")
+        s = tl.where(ok[None, :], s, float("-inf"))
+        # newcomers have larger ids than every kept entry: only a strictly better score enters
+        rounds = tl.minimum(tl.max(tl.sum((s > worst[:, None]).to(tl.int32), 1), 0), TOPK)
+        for _ in range(rounds):
+            m = tl.max(s, 1)
+            new_id = tl.min(tl.where(s == m[:, None], ids[None, :], big), 1)
+            # the entry to evict: the lowest kept value, among equal values the largest id
+            evict_id = tl.max(tl.where(kept == worst[:, None], kept_id, -big), 1)
+            evict = (kept_id == evict_id[:, None]) & (m > worst)[:, None]
+            kept = tl.where(evict, m[:, None], kept)
+            kept_id = tl.where(evict, new_id[:, None], kept_id)
+            s = tl.where(ids[None, :] == new_id[:, None], float("-inf"), s)
+            worst = tl.min(kept, 1)
+    # write out best first: value descending, ties -> smaller id
+    kept = tl.where(live, kept, float("-inf"))
+    out_base = OUT + bh * stride_ob + rows * TOPK
+    for i in range(TOPK):
+        m = tl.max(kept, 1)
+        sel = tl.min(tl.where(kept == m[:, None], kept_id, big), 1)
+        tl.store(out_base + i, sel, mask=row_ok)
+        kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
+
+
 def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents: torch.Tensor | None = None,
                 child_block: int | None = None, impl: str = "auto") -> torch.Tensor:
     """Top-k candidate key ids per pooled query row (see module doc).
@@ -70,37 +130,76 @@ def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents:
     lead = q_pooled.shape[:-2]
     R, d = q_pooled.shape[-2:]
     n_cand = k_pooled.shape[-2] if parents is None else parents.shape[-1] * child_block
-    use_triton = impl == "triton" or (impl == "auto" and q_pooled.is_cuda)
+    use_triton = (impl == "triton" or (impl == "auto" and q_pooled.is_cuda)) and d >= 16
     cand = max(16, triton.next_power_of_2(n_cand))
-    if (not use_triton or cand > MAX_CANDIDATES or cand * d > _MAX_CAND_X_DIM or d < 16
-            or (parents is not None and child_block % _ROWS)):
+    one_shot = cand <= MAX_CANDIDATES and cand * d <= _MAX_CAND_X_DIM and (parents is None or child_block % _ROWS == 0)
+    streaming = parents is None and k <= _STREAM_MAX_K
+    if not use_triton or not (one_shot or streaming):
         return _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block)
     qf = q_pooled.float().reshape(-1, R, d).contiguous()
     kf = k_pooled.float().reshape(-1, k_pooled.shape[-2], d).contiguous()
     BH = qf.shape[0]
     out = torch.empty(BH, R, k, device=qf.device, dtype=torch.int32)
-    par = parents.reshape(BH, -1).to(torch.int32).contiguous() if parents is not None else out
-    _pooled_topk_kernel[(triton.cdiv(R, _ROWS), BH)](
-        qf, kf, par, out, R, n_cand, qf.stride(0), kf.stride(0), par.stride(0), out.stride(0),
-        HEAD_DIM=d, ROWS=_ROWS, CAND=cand, TOPK=k, CHILD=child_block or 0,
-        N_PARENTS=parents.shape[-1] if parents is not None else 1, num_warps=4 if cand <= 256 else 8)
+    if one_shot:
+        par = parents.reshape(BH, -1).to(torch.int32).contiguous() if parents is not None else out
+        _pooled_topk_kernel[(triton.cdiv(R, _ROWS), BH)](
+            qf, kf, par, out, R, n_cand, qf.stride(0), kf.stride(0), par.stride(0), out.stride(0),
+            HEAD_DIM=d, ROWS=_ROWS, CAND=cand, TOPK=k, CHILD=child_block or 0,
+            N_PARENTS=parents.shape[-1] if parents is not None else 1, num_warps=4 if cand <= 256 else 8)
+    else:
+        _streaming_topk_kernel[(triton.cdiv(R, _STREAM_ROWS), BH)](
+            qf, kf, out, R, n_cand, qf.stride(0), kf.stride(0), out.stride(0), HEAD_DIM=d, ROWS=_STREAM_ROWS,
+            CHUNK=_STREAM_CHUNK, TOPK=k, SLOTS=triton.next_power_of_2(k), num_warps=4)
     return out.view(*lead, R, k)
 
 
+def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Same result as ``blocks.topk_desc`` (descending score, ties toward the smaller id), cheaper on long rows.
+
+    One ``torch.topk`` of ``k + 1`` on the fp32 scores: where the (k+1)-th value is below the k-th, the set of the k
+    winners is unambiguous and only their order needs fixing (a small exact sort); rows where a tie straddles the
+    threshold are redone with ``topk_desc`` (exact, 64-bit keys).
+    """
+    n = scores.shape[-1]
+    values, ids = torch.topk(scores, min(k + 1, n), dim=-1, sorted=True)
+    order = topk_desc(values[..., :k], k, ids[..., :k])           # exact order of the k winners (ids distinct)
+    if k < n:
+        ambiguous = values[..., k] == values[..., k - 1]           # [rows] (-0.0 == +0.0 counts as a tie)
+        if ambiguous.any():
+            order[ambiguous] = topk_desc(scores[ambiguous], k)
+    return order
+
+
 def _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block):
-    """Same selection with torch ops (fp32 matmul without TF32 + topk_desc); memory O(R * candidates)."""
+    """Same selection with torch ops (fp32 matmul without TF32); memory O(R * candidates) per chunk."""
     qf, kf = q_pooled.float(), k_pooled.float()
     with exact_fp32_matmul():
-        return _pooled_topk_torch_impl(qf, kf, k, parents, child_block)
+        if parents is None:
+            return _all_candidates_torch(qf, kf, k)
+        return _children_torch(qf, kf, k, parents, child_block)
 
 
-def _pooled_topk_torch_impl(qf, kf, k, parents, child_block):
-    if parents is None:
-        n = kf.shape[-2]
-        rows_per_chunk = max(1, (1 << 26) // max(1, n * qf[..., :1, :1].numel()))
-        parts = [topk_desc(qf[..., r0:r0 + rows_per_chunk, :] @ kf.transpose(-1, -2), k)
-                 for r0 in range(0, qf.shape[-2], rows_per_chunk)]
-        return torch.cat(parts, dim=-2)
+def _all_candidates_torch(qf, kf, k):
+    """Every key row a candidate: the ``[R, C]`` scores a chunk of rows at a time (at most ``_TORCH_MAX_SCORES``)."""
+    lead = qf.shape[:-2]
+    R, d = qf.shape[-2:]
+    q_rows, k_rows = qf.reshape(-1, R, d), kf.reshape(-1, kf.shape[-2], d)
+    n = k_rows.shape[1]
+    out = torch.empty(q_rows.shape[0], R, k, dtype=torch.int32, device=qf.device)
+    slices_per_chunk = _TORCH_MAX_SCORES // (R * n)                 # whole (batch*head) slices per chunk
+    if slices_per_chunk >= 1:
+        for i in range(0, q_rows.shape[0], slices_per_chunk):
+            out[i:i + slices_per_chunk] = topk_desc_fast(
+                q_rows[i:i + slices_per_chunk] @ k_rows[i:i + slices_per_chunk].transpose(-1, -2), k)
+    else:                                                           # split the rows of each slice too
+        rows_per_chunk = max(1, _TORCH_MAX_SCORES // n)
+        for i in range(q_rows.shape[0]):
+            for r in range(0, R, rows_per_chunk):
+                out[i, r:r + rows_per_chunk] = topk_desc_fast(q_rows[i, r:r + rows_per_chunk] @ k_rows[i].T, k)
+    return out.view(*lead, R, k)
+
+
+def _children_torch(qf, kf, k, parents, child_block):
     B = child_block
     lead = parents.shape[:-2]
     groups, n_par = parents.shape[-2:]

@@ -34,7 +34,7 @@ import math
 import torch
 
 from .block_sparse import block_sparse_attention, flash_attention
-from .blocks import block_mean, exact_fp32_matmul, topk_desc
+from .blocks import block_mean
 from . import topk as shared_topk
 
 BLOCK_SIZES = (16, 32, 64)
@@ -113,56 +113,19 @@ def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 # public API
 
 
-def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Same result as ``blocks.topk_desc`` (descending score, ties toward the smaller id), cheaper on large rows.
-
-    One ``torch.topk`` of ``k + 1`` on the fp32 scores: where the (k+1)-th value is below the k-th, the set of the k
-    winners is unambiguous and only their order needs fixing (a small exact sort); rows where a tie straddles the
-    threshold are redone with ``topk_desc`` (exact, 64-bit keys).
-    """
-    n = scores.shape[-1]
-    values, ids = torch.topk(scores, min(k + 1, n), dim=-1, sorted=True)
-    order = topk_desc(values[..., :k], k, ids[..., :k])           # exact order of the k winners (ids distinct)
-    if k < n:
-        ambiguous = values[..., k] == values[..., k - 1]           # [rows] (-0.0 == +0.0 counts as a tie)
-        if ambiguous.any():
-            order[ambiguous] = topk_desc(scores[ambiguous], k)
-    return order
-
-
 def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, scale: float = 1.0,
-                       use_triton_topk: bool = False, max_elements: int = 1 << 26) -> torch.Tensor:
+                       use_triton_topk: bool = False) -> torch.Tensor:
     """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32, TF32 off): int32
     ``[B, H, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc`` semantics). No grad.
 
-    ``use_triton_topk`` and T small enough for its register tile (``T * D <= 32768``, e.g. T <= 512 at D = 64): the
-    shared fused Triton kernel ``topk.pooled_topk`` (scores + top-k in one launch, nothing [T, T] in memory). Otherwise the ``[T, T]`` scores are built a chunk of
-    query blocks at a time (at most ``max_elements`` live at once; e.g. 4096 tiles at 256x256 pixels with block 16)
-    and reduced with ``topk_desc_fast``.
+    ``use_triton_topk``: the shared Triton selection ``topk.pooled_topk`` (nothing ``[T, T]`` in memory); otherwise
+    its PyTorch form (chunked fp32 scores + ``topk_desc_fast``).
     """
     b, h, t, d = q_pool.shape
     with torch.no_grad():
         # the scale goes on the [T, D] operand, not on the [T, T] scores (one pass less over the big matrix)
-        q_rows, k_rows = (scale * q_pool.float()).reshape(b * h, t, d), k_pool.float().reshape(b * h, t, d)
-        # only where pooled_topk's Triton kernel runs (its own fallback is slower than topk_desc_fast below)
-        candidates = max(16, 1 << (t - 1).bit_length())
-        if use_triton_topk and candidates <= shared_topk.MAX_CANDIDATES \
-                and candidates * d <= shared_topk._MAX_CAND_X_DIM:
-            return shared_topk.pooled_topk(q_rows, k_rows, topk, impl="triton").reshape(b, h, t, topk)
-        rows_per_chunk = max(1, max_elements // (t * t))          # (batch*head) slices per chunk
-        out = torch.empty(b * h, t, topk, dtype=torch.int32, device=q_pool.device)
-        with exact_fp32_matmul():
-            if rows_per_chunk == 1:                                # split query blocks too
-                q_chunk = max(1, max_elements // t)
-                for i in range(b * h):
-                    for r in range(0, t, q_chunk):
-                        scores = q_rows[i, r:r + q_chunk] @ k_rows[i].transpose(-1, -2)
-                        out[i, r:r + q_chunk] = topk_desc_fast(scores, topk)
-            else:
-                for i in range(0, b * h, rows_per_chunk):
-                    scores = q_rows[i:i + rows_per_chunk] @ k_rows[i:i + rows_per_chunk].transpose(-1, -2)
-                    out[i:i + rows_per_chunk] = topk_desc_fast(scores, topk)
-        return out.reshape(b, h, t, topk)
+        q_rows = scale * q_pool.float() if scale != 1.0 else q_pool.float()
+        return shared_topk.pooled_topk(q_rows, k_pool.float(), topk, impl="triton" if use_triton_topk else "torch")
 
 
 def use_triton(q: torch.Tensor, impl: str) -> bool:

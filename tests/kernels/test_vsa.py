@@ -136,7 +136,7 @@ def test_bad_head_dim_and_shapes_are_rejected():
 
 def test_fast_topk_equals_the_shared_exact_topk_with_and_without_ties():
     from pixdit.kernels.blocks import topk_desc
-    from pixdit.kernels.vsa import topk_desc_fast
+    from pixdit.kernels.topk import topk_desc_fast
     g = torch.Generator().manual_seed(11)
     for scores in (torch.randn(64, 300, generator=g),                                  # distinct
                    torch.randint(0, 6, (64, 300), generator=g).float(),                # ties everywhere
