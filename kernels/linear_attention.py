@@ -98,64 +98,159 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Triton: the excluded part sum_{u in E(i)} w_tu (v_u, 1) and its adjoint
+# Triton: one fused forward kernel, a query-major dq kernel, a key-major dk/dv kernel, and a chunked reduction for
+# the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
 
 
 @triton.jit
-def _excluded_fwd_kernel(FQ, FK, V, NUM, DEN, LIST, stride_lb, stride_lt, n, list_len,
-                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, PREC: tl.constexpr):
+def _phi(x, row_ok, FEATURE: tl.constexpr):
+    """The feature map along the last axis of an fp32 ``[rows, D]`` tile; rows with ``row_ok`` false give 0
+    (the masked tail of a partial block: softmax would give 1/D there)."""
+    if FEATURE == "softmax":
+        e = tl.exp(x - tl.max(x, 1)[:, None])
+        a = e / tl.sum(e, 1)[:, None]
+    elif FEATURE == "elu":
+        a = tl.where(x > 0, x + 1.0, tl.exp(x))                   # elu(x) + 1 = exp(x) for x <= 0
+    else:
+        a = tl.maximum(x, 0.0)
+    return tl.where(row_ok[:, None], a, 0.0)
+
+
+@triton.jit
+def _phi_backward(x, a, da, FEATURE: tl.constexpr):
+    """``d/dx`` of the feature map applied to the gradient ``da``, given ``a = phi(x)`` (fp32, unrounded)."""
+    if FEATURE == "softmax":
+        dx = a * (da - tl.sum(da * a, 1)[:, None])
+    elif FEATURE == "elu":
+        dx = tl.where(x > 0, da, da * a)
+    else:
+        dx = tl.where(x > 0, da, 0.0)
+    return dx
+
+
+@triton.jit
+def _feature_sums_kernel(X, Y, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
+                         HEAD_DIM: tl.constexpr, TILE: tl.constexpr, FEATURE: tl.constexpr,
+                         BACKWARD: tl.constexpr, PREC: tl.constexpr):
+    # One partial sum per (chunk of rows, batch*head); the caller adds the partials (fixed order: deterministic).
+    #   forward  (X = k, Y = v):  OUTER = sum_u phi(k_u)^T v_u,              TOTAL = sum_u phi(k_u)
+    #   backward (X = q, Y = dO): OUTER = sum_t (phi(q_t) / den_t)^T dO_t,   TOTAL = sum_t phi(q_t) (-delta_t / den_t)
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    base = bh * n * HEAD_DIM
+    outer = tl.zeros([HEAD_DIM, HEAD_DIM], tl.float32)
+    total = tl.zeros([HEAD_DIM], tl.float32)
+    for start in range(0, chunk, TILE):
+        rows = c.to(tl.int64) * chunk + start + tl.arange(0, TILE)
+        ok = rows < n
+        x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        y = tl.load(Y + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)     # rounded as in the list walks
+        if BACKWARD:
+            inv_den = tl.load(INV_DEN + bh * n + rows, mask=ok, other=0.0)
+            delta = tl.load(DELTA + bh * n + rows, mask=ok, other=0.0)
+            af = a.to(tl.float32)
+            # fp32 operands (tf32 for half inputs): a / den can leave fp16's range
+            outer += tl.dot(tl.trans(af * inv_den[:, None]), y.to(tl.float32), input_precision=PREC)
+            total += tl.sum(af * (-delta * inv_den)[:, None], 0)
+        else:
+            outer += tl.dot(tl.trans(a), y, input_precision=PREC)
+            total += tl.sum(a.to(tl.float32), 0)
+    part = bh * tl.num_programs(0) + c
+    tl.store(OUTER + part * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :], outer)
+    tl.store(TOTAL + part * HEAD_DIM + dims, total)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, KV_TOTAL, Z_TOTAL, O, INV_DEN, LIST, stride_lb, stride_lt, n, list_len,
+                all_scope_eps, empty_row_rel_eps,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
+                EXCLUDE: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < n
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM
-    fq = tl.load(FQ + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
-    num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    den = tl.zeros([BLOCK], tl.float32)
-    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
-    for j in range(0, list_len, PER_ITER):
-        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
-        fkt = tl.load(FK + base + krow[None, :] * HEAD_DIM + dims[:, None], mask=k_ok[None, :], other=0.0)
-        v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        w = tl.dot(fq, fkt, input_precision=PREC)                                    # [BLOCK, BLOCK * PER_ITER]
-        w = tl.where(k_ok[None, :], w, 0.0)
-        den += tl.sum(w, 1)
-        num += tl.dot(w.to(v.dtype), v, input_precision=PREC)
-    tl.store(NUM + base + rows[:, None] * HEAD_DIM + dims[None, :], num, mask=row_ok[:, None])
-    tl.store(DEN + bh * n + rows, den, mask=row_ok)
+    x = tl.load(Q + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    a = _phi(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)    # phi(q) in the input dtype (one rounding)
+    af = a.to(tl.float32)
+    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
+    num = tl.dot(af, kv_total, input_precision=PREC)            # phi(q) . sum_u phi(k_u) v_u^T
+    den = tl.sum(af * z_total[None, :], 1)                      # exact fp32: the empty-row test below needs it
+    if EXCLUDE:                                                 # minus sum_{u in E(i)} w_tu (v_u, 1)
+        num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        den_excluded = tl.zeros([BLOCK], tl.float32)
+        koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+        for j in range(0, list_len, PER_ITER):
+            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            xk = tl.load(K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            b = _phi(xk.to(tl.float32), k_ok, FEATURE).to(xk.dtype)            # 0 on missing keys
+            w = tl.dot(a, tl.trans(b), input_precision=PREC)                    # [BLOCK, BLOCK * PER_ITER]
+            den_excluded += tl.sum(w, 1)
+            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+        num -= num_excluded
+        remaining = den - den_excluded
+        # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
+        keep = remaining > empty_row_rel_eps * den
+        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
+    else:
+        inv_den = 1.0 / (den + all_scope_eps)
+    o = num * inv_den[:, None]
+    tl.store(O + base + rows[:, None] * HEAD_DIM + dims[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
 @triton.jit
-def _excluded_dfq_kernel(FK, V, GNUM, GDEN, DFQ, LIST, stride_lb, stride_lt, n, list_len,
-                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, PREC: tl.constexpr):
-    # dphi(q_t) = sum_{u in E(t)} (g_num_t . v_u + g_den_t) phi(k_u)
+def _dq_kernel(Q, K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stride_lb, stride_lt, n, list_len,
+               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
+               EXCLUDE: tl.constexpr, PREC: tl.constexpr):
+    # with delta_t = dO_t . o_t and L(t) the linear set of row t:
+    #   dphi(q_t) = (sum_{u in L(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
+    #             = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < n
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM
-    g_num = tl.load(GNUM + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
-    g_den = tl.load(GDEN + bh * n + rows, mask=row_ok, other=0.0)
-    dfq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
-    for j in range(0, list_len, PER_ITER):
-        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
-        fk = tl.load(FK + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        dw = tl.dot(g_num.to(v.dtype), tl.trans(v), input_precision=PREC) + g_den[:, None]
-        dw = tl.where(k_ok[None, :], dw, 0.0)
-        dfq += tl.dot(dw.to(fk.dtype), fk, input_precision=PREC)
-    tl.store(DFQ + base + rows[:, None] * HEAD_DIM + dims[None, :], dfq, mask=row_ok[:, None])
+    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+    do = tl.load(DO + tile_offsets, mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + tile_offsets, mask=row_ok[:, None], other=0.0)
+    inv_den = tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + bh * n + rows, delta, mask=row_ok)
+    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
+    dphi = tl.dot(do.to(tl.float32), tl.trans(kv_total), input_precision=PREC) - delta[:, None] * z_total[None, :]
+    if EXCLUDE:
+        excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+        for j in range(0, list_len, PER_ITER):
+            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            xk = tl.load(K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            b = _phi(xk.to(tl.float32), k_ok, FEATURE).to(xk.dtype)            # 0 on missing keys
+            dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]   # [BLOCK, BLOCK * PER_ITER]
+            excluded += tl.dot(dw.to(b.dtype), b, input_precision=PREC)
+        dphi -= excluded
+    dphi = dphi * inv_den[:, None]
+    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    dq = _phi_backward(x, _phi(x, row_ok, FEATURE), dphi, FEATURE)
+    tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _excluded_dfk_dv_kernel(FQ, FK, V, GNUM, GDEN, DFK, DV, OFFSETS, ROWS, stride_ob, stride_rb, n,
-                            HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-                            PREC: tl.constexpr):
-    # over the query tiles t that exclude key block j (CSC list):
-    #   dphi(k_u) = sum_t (g_num_t . v_u + g_den_t) phi(q_t),   dv_u = sum_t w_tu g_num_t
+def _dk_dv_kernel(Q, K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS, stride_ob, stride_rb, n,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
+                  EXCLUDE: tl.constexpr, PREC: tl.constexpr):
+    # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
+    # list holds key block j (CSC transpose), the excluded part:
+    #   dphi(k_u) = d_KV v_u + d_Z - sum_t (dO_t . v_u - delta_t) / den_t phi(q_t)
+    #   dv_u      = d_KV^T phi(k_u) - sum_t w_tu / den_t dO_t
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     QROWS: tl.constexpr = BLOCK * PER_ITER
@@ -163,30 +258,110 @@ def _excluded_dfk_dv_kernel(FQ, FK, V, GNUM, GDEN, DFK, DV, OFFSETS, ROWS, strid
     k_ok = krow < n
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM
-    fk = tl.load(FK + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-    v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-    start = tl.load(OFFSETS + bh * stride_ob + blk)
-    end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
-    dfk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    roff = tl.arange(0, QROWS)
-    slot = roff // BLOCK
-    for j in range(start, end, PER_ITER):
-        e_ok = (j + slot) < end
-        t = tl.load(ROWS + bh * stride_rb + j + slot, mask=e_ok, other=0)
-        rows = t.to(tl.int64) * BLOCK + (roff % BLOCK)
-        r_ok = e_ok & (rows < n)
-        fq = tl.load(FQ + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0)
-        g_num = tl.load(GNUM + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0)
-        g_den = tl.load(GDEN + bh * n + rows, mask=r_ok, other=0.0)
-        wt = tl.dot(fk, tl.trans(fq), input_precision=PREC)                           # [BLOCK, QROWS]
-        wt = tl.where(k_ok[:, None] & r_ok[None, :], wt, 0.0)
-        dwt = tl.dot(v, tl.trans(g_num.to(v.dtype)), input_precision=PREC) + g_den[None, :]
-        dwt = tl.where(k_ok[:, None] & r_ok[None, :], dwt, 0.0)
-        dfk += tl.dot(dwt.to(fq.dtype), fq, input_precision=PREC)
-        dv += tl.dot(wt.to(v.dtype), g_num.to(v.dtype), input_precision=PREC)
-    tl.store(DFK + base + krow[:, None] * HEAD_DIM + dims[None, :], dfk, mask=k_ok[:, None])
-    tl.store(DV + base + krow[:, None] * HEAD_DIM + dims[None, :], dv, mask=k_ok[:, None])
+    key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
+    xk = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
+    b_exact = _phi(xk.to(tl.float32), k_ok, FEATURE)                      # unrounded, for the Jacobian
+    b = b_exact.to(xk.dtype)
+    d_kv = tl.load(D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)
+    dphi = tl.dot(v.to(tl.float32), tl.trans(d_kv), input_precision=PREC) + d_z[None, :]
+    dv = tl.dot(b.to(tl.float32), d_kv, input_precision=PREC)
+    if EXCLUDE:
+        start = tl.load(OFFSETS + bh * stride_ob + blk)
+        end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
+        roff = tl.arange(0, QROWS)
+        slot = roff // BLOCK
+        for j in range(start, end, PER_ITER):
+            e_ok = (j + slot) < end
+            t = tl.load(ROWS + bh * stride_rb + j + slot, mask=e_ok, other=0)
+            rows = t.to(tl.int64) * BLOCK + (roff % BLOCK)
+            r_ok = e_ok & (rows < n)
+            query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+            xq = tl.load(Q + query_offsets, mask=r_ok[:, None], other=0.0)
+            do = tl.load(DO + query_offsets, mask=r_ok[:, None], other=0.0)
+            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)     # 0 on missing rows
+            delta = tl.load(DELTA + bh * n + rows, mask=r_ok, other=0.0)
+            a = _phi(xq.to(tl.float32), r_ok, FEATURE).to(xq.dtype)
+            wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]              # [BLOCK, QROWS]
+            dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
+            # fp32 operands (tf32 for half inputs): the 1/den-scaled weights can leave fp16's range
+            dphi -= tl.dot(dwt, a.to(tl.float32), input_precision=PREC)
+            dv -= tl.dot(wt, do.to(tl.float32), input_precision=PREC)
+    dk = _phi_backward(xk.to(tl.float32), b_exact, dphi, FEATURE)
+    tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+SUM_CHUNK = 1024      # rows per partial of the global sums: N / 1024 programs per head instead of one
+SUM_TILE = 64
+
+
+def _feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
+    """Deterministic chunked ``(sum phi(x)^T y [BH, D, D], sum phi(x) [BH, D])`` in fp32 (forward), or with the
+    rows weighted by ``1/den`` and ``-delta/den`` (backward: the gradients of the two global sums)."""
+    bh, n, d = x.shape
+    chunk = min(SUM_CHUNK, triton.cdiv(n, SUM_TILE) * SUM_TILE)
+    chunks = triton.cdiv(n, chunk)
+    outer = torch.empty(bh, chunks, d, d, device=x.device, dtype=torch.float32)
+    total = torch.empty(bh, chunks, d, device=x.device, dtype=torch.float32)
+    backward = inv_den is not None
+    _feature_sums_kernel[(chunks, bh)](x, y, inv_den if backward else x, delta if backward else x, outer, total, n,
+                                       chunk, HEAD_DIM=d, TILE=SUM_TILE, FEATURE=feature_map_name,
+                                       BACKWARD=backward, PREC=prec, num_warps=_num_warps(d))
+    return outer.sum(1), total.sum(1)
+
+
+def _num_warps(head_dim: int) -> int:
+    return 4 if head_dim <= 64 else 8          # D x D fp32 tiles in registers
+
+
+class _LinearAttention(torch.autograd.Function):
+    """``(q, k, v, lists) -> o_linear`` in the input dtype; inputs ``[BH, N, D]`` contiguous, one dtype; ``lists``
+    int32 ``[BH, T, E]`` (distinct ids per row) of the excluded key blocks, or None for ``linear_scope="all"``.
+    Saved for backward: the inputs, ``o``, fp32 ``1/den`` per row and the two fp32 global sums."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lists, block_size, feature_map_name):
+        bh, n, d = q.shape
+        t = triton.cdiv(n, block_size)
+        per_iter, prec = _launch_cfg(block_size, q.dtype)
+        exclude = lists is not None
+        kv_total, z_total = _feature_sums(k, v, feature_map_name, prec)
+        o = torch.empty_like(q)
+        inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
+        list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
+        _fwd_kernel[(t, bh)](q, k, v, kv_total, z_total, o, inv_den, *list_args, ALL_SCOPE_EPS, EMPTY_ROW_REL_EPS,
+                             HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name,
+                             EXCLUDE=exclude, PREC=prec, num_warps=_num_warps(d))
+        ctx.save_for_backward(q, k, v, o, inv_den, kv_total, z_total, lists)
+        ctx.config = (block_size, feature_map_name)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, inv_den, kv_total, z_total, lists = ctx.saved_tensors
+        block_size, feature_map_name = ctx.config
+        bh, n, d = q.shape
+        t = triton.cdiv(n, block_size)
+        per_iter, prec = _launch_cfg(block_size, q.dtype)
+        exclude = lists is not None
+        do = do.to(q.dtype).contiguous()
+        common = dict(HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name, EXCLUDE=exclude,
+                      PREC=prec, num_warps=_num_warps(d))
+        dq = torch.empty_like(q)
+        delta = torch.empty_like(inv_den)
+        list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
+        _dq_kernel[(t, bh)](q, k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
+        d_kv_total, d_z_total = _feature_sums(q, do, feature_map_name, prec, inv_den, delta)
+        if exclude:
+            offsets, rows = csr_to_csc(lists, t)
+            csc_args = (offsets, rows, offsets.stride(0), rows.stride(0), n)
+        else:
+            csc_args = (inv_den, inv_den, 0, 0, n)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        _dk_dv_kernel[(t, bh)](q, k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args, **common)
+        return dq, dk, dv, None, None, None
 
 
 def _launch_cfg(block_size: int, dtype: torch.dtype):
@@ -194,66 +369,14 @@ def _launch_cfg(block_size: int, dtype: torch.dtype):
     return per_iter, ("ieee" if dtype == torch.float32 else "tf32")
 
 
-class _ExcludedSum(torch.autograd.Function):
-    """``(phi_q, phi_k, v, lists) -> (num [BH, N, D], den [BH, N])`` fp32: sums of ``w_tu (v_u, 1)`` over the keys
-    of the blocks listed for each query block. Inputs ``[BH, N, D]`` contiguous, one dtype; lists int32
-    ``[BH, T, E]`` with distinct ids per row."""
-
-    @staticmethod
-    def forward(ctx, phi_q, phi_k, v, lists, block_size):
-        bh, n, d = phi_q.shape
-        t = lists.shape[1]
-        per_iter, prec = _launch_cfg(block_size, phi_q.dtype)
-        num = torch.empty(bh, n, d, device=phi_q.device, dtype=torch.float32)
-        den = torch.empty(bh, n, device=phi_q.device, dtype=torch.float32)
-        _excluded_fwd_kernel[(t, bh)](phi_q, phi_k, v, num, den, lists, lists.stride(0), lists.stride(1), n,
-                                      lists.shape[2], HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, PREC=prec,
-                                      num_warps=4)
-        ctx.save_for_backward(phi_q, phi_k, v, lists)
-        ctx.block_size = block_size
-        return num, den
-
-    @staticmethod
-    def backward(ctx, g_num, g_den):
-        phi_q, phi_k, v, lists = ctx.saved_tensors
-        block_size = ctx.block_size
-        bh, n, d = phi_q.shape
-        t = lists.shape[1]
-        per_iter, prec = _launch_cfg(block_size, phi_q.dtype)
-        g_num = g_num.float().contiguous()
-        g_den = g_den.float().contiguous()
-        dfq = torch.empty(bh, n, d, device=phi_q.device, dtype=torch.float32)
-        _excluded_dfq_kernel[(t, bh)](phi_k, v, g_num, g_den, dfq, lists, lists.stride(0), lists.stride(1), n,
-                                      lists.shape[2], HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, PREC=prec,
-                                      num_warps=4)
-        offsets, rows = csr_to_csc(lists, t)
-        dfk = torch.empty_like(dfq)
-        dv = torch.empty_like(dfq)
-        _excluded_dfk_dv_kernel[(t, bh)](phi_q, phi_k, v, g_num, g_den, dfk, dv, offsets, rows,
-                                         offsets.stride(0), rows.stride(0), n, HEAD_DIM=d, BLOCK=block_size,
-                                         PER_ITER=per_iter, PREC=prec, num_warps=4)
-        return dfq.to(phi_q.dtype), dfk.to(phi_k.dtype), dv.to(v.dtype), None, None
-
-
 def linear_attention_triton(q, k, v, block_size: int, feature_map_name: str, excluded_idx=None) -> torch.Tensor:
-    """The linear branch ``[B, H, N, D]`` in fp32 (Triton for the excluded part); arguments as
-    ``linear_attention_torch``. phi is computed in the input dtype (fp32 math inside, one rounding) and feeds the tensor
-    cores; the global sums and the subtraction are fp32."""
+    """The linear branch ``[B, H, N, D]`` in the input dtype (fused Triton kernels); arguments as
+    ``linear_attention_torch``. Needs ``head_dim`` in {16, 32, 64, 128}."""
+    if feature_map_name not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map_name!r}")
     b, h, n, d = q.shape
-    phi_q, phi_k = feature_map(q, feature_map_name), feature_map(k, feature_map_name)   # fp32 math inside
-    kv_total, z_total = _global_sums(phi_k, v)
-    # phi(q) . (sum phi(k) v^T | sum phi(k)) in one product: numerator [.., :D], denominator [.., D]
-    both = phi_q.float() @ torch.cat([kv_total, z_total[..., None]], -1)             # [B, H, N, D + 1]
-    numerator, denominator = both[..., :d], both[..., d]
-    if excluded_idx is None:
-        return numerator / (denominator + ALL_SCOPE_EPS)[..., None]
-    num_blocks_ = excluded_idx.shape[2]
-    if excluded_idx.shape[3] >= num_blocks_:                                         # nothing left to attend to
-        return numerator * 0.0
-    lists = excluded_idx.to(torch.int32).reshape(b * h, num_blocks_, -1).contiguous()
-    flat = [x.reshape(b * h, n, d).contiguous() for x in (phi_q, phi_k, v)]
-    num_excluded, den_excluded = _ExcludedSum.apply(*flat, lists, block_size)
-    remaining = denominator - den_excluded.view(b, h, n)
-    # an empty row divides by +inf: exactly 0 with zero gradient, one pass over [B, H, N, D] instead of three
-    remaining = torch.where(remaining > EMPTY_ROW_REL_EPS * denominator, remaining, float("inf"))
-    return (numerator - num_excluded.view(b, h, n, d)) / remaining[..., None]
+    flat = [x.reshape(b * h, n, d).contiguous() for x in (q, k, v)]
+    lists = None
+    if excluded_idx is not None:
+        lists = excluded_idx.to(torch.int32).reshape(b * h, excluded_idx.shape[2], -1).contiguous()
+    return _LinearAttention.apply(*flat, lists, block_size, feature_map_name).view(b, h, n, d)
