@@ -350,3 +350,21 @@ def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(
     assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"], checkpoints
     last = torch.load(result["checkpoint"], weights_only=False)
     assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5
+
+
+def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path):
+    """The GPU recipe (bf16-mixed, fused AdamW, gradient_clip_val=1.0) on the CPU: Lightning's AMP plugin refuses to
+    clip for a fused optimizer (it assumes an fp16 GradScaler); bf16 has none, so the module clips itself. The
+    clipped step must equal an unfused AdamW's step on the same clipped gradients."""
+    import train
+
+    results = {}
+    for fused in (True, False):
+        cfg = h.compose(["trainer=cpu", "trainer.precision=bf16-mixed", f"optimizer.fused={fused}",
+                         "trainer.gradient_clip_val=1e-3", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
+                         "trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks.samples.every_n_steps=0"])
+        out = tmp_path / f"fused_{fused}"
+        assert train.train(cfg, out)["global_step"] == 2
+        results[fused] = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for name, value in results[True].items():
+        torch.testing.assert_close(value, results[False][name], rtol=1e-5, atol=1e-6, msg=name)

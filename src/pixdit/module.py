@@ -6,7 +6,8 @@ What it owns (train.py builds it from the config; see configs/train.yaml for eve
   (``pixdit.flow.RectifiedFlow``: training loss and Euler sampler);
 * AdamW with the recipe defaults (lr 1e-4, betas (0.9, 0.999), weight decay 0.01 on all parameters, eps 1e-8), a
   constant learning rate with optional linear warm-up (stepped every optimizer step); gradient clipping is the
-  Trainer's ``gradient_clip_val`` (1.0 in configs/trainer);
+  Trainer's ``gradient_clip_val`` (1.0 in configs/trainer), applied by the module itself for fused AdamW under bf16
+  (Lightning's AMP plugin refuses it there);
 * an fp32 EMA of the weights (``pixdit.ema``; decay ``min(0.9999, 1 - n^-3/4)``), updated after every optimizer step,
   saved in checkpoints and used for samples and ``val/loss_ema``;
 * the **validation loss at fixed noise and fixed timesteps**: held-out image number ``i`` always gets the same noise
@@ -176,13 +177,31 @@ class DiffusionModule(L.LightningModule):
         options = dict(self.optimizer_options)
         warmup_steps = int(options.pop("warmup_steps"))
         fused = options.pop("fused")
-        if fused is None:
-            fused = self.device.type == "cuda"
+        if fused is None:   # fp16-mixed's GradScaler must unscale before clipping: only the unfused AdamW allows it
+            fused = self.device.type == "cuda" and not self._has_grad_scaler()
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=options["lr"], betas=tuple(options["betas"]),
                                       weight_decay=options["weight_decay"], eps=options["eps"], fused=fused)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _has_grad_scaler(self) -> bool:
+        trainer = self._trainer   # None when the module is used outside a Trainer
+        return trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # Lightning's AMP plugin refuses to clip for an optimizer that unscales its own gradients (fused AdamW),
+        # because under fp16 the gradients would still carry the GradScaler's factor. bf16 autocast has no scaler:
+        # the gradients are true ones, so clip them here with the same rule the Trainer would apply.
+        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False) \
+                and not self._has_grad_scaler():
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ validation
     def on_validation_epoch_start(self) -> None:
