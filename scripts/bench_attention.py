@@ -106,7 +106,7 @@ def profile(fn, q, k, v, label):
         fn().backward(do)
         torch.cuda.synchronize()
     print(f"## profile {label} (one forward+backward)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
 def run(args):
@@ -124,7 +124,7 @@ def run(args):
                 if label.startswith("flash") and N > args.max_dense_ours:
                     continue
                 t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick)
-                if args.profile and label.startswith("llsa"):
+                if args.profile and label not in ("sdpa",) and not label.startswith("flash"):
                     profile(fn, q, k, v, f"{label} at {side}^2")
                 if label == "sdpa":
                     sdpa_ms = (t_fwd, t_fb)
@@ -194,7 +194,7 @@ def main(argv=None):
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
     p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
     p.add_argument("--out", default="outputs/bench_attention")
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per LLSA row")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
