@@ -53,7 +53,7 @@ def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio)
 
 
 @interpreter_only
-@pytest.mark.parametrize("block_size,d,n", [(64, 64, 130), (32, 128, 64)])
+@pytest.mark.parametrize("block_size,d,n", [(64, 64, 130), (32, 128, 64), (16, 16, 37)])
 def test_interpreted_triton_block_sizes(block_size, d, n):
     q, k, v, up_s, up_l = _inputs(1, 1, n, d, seed=1)
     got = _run(q, k, v, up_s, up_l, block_size=block_size, topk=1, impl="triton")
@@ -71,6 +71,46 @@ def test_interpreted_triton_edge_cases_have_no_nan():
     q_neg = (-q.detach().abs() - 0.1).requires_grad_()                            # relu(q) = 0 everywhere
     got = _run(q_neg, k, v, up_s, up_l, block_size=16, topk=1, feature_map="relu", impl="triton")
     assert (got[1] == 0).all() and all(torch.isfinite(x).all() for x in got)
+
+
+@interpreter_only
+@pytest.mark.parametrize("scope", ["noncritical", "marginal", "all"])
+def test_interpreted_triton_rows_with_an_empty_linear_set_are_exactly_zero(scope):
+    # relu features that vanish on the whole linear set of some query blocks (and not of others). The fused kernel
+    # computes "global sums - excluded blocks", which leaves only fp32 rounding on those rows: they must still give
+    # exactly 0 with exactly zero gradient, and every other row must match the exact path.
+    q, k, v, up_s, up_l = _inputs(1, 2, 64, 32, seed=4)                 # 4 blocks of 16
+    with torch.no_grad():
+        k[:, :, 32:] = -k[:, :, 32:].abs() - 0.1                          # relu(k) = 0 on key blocks 2, 3
+        if scope == "all":
+            q[:, :, :16] = -q[:, :, :16].abs() - 0.1                      # relu(q) = 0 on query block 0
+    crit = {"noncritical": [[0, 1], [2, 3], [0, 1], [1, 2]], "marginal": [[0], [2], [0], [1]],
+            "all": [[0], [2], [0], [1]]}[scope]
+    neg = [[1], [3], [1], [2]] if scope == "marginal" else [[]] * 4
+    selection = tuple(torch.tensor(x, dtype=torch.int32).reshape(1, 1, 4, -1).expand(1, 2, 4, -1).contiguous()
+                      for x in (crit, neg))                               # linear sets of blocks 0, 2: keys 2, 3
+    kwargs = dict(block_size=16, linear_scope=scope, feature_map="relu", selection=selection)
+    got = _run(q, k, v, up_s * 0, up_l, impl="triton", **kwargs)          # gradients of the linear branch only
+    want = _run(q, k, v, up_s * 0, up_l, impl="torch", **kwargs)
+    empty = [*range(0, 16)] + ([] if scope == "all" else [*range(32, 48)])
+    assert (got[1][:, :, empty] == 0).all() and (got[2][:, :, empty] == 0).all()
+    assert got[1].abs().sum() > 0
+    for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@interpreter_only
+def test_interpreted_triton_half_precision_matches_exact_path():
+    # fp16 (the interpreter has no bf16 dots): phi rounded to the input dtype, tf32 products of the 1/den-scaled terms
+    q, k, v, up_s, up_l = _inputs(1, 2, 100, 32, torch.float16, seed=5)
+    kwargs = dict(block_size=16, topk=2, linear_scope="marginal", feature_map="elu", negligible_ratio=0.3)
+    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = _run(*exact, up_s, up_l, impl="torch", **kwargs)
+    assert got[1].dtype == torch.float16
+    for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
+        assert _rel(a, r) < TOL[torch.float16], (name, _rel(a, r))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
