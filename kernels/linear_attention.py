@@ -129,12 +129,14 @@ def _phi_backward(x, a, da, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _feature_sums_kernel(X, Y, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
+def _feature_sums_kernel(X, Y, PHI, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, FEATURE: tl.constexpr,
                          BACKWARD: tl.constexpr, PREC: tl.constexpr):
     # One partial sum per (chunk of rows, batch*head); the caller adds the partials (fixed order: deterministic).
-    #   forward  (X = k, Y = v):  OUTER = sum_u phi(k_u)^T v_u,              TOTAL = sum_u phi(k_u)
-    #   backward (X = q, Y = dO): OUTER = sum_t (phi(q_t) / den_t)^T dO_t,   TOTAL = sum_t phi(q_t) (-delta_t / den_t)
+    #   forward  (X = k, Y = v): PHI = phi(k) in the input dtype (read by the list walks),
+    #                            OUTER = sum_u phi(k_u)^T v_u,  TOTAL = sum_u phi(k_u)
+    #   backward (X = phi(q), Y = dO):
+    #                            OUTER = sum_t (phi(q_t) / den_t)^T dO_t,  TOTAL = sum_t phi(q_t) (-delta_t / den_t)
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
@@ -146,8 +148,8 @@ def _feature_sums_kernel(X, Y, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
         ok = rows < n
         x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
         y = tl.load(Y + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-        a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)     # rounded as in the list walks
         if BACKWARD:
+            a = x
             inv_den = tl.load(INV_DEN + bh * n + rows, mask=ok, other=0.0)
             delta = tl.load(DELTA + bh * n + rows, mask=ok, other=0.0)
             af = a.to(tl.float32)
@@ -155,6 +157,8 @@ def _feature_sums_kernel(X, Y, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
             outer += tl.dot(tl.trans(af * inv_den[:, None]), y.to(tl.float32), input_precision=PREC)
             total += tl.sum(af * (-delta * inv_den)[:, None], 0)
         else:
+            a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)             # one rounding, stored for the walks
+            tl.store(PHI + base + rows[:, None] * HEAD_DIM + dims[None, :], a, mask=ok[:, None])
             outer += tl.dot(tl.trans(a), y, input_precision=PREC)
             total += tl.sum(a.to(tl.float32), 0)
     part = bh * tl.num_programs(0) + c
@@ -163,7 +167,7 @@ def _feature_sums_kernel(X, Y, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, KV_TOTAL, Z_TOTAL, O, INV_DEN, LIST, stride_lb, stride_lt, n, list_len,
+def _fwd_kernel(Q, PHI_K, V, KV_TOTAL, Z_TOTAL, PHI_Q, O, INV_DEN, LIST, stride_lb, stride_lt, n, list_len,
                 all_scope_eps, empty_row_rel_eps,
                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
                 EXCLUDE: tl.constexpr, PREC: tl.constexpr):
@@ -173,8 +177,10 @@ def _fwd_kernel(Q, K, V, KV_TOTAL, Z_TOTAL, O, INV_DEN, LIST, stride_lb, stride_
     row_ok = rows < n
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM
-    x = tl.load(Q + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     a = _phi(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)    # phi(q) in the input dtype (one rounding)
+    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])     # for the key-major backward walk
     af = a.to(tl.float32)
     kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
     z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
@@ -186,9 +192,8 @@ def _fwd_kernel(Q, K, V, KV_TOTAL, Z_TOTAL, O, INV_DEN, LIST, stride_lb, stride_
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
         for j in range(0, list_len, PER_ITER):
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
-            xk = tl.load(K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            b = _phi(xk.to(tl.float32), k_ok, FEATURE).to(xk.dtype)            # 0 on missing keys
             w = tl.dot(a, tl.trans(b), input_precision=PREC)                    # [BLOCK, BLOCK * PER_ITER]
             den_excluded += tl.sum(w, 1)
             num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
@@ -200,12 +205,12 @@ def _fwd_kernel(Q, K, V, KV_TOTAL, Z_TOTAL, O, INV_DEN, LIST, stride_lb, stride_
     else:
         inv_den = 1.0 / (den + all_scope_eps)
     o = num * inv_den[:, None]
-    tl.store(O + base + rows[:, None] * HEAD_DIM + dims[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + tile_offsets, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stride_lb, stride_lt, n, list_len,
+def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stride_lb, stride_lt, n, list_len,
                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
                EXCLUDE: tl.constexpr, PREC: tl.constexpr):
     # with delta_t = dO_t . o_t and L(t) the linear set of row t:
@@ -231,9 +236,8 @@ def _dq_kernel(Q, K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stri
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
         for j in range(0, list_len, PER_ITER):
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
-            xk = tl.load(K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            b = _phi(xk.to(tl.float32), k_ok, FEATURE).to(xk.dtype)            # 0 on missing keys
             dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]   # [BLOCK, BLOCK * PER_ITER]
             excluded += tl.dot(dw.to(b.dtype), b, input_precision=PREC)
         dphi -= excluded
@@ -244,7 +248,7 @@ def _dq_kernel(Q, K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stri
 
 
 @triton.jit
-def _dk_dv_kernel(Q, K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS, stride_ob, stride_rb, n,
+def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS, stride_ob, stride_rb, n,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
                   EXCLUDE: tl.constexpr, PREC: tl.constexpr):
     # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
@@ -261,8 +265,7 @@ def _dk_dv_kernel(Q, K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OF
     key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
     xk = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
     v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
-    b_exact = _phi(xk.to(tl.float32), k_ok, FEATURE)                      # unrounded, for the Jacobian
-    b = b_exact.to(xk.dtype)
+    b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
     d_kv = tl.load(D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
     d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)
     dphi = tl.dot(v.to(tl.float32), tl.trans(d_kv), input_precision=PREC) + d_z[None, :]
@@ -278,17 +281,17 @@ def _dk_dv_kernel(Q, K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OF
             rows = t.to(tl.int64) * BLOCK + (roff % BLOCK)
             r_ok = e_ok & (rows < n)
             query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
-            xq = tl.load(Q + query_offsets, mask=r_ok[:, None], other=0.0)
+            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
             do = tl.load(DO + query_offsets, mask=r_ok[:, None], other=0.0)
             inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)     # 0 on missing rows
             delta = tl.load(DELTA + bh * n + rows, mask=r_ok, other=0.0)
-            a = _phi(xq.to(tl.float32), r_ok, FEATURE).to(xq.dtype)
             wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]              # [BLOCK, QROWS]
             dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
             # fp32 operands (tf32 for half inputs): the 1/den-scaled weights can leave fp16's range
             dphi -= tl.dot(dwt, a.to(tl.float32), input_precision=PREC)
             dv -= tl.dot(wt, do.to(tl.float32), input_precision=PREC)
-    dk = _phi_backward(xk.to(tl.float32), b_exact, dphi, FEATURE)
+    xk = xk.to(tl.float32)
+    dk = _phi_backward(xk, _phi(xk, k_ok, FEATURE), dphi, FEATURE)     # Jacobian at the unrounded phi(k)
     tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -298,18 +301,21 @@ SUM_TILE = 64
 
 
 def _feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
-    """Deterministic chunked ``(sum phi(x)^T y [BH, D, D], sum phi(x) [BH, D])`` in fp32 (forward), or with the
-    rows weighted by ``1/den`` and ``-delta/den`` (backward: the gradients of the two global sums)."""
+    """Deterministic chunked sums in fp32. Forward (x = k, y = v): ``(phi(k), sum phi(k)^T v [BH, D, D],
+    sum phi(k) [BH, D])``. Backward (x = phi(q), y = dO, per-row ``1/den`` and ``delta``): the gradients of the two
+    global sums, ``(None, sum (phi(q)/den)^T dO, sum phi(q) (-delta/den))``."""
     bh, n, d = x.shape
     chunk = min(SUM_CHUNK, triton.cdiv(n, SUM_TILE) * SUM_TILE)
     chunks = triton.cdiv(n, chunk)
     outer = torch.empty(bh, chunks, d, d, device=x.device, dtype=torch.float32)
     total = torch.empty(bh, chunks, d, device=x.device, dtype=torch.float32)
     backward = inv_den is not None
-    _feature_sums_kernel[(chunks, bh)](x, y, inv_den if backward else x, delta if backward else x, outer, total, n,
-                                       chunk, HEAD_DIM=d, TILE=SUM_TILE, FEATURE=feature_map_name,
-                                       BACKWARD=backward, PREC=prec, num_warps=_num_warps(d))
-    return outer.sum(1), total.sum(1)
+    phi = None if backward else torch.empty_like(x)
+    _feature_sums_kernel[(chunks, bh)](x, y, x if backward else phi, inv_den if backward else x,
+                                       delta if backward else x, outer, total, n, chunk, HEAD_DIM=d, TILE=SUM_TILE,
+                                       FEATURE=feature_map_name, BACKWARD=backward, PREC=prec,
+                                       num_warps=_num_warps(d))
+    return phi, outer.sum(1), total.sum(1)
 
 
 def _num_warps(head_dim: int) -> int:
@@ -319,7 +325,8 @@ def _num_warps(head_dim: int) -> int:
 class _LinearAttention(torch.autograd.Function):
     """``(q, k, v, lists) -> o_linear`` in the input dtype; inputs ``[BH, N, D]`` contiguous, one dtype; ``lists``
     int32 ``[BH, T, E]`` (distinct ids per row) of the excluded key blocks, or None for ``linear_scope="all"``.
-    Saved for backward: the inputs, ``o``, fp32 ``1/den`` per row and the two fp32 global sums."""
+    Saved for backward: the inputs, ``phi(q)``, ``phi(k)`` and ``o`` (input dtype), fp32 ``1/den`` per row and
+    the two fp32 global sums."""
 
     @staticmethod
     def forward(ctx, q, k, v, lists, block_size, feature_map_name):
@@ -327,20 +334,20 @@ class _LinearAttention(torch.autograd.Function):
         t = triton.cdiv(n, block_size)
         per_iter, prec = _launch_cfg(block_size, q.dtype)
         exclude = lists is not None
-        kv_total, z_total = _feature_sums(k, v, feature_map_name, prec)
-        o = torch.empty_like(q)
+        phi_k, kv_total, z_total = _feature_sums(k, v, feature_map_name, prec)
+        phi_q, o = torch.empty_like(q), torch.empty_like(q)
         inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _fwd_kernel[(t, bh)](q, k, v, kv_total, z_total, o, inv_den, *list_args, ALL_SCOPE_EPS, EMPTY_ROW_REL_EPS,
+        _fwd_kernel[(t, bh)](q, phi_k, v, kv_total, z_total, phi_q, o, inv_den, *list_args, ALL_SCOPE_EPS, EMPTY_ROW_REL_EPS,
                              HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name,
                              EXCLUDE=exclude, PREC=prec, num_warps=_num_warps(d))
-        ctx.save_for_backward(q, k, v, o, inv_den, kv_total, z_total, lists)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists)
         ctx.config = (block_size, feature_map_name)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, inv_den, kv_total, z_total, lists = ctx.saved_tensors
+        q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists = ctx.saved_tensors
         block_size, feature_map_name = ctx.config
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
@@ -352,15 +359,15 @@ class _LinearAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         delta = torch.empty_like(inv_den)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _dq_kernel[(t, bh)](q, k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
-        d_kv_total, d_z_total = _feature_sums(q, do, feature_map_name, prec, inv_den, delta)
+        _dq_kernel[(t, bh)](q, phi_k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
+        _, d_kv_total, d_z_total = _feature_sums(phi_q, do, feature_map_name, prec, inv_den, delta)
         if exclude:
             offsets, rows = csr_to_csc(lists, t)
             csc_args = (offsets, rows, offsets.stride(0), rows.stride(0), n)
         else:
             csc_args = (inv_den, inv_den, 0, 0, n)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        _dk_dv_kernel[(t, bh)](q, k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args, **common)
+        _dk_dv_kernel[(t, bh)](phi_q, k, phi_k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args, **common)
         return dq, dk, dv, None, None, None
 
 
