@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_suite.sh tests      # GPU correctness tests of every kernel and of train.py (make test-gpu)
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
-#   bash scripts/device_suite.sh train      # DiT-S training throughput for full, LLSA, VSA, SLA at 64..512 px
+#   bash scripts/device_suite.sh train      # DiT-S training throughput, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh sampling   # sample-generation images/s, full vs LLSA, 128 and 256 px
 #   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
 #
@@ -23,10 +23,10 @@ case "$stage" in
   attention)
     $PY scripts/bench_attention.py --backends sdpa,flash,llsa,vsa,sla --out "$OUT/attention" 2>&1 | tee "$OUT/bench_attention.log" ;;
   train)
-    for attention in full llsa vsa sla; do
-      $PY scripts/bench_train.py --attention "$attention" --sizes 64 128 256 --warmup 3 --steps 10 2>&1 | tee -a "$OUT/bench_train.log"
-      $PY scripts/bench_train.py --attention "$attention" --sizes 512 --warmup 1 --steps 3 2>&1 | tee -a "$OUT/bench_train.log"
-    done ;;
+    # One process for every variant and size (Triton kernels compile once; speed-ups against full of the same run).
+    # Full attention takes ~10 s per step at 512^2, hence fewer steps there (--steps-at). ~6 min on an H200.
+    $PY scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \
+      --sizes 64 128 256 512 --warmup 3 --steps 10 --steps-at 512:1:3 --out "$OUT/train" 2>&1 | tee "$OUT/bench_train.log" ;;
   sampling)
     $PY scripts/bench_sampling.py --attention full llsa --sizes 128 256 2>&1 | tee "$OUT/bench_sampling.log" ;;
   scaling)
