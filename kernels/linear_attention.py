@@ -9,20 +9,41 @@ For a query ``t`` in query block ``i``, with ``w_tu = phi(q_t) . phi(k_u)`` and 
 excluded blocks ``E(i)`` (critical, and in ``marginal`` scope also negligible), and a row whose denominator is 0
 (empty linear set, or relu features that vanish on it) gets ``O_l = 0`` (never the authors' 0/0 = NaN).
 
-Two forms of the excluded-scope branch:
+Two forms:
 
 * ``linear_attention_torch`` (CPU, exact): per-block ``h_j = phi(K_j)^T V_j`` summed over the kept blocks with a
   ``[T, T]`` block mask (direct sums, no cancellation; ``O(T^2 D^2)``, fine at CPU sizes).
-* ``linear_attention_triton`` (CUDA): ``global sums - excluded part``, where the excluded part
-  ``sum_{u in E(i)} w_tu (v_u, 1)`` is a block-sparse pass over the same ``K`` blocks as the sparse branch
-  (``_excluded_fwd_kernel``: two tensor-core dots per block, like attention without the exponentials), with a
-  query-major dphi(q) kernel and a key-major dphi(k)/dv kernel over the CSC transpose (``blocks.csr_to_csc``): one
-  writer per gradient row, no float atomics, deterministic. Cost ``O(N * K * block * D)``, the same order as the
-  sparse branch, instead of the ``O(T * K * D^2)`` reads of materialised ``h_j`` blocks (4x more at block 16,
-  D = 64) or the ``O(T^2 D^2)`` mask product. The subtraction is done in fp32; a row whose remaining denominator is
-  below ``1e-5`` of its full one is treated as empty (fp32 rounding level of the subtraction).
+* ``linear_attention_triton`` (CUDA; CPU under ``TRITON_INTERPRET=1``): one autograd Function, ``global sums -
+  excluded part``, five Triton launches (plus the small partial-sum reductions and the CSC sort) and no ``[N, D]``
+  fp32 intermediates. ``linear_scope="all"`` skips the list walks (no excluded part, ``+1e-5`` instead of the
+  empty-row rule).
 
-Tests: ``tests/kernels/test_sla.py`` (exact form), ``tests/kernels/test_sla_triton.py`` (Triton form).
+  forward  1. ``_feature_sums_kernel``: ``phi(k)`` (stored once, input dtype) and per chunk of 1024 keys the partial
+              ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; the partials are added by ``torch.sum`` (fixed
+              order: deterministic, no atomics, and N / 1024 programs per head instead of one).
+           2. ``_fwd_kernel``, one program per query block: ``phi(q)`` in registers (fp32 math, one rounding to the
+              input dtype, stored for the backward walk), the global term ``phi(q) . [KV_total | Z_total]``, minus
+              the excluded part ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two
+              tensor-core dots per block, like the sparse branch without exponentials), the empty-row rule, and
+              ``o_linear`` stored in the input dtype with fp32 ``1/den`` per row (0 for an empty row).
+  backward 3. ``_dq_kernel`` (query-major, same list walk): ``delta_t = dO_t . o_t``, ``dphi(q)`` and ``dq`` through
+              phi's Jacobian in registers.
+           4. ``_feature_sums_kernel`` again: the gradients of the two global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and
+              ``sum phi(q_t) (-delta_t/den_t)``, by chunks as in 1.
+           5. ``_dk_dv_kernel`` (key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the global
+              terms minus the excluded ones, ``dk`` through phi's Jacobian. One writer per gradient row.
+
+  The lists are the same ``K`` (+ negligible) blocks as the sparse branch, so the cost is ``O(N * K * block * D)``,
+  the same order as the sparse branch, instead of the ``O(T * K * D^2)`` reads of materialised ``h_j`` blocks (4x
+  more at block 16, D = 64) or the ``O(T^2 D^2)`` mask product. Precision: dots of input-dtype operands accumulate
+  in fp32; the denominators and the subtraction are fp32; products with ``1/den`` use fp32 operands (tf32 for half
+  inputs: ``phi(q)/den`` can leave fp16's range). A row whose remaining denominator is at most ``1e-5`` of its full
+  one is treated as empty (fp32 rounding level of the subtraction): ``o_linear = 0``, zero gradient.
+
+Tests: ``tests/kernels/test_sla.py`` (exact form), ``tests/kernels/test_sla_triton.py`` (Triton form):
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_sla.py tests/kernels/test_sla_triton.py
+    python -m pytest tests/kernels/test_sla_triton.py -m gpu        # CUDA machine: bf16/fp16 at real sizes
 """
 
 from __future__ import annotations
@@ -146,17 +167,18 @@ def _feature_sums_kernel(X, Y, PHI, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
     for start in range(0, chunk, TILE):
         rows = c.to(tl.int64) * chunk + start + tl.arange(0, TILE)
         ok = rows < n
-        x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
         y = tl.load(Y + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
         if BACKWARD:
-            a = x
+            # phi(q) loaded transposed [D, TILE] (no tl.trans of a 32-bit dot operand); fp32 operands (tf32 for half
+            # inputs): phi(q) / den can leave fp16's range
+            at = tl.load(X + base + rows[None, :] * HEAD_DIM + dims[:, None], mask=ok[None, :], other=0.0)
             inv_den = tl.load(INV_DEN + bh * n + rows, mask=ok, other=0.0)
             delta = tl.load(DELTA + bh * n + rows, mask=ok, other=0.0)
-            af = a.to(tl.float32)
-            # fp32 operands (tf32 for half inputs): a / den can leave fp16's range
-            outer += tl.dot(tl.trans(af * inv_den[:, None]), y.to(tl.float32), input_precision=PREC)
-            total += tl.sum(af * (-delta * inv_den)[:, None], 0)
+            at = at.to(tl.float32)
+            outer += tl.dot(at * inv_den[None, :], y.to(tl.float32), input_precision=PREC)
+            total += tl.sum(at * (-delta * inv_den)[None, :], 1)
         else:
+            x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
             a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)             # one rounding, stored for the walks
             tl.store(PHI + base + rows[:, None] * HEAD_DIM + dims[None, :], a, mask=ok[:, None])
             outer += tl.dot(tl.trans(a), y, input_precision=PREC)
@@ -228,9 +250,9 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
     inv_den = tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + bh * n + rows, delta, mask=row_ok)
-    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    kv_total_t = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[None, :] * HEAD_DIM + dims[:, None])  # [j, i]
     z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    dphi = tl.dot(do.to(tl.float32), tl.trans(kv_total), input_precision=PREC) - delta[:, None] * z_total[None, :]
+    dphi = tl.dot(do.to(tl.float32), kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
     if EXCLUDE:
         excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
@@ -248,7 +270,8 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
 
 
 @triton.jit
-def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS, stride_ob, stride_rb, n,
+def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS,
+                  stride_ob, stride_rb, n,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
                   EXCLUDE: tl.constexpr, PREC: tl.constexpr):
     # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
@@ -266,9 +289,11 @@ def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL,
     xk = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
     v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
     b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
-    d_kv = tl.load(D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
-    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)
-    dphi = tl.dot(v.to(tl.float32), tl.trans(d_kv), input_precision=PREC) + d_z[None, :]
+    d_kv_base = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
+    d_kv = tl.load(d_kv_base + dims[:, None] * HEAD_DIM + dims[None, :])
+    d_kv_t = tl.load(d_kv_base + dims[None, :] * HEAD_DIM + dims[:, None])  # transposed by the load: no tl.trans of
+    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)                          # a 32-bit dot operand
+    dphi = tl.dot(v.to(tl.float32), d_kv_t, input_precision=PREC) + d_z[None, :]
     dv = tl.dot(b.to(tl.float32), d_kv, input_precision=PREC)
     if EXCLUDE:
         start = tl.load(OFFSETS + bh * stride_ob + blk)
@@ -338,7 +363,8 @@ class _LinearAttention(torch.autograd.Function):
         phi_q, o = torch.empty_like(q), torch.empty_like(q)
         inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _fwd_kernel[(t, bh)](q, phi_k, v, kv_total, z_total, phi_q, o, inv_den, *list_args, ALL_SCOPE_EPS, EMPTY_ROW_REL_EPS,
+        _fwd_kernel[(t, bh)](q, phi_k, v, kv_total, z_total, phi_q, o, inv_den, *list_args, ALL_SCOPE_EPS,
+                             EMPTY_ROW_REL_EPS,
                              HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name,
                              EXCLUDE=exclude, PREC=prec, num_warps=_num_warps(d))
         ctx.save_for_backward(q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists)
@@ -367,7 +393,8 @@ class _LinearAttention(torch.autograd.Function):
         else:
             csc_args = (inv_den, inv_den, 0, 0, n)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        _dk_dv_kernel[(t, bh)](phi_q, k, phi_k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args, **common)
+        _dk_dv_kernel[(t, bh)](phi_q, k, phi_k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args,
+                               **common)
         return dq, dk, dv, None, None, None
 
 

@@ -28,8 +28,9 @@ number of tokens >= 1.
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the
 Triton path: the sparse branch is the shared block-sparse FlashAttention (``block_sparse.py``), the linear branch
-``linear_attention.linear_attention_triton`` (global sums minus a block-sparse pass over the excluded blocks), both
-with deterministic backward passes over the CSC transpose of the block lists (no dense mask, no float atomics).
+``linear_attention.linear_attention_triton`` (one fused autograd Function: global sums minus a block-sparse pass
+over the excluded blocks, feature maps in-kernel, output in the input dtype), both with deterministic backward
+passes over the CSC transpose of the block lists (no dense mask, no float atomics).
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py tests/kernels/test_sla_triton.py``.
 """
 
