@@ -36,9 +36,10 @@ Two forms:
   The lists are the same ``K`` (+ negligible) blocks as the sparse branch, so the cost is ``O(N * K * block * D)``,
   the same order as the sparse branch, instead of the ``O(T * K * D^2)`` reads of materialised ``h_j`` blocks (4x
   more at block 16, D = 64) or the ``O(T^2 D^2)`` mask product. Precision: dots of input-dtype operands accumulate
-  in fp32; the denominators and the subtraction are fp32; products with ``1/den`` use fp32 operands (tf32 for half
-  inputs: ``phi(q)/den`` can leave fp16's range). A row whose remaining denominator is at most ``1e-5`` of its full
-  one is treated as empty (fp32 rounding level of the subtraction): ``o_linear = 0``, zero gradient.
+  in fp32; the denominators and the subtraction are fp32; products with ``1/den`` use fp32 operands (tf32 for fp16
+  inputs: ``phi(q)/den`` can leave fp16's range), or bf16 ones in the dk/dv walk for bf16 inputs. A row whose
+  remaining denominator is at most ``1e-5`` of its full one is treated as empty (fp32 rounding level of the
+  subtraction): ``o_linear = 0``, zero gradient.
 
 Tests: ``tests/kernels/test_sla.py`` (exact form), ``tests/kernels/test_sla_triton.py`` (Triton form):
 
@@ -261,6 +262,8 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]   # [BLOCK, BLOCK * PER_ITER]
+            # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
+            dw = tl.where(k_ok[None, :], dw, 0.0)
             excluded += tl.dot(dw.to(b.dtype), b, input_precision=PREC)
         dphi -= excluded
     dphi = dphi * inv_den[:, None]
@@ -273,7 +276,7 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
 def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS,
                   stride_ob, stride_rb, n,
                   HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
-                  EXCLUDE: tl.constexpr, PREC: tl.constexpr):
+                  EXCLUDE: tl.constexpr, PREC: tl.constexpr, SCALED_DTYPE: tl.constexpr):
     # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
     # list holds key block j (CSC transpose), the excluded part:
     #   dphi(k_u) = d_KV v_u + d_Z - sum_t (dO_t . v_u - delta_t) / den_t phi(q_t)
@@ -312,9 +315,9 @@ def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL,
             delta = tl.load(DELTA + bh * n + rows, mask=r_ok, other=0.0)
             wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]              # [BLOCK, QROWS]
             dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
-            # fp32 operands (tf32 for half inputs): the 1/den-scaled weights can leave fp16's range
-            dphi -= tl.dot(dwt, a.to(tl.float32), input_precision=PREC)
-            dv -= tl.dot(wt, do.to(tl.float32), input_precision=PREC)
+            # the 1/den-scaled weights can leave fp16's range: bf16 operands for bf16 inputs, else fp32 (tf32)
+            dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)
+            dv -= tl.dot(wt.to(SCALED_DTYPE), do.to(SCALED_DTYPE), input_precision=PREC)
     xk = xk.to(tl.float32)
     dk = _phi_backward(xk, _phi(xk, k_ok, FEATURE), dphi, FEATURE)     # Jacobian at the unrounded phi(k)
     tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
@@ -393,8 +396,9 @@ class _LinearAttention(torch.autograd.Function):
         else:
             csc_args = (inv_den, inv_den, 0, 0, n)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        scaled_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
         _dk_dv_kernel[(t, bh)](phi_q, k, phi_k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args,
-                               **common)
+                               SCALED_DTYPE=scaled_dtype, **common)
         return dq, dk, dv, None, None, None
 
 
