@@ -131,10 +131,13 @@ def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, bl
         assert _rel(a, r) < TOL[dtype], (name, _rel(a, r))
 
 
+@pytest.mark.parametrize("scope,feature_map", [("noncritical", "softmax"), ("all", "elu"), ("marginal", "relu")])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_deterministic_bitwise(mark):
+def test_gpu_deterministic_bitwise(scope, feature_map, mark):
     q, k, v, up_s, up_l = _inputs(2, 3, 16384, 64, torch.bfloat16, "cuda", seed=3)
-    a = _run(q, k, v, up_s, up_l, block_size=16, topk=20)
-    b = _run(q, k, v, up_s, up_l, block_size=16, topk=20)
+    kwargs = dict(block_size=16, topk=20, linear_scope=scope, feature_map=feature_map,
+                  negligible_ratio=0.1 if scope == "marginal" else 0.0)
+    a = _run(q, k, v, up_s, up_l, **kwargs)
+    b = _run(q, k, v, up_s, up_l, **kwargs)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
