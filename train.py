@@ -128,6 +128,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
                         plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
     log.info("run directory: %s", run_dir.resolve())
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # Lightning validates every val_check_interval steps; when that does not divide max_steps the run would end with
+    # an earlier step's validation loss, which sweep summaries report as the final one: validate the last step too.
+    if not trainer.interrupted and trainer.limit_val_batches and module.validated_at_step != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
 
     result = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     result["global_step"] = trainer.global_step

@@ -376,6 +376,10 @@ def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(
     assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"], checkpoints
     last = torch.load(result["checkpoint"], weights_only=False)
     assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5
+    # ... and validated: the "final" validation loss (sweep summaries, bench_scaling) is the last step's, not step 4's
+    with open(tmp_path / "metrics.csv") as f:
+        val_steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("val/loss")]
+    assert val_steps[-1] == 5 and len(val_steps) == len(set(val_steps)), val_steps
 
 
 def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path):

@@ -117,6 +117,7 @@ class DiffusionModule(L.LightningModule):
             # In place (keeps parameter names, so checkpoints load into uncompiled models); the EMA copy stays eager.
             self.model.compile()
         self._val_seen = 0
+        self.validated_at_step = -1   # optimizer step of the last validation (train.py validates the final step)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -206,6 +207,10 @@ class DiffusionModule(L.LightningModule):
     # ------------------------------------------------------------------ validation
     def on_validation_epoch_start(self) -> None:
         self._val_seen = 0
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_at_step = self.trainer.global_step
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         images = batch["image"]
