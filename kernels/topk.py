@@ -118,6 +118,16 @@ def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, stride_qb, stride_kb, st
         kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
 
 
+def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
+    """Launch ``_streaming_topk_kernel`` on contiguous fp32 ``[BH, R, d]`` / ``[BH, C, d]`` into int32 ``out``
+    (``rows_per_program`` is a knob for scripts/bench_topk.py)."""
+    BH, R, d = qf.shape
+    _streaming_topk_kernel[(triton.cdiv(R, rows_per_program), BH)](
+        qf, kf, out, R, kf.shape[1], qf.stride(0), kf.stride(0), out.stride(0), HEAD_DIM=d, ROWS=rows_per_program,
+        CHUNK=_STREAM_CHUNK, TOPK=k, SLOTS=triton.next_power_of_2(k), num_warps=4)
+    return out
+
+
 def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents: torch.Tensor | None = None,
                 child_block: int | None = None, impl: str = "auto") -> torch.Tensor:
     """Top-k candidate key ids per pooled query row (see module doc).
@@ -147,9 +157,7 @@ def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents:
             HEAD_DIM=d, ROWS=_ROWS, CAND=cand, TOPK=k, CHILD=child_block or 0,
             N_PARENTS=parents.shape[-1] if parents is not None else 1, num_warps=4 if cand <= 256 else 8)
     else:
-        _streaming_topk_kernel[(triton.cdiv(R, _STREAM_ROWS), BH)](
-            qf, kf, out, R, n_cand, qf.stride(0), kf.stride(0), out.stride(0), HEAD_DIM=d, ROWS=_STREAM_ROWS,
-            CHUNK=_STREAM_CHUNK, TOPK=k, SLOTS=triton.next_power_of_2(k), num_warps=4)
+        _streaming_topk(qf, kf, k, out)
     return out.view(*lead, R, k)
 
 
