@@ -11,7 +11,8 @@ model's Z-order; the last tile may be partial and then holds the ``tokens mod bl
 2. selection: per query tile the ``K`` key tiles with the largest coarse scores, ties toward the smaller tile id;
 3. fine stage: exact softmax attention of every query over the real tokens of its tile's ``K`` selected tiles;
 4. ``out = O_fine + gate * O_coarse`` (``gate=None``: ungated). The gate is the layer's zero-initialised projection
-   of its hidden states (spec §2.2), so at initialisation VSA equals the fine stage.
+   of its hidden states (spec §2.2), so at initialisation VSA equals the fine stage. The paper's optional fine gate
+   ``gate_fine`` multiplies ``O_fine`` (absent = 1, as in FastVideo).
 
 Arguments: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``sparsity`` (float in [0, 1],
 ``K = clamp(ceil((1 - sparsity) * T), 1, T)``, the product rounded to 6 decimals first so that float noise such as
@@ -161,15 +162,17 @@ def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
 
 
 def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None,
-                  impl: str = "auto", tile_idx=None) -> torch.Tensor:
+                  impl: str = "auto", tile_idx=None, gate_fine=None) -> torch.Tensor:
     """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring.
 
     ``tile_idx``: optional precomputed selection from ``vsa_select`` (then ``topk``/``sparsity`` are not needed),
-    e.g. to run two paths on the same selection."""
+    e.g. to run two paths on the same selection. ``gate_fine``: the paper's optional fine gate ``G_f`` (shaped like
+    q): ``O_fine * gate_fine + gate * O_coarse`` (spec §2.2; absent = 1, as in FastVideo)."""
     check_qkv(q, k, v, block_size, scale)
-    if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
-        raise ValueError(f"gate must be None or a tensor shaped like q {tuple(q.shape)}, "
-                         f"got {tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
+    for name, x in (("gate", gate), ("gate_fine", gate_fine)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != q.shape):
+            raise ValueError(f"{name} must be None or a tensor shaped like q {tuple(q.shape)}, "
+                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     triton_path = use_triton(q, impl)
     if tile_idx is None:
         kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, sparsity, "topk", "sparsity",
@@ -194,7 +197,11 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=
     # fine stage: block-sparse FlashAttention over each query tile's K selected key tiles (shared kernel)
     if triton_path:
         out_fine = block_sparse_attention(q, k, v, tile_idx, query_block=c, key_block=c, scale=scale, impl="triton")
+        if gate_fine is not None:
+            out_fine = out_fine * gate_fine
         return out_fine + (out_coarse if gate is None else out_coarse * gate)
     out_fine = block_sparse_attention(q.float(), k.float(), v.float(), tile_idx, query_block=c, key_block=c,
                                       scale=scale, impl="torch")
+    if gate_fine is not None:
+        out_fine = out_fine * gate_fine.float()
     return (out_fine + (out_coarse if gate is None else out_coarse * gate.float())).to(q.dtype)

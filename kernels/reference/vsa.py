@@ -38,8 +38,10 @@ def vsa_reference_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, scal
     return scale * _tile_mean(_upcast(q), block_size) @ _tile_mean(_upcast(k), block_size).transpose(-1, -2)
 
 
-def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float | None = None, tile_idx=None):
-    """VSA output ``O_fine + gate * O_coarse`` (gate absent -> ungated), fp32, differentiable in q, k, v, gate.
+def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float | None = None, tile_idx=None,
+                  gate_fine=None):
+    """VSA output ``O_fine * gate_fine + gate * O_coarse`` (a gate absent -> 1), fp32, differentiable in q, k, v and
+    the gates (spec §8's oracle with ``gate_c = gate``, ``gate_f = gate_fine``).
 
     ``tile_idx [B, H, T, K]`` (optional) forces the selected key tiles, e.g. the kernel's own selection, so that
     output and gradients can be compared independently of near-ties; by default the oracle selects the ``topk``
@@ -66,4 +68,6 @@ def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float |
 
     logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~token_selected, float("-inf"))
     out_fine = torch.softmax(logits, -1) @ v
+    if gate_fine is not None:
+        out_fine = out_fine * _upcast(gate_fine)
     return out_fine + (out_coarse if gate is None else out_coarse * _upcast(gate))

@@ -76,15 +76,16 @@ class LLSAAttention(AttentionBackend):
 
 
 class ZeroInitLinear(nn.Module):
-    """``y = x W^T + b`` with W, b starting at zero (VSA's gate G_c, SLA's Proj: the method starts as its sparse part).
+    """``y = x W^T + b`` with W starting at zero and b at ``bias_value`` (0: VSA's gate G_c and SLA's Proj, so the
+    method starts as its sparse part; 1: VSA's optional fine gate G_f, which starts as the identity).
 
     Deliberately not an ``nn.Linear``: ``DiT.initialize_weights`` re-initialises every ``nn.Linear`` with xavier, which
-    would silently undo the zero init the methods require (vsa.md §2.2, sla.md §2.3). Same state-dict keys."""
+    would silently undo the init the methods require (vsa.md §2.2, sla.md §2.3). Same state-dict keys."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, bias_value: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features))
+        self.bias = nn.Parameter(torch.full((out_features,), float(bias_value)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -125,6 +126,8 @@ class VSAAttention(AttentionBackend):
     sparsity:        instead of topk, the fraction of tiles dropped: K = clamp(ceil((1 - sparsity) * T), 1, T)
     gate:            true = G_c = Linear(dim, dim) of the modulated hidden states, zero-initialised (VSA starts as
                      its fine stage, spec §2.2); false = coarse output added ungated
+    fine_gate:       true = also the paper's G_f = Linear(dim, dim) on the fine output, W = 0 and b = 1 (starts as
+                     no gate; experimental: the paper gives no init, FastVideo drops it); false (default) = G_f = 1
     anneal_every, anneal_rate: dense-to-sparse schedule for fine-tuning a dense checkpoint (spec §2.2): the sparsity
                      grows by anneal_rate every anneal_every optimizer steps from 0 (dense) to the target K;
                      anneal_every = 0 (default) = target K from step 0. Needs the training loop to call
@@ -134,7 +137,8 @@ class VSAAttention(AttentionBackend):
     token_order = "zorder"
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
-                 sparsity: float | None = None, gate: bool = True, anneal_every: int = 0, anneal_rate: float = 0.02):
+                 sparsity: float | None = None, gate: bool = True, anneal_every: int = 0, anneal_rate: float = 0.02,
+                 fine_gate: bool = False):
         super().__init__(dim, num_heads)
         self._vsa_attention = _kernel("vsa_attention", "vsa")
         self.block_size, self.topk, self.sparsity = block_size, topk, sparsity
@@ -147,9 +151,11 @@ class VSAAttention(AttentionBackend):
         if not isinstance(anneal_rate, (int, float)) or not 0 < anneal_rate <= 1:
             raise PixditError(f"attention=vsa: anneal_rate must be a float in (0, 1], got {anneal_rate!r}")
         self.anneal_every, self.anneal_rate = anneal_every, float(anneal_rate)
-        self.gate = None
-        if gate:
-            self.gate = ZeroInitLinear(dim, dim)
+        for name, value in (("gate", gate), ("fine_gate", fine_gate)):
+            if not isinstance(value, bool):
+                raise PixditError(f"attention=vsa: {name} must be true or false, got {value!r}")
+        self.gate = ZeroInitLinear(dim, dim) if gate else None
+        self.fine_gate = ZeroInitLinear(dim, dim, bias_value=1.0) if fine_gate else None
         self.register_buffer("training_step", torch.zeros((), dtype=torch.long))
         self._step_was_set = False
 
@@ -173,14 +179,17 @@ class VSAAttention(AttentionBackend):
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         b, h, n, d = q.shape
-        gate = None
-        if self.gate is not None:     # [b, N, dim] -> [b, heads, N, head_dim], no activation (spec §7)
-            gate = self.gate(hidden).view(b, n, h, d).transpose(1, 2).to(q.dtype)
-        return self._vsa_attention(q, k, v, block_size=self.block_size, topk=self.current_topk(n), gate=gate)
+
+        def per_head(projection):     # [b, N, dim] -> [b, heads, N, head_dim], no activation (spec §7)
+            return None if projection is None else projection(hidden).view(b, n, h, d).transpose(1, 2).to(q.dtype)
+
+        return self._vsa_attention(q, k, v, block_size=self.block_size, topk=self.current_topk(n),
+                                   gate=per_head(self.gate), gate_fine=per_head(self.fine_gate))
 
     def extra_repr(self) -> str:
         return (f"block_size={self.block_size}, topk={self.topk}, sparsity={self.sparsity}, "
-                f"gate={self.gate is not None}, anneal_every={self.anneal_every}")
+                f"gate={self.gate is not None}, fine_gate={self.fine_gate is not None}, "
+                f"anneal_every={self.anneal_every}")
 
 
 @register_attention("sla")

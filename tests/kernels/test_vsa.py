@@ -6,6 +6,8 @@ The oracle runs in fp64; the op's exact PyTorch path runs fp32 math, so forward 
 must agree to ~1e-5. The failure modes of the authors' kernels (spec §11.2) each have a test here.
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,26 @@ def test_forward_and_grads_match_oracle(block_size, head_dim, num_tokens, topk, 
     inputs = [q, k, v] + ([gate] if with_gate else [])
     for got, want in zip(_grads(out, inputs), _grads(ref, inputs)):
         torch.testing.assert_close(got.double(), want.double(), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"))])
+def test_fine_gate_matches_oracle_with_gradients_of_both_gates(impl):
+    """The paper's optional G_f (spec §2.2): O_fine * gate_fine + gate * O_coarse, both paths, d gate_fine too."""
+    q, k, v, gate = _inputs(1, 2, 70, 32, seed=8)
+    gate_fine = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    out = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate, gate_fine=gate_fine, impl=impl)
+    tile_idx = vsa_select(q, k, block_size=16, topk=2, impl=impl)
+    ref = vsa_reference(*(x.double() for x in (q, k, v)), 16, 2, gate=gate.double(), tile_idx=tile_idx,
+                        gate_fine=gate_fine.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    inputs = [q, k, v, gate, gate_fine]
+    for got, want in zip(_grads(out, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
+    ungated_fine = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate, impl=impl)
+    assert not torch.allclose(out, ungated_fine)      # the fine gate does act
+    with pytest.raises(ValueError, match="gate_fine"):
+        vsa_attention(q, k, v, block_size=16, topk=2, gate_fine=gate_fine[:, :1], impl=impl)
 
 
 def test_selection_is_the_topk_of_the_coarse_scores_tie_tolerant():

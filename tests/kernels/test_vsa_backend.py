@@ -52,6 +52,24 @@ def test_zero_gate_means_fine_stage_only_and_gate_false_means_ungated_coarse():
                                vsa_attention(q, k, v, block_size=16, topk=2))
 
 
+def test_fine_gate_starts_as_no_gate_and_learns():
+    """fine_gate=true adds the paper's G_f (W = 0, b = 1): the same output as without it at initialisation, and its
+    weight receives gradient (d G_f = dO * O_fine)."""
+    q, k, v = (torch.randn(2, 2, 64, 32) for _ in range(3))
+    hidden = torch.randn(2, 64, 64)
+    plain = build_attention({"name": "vsa", "topk": 2}, dim=64, num_heads=2)
+    with_fine_gate = build_attention({"name": "vsa", "topk": 2, "fine_gate": True}, dim=64, num_heads=2)
+    assert with_fine_gate.fine_gate.bias.eq(1).all() and with_fine_gate.fine_gate.weight.eq(0).all()
+    out = with_fine_gate(q, k, v, grid_hw=(8, 8), hidden=hidden)
+    torch.testing.assert_close(out, plain(q, k, v, grid_hw=(8, 8), hidden=hidden))
+    out.square().sum().backward()
+    assert with_fine_gate.fine_gate.weight.grad.abs().sum() > 0
+    model = _tiny_model(fine_gate=True)
+    assert model.blocks[0].attn.backend.fine_gate.bias.eq(1).all()     # the model's init leaves it alone
+    with pytest.raises(PixditError, match="fine_gate must be true or false"):
+        build_attention({"name": "vsa", "topk": 2, "fine_gate": "yes"}, dim=64, num_heads=2)
+
+
 def test_bf16_autocast_forward_backward():
     model = _tiny_model()
     with torch.autocast("cpu", dtype=torch.bfloat16):
