@@ -2,6 +2,10 @@
 
     from pixdit.kernels import llsa_attention
     o = llsa_attention(q, k, v, block_size=16, topk=8)      # q, k, v: [batch, heads, tokens, head_dim]
+
+torch.compile: the public functions are wrapped in ``torch.compiler.disable``, so a compiled model runs each call
+eagerly (one graph break) and compiles what surrounds it (qk-norm, RoPE, layout changes). Traced instead, Dynamo hands
+the Triton kernels to Inductor, which types their float arguments as fp64 and fails to build them (torch 2.11).
 """
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, csr_to_csc, topk_desc

@@ -472,6 +472,7 @@ def block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, s
     return (o, lse) if return_lse else o
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block: int, scale: float | None = None,
                            block_log_weights: torch.Tensor | None = None, return_lse: bool = False,
                            impl: str = "auto"):
@@ -525,6 +526,7 @@ def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
     return w.float().contiguous() if w is not None else None
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     """Dense softmax attention through the block-sparse kernel with every key block listed (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""

@@ -134,6 +134,7 @@ def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> li
     return index
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: int | Sequence[int] = 8,
                 num_levels: int | None = None, impl: str = "auto") -> list[torch.Tensor]:
     """Hierarchical top-k selection (spec §2): ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
@@ -313,6 +314,7 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
 
 
 # ------------------------------------------------------------------------------------------------------ public API
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 16,
                    topk: int | Sequence[int] = 8, num_levels: int | None = None, enrich_levels: int | None = None,
                    scale: float | None = None, *, index: Sequence[torch.Tensor] | None = None,

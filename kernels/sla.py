@@ -78,6 +78,7 @@ def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
                          f"(got linear_scope={linear_scope!r}); set it to 0")
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0,
                impl: str = "auto"):
     """Block classification: ``(critical, negligible)`` int32 ``[B, H, T, K]`` and ``[B, H, T, K_neg]``.
@@ -102,6 +103,7 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
     return critical, negligible.to(torch.int32)
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, linear_scope: str = "noncritical",
                   feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None, impl: str = "auto",
                   selection=None):

@@ -141,6 +141,7 @@ def use_triton(q: torch.Tensor, impl: str) -> bool:
 # public API
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def vsa_select(q, k, block_size: int = 16, topk=None, sparsity=None, scale=None, impl: str = "auto") -> torch.Tensor:
     """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
     check_qkv(q, k, k, block_size, scale)
@@ -161,6 +162,7 @@ def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
                          f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
 
 
+@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def vsa_attention(q, k, v, block_size: int = 16, topk=None, sparsity=None, gate=None, scale=None,
                   impl: str = "auto", tile_idx=None, gate_fine=None) -> torch.Tensor:
     """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring.

@@ -142,7 +142,10 @@ class Attention(nn.Module):
         q = F.rms_norm(q, (self.head_dim,), self.q_norm_weight.to(q.dtype), self.qk_norm_eps).to(v.dtype)
         k = F.rms_norm(k, (self.head_dim,), self.k_norm_weight.to(k.dtype), self.qk_norm_eps).to(v.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), grid_hw=grid_hw, hidden=x)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, n, head_dim]
+        if self.backend.contiguous_inputs:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
