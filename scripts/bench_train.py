@@ -129,6 +129,9 @@ def parse_steps_at(items: list[str]) -> dict[int, tuple[int, int]]:
             side, warmup, steps = (int(x) for x in item.split(":"))
         except ValueError:
             raise PixditError(f"--steps-at {item!r} must be SIDE:WARMUP:STEPS, e.g. 512:1:3") from None
+        if warmup < 0 or steps < 1:
+            raise PixditError(f"--steps-at {item!r}: WARMUP must be >= 0 and STEPS >= 1 (leave the size out of --sizes "
+                              f"to skip it)")
         steps_at[side] = (warmup, steps)
     return steps_at
 
@@ -359,6 +362,8 @@ def main(argv=None) -> None:
     try:
         variants = [parse_variant(spec, args.model, args.quick) for spec in args.attention]
         parse_steps_at(args.steps_at)
+        if args.warmup < 0 or args.steps < 1:
+            raise PixditError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
     except PixditError as error:
         sys.exit(f"error: {error}")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py

@@ -398,3 +398,14 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
         results[fused] = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for name, value in results[True].items():
         torch.testing.assert_close(value, results[False][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_option(h, tiny_shards, tmp_path):
+    import train
+
+    assert train.resolve_compile(True, "cpu") is True and train.resolve_compile(False, "gpu") is False
+    assert train.resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer
+    assert train.resolve_compile("auto", "auto") is torch.cuda.is_available()
+    cfg = h.compose(["experiment=quickstart", *h.tiny_model, *h.tiny_data(tiny_shards), "compile=fast"])
+    with pytest.raises(PixditError, match="compile='fast'.*true, false or auto"):
+        train.train(cfg, tmp_path)
