@@ -10,5 +10,6 @@ the Triton kernels to Inductor, which types their float arguments as fp64 and fa
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, csr_to_csc, topk_desc
 from .llsa import llsa_attention, llsa_check, llsa_num_levels, llsa_select
+from .qk_norm_rope import qk_norm_rope  # noqa: F401  (the attention prologue: qk-norm + RoPE + head layout)
 from .sla import sla_attention, sla_select  # noqa: F401  (SLA: top-K sparse + linear attention)
 from .vsa import vsa_attention, vsa_select  # noqa: F401  (VSA: coarse + top-K block-sparse fine attention)

@@ -34,14 +34,10 @@ class AttentionBackend(nn.Module):
 
     ``token_order``: the order the backend needs the tokens in ("zorder" for the block-sparse methods, whose blocks of
     consecutive tokens must be square patches); None means any order works. The model checks it at build time.
-    ``contiguous_inputs``: True when the backend wants q, k, v contiguous in [batch, heads, tokens, head_dim] (the
-    Triton kernels flatten batch * heads); the model then writes them in that layout, which torch.compile fuses into
-    qk-norm and RoPE (otherwise the kernel copies them).
     """
 
     name: str = ""
     token_order: str | None = None
-    contiguous_inputs: bool = False
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -136,7 +132,6 @@ class FullAttention(AttentionBackend):
             raise PixditError(f"attention.impl={impl!r} is not known; "
                               f"allowed values: {', '.join(FULL_ATTENTION_IMPLS)}")
         self.impl = impl
-        self.contiguous_inputs = impl == "triton"
         self._flash_attention = _import_flash_attention() if impl == "triton" else None
 
     def forward(self, q, k, v, *, grid_hw, hidden):

@@ -45,7 +45,6 @@ class LLSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
-    contiguous_inputs = True
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
                  num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):
@@ -136,7 +135,6 @@ class VSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
-    contiguous_inputs = True
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
                  sparsity: float | None = None, gate: bool = True, anneal_every: int = 0, anneal_rate: float = 0.02,
@@ -209,7 +207,6 @@ class SLAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
-    contiguous_inputs = True
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
                  topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pixdit.attention import build_attention
 from pixdit.errors import PixditError
+from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.tokens import check_token_order, token_coordinates, token_permutation
 
 ROPE_THETA = 10000.0
@@ -79,13 +80,6 @@ def rope_cos_sin(rows: torch.Tensor, cols: torch.Tensor, head_dim: int) -> tuple
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs: (a, b) -> (a cos - b sin, a sin + b cos). x: [..., tokens, heads, head_dim]."""
-    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # broadcast over heads
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-
-
 # ------------------------------------------------------------------ conditioning
 class TimestepEmbedder(nn.Module):
     """t (float, = 1000 * sigma) -> sinusoidal features [cos | sin] -> Linear -> SiLU -> Linear."""
@@ -121,7 +115,8 @@ class LabelEmbedder(nn.Module):
 # ------------------------------------------------------------------ transformer
 class Attention(nn.Module):
     """Fused qkv projection -> RMS qk-norm (learnable per-channel weight shared across heads) -> 2-D RoPE ->
-    attention backend -> output projection."""
+    attention backend -> output projection. The norm, RoPE and the split into [batch, heads, tokens, head_dim] are
+    one Triton kernel on CUDA (pixdit.kernels.qk_norm_rope), the same PyTorch ops on CPU."""
 
     def __init__(self, dim: int, num_heads: int, attention: Mapping[str, Any] | str | None, qk_norm_eps: float = 1e-5):
         super().__init__()
@@ -136,15 +131,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).unbind(2)  # each [b, n, heads, head_dim]
-        # Under CUDA autocast the norms may return fp32; cast back so q, k, v share one dtype (the sparse kernels
-        # require it, and RoPE / the backend then run in bf16).
-        q = F.rms_norm(q, (self.head_dim,), self.q_norm_weight.to(q.dtype), self.qk_norm_eps).to(v.dtype)
-        k = F.rms_norm(k, (self.head_dim,), self.k_norm_weight.to(k.dtype), self.qk_norm_eps).to(v.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, n, head_dim]
-        if self.backend.contiguous_inputs:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = qk_norm_rope(self.qkv(x), self.num_heads, self.q_norm_weight, self.k_norm_weight, cos, sin,
+                               eps=self.qk_norm_eps)  # each [b, heads, n, head_dim]
         out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 

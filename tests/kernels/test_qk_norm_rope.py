@@ -1,0 +1,116 @@
+"""qk_norm_rope (qk-norm + 2-D RoPE + head layout) against an fp64 oracle written independently here: RMS norm as
+x / sqrt(mean(x^2) + eps) * w, RoPE as multiplying each pair (x[2j] + i x[2j+1]) by exp(i angle). Forward and the
+gradients of qkv and both weights. On CPU the Triton kernels run in the interpreter (tests/kernels/conftest.py).
+
+    .venv/bin/python -m pytest tests/kernels/test_qk_norm_rope.py
+    python -m pytest tests/kernels/test_qk_norm_rope.py -m gpu      # CUDA machine
+"""
+
+import pytest
+import torch
+
+from pixdit.kernels import qk_norm_rope
+
+CUDA = torch.cuda.is_available()
+interpreter_only = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def oracle(qkv, num_heads, q_weight, k_weight, angles, eps):
+    """fp64: q, k, v as [b, heads, n, d]."""
+    b, n, width = qkv.shape
+    d = width // (3 * num_heads)
+    q, k, v = qkv.double().view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)    # [b, heads, n, d] each
+    rotation = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())   # [n, d / 2]
+
+    def norm_rope(x, weight):
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous()) * rotation).flatten(-2)
+
+    return norm_rope(q, q_weight), norm_rope(k, k_weight), v
+
+
+def make_inputs(b, n, heads, d, dtype, device, seed=0, width_pad=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = 3 * heads * d
+    # width_pad > 0: qkv is a slice of a wider tensor (token stride != width), as a fused bigger projection would give
+    qkv = (torch.randn(b, n, width + width_pad, generator=g) * 2)[..., :width].to(device, dtype).requires_grad_()
+    q_weight = (1 + 0.5 * torch.randn(d, generator=g)).to(device).requires_grad_()
+    k_weight = (1 + 0.5 * torch.randn(d, generator=g)).to(device).requires_grad_()
+    angles = torch.rand(n, d // 2, generator=g).to(device) * 100
+    upstream = [torch.randn(b, heads, n, d, generator=g).to(device, dtype) for _ in range(3)]
+    return qkv, q_weight, k_weight, angles, upstream
+
+
+def compare(b, n, heads, d, dtype, device, impl, tol, width_pad=0, eps=1e-5):
+    qkv, q_weight, k_weight, angles, upstream = make_inputs(b, n, heads, d, dtype, device, width_pad=width_pad)
+    outs = qk_norm_rope(qkv, heads, q_weight, k_weight, angles.cos(), angles.sin(), eps=eps, impl=impl)
+    grads = torch.autograd.grad(outs, (qkv, q_weight, k_weight), upstream)
+    leaves = [x.detach().double().requires_grad_() for x in (qkv, q_weight, k_weight)]
+    want = oracle(leaves[0], heads, leaves[1], leaves[2], angles, eps)
+    want_grads = torch.autograd.grad(want, leaves, [u.double() for u in upstream])
+    for name, got, ref in zip(("q", "k", "v", "dqkv", "dq_weight", "dk_weight"), (*outs, *grads),
+                              (*want, *want_grads)):
+        assert got.dtype == (dtype if name in ("q", "k", "v", "dqkv") else torch.float32), name
+        assert got.shape == ref.shape, name
+        error = ((got.double() - ref).norm() / ref.norm()).item()
+        assert error < tol, f"{name}: relative error {error:.2e} (tolerance {tol:.0e})"
+    return outs
+
+
+@interpreter_only
+@pytest.mark.parametrize("b,n,heads,d,width_pad", [(2, 70, 3, 16, 0), (1, 33, 2, 64, 0), (3, 128, 1, 32, 8),
+                                                   (1, 20, 2, 24, 0)])   # 24: 12 pairs, padded to 16 in the kernel
+def test_interpreted_triton_matches_oracle(b, n, heads, d, width_pad):
+    outs = compare(b, n, heads, d, torch.float32, "cpu", "triton", 1e-5, width_pad=width_pad)
+    assert all(o.is_contiguous() for o in outs)  # the layout the attention kernels flatten without a copy
+
+
+@pytest.mark.parametrize("b,n,heads,d", [(2, 70, 3, 16), (1, 33, 2, 64)])
+def test_torch_path_matches_oracle(b, n, heads, d):
+    compare(b, n, heads, d, torch.float32, "cpu", "torch", 1e-6)
+
+
+@interpreter_only
+def test_interpreted_triton_only_q_used():
+    """A q, k or v that does not reach the loss has no gradient (None in backward): d(qkv) there is zero."""
+    qkv, q_weight, k_weight, angles, _ = make_inputs(1, 40, 2, 16, torch.float32, "cpu")
+    q, k, v = qk_norm_rope(qkv, 2, q_weight, k_weight, angles.cos(), angles.sin(), impl="triton")
+    q.sum().backward()
+    grad = qkv.grad.view(1, 40, 3, 2, 16)
+    assert grad[:, :, 0].abs().sum() > 0 and grad[:, :, 1:].abs().sum() == 0
+    assert q_weight.grad.abs().sum() > 0 and k_weight.grad.abs().sum() == 0
+
+
+def test_bad_inputs_name_the_parameter():
+    qkv, q_weight, k_weight, angles, _ = make_inputs(1, 8, 2, 16, torch.float32, "cpu")
+    cos, sin = angles.cos(), angles.sin()
+    with pytest.raises(ValueError, match="qkv must be .batch, tokens, 3 . num_heads . head_dim. with num_heads=5"):
+        qk_norm_rope(qkv, 5, q_weight, k_weight, cos, sin)
+    with pytest.raises(ValueError, match=r"k_weight must have shape \(16,\)"):
+        qk_norm_rope(qkv, 2, q_weight, k_weight[:8], cos, sin)
+    with pytest.raises(ValueError, match=r"sin must have shape \(8, 8\) \(tokens, head_dim / 2\)"):
+        qk_norm_rope(qkv, 2, q_weight, k_weight, cos, sin[:4])
+    with pytest.raises(ValueError, match="head_dim must be even and at most 256"):
+        qkv7 = torch.zeros(1, 8, 3 * 2 * 7)
+        qk_norm_rope(qkv7, 2, torch.ones(7), torch.ones(7), torch.ones(8, 3), torch.ones(8, 3), impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,n,heads,d", [(4, 4096, 6, 64), (2, 1000, 3, 128), (1, 16384, 6, 64), (2, 1024, 16, 72)])
+def test_gpu_matches_oracle(b, n, heads, d, dtype):
+    compare(b, n, heads, d, dtype, "cuda", "triton", TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_backward_is_deterministic():
+    results = []
+    for _ in range(2):
+        qkv, q_weight, k_weight, angles, upstream = make_inputs(4, 4096, 6, 64, torch.bfloat16, "cuda")
+        outs = qk_norm_rope(qkv, 6, q_weight, k_weight, angles.cos(), angles.sin())
+        results.append(torch.autograd.grad(outs, (qkv, q_weight, k_weight), upstream))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
