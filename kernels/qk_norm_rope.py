@@ -98,10 +98,10 @@ def _backward_kernel(QKV, W, COS, SIN, DQ, DK, DV, DQKV, DW_PARTIAL, n, num_head
     d_src = DQKV + (bh // num_heads) * stride_db + rows[:, None] * stride_dn \
         + (part * num_heads + bh % num_heads) * HEAD_DIM + 2 * pairs[None, :]
     if part == 2:
-        g_even = tl.load(DV + out_offset, mask=mask, other=0.0)
-        g_odd = tl.load(DV + out_offset + 1, mask=mask, other=0.0)
-        tl.store(d_src, g_even.to(DQKV.dtype.element_ty), mask=mask)
-        tl.store(d_src + 1, g_odd.to(DQKV.dtype.element_ty), mask=mask)
+        dv_even = tl.load(DV + out_offset, mask=mask, other=0.0)   # v: only the layout changes
+        dv_odd = tl.load(DV + out_offset + 1, mask=mask, other=0.0)
+        tl.store(d_src, dv_even.to(DQKV.dtype.element_ty), mask=mask)
+        tl.store(d_src + 1, dv_odd.to(DQKV.dtype.element_ty), mask=mask)
     else:
         if part == 0:
             g_even = tl.load(DQ + out_offset, mask=mask, other=0.0).to(tl.float32)
