@@ -53,83 +53,84 @@ def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5):
 
 
 @triton.jit
-def _tile(qkv_ptr, bh, part, tile, num_heads, n, stride_b, stride_n,
-          HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr):
-    """Pointers to the even elements of one [ROWS, HEAD_DIM] tile in qkv ([b, n, 3, heads, d]) and in the
-    [3, b, heads, n, d] layout (the odd elements are the next ones), the pair index, and the mask of real rows and
-    pairs (PAIRS = head_dim / 2 rounded up to a power of two)."""
-    b = bh // num_heads
-    head = bh % num_heads
+def _tile(bh, part, tile, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """One [ROWS, head_dim] tile (rows = tokens) of q, k or v: its token rows, channels, mask of real rows and
+    channels (DIM_PAD = head_dim rounded up to a power of two), batch index, channel offsets in a [b, n, 3, heads, d]
+    row, and offsets in one [b, heads, n, d] output. Whole rows are loaded and stored: contiguous accesses."""
     rows = tile * ROWS + tl.arange(0, ROWS)
-    pairs = tl.arange(0, PAIRS)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (rows < n)[:, None] & (dims < HEAD_DIM)[None, :]
+    channels = (part * num_heads + bh % num_heads) * HEAD_DIM + dims[None, :]
+    out_offset = bh.to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    return rows, dims, mask, bh // num_heads, channels, out_offset
+
+
+@triton.jit
+def _pairs(x, ROWS: tl.constexpr, DIM_PAD: tl.constexpr):
+    """[ROWS, DIM_PAD] -> its even and odd channels, each [ROWS, DIM_PAD / 2] (the interleaved RoPE pairs)."""
+    return tl.split(tl.reshape(x, [ROWS, DIM_PAD // 2, 2]))
+
+
+@triton.jit
+def _unpairs(even, odd, ROWS: tl.constexpr, DIM_PAD: tl.constexpr):
+    return tl.reshape(tl.join(even, odd), [ROWS, DIM_PAD])
+
+
+@triton.jit
+def _rotation(COS, SIN, rows, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    pairs = tl.arange(0, DIM_PAD // 2)
     mask = (rows < n)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
-    src = qkv_ptr + b * stride_b + rows[:, None] * stride_n + (part * num_heads + head) * HEAD_DIM + 2 * pairs[None, :]
-    dst = (part * tl.num_programs(1) + bh).to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + 2 * pairs[None, :]
-    return src, dst, rows, pairs, mask
+    angle = rows[:, None] * (HEAD_DIM // 2) + pairs[None, :]
+    return tl.load(COS + angle, mask=mask, other=0.0), tl.load(SIN + angle, mask=mask, other=0.0)
 
 
 @triton.jit
 def _forward_kernel(QKV, W, COS, SIN, OUT, n, num_heads, stride_b, stride_n, eps,
-                    HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # part: 0 = q, 1 = k, 2 = v
-    src, dst, rows, pairs, mask = _tile(QKV, bh, part, tile, num_heads, n, stride_b, stride_n, HEAD_DIM, PAIRS, ROWS)
-    pair_ok = pairs < HEAD_DIM // 2
-    even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
+    qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
+    x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
     if part < 2:
-        inv_rms = tl.math.rsqrt((tl.sum(even * even, 1) + tl.sum(odd * odd, 1)) / HEAD_DIM + eps)[:, None]
-        even = even * inv_rms * tl.load(W + part * HEAD_DIM + 2 * pairs, mask=pair_ok, other=0.0)[None, :]
-        odd = odd * inv_rms * tl.load(W + part * HEAD_DIM + 2 * pairs + 1, mask=pair_ok, other=0.0)[None, :]
-        angle = rows[:, None] * (HEAD_DIM // 2) + pairs[None, :]
-        cos = tl.load(COS + angle, mask=mask, other=0.0)
-        sin = tl.load(SIN + angle, mask=mask, other=0.0)
-        even, odd = even * cos - odd * sin, even * sin + odd * cos
-    tl.store(OUT + dst, even.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + dst + 1, odd.to(OUT.dtype.element_ty), mask=mask)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = x * inv_rms * tl.load(W + part * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
+        even, odd = _pairs(x, ROWS, DIM_PAD)
+        cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
+        x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
+    out = OUT + (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM    # q, k, v stacked: [3, b, heads, n, d]
+    tl.store(out + out_offset, x.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _backward_kernel(QKV, W, COS, SIN, DQ, DK, DV, DQKV, DW_PARTIAL, n, num_heads, stride_b, stride_n,
-                     stride_db, stride_dn, eps, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr):
+                     stride_db, stride_dn, eps, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    src, dst, rows, pairs, mask = _tile(QKV, bh, part, tile, num_heads, n, stride_b, stride_n, HEAD_DIM, PAIRS, ROWS)
-    pair_ok = pairs < HEAD_DIM // 2
-    out_offset = dst - (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM   # [b, heads, n, d] of one part
-    d_src = DQKV + (bh // num_heads) * stride_db + rows[:, None] * stride_dn \
-        + (part * num_heads + bh % num_heads) * HEAD_DIM + 2 * pairs[None, :]
-    if part == 2:
-        dv_even = tl.load(DV + out_offset, mask=mask, other=0.0)   # v: only the layout changes
-        dv_odd = tl.load(DV + out_offset + 1, mask=mask, other=0.0)
-        tl.store(d_src, dv_even.to(DQKV.dtype.element_ty), mask=mask)
-        tl.store(d_src + 1, dv_odd.to(DQKV.dtype.element_ty), mask=mask)
+    rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
+    qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
+    d_offset = batch * stride_db + rows[:, None] * stride_dn + channels     # d(qkv): its own strides
+    if part == 2:   # v: only the layout changes
+        dv = tl.load(DV + out_offset, mask=mask, other=0.0)
+        tl.store(DQKV + d_offset, dv.to(DQKV.dtype.element_ty), mask=mask)
     else:
         if part == 0:
-            g_even = tl.load(DQ + out_offset, mask=mask, other=0.0).to(tl.float32)
-            g_odd = tl.load(DQ + out_offset + 1, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(DQ + out_offset, mask=mask, other=0.0).to(tl.float32)
         else:
-            g_even = tl.load(DK + out_offset, mask=mask, other=0.0).to(tl.float32)
-            g_odd = tl.load(DK + out_offset + 1, mask=mask, other=0.0).to(tl.float32)
-        angle = rows[:, None] * (HEAD_DIM // 2) + pairs[None, :]
-        cos = tl.load(COS + angle, mask=mask, other=0.0)
-        sin = tl.load(SIN + angle, mask=mask, other=0.0)
+            g = tl.load(DK + out_offset, mask=mask, other=0.0).to(tl.float32)
         # RoPE's adjoint is the rotation by the opposite angle: the gradient w.r.t. the normalised, weighted y
-        dy_even = g_even * cos + g_odd * sin
-        dy_odd = g_odd * cos - g_even * sin
-        x_even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt((tl.sum(x_even * x_even, 1) + tl.sum(x_odd * x_odd, 1)) / HEAD_DIM + eps)[:, None]
-        xhat_even, xhat_odd = x_even * inv_rms, x_odd * inv_rms
-        w_even = tl.load(W + part * HEAD_DIM + 2 * pairs, mask=pair_ok, other=0.0)[None, :]
-        w_odd = tl.load(W + part * HEAD_DIM + 2 * pairs + 1, mask=pair_ok, other=0.0)[None, :]
+        g_even, g_odd = _pairs(g, ROWS, DIM_PAD)
+        cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
+        dy = _unpairs(g_even * cos + g_odd * sin, g_odd * cos - g_even * sin, ROWS, DIM_PAD)
+        x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        xhat = x * inv_rms
+        w = tl.load(W + part * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
         # d weight: this program's partial sum over its rows (masked rows load 0 and contribute 0)
-        partial = DW_PARTIAL + ((part * tl.num_programs(1) + bh) * tl.num_programs(0) + tile) * HEAD_DIM + 2 * pairs
-        tl.store(partial, tl.sum(dy_even * xhat_even, 0), mask=pair_ok)
-        tl.store(partial + 1, tl.sum(dy_odd * xhat_odd, 0), mask=pair_ok)
+        partial = DW_PARTIAL + ((part * tl.num_programs(1) + bh) * tl.num_programs(0) + tile) * HEAD_DIM + dims
+        tl.store(partial, tl.sum(dy * xhat, 0), mask=dims < HEAD_DIM)
         # d x = inv_rms * (dxhat - xhat * mean(dxhat * xhat)), dxhat = dy * w
-        dxhat_even, dxhat_odd = dy_even * w_even, dy_odd * w_odd
-        mean_dot = ((tl.sum(dxhat_even * xhat_even, 1) + tl.sum(dxhat_odd * xhat_odd, 1)) / HEAD_DIM)[:, None]
-        tl.store(d_src, (inv_rms * (dxhat_even - xhat_even * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
-        tl.store(d_src + 1, (inv_rms * (dxhat_odd - xhat_odd * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
+        dxhat = dy * w
+        mean_dot = (tl.sum(dxhat * xhat, 1) / HEAD_DIM)[:, None]
+        tl.store(DQKV + d_offset, (inv_rms * (dxhat - xhat * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
 
 
 def _grid(b, n, num_heads):
@@ -146,7 +147,7 @@ class _QKNormRope(torch.autograd.Function):
         out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
         _forward_kernel[_grid(b, n, num_heads)](qkv, weights, cos, sin, out, n, num_heads, qkv.stride(0),
                                                  qkv.stride(1), eps, HEAD_DIM=head_dim,
-                                                 PAIRS=triton.next_power_of_2(head_dim // 2), ROWS=ROWS_PER_PROGRAM)
+                                                 DIM_PAD=triton.next_power_of_2(head_dim), ROWS=ROWS_PER_PROGRAM)
         ctx.save_for_backward(qkv, weights, cos, sin)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
         return out[0], out[1], out[2]
@@ -170,7 +171,7 @@ class _QKNormRope(torch.autograd.Function):
         dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
         _backward_kernel[grid](qkv, weights, cos, sin, *grads, dqkv, dw_partial, n, num_heads, qkv.stride(0),
                                qkv.stride(1), dqkv.stride(0), dqkv.stride(1), ctx.eps, HEAD_DIM=head_dim,
-                               PAIRS=triton.next_power_of_2(head_dim // 2), ROWS=ROWS_PER_PROGRAM)
+                               DIM_PAD=triton.next_power_of_2(head_dim), ROWS=ROWS_PER_PROGRAM)
         dw = dw_partial.sum(dim=(1, 2))   # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
         return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None
