@@ -4,14 +4,15 @@
 #
 #   bash scripts/device_suite.sh tests      # GPU correctness tests of every kernel and of train.py (make test-gpu)
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
-#   bash scripts/device_suite.sh train      # DiT-S training throughput, full / LLSA L=1..3 / VSA / SLA, 64..512 px
-#   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, and eager vs torch.compile
+#   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
+#   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
+#   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, eager and compiled
 #   bash scripts/device_suite.sh sampling   # sample-generation images/s, full vs LLSA, 128 and 256 px
 #   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|train|profile|sampling|scaling}
+stage=${1:?usage: device_suite.sh tests|attention|train|train-compiled|profile|sampling|scaling}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,13 +29,16 @@ case "$stage" in
     # Full attention takes ~10 s per step at 512^2, hence fewer steps there (--steps-at). ~6 min on an H200.
     $PY scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \
       --sizes 64 128 256 512 --warmup 3 --steps 10 --steps-at 512:1:3 --out "$OUT/train" 2>&1 | tee "$OUT/bench_train.log" ;;
+  train-compiled)
+    # ~45 s of compilation per (size, variant), hence fewer rows than the eager stage. ~7 min on an H200.
+    $PY scripts/bench_train.py --attention full llsa:num_levels=2 vsa sla --sizes 128 256 --warmup 3 --steps 8 \
+      --compile --out "$OUT/train_compiled" 2>&1 | tee "$OUT/bench_train_compiled.log" ;;
   profile)
-    # Issue 8's open goal (2x the reference's LLSA training throughput): where the eager step goes, then what
-    # torch.compile gives (it compiles once per size: warm-up 3).
-    $PY scripts/bench_train.py --attention full llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 10 --profile \
+    # Where a training step goes (top CUDA ops per phase), eager and compiled, LLSA L=2 (issue 8).
+    $PY scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 8 --profile \
       --out "$OUT/train_profile" 2>&1 | tee "$OUT/bench_train_profile.log"
-    $PY scripts/bench_train.py --attention full llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 10 --compile \
-      --out "$OUT/train_compile" 2>&1 | tee "$OUT/bench_train_compile.log" ;;
+    $PY scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 8 --compile --profile \
+      --out "$OUT/train_profile_compiled" 2>&1 | tee "$OUT/bench_train_profile_compiled.log" ;;
   sampling)
     # Batches sized so that the slowest row (full attention at 256^2, ~17 s per batch of 4) fits the slot: ~4 min.
     $PY scripts/bench_sampling.py --attention full llsa --sizes 128 --batch 16 --warmup 1 --repeats 3 2>&1 \
@@ -44,5 +48,5 @@ case "$stage" in
   scaling)
     $PY scripts/bench_scaling.py --out "$OUT/scaling" 2>&1 | tee "$OUT/bench_scaling.log" ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, train, profile, sampling or scaling" >&2; exit 2 ;;
+    echo "unknown stage '$stage': use tests, attention, train, train-compiled, profile, sampling or scaling" >&2; exit 2 ;;
 esac

@@ -57,7 +57,8 @@ def captured_qk(args, device):
     from pixdit.attention import AttentionBackend
     from pixdit.module import DiffusionModule   # the framework's LightningModule
 
-    module = DiffusionModule.load_from_checkpoint(args.checkpoint, map_location=device).eval()
+    # compile=False: a GPU run saves compile=True; the hooks below must see the eager modules
+    module = DiffusionModule.load_from_checkpoint(args.checkpoint, map_location=device, compile=False).eval()
     model = getattr(module, "ema_model", None) or module.model
     captured = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append((inp[0].detach(), inp[1].detach())))
