@@ -122,9 +122,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
 
     datamodule = construct(ShardDataModule, plain(cfg.data), "data")
+    use_compile = resolve_compile(cfg.compile, str(cfg.trainer.get("accelerator", "auto")))
     module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.resolution,
                              flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
-                             seed=cfg.seed, compile=resolve_compile(cfg.compile, str(cfg.trainer.get("accelerator", "auto"))))
+                             seed=cfg.seed, compile=use_compile)
     if module.num_classes and module.num_classes != datamodule.num_classes:
         raise PixditError(f"model.num_classes={module.num_classes} but the data at {datamodule.root} has "
                           f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "

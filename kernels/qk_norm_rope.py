@@ -2,7 +2,8 @@
 
     from pixdit.kernels import qk_norm_rope
     q, k, v = qk_norm_rope(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5)
-    # qkv: [batch, tokens, 3 * heads * head_dim], the qkv projection's output -> q, k, v: [batch, heads, tokens, head_dim]
+    # qkv: [batch, tokens, 3 * heads * head_dim] (the qkv projection's output)
+    # q, k, v: [batch, heads, tokens, head_dim]
 
 Per token and head: ``q = rope(rms_norm(q_raw) * q_weight)``, the same for k with ``k_weight``, v unchanged, where
 ``rms_norm(x) = x / sqrt(mean(x^2) + eps)`` over head_dim and ``rope`` rotates the interleaved pairs
@@ -41,7 +42,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5):
-    """The PyTorch composition (CPU path and the model's behaviour before the kernel). Returns [b, heads, n, d] views."""
+    """The PyTorch composition (the CPU path; what the model ran before the kernel). Returns [b, heads, n, d] views."""
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     q, k, v = qkv.view(b, n, 3, num_heads, head_dim).unbind(2)
@@ -200,7 +201,8 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_we
     head_dim = width // (3 * num_heads)
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (head_dim,):
-            raise ValueError(f"qk_norm_rope: {name} must have shape ({head_dim},) (head_dim), got {tuple(weight.shape)}")
+            raise ValueError(f"qk_norm_rope: {name} must have shape ({head_dim},) (head_dim), "
+                             f"got {tuple(weight.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) != (n, head_dim // 2):
             raise ValueError(f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
