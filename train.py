@@ -157,6 +157,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     if trainer.is_global_zero:
         log.info("done after %d steps: checkpoint %s, samples %s", trainer.global_step, result["checkpoint"],
                  result["samples"])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning leaves the DDP process group open after fit. Left to the interpreter's exit, gloo's worker threads
+        # can abort the process ("terminate called without an active exception", exit status -6) after a good run.
+        torch.distributed.destroy_process_group()
     return result
 
 

@@ -67,6 +67,8 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     train_script.train(cfg, out_dir / "run")
+    # A process group left open aborts some exits (gloo threads at interpreter teardown, status -6): train() closes it.
+    assert not torch.distributed.is_initialized(), "train() left the DDP process group open"
 
 
 def run_ddp(out_dir: Path, data_root: Path, *overrides: str) -> list[dict]:
