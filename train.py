@@ -138,7 +138,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
             log.info(module.init_from(cfg.init_from, use_ema=cfg.init_from_ema))
 
     callbacks = build_callbacks(cfg.callbacks, run_dir)
-    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None),
+    loggers = build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None)
+    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=loggers,
                         plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
     log.info("run directory: %s", run_dir.resolve())
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
