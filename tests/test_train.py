@@ -78,11 +78,11 @@ def test_unknown_key_lists_keys(capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["+trainer.max_stepz=3"], r"max_stepz.*trainer.*max_steps"),                 # Trainer argument that does not exist
+    (["+trainer.max_stepz=3"], r"max_stepz.*trainer.*max_steps"),                 # no such Trainer argument
     (["data.batch_size=abc"], r"data.batch_size='abc' must be int"),              # a word for a number
     (["seed=abc"], r"seed='abc' must be a non-negative integer"),                 # one message, not a TypeError later
     (["model.patch_size=3"], r"32x32.*patch_size=3"),                             # names both the image and the patch
-    (["ckpt_path=last"], "hydra.run.dir"),                                        # nothing to resume: names hydra.run.dir
+    (["ckpt_path=last"], "hydra.run.dir"),                                        # nothing to resume: how to name the run
     (["model.num_classes=10"], r"model.num_classes=10 .* no class labels"),       # unlabelled data
     (["flow.noise_scale=auto", "+flow.noise_scal=2"], r"noise_scal.*flow"),
     (["compile=fast"], "compile='fast'.*true, false or auto"),
