@@ -13,7 +13,8 @@ tokens only: forward 4*N*T*d per batch*head (T = tokens per query, N for dense),
 Backends: ``sdpa`` (torch scaled_dot_product_attention), ``flash`` (pixdit.kernels.flash_attention: our dense
 block-sparse kernel with every block listed), ``llsa`` (one row per valid L), ``vsa`` / ``sla`` (K per image side
 from ``--baseline-topk``, one row per block size; VSA gated, SLA timed as ``o_sparse + o_linear``; selection
-included; tok/query counts the fine/sparse keys ``K * block``). Add a backend: write a
+included; tok/query counts the fine/sparse keys ``K * block``). ``bsa`` / ``flex``: ``block_sparse_attention`` and compiled FlexAttention on the same random block lists
+(``--bsa-cases``), so their ratio is measured in one run. Add a backend: write a
 ``make_<name>(args, q, k, v) -> list[(label, fn, tokens_per_query)]`` function and list it in BACKENDS.
 """
 from __future__ import annotations
@@ -68,10 +69,75 @@ def make_sla(args, q, k, v):
             for C in args.sla_block_sizes]
 
 
-BACKENDS = {"sdpa": make_sdpa, "flash": make_flash, "llsa": make_llsa, "vsa": make_vsa, "sla": make_sla}
+def _random_lists(q, block, K, seed=0):
+    """Per (batch, head, query tile) a random order of all key blocks; the first K are the tile's list."""
+    b, h, N = q.shape[:3]
+    n = N // block
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    return torch.rand(b, h, n, n, device=q.device, generator=g).argsort(-1).to(torch.int32)
 
 
-def bench_one(fn, q, k, v, quick):
+def _bsa_cases(args, q):
+    """(block, K) pairs of the block-sparse rows: --bsa-cases "128:16,128:64,64:32,64:128"."""
+    cases = [tuple(int(x) for x in item.split(":")) for item in args.bsa_cases.split(",") if item]
+    return [(blk, K) for blk, K in cases if q.shape[2] % blk == 0 and K <= q.shape[2] // blk]
+
+
+def make_bsa(args, q, k, v):
+    """``block_sparse_attention`` on random lists (the same lists as the ``flex`` rows)."""
+    from pixdit.kernels import block_sparse_attention
+    rows = []
+    for blk, K in _bsa_cases(args, q):
+        lists = _random_lists(q, blk, K)[..., :K].contiguous()
+        fn = (lambda lists=lists, blk=blk: block_sparse_attention(q, k, v, lists, query_block=blk, key_block=blk))
+        rows.append((f"block_sparse {blk} K={K}", fn, K * blk))
+    return rows
+
+
+def make_flex(args, q, k, v):
+    """PyTorch FlexAttention (compiled) with a BlockMask built from the very same lists as ``bsa`` (all listed
+    blocks marked full, so no mask_mod runs: Flex's fastest form). Flex takes only blocks its tiles divide."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for blk, K in _bsa_cases(args, q):
+        perm = _random_lists(q, blk, K)
+        b, h, n = perm.shape[:3]
+        counts = torch.full((b, h, n), K, device=q.device, dtype=torch.int32)
+        try:
+            mask = BlockMask.from_kv_blocks(torch.zeros_like(counts), perm, counts, perm, BLOCK_SIZE=blk)
+            o_flex = flex(q, k, v, block_mask=mask)
+        except Exception as err:   # e.g. "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"
+            print(f"flex {blk} K={K}: not run ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+            continue
+        # same function as ours? (only the compiled Flex honours the block mask; eager Flex runs dense)
+        from pixdit.kernels import block_sparse_attention
+        o_ours = block_sparse_attention(q, k, v, perm[..., :K].contiguous(), query_block=blk, key_block=blk)
+        err = ((o_flex.float() - o_ours.float()).norm() / o_ours.float().norm()).item()
+        print(f"flex {blk} K={K}: relative difference to block_sparse_attention {err:.1e}")
+        rows.append((f"flex {blk} K={K}", (lambda mask=mask: flex(q, k, v, block_mask=mask)), K * blk))
+    return rows
+
+
+BACKENDS = {"sdpa": make_sdpa, "flash": make_flash, "llsa": make_llsa, "vsa": make_vsa, "sla": make_sla,
+            "bsa": make_bsa, "flex": make_flex}
+
+
+def cuda_graph(fn):
+    """Capture ``fn`` (warmed up on a side stream first, as torch.cuda.graphs requires); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench_one(fn, q, k, v, quick, graph=False):
     from triton.testing import do_bench
     warm, rep = (10, 30) if quick else (25, 100)
     o = fn()
@@ -85,6 +151,16 @@ def bench_one(fn, q, k, v, quick):
     with torch.no_grad():
         t_fwd = do_bench(fn, warmup=warm, rep=rep, return_mode="median")
     t_fb = do_bench(fwd_bwd, warmup=warm, rep=rep, return_mode="median")
+    if graph:   # the same calls replayed from a CUDA graph: eager minus graph = host and launch overhead
+        try:
+            with torch.no_grad():
+                g_fwd = do_bench(cuda_graph(fn), warmup=warm, rep=rep, return_mode="median")
+            for x in (q, k, v):
+                x.grad = None
+            g_fb = do_bench(cuda_graph(lambda: fn().backward(do)), warmup=warm, rep=rep, return_mode="median")
+            print(f"  cuda graph: fwd {g_fwd:.3f} ms (eager {t_fwd:.3f}), fwd+bwd {g_fb:.3f} ms (eager {t_fb:.3f})")
+        except Exception as err:   # capture needs no host syncs; say why it failed instead of stopping the run
+            print(f"  cuda graph: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:150]})")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -123,8 +199,8 @@ def run(args):
             for label, fn, T in BACKENDS[name](args, q, k, v):
                 if label.startswith("flash") and N > args.max_dense_ours:
                     continue
-                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick)
-                if args.profile and label not in ("sdpa",) and not label.startswith("flash"):
+                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick, graph=args.graph)
+                if args.profile and label.split()[0] in ("llsa", "vsa", "sla"):
                     profile(fn, q, k, v, f"{label} at {side}^2")
                 if label == "sdpa":
                     sdpa_ms = (t_fwd, t_fb)
@@ -187,6 +263,8 @@ def main(argv=None):
     p.add_argument("--baseline-topk", default="64:8,128:20,256:32,512:32", help="VSA/SLA K per image side")
     p.add_argument("--vsa-block-sizes", default="16,64", help="VSA tile sizes to time")
     p.add_argument("--sla-block-sizes", default="16", help="SLA block sizes to time")
+    p.add_argument("--bsa-cases", default="128:16,128:64,64:32,64:128",
+                   help="block:K pairs of the bsa / flex rows (random lists, identical for both)")
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
@@ -194,6 +272,8 @@ def main(argv=None):
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
     p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
     p.add_argument("--out", default="outputs/bench_attention")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each row replayed from a CUDA graph (what is left is GPU time, not host overhead)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
     args = p.parse_args(argv)
