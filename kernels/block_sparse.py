@@ -62,12 +62,27 @@ def listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK: tl.const
     blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
     krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
     return blk, krow, (blk >= 0) & (krow < n_k)
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
+    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
                 stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_on, stride_lb, stride_lt,
                 n_q, n_k, list_len, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-                HAS_LOGW: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr):
+                HAS_LOGW: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+                N_SUB: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,22 +101,38 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    for j in range(0, list_len, PER_ITER):
-        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
-        kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
-        if HAS_LOGW:
-            w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-            s += w[None, :] * 1.4426950408889634
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    if PER_ITER == 1:   # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
+        # and an empty slot (-1) is a scalar -inf bias, not a per-element mask; a block of > 64 keys is walked in
+        # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
+        toff = tl.arange(0, KEY_BLOCK // N_SUB)
+        for j in range(0, list_len * N_SUB):
+            blk = tl.load(list_base + j // N_SUB)
+            krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
+            kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
+            v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
+            bias = tl.where(blk >= 0, 0.0, float("-inf"))
+            if HAS_LOGW:
+                bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+            if EVEN_K:      # Nk is a multiple of KEY_BLOCK: no row of a listed block is out of range
+                s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
+                v = tl.load(v_ptrs)
+            else:
+                k_ok = krow < n_k
+                kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
+                s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + bias, float("-inf"))
+                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
+    else:               # PER_ITER small blocks gathered per step (>= 64 keys per dot)
+        for j in range(0, list_len, PER_ITER):
+            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            if HAS_LOGW:
+                w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+                s += w[None, :] * 1.4426950408889634
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
@@ -115,7 +146,8 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
                stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_lb, stride_lt,
                n_q, n_k, list_len, qk_scale, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, PREC: tl.constexpr):
+               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, PREC: tl.constexpr,
+               EVEN_K: tl.constexpr, N_SUB: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -135,19 +167,42 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    for j in range(0, list_len, PER_ITER):
-        blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
-        k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if HAS_LOGW:
-            w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-            s += w[None, :] * 1.4426950408889634
-        p = tl.math.exp2(s - lse2[:, None])
-        p = tl.where(k_ok[None, :] & row_ok[:, None], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    if PER_ITER == 1:   # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
+        toff = tl.arange(0, KEY_BLOCK // N_SUB)
+        for j in range(0, list_len * N_SUB):
+            blk = tl.load(list_base + j // N_SUB)
+            krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
+            kv_offs = krow[:, None] * stride_kn + dims[None, :]
+            bias = tl.where(blk >= 0, 0.0, float("-inf"))
+            if HAS_LOGW:
+                bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+            if EVEN_K:
+                k = tl.load(k_base + kv_offs)
+                v = tl.load(v_base + kv_offs)
+            else:
+                k_ok = krow < n_k
+                k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
+                bias = tl.where(k_ok, bias, float("-inf"))[None, :]
+            # padded query rows load q = dO = 0, so their ds is 0: no row mask needed
+            p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    else:
+        for j in range(0, list_len, PER_ITER):
+            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            if HAS_LOGW:
+                w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+                s += w[None, :] * 1.4426950408889634
+            p = tl.math.exp2(s - lse2[:, None])
+            p = tl.where(k_ok[None, :] & row_ok[:, None], p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     if ACCUMULATE:   # add an earlier pass's fp32 dq (other keys of the same queries)
@@ -161,13 +216,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
                  n_q, n_k, blk_lo, csc_lo, csc_step, out_row0, out_rows, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
                  GROUP: tl.constexpr, PER_ITER: tl.constexpr, N_SPLIT: tl.constexpr,
-                 HAS_LOGW: tl.constexpr, HAS_ADD: tl.constexpr, PREC: tl.constexpr):
+                 HAS_LOGW: tl.constexpr, HAS_ADD: tl.constexpr, PREC: tl.constexpr, EVEN_Q: tl.constexpr,
+                 N_SUB: tl.constexpr):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
     g = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     KEY_ROWS: tl.constexpr = KEY_BLOCK * GROUP
-    QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER
+    QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER // N_SUB   # query rows per step (a tile > 64 rows: N_SUB steps)
     first_blk = blk_lo + g * GROUP
     krow = first_blk.to(tl.int64) * KEY_BLOCK + tl.arange(0, KEY_ROWS)
     k_ok = krow < n_k
@@ -188,20 +244,35 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
     roff = tl.arange(0, QROWS)
     slot = roff // QUERY_BLOCK
     rows_base = ROWS + bh * stride_rb
-    for j in range(s0, s1, PER_ITER):
-        e_ok = (j + slot) < s1
-        t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
-        rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
-        r_ok = e_ok & (rows < n_q)
-        q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=r_ok[:, None], other=0.0)
-        do = tl.load(DO + bh * stride_db + rows[:, None] * stride_dn + dims[None, :], mask=r_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+    for j in range(s0 * N_SUB, s1 * N_SUB, PER_ITER):
+        if PER_ITER == 1:   # query tiles of >= 64 rows: a scalar tile id, contiguous rows, steps of 64 rows
+            t = tl.load(rows_base + j // N_SUB)
+            rows = t.to(tl.int64) * QUERY_BLOCK + (j % N_SUB) * QROWS + roff
+        else:
+            e_ok = (j + slot) < s1
+            t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
+            rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
+        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
+        do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
+        if PER_ITER == 1 and EVEN_Q:   # every row exists; key rows >= Nk are never stored, so no mask at all
+            q = tl.load(Q + q_offs)
+            do = tl.load(DO + do_offs)
+            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n_q + rows)
+        else:
+            r_ok = rows < n_q
+            if PER_ITER > 1:
+                r_ok = r_ok & e_ok
+            q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
+            do = tl.load(DO + do_offs, mask=r_ok[:, None], other=0.0)
+            lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if HAS_LOGW:
             st += w[:, None]
         pt = tl.math.exp2(st - lse2[None, :])
-        pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
+        if PER_ITER > 1 or not EVEN_Q:
+            pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         dst = pt * (dpt - delta[None, :])
@@ -223,17 +294,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
 # within a process either way; across processes only with autotuning off (the timing-picked config may differ).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _AUTOTUNE = not _INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (2, 2))]
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 2))]
 
 
 def _tuned(kernel, key):
     return triton.autotune(configs=_CONFIGS, key=key)(kernel) if _AUTOTUNE else kernel
 
 
-_fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC"])
-_dq = _tuned(_dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC"])
+_fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC", "EVEN_K"])
+_dq = _tuned(_dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC",
+                          "EVEN_K"])
 _dkdv = _tuned(_dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD",
-                              "PREC"])
+                              "PREC", "EVEN_Q"])
 _LAUNCH = {} if _AUTOTUNE else {"num_warps": 4, "num_stages": 2}
 
 
@@ -262,7 +334,13 @@ def _bstride(x: torch.Tensor) -> int:
 
 
 def _per_iter(block: int) -> int:
+    """Blocks gathered per step: small blocks are gathered until a step has 64 rows."""
     return max(1, 64 // block)
+
+
+def _n_sub(block: int) -> int:
+    """Steps per block: a block of more than 64 rows is walked in tiles of 64."""
+    return max(1, block // 64)
 
 
 def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None):
@@ -282,7 +360,7 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
         n_q, n_k, lists.shape[2], scale * LOG2E,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None, HAS_INIT=init is not None, PREC=_prec(q.dtype),
-        **_LAUNCH)
+        EVEN_K=n_k % key_block == 0, N_SUB=_n_sub(key_block), **_LAUNCH)
     return o, lse
 
 
@@ -302,7 +380,7 @@ def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scal
         q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
         HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, COMPUTE_DELTA=o is not None, PREC=_prec(q.dtype),
-        **_LAUNCH)
+        EVEN_K=k.shape[1] % key_block == 0, N_SUB=_n_sub(key_block), **_LAUNCH)
     return dq
 
 
@@ -346,7 +424,7 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
         n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
         HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
         N_SPLIT=n_split, HAS_LOGW=log_weights is not None, HAS_ADD=pooled_add is not None, PREC=_prec(q.dtype),
-        **_LAUNCH)
+        EVEN_Q=n_q % query_block == 0, N_SUB=_n_sub(query_block), **_LAUNCH)
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
         dv[:, r0:r1] = tgt_v.sum(0)

@@ -118,11 +118,13 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
-@pytest.mark.parametrize("qb,kb,nq", [(16, 16, 200), (64, 32, 150), (32, 64, 256)])
-def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq):
+# (qb, kb, nq, tail): blocks >= 64 take the scalar-id paths; tail 0 = no partial block anywhere (unmasked loads)
+@pytest.mark.parametrize("qb,kb,nq,tail", [(16, 16, 200, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0),
+                                           (128, 64, 256, 0)])
+def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail):
     g = torch.Generator().manual_seed(3)
     b, h, d = 2, 2, 32
-    nk = nq - 7                                                              # partial last key block
+    nk = nq - tail                                                           # partial last key block when tail > 0
     q = torch.randn(b, h, nq, d, generator=g)
     k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
     n_tiles, n_blocks = -(-nq // qb), -(-nk // kb)
