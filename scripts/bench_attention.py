@@ -155,10 +155,7 @@ def bench_one(fn, q, k, v, quick, graph=False):
         try:
             with torch.no_grad():
                 g_fwd = do_bench(cuda_graph(fn), warmup=warm, rep=rep, return_mode="median")
-            for x in (q, k, v):
-                x.grad = None
-            g_fb = do_bench(cuda_graph(lambda: fn().backward(do)), warmup=warm, rep=rep, return_mode="median")
-            print(f"  cuda graph: fwd {g_fwd:.3f} ms (eager {t_fwd:.3f}), fwd+bwd {g_fb:.3f} ms (eager {t_fb:.3f})")
+            print(f"  cuda graph: fwd {g_fwd:.3f} ms (eager {t_fwd:.3f})")
         except Exception as err:   # capture needs no host syncs; say why it failed instead of stopping the run
             print(f"  cuda graph: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:150]})")
     torch.cuda.synchronize()
@@ -205,6 +202,8 @@ def run(args):
                 if label == "sdpa":
                     sdpa_ms = (t_fwd, t_fb)
                 flops = 4.0 * N * T * args.head_dim * batch * args.heads
+                if args.label:
+                    label = f"{label} ({args.label})"
                 row = dict(side=side, tokens=N, batch=batch, backend=label, tokens_per_query=T, fwd_ms=t_fwd,
                            fwdbwd_ms=t_fb, peak_mib=peak, fwd_tflops=flops / t_fwd * 1e-9,
                            fwdbwd_tflops=3.5 * flops / t_fb * 1e-9,
@@ -272,11 +271,22 @@ def main(argv=None):
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
     p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
     p.add_argument("--out", default="outputs/bench_attention")
+    p.add_argument("--kernels-from", default=None, metavar="DIR",
+                   help="time the kernel library in DIR (another commit's kernels/) instead of the installed one")
+    p.add_argument("--label", default="", help="suffix for every row's backend name (e.g. 'base' in an A/B run)")
     p.add_argument("--graph", action="store_true",
-                   help="also time each row replayed from a CUDA graph (what is left is GPU time, not host overhead)")
+                   help="also time each row's forward replayed from a CUDA graph (what is left is GPU time, not host overhead)")
+    p.add_argument("--llsa-coarse-tile", type=int, default=None,
+                   help="query rows per program of LLSA's pooled-level pass (a tuning experiment; default: the library's)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
     args = p.parse_args(argv)
+    if args.kernels_from:
+        from kernel_ab import use_kernels_from
+        use_kernels_from(args.kernels_from)   # before the backends import pixdit.kernels
+    if args.llsa_coarse_tile:
+        import pixdit.kernels.llsa as llsa_module
+        llsa_module.COARSE_TILE = args.llsa_coarse_tile
     os.makedirs(args.out, exist_ok=True)
     if args.plot_from:
         plot(json.load(open(args.plot_from))["rows"], os.path.join(args.out, "bench_attention.png"))

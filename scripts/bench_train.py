@@ -49,9 +49,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from pixdit.errors import PixditError
-from pixdit.models import DIT_MODELS
-from pixdit.report import markdown_table, time_median
+if any(arg.startswith("--kernels-from") for arg in sys.argv):   # swap the kernel library before pixdit imports it
+    from kernel_ab import apply_from_argv
+    apply_from_argv(sys.argv)
+
+from pixdit.errors import PixditError  # noqa: E402
+from pixdit.models import DIT_MODELS  # noqa: E402
+from pixdit.report import markdown_table, time_median  # noqa: E402
 
 ATTENTION_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "attention"
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
@@ -76,6 +80,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", default=None, help="directory for bench_train.md / .json / .png")
+    parser.add_argument("--kernels-from", default=None, metavar="DIR",
+                        help="time the kernel library in DIR (another commit's kernels/) instead of the installed one")
     parser.add_argument("--plot-from", default=None, metavar="JSON",
                         help="bench_train.json of an earlier run: only redraw its PNG (into --out, else next to it)")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and step counts (CPU check)")
