@@ -236,13 +236,7 @@ def test_cleanfid_precomputed_statistics_are_read_from_the_cache_dir(tmp_path):
 
 
 def test_make_fid_stats_script(tmp_path, weights, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "make_fid_stats.py"
-    spec = importlib.util.spec_from_file_location("make_fid_stats", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from pixdit.cli import make_fid_stats as script
     write_tiny_shards(tmp_path / "shards", count=20)
     out = tmp_path / "stats.npz"
     args = ["--shards", str(tmp_path / "shards"), "--out", str(out), "--device", "cpu", "--batch-size", "8"]

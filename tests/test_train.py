@@ -26,7 +26,7 @@ def h(train_helpers):
 
 
 def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, tmp_path):
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4),
                      *h.tiny_model, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -57,7 +57,7 @@ def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, 
 
 
 def _fail_message(capsys, overrides):
-    import train
+    from pixdit.cli import train
 
     with pytest.raises(SystemExit) as exit_info:
         train.check_overrides(overrides)
@@ -89,7 +89,7 @@ def test_unknown_key_lists_keys(capsys):
 ])
 def test_bad_setting_is_one_named_error(h, tiny_shards, tmp_path, overrides, message):
     """train() turns a bad setting into a PixditError naming the key and what is allowed (train.py prints it)."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards), *overrides])
     with pytest.raises(PixditError, match=message):
@@ -126,7 +126,7 @@ def test_research_command_without_data_is_one_clear_message(h, tmp_path):
 def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog):
     """The paper's 32 -> 128 progression, in small: a 32-px checkpoint initialises a 16-px Z-order model; the EMA
     weights are loaded, EMA/optimizer/step start fresh and the log says so."""
-    import train
+    from pixdit.cli import train
     from pixdit.data.quickstart import make_quickstart_dataset
     from pixdit.module import DiffusionModule
 
@@ -163,7 +163,7 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
 def test_fid_callback_is_wired_and_checked_at_start(h, tiny_shards, tmp_path):
     """callbacks.fid (configs/callbacks/fid.yaml) is off by default; switched on, its start-up check runs before the
     first step (no Inception weights or reference statistics here -> a PixditError naming the config key)."""
-    import train
+    from pixdit.cli import train
     from pixdit.callbacks import build_callbacks
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards)])
@@ -246,7 +246,7 @@ def test_loggers(h, tmp_path):
     it; an unknown logger option is named."""
     import importlib.util
 
-    import train
+    from pixdit.cli import train
 
     loggers = train.build_loggers(h.compose(["logger=[csv,tensorboard]"]).logger, tmp_path)
     assert [type(x).__name__ for x in loggers] == ["CSVLogger", "TensorBoardLogger"]
@@ -260,7 +260,7 @@ def test_loggers(h, tmp_path):
 
 def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
     """The training loop drives VSA's dense-to-sparse schedule: the backends see global_step, and it is checkpointed."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["trainer=cpu", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
                      "attention=vsa", "model.token_order=zorder", "attention.topk=1", "attention.anneal_every=1",
@@ -279,7 +279,7 @@ def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monk
     import itertools
     from types import SimpleNamespace
 
-    import train
+    from pixdit.cli import train
     import pixdit.callbacks
 
     clock = itertools.count()
@@ -300,7 +300,7 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
     import itertools
     from types import SimpleNamespace
 
-    import train
+    from pixdit.cli import train
     import pixdit.callbacks
 
     clock = itertools.count()
@@ -327,7 +327,7 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
 def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(h, tiny_shards, tmp_path):
     """max_steps=5 with a checkpoint every 2 steps: last.ckpt must hold step 5 (it held step 4: the last step's
     training was lost, and result["checkpoint"] pointed at an older model than the one that was sampled)."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
                      "model.patch_size=2", "trainer.max_steps=5", "trainer.val_check_interval=2",
@@ -348,7 +348,7 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
     """The GPU recipe (bf16-mixed, fused AdamW, gradient_clip_val=1.0) on the CPU: Lightning's AMP plugin refuses to
     clip for a fused optimizer (it assumes an fp16 GradScaler); bf16 has none, so the module clips itself. The
     clipped step must equal an unfused AdamW's step on the same clipped gradients."""
-    import train
+    from pixdit.cli import train
 
     results = {}
     for fused in (True, False):
@@ -363,7 +363,7 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
 
 
 def test_compile_option():
-    import train
+    from pixdit.cli import train
 
     assert train.resolve_compile(True, "cpu") is True and train.resolve_compile(False, "gpu") is False
     assert train.resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer

@@ -21,9 +21,8 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
       summary marks failed runs.
 * ``LocalGPUPool``: hydra-submitit-launcher's local launcher, except that at most one job runs per GPU (or per
   ``gpus_per_job`` GPUs, one process each): submitit's local executor alone would start every job at once on the same
-  GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` package, so the registered class is the one-line
-  subclass ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher`` (hydra_plugins/ at the repository root, next to
-  train.py, whose directory Python puts on ``sys.path``).
+  GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` namespace package, so the registered class is the
+  one-line subclass ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher`` (src/hydra_plugins/, installed with pixdit).
 
 Guide: docs/scaling.md. Tests: ``.venv/bin/python -m pytest tests/test_sweep.py tests/test_sweep_summary.py``.
 """
@@ -293,9 +292,6 @@ class LocalGPUPool(LocalLauncher):
         executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=self.gpus_per_job,
                                    stderr_to_stdout=params.get("stderr_to_stdout", False))
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        # Workers unpickle this launcher: make its hydra_plugins module importable whatever their working directory.
-        plugin_root = str(Path(sys.modules[type(self).__module__].__file__).resolve().parents[1])
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_root, os.environ.get("PYTHONPATH")) if p)
         log.info("local GPU pool: %d jobs, %d at a time on GPUs %s; sweep dir %s", len(job_overrides), len(slots),
                  [list(s) for s in slots] if slots != [()] else "none (CPU)", self.config.hydra.sweep.dir)
 
