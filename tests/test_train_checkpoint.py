@@ -84,3 +84,36 @@ def test_exception_mid_write_cleans_up(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert io.load_checkpoint(path)["global_step"] == 1
     assert os.listdir(path.parent) == ["step=10.ckpt"]  # no temporary file left behind
+
+
+def test_atomic_write_replaces_durably_or_not_at_all(tmp_path, monkeypatch):
+    """pixdit.files.atomic_write (every write-then-rename site uses it): the new bytes appear under the name only
+    after the file and then its directory were fsync'ed; an error inside the block leaves the old file and no
+    temporary file; the file gets the usual permissions (a 0600 temporary file would hide shared data)."""
+    import stat
+
+    from pixdit.files import atomic_write, write_json
+
+    path = tmp_path / "out" / "metrics.json"
+    write_json(path, {"fid": 1.0})
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append((stat.S_ISDIR(os.fstat(fd).st_mode), path.read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with atomic_write(path, "w") as f:
+        f.write('{"fid": 2.0}\n')
+    # file fsync'ed while the old contents were still under the name; then the directory, after the rename
+    assert synced == [(False, '{\n "fid": 1.0\n}\n'), (True, '{"fid": 2.0}\n')]
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_write(path) as f:
+            f.write(b"partial")
+            raise RuntimeError("interrupted")
+    assert path.read_text() == '{"fid": 2.0}\n' and os.listdir(path.parent) == ["metrics.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask

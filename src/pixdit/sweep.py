@@ -29,7 +29,6 @@ Guide: docs/scaling.md. Tests: ``.venv/bin/python -m pytest tests/test_sweep.py 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -44,6 +43,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import DictConfig, OmegaConf
 
 from pixdit.errors import PixditError
+from pixdit.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +177,7 @@ def write_status(run_dir: str | Path, status: str, error: BaseException | None =
         record["error"] = f"{type(error).__name__}: {error}"
         record["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
     path = Path(run_dir) / "status.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".status.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, record, indent=2)
     return path
 
 

@@ -32,7 +32,6 @@ import torchvision.utils
 from omegaconf import DictConfig, OmegaConf
 
 from pixdit.cli import fail
-from pixdit.data.shards import write_json_atomic
 from pixdit.errors import PixditError
 from pixdit.eval import (
     INCEPTION_FILENAME,
@@ -44,6 +43,7 @@ from pixdit.eval import (
     resolve_inception_path,
 )
 from pixdit.eval.sampling import labels_for_indices
+from pixdit.files import atomic_write, write_json
 
 def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
     """torchrun / Lightning-style env (RANK, WORLD_SIZE, LOCAL_RANK) -> process group; else a single process."""
@@ -184,8 +184,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
             labels = labels_for_indices(range(cfg.num_samples), module.num_classes)
             if labels is not None:
                 arrays["arr_1"] = labels.numpy()
-            np.savez(out_dir / "samples.tmp.npz", **arrays)  # renamed when complete: no half file under the name
-            os.replace(out_dir / "samples.tmp.npz", out_dir / "samples.npz")
+            with atomic_write(out_dir / "samples.npz") as f:  # no half file under the name
+                np.savez(f, **arrays)
             os.remove(npy_path)
 
     if rank != 0:
@@ -216,7 +216,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
-    write_json_atomic(out_dir / "metrics.json", result)  # summarize_sweep.py must never read half a file
+    write_json(out_dir / "metrics.json", result)  # summarize_sweep.py must never read half a file
     spread = f" ± {result['fid_std_over_seeds']:.3f}" if "fid_std_over_seeds" in result else ""
     print(f"FID {result['fid']:.3f}{spread}, IS {result['is_mean']:.2f} ({cfg.seeds} x {cfg.num_samples} samples) "
           f"-> {out_dir}/metrics.json", flush=True)
