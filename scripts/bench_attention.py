@@ -5,7 +5,7 @@
     python scripts/bench_attention.py --backends sdpa,flash,llsa --levels 2 --out outputs/bench
     python scripts/bench_attention.py --plot-from outputs/bench/bench_attention.json   # (re)draw the PNG only
 
-Times are ``triton.testing.do_bench`` medians (ms) of the whole call (LLSA includes pooling + selection) for the
+Times are medians (ms, CUDA events: ``pixdit.report.time_median``) of the whole call (LLSA includes pooling + selection) for the
 forward and for forward+backward (backward of a random upstream gradient). TFLOP/s counts the FLOPs of the attended
 tokens only: forward 4*N*T*d per batch*head (T = tokens per query, N for dense), forward+backward 3.5x that
 (FlashAttention convention). Writes a markdown table, a JSON file and a log-log PNG (time vs tokens) under --out.
@@ -24,6 +24,9 @@ import os
 import sys
 
 import torch
+
+from pixdit.report import time_median
+from pixdit.runtime import PRECISIONS
 
 
 def make_sdpa(args, q, k, v):
@@ -72,8 +75,7 @@ BACKENDS = {"sdpa": make_sdpa, "flash": make_flash, "llsa": make_llsa, "vsa": ma
 
 
 def bench_one(fn, q, k, v, quick):
-    from triton.testing import do_bench
-    warm, rep = (10, 30) if quick else (25, 100)
+    warm, rep = (10, 30) if quick else (25, 100)  # calls
     o = fn()
     do = torch.randn_like(o)
 
@@ -83,8 +85,8 @@ def bench_one(fn, q, k, v, quick):
         fn().backward(do)
 
     with torch.no_grad():
-        t_fwd = do_bench(fn, warmup=warm, rep=rep, return_mode="median")
-    t_fb = do_bench(fwd_bwd, warmup=warm, rep=rep, return_mode="median")
+        t_fwd = 1000 * time_median(fn, warm, rep, q.device)[0]
+    t_fb = 1000 * time_median(fwd_bwd, warm, rep, q.device)[0]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -110,7 +112,7 @@ def profile(fn, q, k, v, label):
 
 
 def run(args):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = PRECISIONS[args.dtype] or torch.float32
     rows = []
     for side in args.sizes:
         N = side * side
@@ -190,9 +192,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=list(PRECISIONS))
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
-    p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
+    p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, fewer timed calls")
     p.add_argument("--out", default="outputs/bench_attention")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")

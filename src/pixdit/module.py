@@ -40,13 +40,9 @@ from pixdit.ema import EMA
 from pixdit.errors import PixditError
 from pixdit.flow import RectifiedFlow
 from pixdit.models import build_model
+from pixdit.runtime import mixed_seed, noise_for_indices
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # low-discrepancy step for the fixed validation timesteps
-
-
-def mixed_seed(*numbers: int) -> int:
-    """A well-mixed 63-bit seed from a tuple of non-negative ints (numpy's SeedSequence hashing)."""
-    return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +51,7 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
     Depends only on (seed, index): not on the batch size, the rank, the device or anything drawn before.
     sigma_i = 0.001 + 0.999 * frac(0.5 + i * golden ratio) covers [0.001, 1) evenly for any number of images.
     """
-    noise = torch.stack([
-        torch.randn(shape, generator=torch.Generator().manual_seed(mixed_seed(seed, int(i))), dtype=torch.float32)
-        for i in indices.tolist()
-    ])
+    noise = noise_for_indices(indices.tolist(), shape, seed)
     frac = torch.remainder(0.5 + indices.double() * GOLDEN, 1.0)
     sigma = (0.001 + 0.999 * frac).float()
     return noise, sigma

@@ -44,6 +44,7 @@ from pixdit.eval import (
 )
 from pixdit.eval.sampling import labels_for_indices
 from pixdit.files import atomic_write, write_json
+from pixdit.runtime import rank_and_world_size, resolve_precision
 
 def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
     """torchrun / Lightning-style env (RANK, WORLD_SIZE, LOCAL_RANK) -> process group; else a single process."""
@@ -57,8 +58,7 @@ def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world_size, device
+    return rank_and_world_size()[0], world_size, device
 
 
 def resolve_checkpoint(ckpt: str) -> Path:
@@ -102,7 +102,7 @@ def summarize(per_seed: list[dict]) -> dict:
 
 def evaluate(cfg: DictConfig) -> dict | None:
     rank, world_size, device = setup_distributed(str(cfg.device))
-    precision = {"auto": "bf16" if device.type == "cuda" else "fp32"}.get(cfg.precision, cfg.precision)
+    precision = resolve_precision(str(cfg.precision), device)
     if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1 or cfg.batch_size < 1:
         raise PixditError(f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
                           f"sampler.steps >= 1, batch_size >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
@@ -203,7 +203,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "precision": precision,
             "seed": int(cfg.seed),
             "seeds": int(cfg.seeds),
-            "noise_seeding": "sample i: torch.Generator seeded by SeedSequence([seed, i]) (pixdit.eval.sampling)",
+            "noise_seeding": "sample i: torch.Generator seeded by mixed_seed(seed, i) (pixdit.runtime)",
             "num_samples": int(cfg.num_samples),
             "class_balance": f"label = i % {module.num_classes}" if module.num_classes else "unconditional",
             "image_size": list(module.image_size),
