@@ -1,6 +1,7 @@
 """DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow (spec llsa.md §9–§10).
 
-What it owns (train.py builds it from the config; see configs/train.yaml for every key):
+What it owns (``DiffusionModule.from_config(cfg, image_size)`` builds it from a run's config; see configs/train.yaml
+for every key):
 
 * the model (``pixdit.models.build_model``: model config + attention config + the data's image size) and the flow
   (``pixdit.flow.RectifiedFlow``: training loss and Euler sampler);
@@ -43,6 +44,8 @@ from pixdit.models import build_model
 from pixdit.runtime import mixed_seed, noise_for_indices
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # low-discrepancy step for the fixed validation timesteps
+# The sections of configs/train.yaml that DiffusionModule.from_config reads.
+CONFIG_SECTIONS = ("model", "attention", "flow", "optimizer", "ema", "validation", "seed")
 
 
 def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +114,14 @@ class DiffusionModule(L.LightningModule):
             self.model.compile()
         self._val_seen = 0
         self.validated_at_step = -1   # optimizer step of the last validation (train.py validates the final step)
+
+    @classmethod
+    def from_config(cls, cfg, image_size: int | tuple[int, int], compile: bool = False) -> DiffusionModule:
+        """The module of a run's config (configs/train.yaml: the CONFIG_SECTIONS; a missing one takes its defaults)
+        at the data's image size. The one place a run's module is built: pixdit-train, the sweep's pre-launch check
+        (on the meta device) and scripts/bench_train.py."""
+        sections = {key: cfg.get(key) for key in CONFIG_SECTIONS if cfg.get(key) is not None}
+        return cls(**sections, image_size=image_size, compile=compile)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -12,7 +12,7 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
 * ``SweepCallback`` (a Hydra callback, listed under ``hydra.callbacks`` in configs/train.yaml)
     - ``on_multirun_start``: expands the sweep exactly as Hydra's BasicSweeper will, composes every job's config with
       Hydra's own loader, and builds each job's model on PyTorch's ``meta`` device (no memory, no data) through
-      ``pixdit.module.DiffusionModule`` - the same constructor train.py calls, so the same checks run (attention
+      ``DiffusionModule.from_config`` - the same builder pixdit-train calls, so the same checks run (attention
       options, ``check_grid`` / the kernels' ``llsa_check``: B a power of two >= 16, B^L divides the token count...).
       It also checks that the launcher starts every process a run needs (``check_launch_layout``). If any job
       would fail there, nothing is launched and one message lists every bad combination.
@@ -82,21 +82,16 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
     return size if isinstance(size, int) else tuple(size)
 
 
-# The config sections check_run_config reads (the arguments of DiffusionModule, plus data for the image size).
-CHECKED_SECTIONS = ("model", "attention", "data", "flow", "optimizer", "ema", "validation", "seed")
-
-
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise PixditError if this run's model cannot be built: the same ``DiffusionModule(...)`` call as train.py,
+    """Raise PixditError if this run's model cannot be built: ``DiffusionModule.from_config`` as in pixdit-train,
     on the ``meta`` device, so every check the model, attention backend and kernels make runs, in ~0.1-1 s."""
     import torch
 
     from pixdit.module import DiffusionModule
 
     with torch.device("meta"):
-        DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=image_size_of(cfg), flow=cfg.flow,
-                        optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation, seed=cfg.seed,
-                        compile=False)  # compile is lazy anyway; the compiled graph is not what we check
+        # compile is lazy anyway; the compiled graph is not what we check
+        DiffusionModule.from_config(cfg, image_size_of(cfg), compile=False)
 
 
 def check_launch_layout(cfg: DictConfig) -> None:
@@ -133,12 +128,15 @@ def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from pixdit.module import CONFIG_SECTIONS
+
+    checked_sections = [*CONFIG_SECTIONS, "data"]  # what check_run_config reads (data: the image size)
     invalid, seen = [], {}
     for job in jobs:
         try:
             cfg = compose(list(job))
             # Runs that differ only in keys the check does not read (trainer, callbacks, ...) are checked once.
-            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, list(CHECKED_SECTIONS)), resolve=True)
+            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, checked_sections), resolve=True)
             if key not in seen:
                 try:
                     check(cfg)

@@ -129,9 +129,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
     datamodule = construct(ShardDataModule, plain(cfg.data), "data")
     use_compile = resolve_compile(cfg.compile, str(cfg.trainer.get("accelerator", "auto")))
-    module = DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=datamodule.resolution,
-                             flow=cfg.flow, optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation,
-                             seed=cfg.seed, compile=use_compile)
+    module = DiffusionModule.from_config(cfg, datamodule.resolution, compile=use_compile)
     if module.num_classes and module.num_classes != datamodule.num_classes:
         raise PixditError(f"model.num_classes={module.num_classes} but the data at {datamodule.root} has "
                           f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "
