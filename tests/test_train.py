@@ -256,6 +256,23 @@ def test_loggers(h, tmp_path):
             train.build_loggers(h.compose(["logger=wandb"]).logger, tmp_path)
     with pytest.raises(PixditError, match="flush_every.*logger.csv"):
         train.build_loggers(h.compose(["+logger.csv.flush_every=3"]).logger, tmp_path)
+    with pytest.raises(PixditError, match="logger 'mlflow' is not known; available: csv, tensorboard, wandb"):
+        train.build_loggers({"mlflow": {}}, tmp_path)
+
+
+def test_callbacks_from_the_table(h, tmp_path):
+    """callbacks.* keys name classes of pixdit.callbacks.CALLBACKS, built in the table's order with pixdit's run
+    directory; an unknown name or option is a named error."""
+    from pixdit.callbacks import build_callbacks
+
+    callbacks = build_callbacks(h.compose(["callbacks.checkpoint.save_top_k=0"]).callbacks, tmp_path)
+    assert [type(c).__name__ for c in callbacks] == ["PerfMonitor", "StepCheckpoint", "SampleGrid", "TQDMProgressBar"]
+    assert callbacks[1].dirpath == str(tmp_path / "checkpoints") and callbacks[1].save_top_k == 0
+    assert callbacks[1].save_last and callbacks[2].dirpath == tmp_path / "samples"
+    with pytest.raises(PixditError, match=r"unknown callbacks \['ema_swap'\]; allowed: .*'throughput'"):
+        build_callbacks({"ema_swap": {}}, tmp_path)
+    with pytest.raises(PixditError, match="windo.*callbacks.throughput.*window"):
+        build_callbacks({"throughput": {"windo": 3}}, tmp_path)
 
 
 def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):

@@ -29,6 +29,7 @@ throughput monitor's timing window, torch.compile's caches (it recompiles). Metr
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import warnings
@@ -51,29 +52,24 @@ def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
     The CSV logger writes <run dir>/metrics.csv; a resumed run writes <run dir>/resumed_N/metrics.csv instead, because
     Lightning's CSV logger deletes an existing metrics.csv (the metrics before the resume would be lost).
     """
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
+    logger_classes = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}  # config name -> class
+    run_dir = Path(run_dir)
+    csv_version = ""
+    if resuming and (run_dir / "metrics.csv").exists():
+        csv_version = f"resumed_{len(list(run_dir.glob('resumed_*'))) + 1}"
+    # Where each logger writes is pixdit's choice (the run directory), not a config option.
+    fixed = {"csv": dict(save_dir=str(run_dir), name="", version=csv_version),
+             "tensorboard": dict(save_dir=str(run_dir), name="tensorboard", version=""),
+             "wandb": dict(save_dir=str(run_dir))}
     loggers = []
     for name, options in (plain(cfg) or {}).items():
-        if name == "csv":
-            version = ""
-            if resuming and (run_dir / "metrics.csv").exists():
-                version = f"resumed_{len(list(run_dir.glob('resumed_*'))) + 1}"
-            loggers.append(construct(CSVLogger, options, "logger.csv", save_dir=str(run_dir), name="",
-                                     version=version))
-        elif name == "tensorboard":
-            loggers.append(construct(TensorBoardLogger, options, "logger.tensorboard", save_dir=str(run_dir),
-                                     name="tensorboard", version=""))
-        elif name == "wandb":
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise PixditError("logger=wandb needs the wandb package: pip install wandb") from None
-            from lightning.pytorch.loggers import WandbLogger
-
-            loggers.append(construct(WandbLogger, options, "logger.wandb", save_dir=str(run_dir)))
-        else:
-            raise PixditError(f"logger {name!r} is not known; available: csv, tensorboard, wandb")
+        if name not in logger_classes:
+            raise PixditError(f"logger {name!r} is not known; available: {', '.join(logger_classes)}")
+        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+            raise PixditError("logger=wandb needs the wandb package: pip install wandb")
+        loggers.append(construct(logger_classes[name], options, f"logger.{name}", **fixed[name]))
     return loggers
 
 
