@@ -203,6 +203,24 @@ def test_validation_loss_is_fixed_across_batch_sizes(h, tiny_shards):
     assert abs(val_loss(2, seed=1)["val/loss"] - a["val/loss"]) > 1e-4
 
 
+@pytest.mark.parametrize("warmup_steps", [0, 1, 4])
+def test_lr_warmup_is_linear_then_constant(warmup_steps):
+    """optimizer.warmup_steps=W: lr * (step + 1) / W for the first W optimizer steps, then lr (LinearLR)."""
+    from pixdit.module import DiffusionModule
+
+    module = DiffusionModule(model={"name": "DiT-T", "depth": 1}, image_size=8,
+                             optimizer={"lr": 1e-3, "warmup_steps": warmup_steps})
+    optimizers = module.configure_optimizers()
+    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [1e-3 * min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1e-3 for step in range(6)]
+    assert rates == pytest.approx(expected, rel=1e-12)
+
+
 def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
     """scripts/bench_train.py's CPU check (the GPU numbers are in docs/benchmarks.md): several attention variants in
     one run, speed-ups over full attention, a skipped (size, variant), the md/json/png files, --profile, --plot-from."""

@@ -187,7 +187,9 @@ class DiffusionModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=options["lr"], betas=tuple(options["betas"]),
                                       weight_decay=options["weight_decay"], eps=options["eps"], fused=fused)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup_steps))
+        # Linear warm-up: lr * (step + 1) / warmup_steps for steps 0 .. warmup_steps - 1, then lr (constant).
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / max(1, warmup_steps),
+                                                      total_iters=max(0, warmup_steps - 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _has_grad_scaler(self) -> bool:
@@ -306,16 +308,3 @@ class DiffusionModule(L.LightningModule):
         if result.unexpected_keys:
             message += f"; ignored (not in this model): {result.unexpected_keys}"
         return message
-
-
-class LinearWarmup:
-    """LR multiplier: (step + 1) / warmup_steps during warm-up, then 1 (constant LR). A class, not a lambda, so the
-    scheduler's state_dict stays picklable."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if self.warmup_steps <= 0:
-            return 1.0
-        return min(1.0, (step + 1) / self.warmup_steps)
