@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from test_eval_pipeline import TINY, write_tiny_shards
 from test_eval_standin import write_standin_inception
 
+from pixdit.callbacks import AtomicCheckpointIO
 from pixdit.cli import evaluate as evaluate_cli
 from pixdit.errors import PixditError
 from pixdit.eval import InceptionFeatureExtractor, evaluate_generator, generate_uint8, load_reference
@@ -136,6 +137,9 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     settings = metrics["settings"]
     assert settings["weights"] == "ema" and settings["steps"] == 2 and settings["precision"] == "fp32"
     assert settings["num_samples"] == 12 and settings["seed"] == 3 and settings["global_step"] == 2
+    # A checkpoint without an EMA artifact (Lightning's own writer, or a run from before the artifact existed) is
+    # read whole, with weights_only=True.
+    assert settings["weights_file"] == str((run_dir / "checkpoints" / "last.ckpt").resolve())
     assert settings["reference_id"] == load_reference(str(files["reference"])).id
     # Same numbers as the in-process evaluation of the EMA model (the first seed range).
     direct = evaluate_generator(module.ema.model, module.flow, InceptionFeatureExtractor(files["weights"]),
@@ -149,6 +153,24 @@ def test_evaluate_script_end_to_end(tmp_path, files):
                                                        seed=3, steps=2)]).permute(0, 2, 3, 1).numpy()
     assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
     assert (out_dir / "grid.png").is_file() and not (out_dir / "samples_uint8.npy").exists()
+
+    # pixdit's checkpoint writer adds the EMA artifact last.ema.pt; evaluation then reads it (not the whole
+    # checkpoint) and gets the same numbers.
+    last = run_dir / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(torch.load(last, weights_only=True), last)
+    assert (run_dir / "checkpoints" / "last.ema.pt").stat().st_size < last.stat().st_size / 2
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
+        cfg = compose("evaluate", overrides=[*overrides, "seeds=1", "save_npz=false", f"out_dir={tmp_path / 'eval2'}"])
+    from_artifact = evaluate_cli.evaluate(cfg)
+    assert from_artifact["settings"]["weights_file"] == str((run_dir / "checkpoints" / "last.ema.pt").resolve())
+    assert from_artifact["settings"]["global_step"] == 2 and from_artifact["settings"]["weights"] == "ema"
+    assert from_artifact["fid"] == pytest.approx(metrics["per_seed"][0]["fid"], rel=1e-6)
+    # The artifact has no raw weights: use_ema=false on it says where they are.
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
+        cfg = compose("evaluate", overrides=[*overrides, f"ckpt={run_dir / 'checkpoints' / 'last.ema.pt'}",
+                                             "use_ema=false"])
+    with pytest.raises(PixditError, match="holds only the EMA weights.*last.ckpt"):
+        evaluate_cli.evaluate(cfg)
 
     # A missing weights file stops the script before anything is loaded, naming the config key.
     with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):

@@ -36,7 +36,8 @@ def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, 
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 4
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"], checkpoints
+    assert checkpoints == ["last.ckpt", "last.ema.pt", "step=2.ckpt", "step=2.ema.pt", "step=4.ckpt",
+                           "step=4.ema.pt"], checkpoints
     samples = sorted(p.name for p in (tmp_path / "samples").iterdir())
     assert samples == ["step_0000002.png", "step_0000004.png"], samples
     grid = Image.open(tmp_path / "samples" / "step_0000004.png")
@@ -125,7 +126,8 @@ def test_research_command_without_data_is_one_clear_message(h, tmp_path):
 
 def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog):
     """The paper's 32 -> 128 progression, in small: a 32-px checkpoint initialises a 16-px Z-order model; the EMA
-    weights are loaded, EMA/optimizer/step start fresh and the log says so."""
+    weights are loaded (from the EMA artifact next to the checkpoint, or from the checkpoint itself for runs without
+    one), EMA/optimizer/step start fresh and the log says so."""
     from pixdit.cli import train
     from pixdit.data.quickstart import make_quickstart_dataset
     from pixdit.module import DiffusionModule
@@ -139,10 +141,16 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
     module = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
                                     "token_order": "zorder", "patch_size": 2}, image_size=16)
     message = module.init_from(checkpoint_path)
-    assert "EMA" in message and "start fresh" in message
+    assert "EMA" in message and "start fresh" in message and "last.ema.pt" in message
     for name, value in module.model.state_dict().items():
         if f"ema.model.{name}" in state:
             assert torch.equal(value, state[f"ema.model.{name}"]), name
+    (tmp_path / "low" / "checkpoints" / "last.ema.pt").rename(tmp_path / "artifact.pt")  # a run from before
+    from_checkpoint = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
+                                             "token_order": "zorder", "patch_size": 2}, image_size=16)
+    assert "EMA weight tensors from " + str(checkpoint_path) in from_checkpoint.init_from(checkpoint_path)
+    for name, value in from_checkpoint.model.state_dict().items():
+        assert torch.equal(value, module.model.state_dict()[name]), name
     assert int(module.ema.num_updates) == 0
     assert torch.equal(module.ema.model.final_layer.linear.weight, module.model.final_layer.linear.weight)
 
@@ -370,7 +378,9 @@ def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(
                      "callbacks.progress_bar=null"])
     result = train.train(cfg, tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"], checkpoints
+    assert [c for c in checkpoints if c.endswith(".ckpt")] == ["last.ckpt", "step=2.ckpt", "step=4.ckpt",
+                                                                "step=5.ckpt"], checkpoints
+    assert len(checkpoints) == 8 and torch.load(tmp_path / "checkpoints" / "last.ema.pt")["global_step"] == 5
     last = torch.load(result["checkpoint"], weights_only=False)
     assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5
     # ... and validated: the "final" validation loss (sweep summaries, bench_scaling) is the last step's, not step 4's

@@ -7,6 +7,8 @@
   not Lightning's ``ThroughputMonitor``, which counts batches and FLOPs).
 * ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
   the target with ``os.replace`` (``pixdit.checkpoint``); a kill during a write leaves the previous checkpoint intact.
+  Next to each checkpoint ``X.ckpt`` it writes the EMA artifact ``X.ema.pt`` (EMA weights + model config: what
+  pixdit-evaluate and ``init_from`` read) and removes it with the checkpoint.
 * ``StepCheckpoint``: Lightning's ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) that also
   saves the final step when ``every_n_train_steps`` does not divide ``max_steps``.
 * ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these, the progress bar and
@@ -25,7 +27,7 @@ from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-from pixdit.checkpoint import atomic_torch_save
+from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path
 from pixdit.config import construct, plain
 from pixdit.errors import PixditError
 from pixdit.eval.callback import FIDCallback
@@ -33,12 +35,21 @@ from pixdit.eval.callback import FIDCallback
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO whose writes are crash-safe (``pixdit.checkpoint.atomic_torch_save``): a kill during a
-    checkpoint write never destroys the last good checkpoint."""
+    checkpoint write never destroys the last good checkpoint. Each checkpoint of a DiffusionModule also gets its EMA
+    artifact (``pixdit.checkpoint.ema_artifact``), written first: an interrupted save leaves an artifact at least as
+    new as its checkpoint, never an older one that would be evaluated in its place. Lightning calls this on rank 0."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
+        artifact = ema_artifact(checkpoint)
+        if artifact is not None:
+            atomic_torch_save(artifact, ema_path(path))
         atomic_torch_save(checkpoint, path)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        ema_path(path).unlink(missing_ok=True)  # ModelCheckpoint's save_top_k drops a checkpoint: its artifact too
 
 
 class StepCheckpoint(ModelCheckpoint):

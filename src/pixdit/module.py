@@ -36,6 +36,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from pixdit.checkpoint import Weights, load_weights
 from pixdit.config import construct, plain
 from pixdit.ema import EMA
 from pixdit.errors import PixditError
@@ -78,6 +79,30 @@ def check_seed(seed, name: str = "seed") -> int:
     return seed
 
 
+def build_model_and_flow(model: dict, attention: dict | None, image_size: int | tuple[int, int],
+                         flow: dict | None) -> tuple[torch.nn.Module, RectifiedFlow]:
+    """The DiT and the rectified flow of a run's ``model`` / ``attention`` / ``flow`` config sections at the data's
+    image size: what DiffusionModule trains, and what ``load_generator`` rebuilds from a checkpoint for sampling."""
+    image_size = (image_size, image_size) if isinstance(image_size, int) else tuple(plain(image_size))
+    return (build_model(**plain(model), attention=plain(attention) or {"name": "full"}, input_size=image_size),
+            construct(RectifiedFlow, plain(flow) or {}, "flow", image_size=image_size))
+
+
+def load_generator(path: str | Path, use_ema: bool = True,
+                   key: str = "ckpt") -> tuple[torch.nn.Module, RectifiedFlow, Weights]:
+    """The model (eval mode, on the CPU) and flow of a run's checkpoint, for sampling, with the weights' origin:
+    the EMA weights by default, read from the EMA artifact next to the checkpoint when there is one
+    (``pixdit.checkpoint.load_weights``). pixdit-evaluate and scripts/llsa_recall.py load checkpoints here."""
+    weights = load_weights(path, use_ema=use_ema, key=key)
+    if weights.config is None:
+        raise PixditError(f"{key}={str(path)!r} has no model config (hyper_parameters): not a pixdit training run's "
+                          f"checkpoint")
+    config = weights.config
+    model, flow = build_model_and_flow(config["model"], config["attention"], config["image_size"], config["flow"])
+    model.load_state_dict(weights.state_dict)
+    return model.eval(), flow, weights
+
+
 class DiffusionModule(L.LightningModule):
     """Pixel DiT + rectified flow + AdamW + EMA; each argument is one section of configs/train.yaml (see there)."""
 
@@ -101,8 +126,7 @@ class DiffusionModule(L.LightningModule):
                                        optimizer=optimizer, ema=ema, validation=validation, seed=seed,
                                        compile=compile))
         self.image_size = image_size
-        self.model = build_model(**model, attention=attention, input_size=image_size)
-        self.flow = construct(RectifiedFlow, flow, "flow", image_size=image_size)
+        self.model, self.flow = build_model_and_flow(model, attention, image_size, flow)
         self.optimizer_options = construct(adamw_options, optimizer, "optimizer")
         self.ema = construct(EMA, ema, "ema", model=self.model)
         # Attention backends whose behaviour follows the optimizer step (VSA's dense-to-sparse annealing).
@@ -280,18 +304,11 @@ class DiffusionModule(L.LightningModule):
 
     def init_from(self, path: str | Path, use_ema: bool = True) -> str:
         """Start from another run's weights (e.g. the 32-px model for a 128-px run: RoPE and no absolute positions
-        make the weights resolution-independent). Loads the EMA weights (or the raw ones with use_ema=False) into the
-        model and restarts the EMA from them; the optimizer, LR schedule and step count start fresh. Returns the
-        message that train.py logs."""
-        path = Path(path)
-        if not path.is_file():
-            raise PixditError(f"init_from={str(path)!r}: no such checkpoint file")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        state = checkpoint.get("state_dict", checkpoint)
-        prefix = "ema.model." if use_ema and any(k.startswith("ema.model.") for k in state) else "model."
-        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        if not weights:
-            raise PixditError(f"init_from={str(path)!r} holds no pixdit model weights (keys 'model.*' / 'ema.model.*')")
+        make the weights resolution-independent). Loads the EMA weights (from the EMA artifact next to a checkpoint
+        when there is one; or the raw ones with use_ema=False) into the model and restarts the EMA from them; the
+        optimizer, LR schedule and step count start fresh. Returns the message that train.py logs."""
+        loaded = load_weights(path, use_ema=use_ema, key="init_from")
+        path, weights = loaded.path, loaded.state_dict
         own = self.model.state_dict()
         wrong = [f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(own[k].shape)} here"
                  for k, v in weights.items() if k in own and own[k].shape != v.shape]
@@ -300,7 +317,7 @@ class DiffusionModule(L.LightningModule):
                               + "; ".join(wrong[:5]))
         result = self.model.load_state_dict(weights, strict=False)
         self.ema.reset(self.model)
-        source = "EMA" if prefix == "ema.model." else "raw"
+        source = "EMA" if loaded.source == "ema" else "raw"
         message = (f"init_from: loaded {len(weights) - len(result.unexpected_keys)} {source} weight tensors from {path}; "
                    f"optimizer, LR schedule, EMA and step count start fresh")
         if result.missing_keys:

@@ -6,9 +6,11 @@ setting that changes the numbers recorded.
     python scripts/evaluate.py ckpt=outputs/imagenet256/RUN cfg_scale=1.5 seeds=3 save_npz=true   # mean ± std
     torchrun --nproc_per_node=8 scripts/evaluate.py ckpt=...      # any GPU count gives the same images and numbers
 
-Config: configs/eval/evaluate.yaml (the package pixdit.configs.eval). Writes into out_dir (default RUN/eval/<ckpt>_n<N>_steps<S>_cfg<C>_<ema|raw>):
+Config: configs/eval/evaluate.yaml (the package pixdit.configs.eval). The weights come from the EMA artifact
+X.ema.pt next to the checkpoint X.ckpt (pixdit.checkpoint); use_ema=false reads the raw weights from X.ckpt, and so
+does a run saved before the artifact existed. Writes into out_dir (default RUN/eval/<ckpt>_n<N>_steps<S>_cfg<C>_<ema|raw>):
   metrics.json  FID, IS (mean and split std), KID if asked, per-seed values and, with seeds > 1, the std over seeds;
-                plus the settings: checkpoint and step, EMA or raw weights, sampler and steps, CFG scale, precision,
+                plus the settings: checkpoint, the file read and its step, EMA or raw weights, sampler and steps, CFG scale, precision,
                 seeds and sample-index ranges, sample count, reference-statistics id, feature network, world size
   grid.png      the first `grid_samples` samples (of the first seed)
   samples.npz   with save_npz=true: uint8 [N, H, W, 3] `arr_0` (+ `arr_1` labels for class-conditional models), the
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torchvision.utils
 from omegaconf import DictConfig, OmegaConf
 
+from pixdit.checkpoint import EMA_SUFFIX
 from pixdit.cli import fail
 from pixdit.errors import PixditError
 from pixdit.eval import (
@@ -62,13 +65,10 @@ def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
 
 
 def resolve_checkpoint(ckpt: str) -> Path:
+    """A run directory -> RUN/checkpoints/last.ckpt; a file is taken as it is (pixdit.checkpoint.load_weights reads
+    X.ckpt's EMA artifact X.ema.pt when there is one, and says what is missing when neither exists)."""
     path = Path(ckpt)
-    if path.is_dir():
-        path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise PixditError(f"ckpt={ckpt}: no such checkpoint file (give a .ckpt, or a run directory with "
-                          f"checkpoints/last.ckpt)")
-    return path
+    return path / "checkpoints" / "last.ckpt" if path.is_dir() else path
 
 
 def default_reference(ckpt: Path, resolution: int) -> str:
@@ -110,28 +110,27 @@ def evaluate(cfg: DictConfig) -> dict | None:
     if cfg.sampler.name != "euler":
         raise PixditError(f"sampler.name={cfg.sampler.name!r}; allowed: euler")
     # Start-up checks first: nothing is generated before the weights file and the reference are known to be there.
-    weights = resolve_inception_path(cfg.eval.inception_path, cfg.eval.cache_dir, cfg.eval.download)
+    inception_weights = resolve_inception_path(cfg.eval.inception_path, cfg.eval.cache_dir, cfg.eval.download)
     ckpt = resolve_checkpoint(str(cfg.ckpt))
 
-    from pixdit.module import DiffusionModule
+    from pixdit.module import load_generator
 
-    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
-    module = DiffusionModule(**{**checkpoint["hyper_parameters"], "compile": False})
-    module.load_state_dict(checkpoint["state_dict"])
-    step = int(checkpoint.get("global_step", -1))
-    del checkpoint
-    resolution = int(module.image_size[0])
+    model, flow, weights = load_generator(ckpt, use_ema=bool(cfg.use_ema))
+    model = model.to(device)
+    image_size = tuple(weights.config["image_size"])
+    num_classes = model.num_classes
+    resolution = int(image_size[0])
     reference = load_reference(cfg.eval.reference or default_reference(ckpt, resolution), resolution=resolution,
                                cleanfid_dir=cfg.eval.cleanfid_stats_dir, download=cfg.eval.download)
-    model = (module.ema.model if cfg.use_ema else module.model).to(device).eval()
-    extractor = InceptionFeatureExtractor(weights, device=device)
+    extractor = InceptionFeatureExtractor(inception_weights, device=device)
 
-    tag = f"{ckpt.stem}_n{cfg.num_samples}_steps{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}_{'ema' if cfg.use_ema else 'raw'}"
+    name = ckpt.name.removesuffix(".ckpt").removesuffix(EMA_SUFFIX)
+    tag = f"{name}_n{cfg.num_samples}_steps{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}_{weights.source}"
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ckpt.parent.parent / "eval" / tag
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out_dir / "config.yaml")
-    height, width = module.image_size
+    height, width = image_size
     npz_rows = None
     if cfg.save_npz:
         npy_path = out_dir / "samples_uint8.npy"
@@ -157,8 +156,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
                 npz_rows[(indices - offset).numpy()] = images.permute(0, 2, 3, 1).numpy()
 
         metrics = evaluate_generator(
-            model, module.flow, extractor, reference, num_samples=cfg.num_samples, image_size=module.image_size,
-            steps=cfg.sampler.steps, seed=cfg.seed, cfg_scale=cfg.cfg_scale, num_classes=module.num_classes,
+            model, flow, extractor, reference, num_samples=cfg.num_samples, image_size=image_size,
+            steps=cfg.sampler.steps, seed=cfg.seed, cfg_scale=cfg.cfg_scale, num_classes=num_classes,
             index_offset=offset, batch_size=cfg.batch_size, device=device, precision=precision,
             inception_splits=cfg.eval.inception_splits, kid=cfg.eval.kid, on_batch=on_batch,
         )
@@ -181,7 +180,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
             dist.barrier()
         if rank == 0:
             arrays = {"arr_0": np.lib.format.open_memmap(npy_path, mode="r")}
-            labels = labels_for_indices(range(cfg.num_samples), module.num_classes)
+            labels = labels_for_indices(range(cfg.num_samples), num_classes)
             if labels is not None:
                 arrays["arr_1"] = labels.numpy()
             with atomic_write(out_dir / "samples.npz") as f:  # no half file under the name
@@ -195,8 +194,9 @@ def evaluate(cfg: DictConfig) -> dict | None:
         "per_seed": per_seed,
         "settings": {
             "checkpoint": str(ckpt.resolve()),
-            "global_step": step,
-            "weights": "ema" if cfg.use_ema else "raw",
+            "weights_file": str(weights.path.resolve()),   # the EMA artifact next to the checkpoint when it exists
+            "global_step": weights.global_step,
+            "weights": weights.source,
             "sampler": str(cfg.sampler.name),
             "steps": int(cfg.sampler.steps),
             "cfg_scale": float(cfg.cfg_scale),
@@ -205,9 +205,9 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "seeds": int(cfg.seeds),
             "noise_seeding": "sample i: torch.Generator seeded by mixed_seed(seed, i) (pixdit.runtime)",
             "num_samples": int(cfg.num_samples),
-            "class_balance": f"label = i % {module.num_classes}" if module.num_classes else "unconditional",
-            "image_size": list(module.image_size),
-            "flow": repr(module.flow),
+            "class_balance": f"label = i % {num_classes}" if num_classes else "unconditional",
+            "image_size": list(image_size),
+            "flow": repr(flow),
             "reference_id": reference.id,
             "reference": reference.description,
             "feature_network": f"clean-fid InceptionV3W ({INCEPTION_FILENAME}), 'clean' resize, IS from bias-free "

@@ -14,7 +14,8 @@ The configs are the package ``pixdit.configs`` (configs/ in the repository), loa
 ``pkg://pixdit.configs``, so a ``pip install``ed pixdit finds them from any working directory.
 
 A run writes into its directory (default outputs/<name>/<time>, or hydra.run.dir=...): .hydra/ (the config),
-metrics.csv, checkpoints/{step=N,last}.ckpt, samples/step_N.png. User mistakes (unknown option or key, missing data,
+metrics.csv, checkpoints/{step=N,last}.ckpt (+ {step=N,last}.ema.pt: the EMA weights and model config alone, what
+pixdit-evaluate and init_from read), samples/step_N.png. User mistakes (unknown option or key, missing data,
 a size the attention cannot handle) print one message and exit with status 2.
 
 Resuming (`ckpt_path=last` or a .ckpt path) restores exactly: the model, the EMA (weights and update count), AdamW's
