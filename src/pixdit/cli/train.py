@@ -24,7 +24,7 @@ samples in the same order when world size, workers and batch size are unchanged;
 with a warning), and randomness: the training noise, timesteps and label dropout are drawn from a stream keyed by
 (seed, rank, step), and the global torch / CUDA / numpy / python RNG states are saved and restored (rank 0's).
 Not restored: a validation or sampling pass that was interrupted (it simply runs again at its next step), the
-throughput monitor's timing window, torch.compile's caches (it recompiles). Metrics after a resume go to
+perf monitor's timing window, torch.compile's caches (it recompiles). Metrics after a resume go to
 <run dir>/resumed_N/metrics.csv (Lightning's CSV logger would otherwise delete the earlier metrics.csv).
 """
 
