@@ -5,7 +5,7 @@
     python scripts/bench_attention.py --backends sdpa,flash,llsa --levels 2 --out outputs/bench
     python scripts/bench_attention.py --plot-from outputs/bench/bench_attention.json   # (re)draw the PNG only
 
-Times are ``triton.testing.do_bench`` medians (ms) of the whole call (LLSA includes pooling + selection) for the
+Times are medians (ms, CUDA events: ``pixdit.report.time_median``) of the whole call (LLSA includes pooling + selection) for the
 forward and for forward+backward (backward of a random upstream gradient). TFLOP/s counts the FLOPs of the attended
 tokens only: forward 4*N*T*d per batch*head (T = tokens per query, N for dense), forward+backward 3.5x that
 (FlashAttention convention). Writes a markdown table, a JSON file and a log-log PNG (time vs tokens) under --out.
@@ -25,6 +25,8 @@ import os
 import sys
 
 import torch
+
+from pixdit.report import time_median
 
 
 def make_sdpa(args, q, k, v):
@@ -138,8 +140,7 @@ def cuda_graph(fn):
 
 
 def bench_one(fn, q, k, v, quick, graph=False):
-    from triton.testing import do_bench
-    warm, rep = (10, 30) if quick else (25, 100)
+    warm, rep = (10, 30) if quick else (25, 100)  # calls
     o = fn()
     do = torch.randn_like(o)
 
@@ -149,12 +150,12 @@ def bench_one(fn, q, k, v, quick, graph=False):
         fn().backward(do)
 
     with torch.no_grad():
-        t_fwd = do_bench(fn, warmup=warm, rep=rep, return_mode="median")
-    t_fb = do_bench(fwd_bwd, warmup=warm, rep=rep, return_mode="median")
+        t_fwd = 1000 * time_median(fn, warm, rep, q.device)[0]
+    t_fb = 1000 * time_median(fwd_bwd, warm, rep, q.device)[0]
     if graph:   # the same calls replayed from a CUDA graph: eager minus graph = host and launch overhead
         try:
             with torch.no_grad():
-                g_fwd = do_bench(cuda_graph(fn), warmup=warm, rep=rep, return_mode="median")
+                g_fwd = 1000 * time_median(cuda_graph(fn), warm, rep, q.device)[0]
             print(f"  cuda graph: fwd {g_fwd:.3f} ms (eager {t_fwd:.3f})")
         except Exception as err:   # capture needs no host syncs; say why it failed instead of stopping the run
             print(f"  cuda graph: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:150]})")
@@ -269,7 +270,7 @@ def main(argv=None):
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
-    p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, short do_bench windows")
+    p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, fewer timed calls")
     p.add_argument("--out", default="outputs/bench_attention")
     p.add_argument("--kernels-from", default=None, metavar="DIR",
                    help="time the kernel library in DIR (another commit's kernels/) instead of the installed one")

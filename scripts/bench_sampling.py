@@ -20,6 +20,7 @@ import torch
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
 from pixdit.report import markdown_table, time_median
+from pixdit.runtime import PRECISIONS, autocast
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
 
@@ -33,7 +34,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="Euler steps per sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
     return parser.parse_args(argv)
@@ -48,11 +49,10 @@ def bench(args, attention: str, side: int) -> dict:
     flow = RectifiedFlow(image_size=side)
     batch = args.batch or DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.precision]
     cuda = device.type == "cuda"
 
     def sample():
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with autocast(device, args.precision):
             return flow.sample(model, noise, args.steps)
 
     seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)

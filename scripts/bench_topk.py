@@ -1,5 +1,6 @@
 """Block selection (pooled scores + exact top-k) on its own: the Triton kernels of ``pixdit.kernels.topk`` against the
-PyTorch path, at the shapes the backends use, in one run (``triton.testing.do_bench`` medians, warm-up first).
+PyTorch path, at the shapes the backends use, in one run (medians of 200 calls after 25 warm-up calls, CUDA events:
+``pixdit.report.time_median``).
 
     python scripts/bench_topk.py                                  # VSA/SLA at 128^2 and 256^2, LLSA 512^2 L=2 top level
     python scripts/bench_topk.py --baseline old/topk.py           # + another version of topk.py (A/B of a kernel change)
@@ -16,10 +17,9 @@ import argparse
 import importlib.util
 
 import torch
-import triton.testing
 
 from pixdit.kernels import topk
-from pixdit.report import markdown_table
+from pixdit.report import markdown_table, time_median
 
 # (label, batch*heads, blocks, k): VSA/SLA at 128^2 (K=20) and 256^2 (K=32), block 16, 6 heads; LLSA's coarsest
 # level at 512^2 with L=2 (1,024 tokens, K=8)
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
         torch_ms = None
         for name, fn in variants.items():
             mismatched_rows = int((fn() != reference).any(-1).sum())
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+            ms = 1000 * time_median(fn, warmup=25, repeats=200, device="cuda")[0]
             torch_ms = torch_ms or ms
             rows.append({"shape": label, "bh x blocks, k": f"{bh} x {blocks}, {k}", "variant": name,
                          "ms": f"{ms:.3f}", "x torch": f"{torch_ms / ms:.1f}x", "rows differing": mismatched_rows})

@@ -159,8 +159,8 @@ def measure(args, side: int, batch: int, variant: Variant, warmup: int, steps: i
                  "token_order": variant.token_order, **(QUICK_MODEL if args.quick else {})}
     if args.compile:
         torch._dynamo.reset()  # a fresh model per run: stale graphs would count against dynamo's recompile limit
-    module = DiffusionModule(model=model_cfg, attention=variant.attention, image_size=side,
-                             compile=args.compile).to(device)
+    module = DiffusionModule.from_config({"model": model_cfg, "attention": variant.attention}, side,
+                                         compile=args.compile).to(device)
     model, flow, ema = module.model, module.flow, module.ema
     optimizer = module.configure_optimizers()["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]

@@ -55,11 +55,10 @@ def random_qk(args, device, layer):
 def captured_qk(args, device):
     """q, k of every attention layer of a checkpoint on real images (forward hooks on the attention backends)."""
     from pixdit.attention import AttentionBackend
-    from pixdit.module import DiffusionModule   # the framework's LightningModule
+    from pixdit.module import load_generator
 
-    # compile=False: a GPU run saves compile=True; the hooks below must see the eager modules
-    module = DiffusionModule.load_from_checkpoint(args.checkpoint, map_location=device, compile=False).eval()
-    model = getattr(module, "ema_model", None) or module.model
+    # The EMA model, uncompiled: the hooks below must see the eager modules
+    model = load_generator(args.checkpoint)[0].to(device)
     captured = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append((inp[0].detach(), inp[1].detach())))
              for m in model.modules() if isinstance(m, AttentionBackend)]

@@ -1,55 +1,8 @@
-"""Reference statistics for FID from a pixdit shard folder, through clean-fid's "clean" pipeline (cached).
+"""``python scripts/make_fid_stats.py ...`` runs ``pixdit-make-fid-stats ...`` (pixdit.cli.make_fid_stats; its docstring has the details)."""
 
-    python scripts/make_fid_stats.py --shards data/ffhq256                       # -> data/ffhq256/fid_stats/clean_256.npz
-    python scripts/make_fid_stats.py --shards data/ffhq1024 --resolution 256 --out stats/ffhq256.npz
-    python scripts/make_fid_stats.py --shards data/imagenet256 --kid --inception-path /data/inception-2015-12-05.pt
-
-Streams every image of the split (default: train, the whole training set, as papers do) as uint8 -> clean-fid's PIL
-bicubic resize to 299 -> Inception pool features, accumulating mean and covariance in float64 (features are not kept
-unless --kid). Writes `mu`, `sigma`, `count` and `description` (JSON: source, shards checksum, split, resolution,
-resize pipeline, count, date). Re-running with the same shards and settings does nothing (--force recomputes).
-Use the file with `eval.reference=PATH` (scripts/evaluate.py) or `callbacks.fid.reference=PATH` (training); the
-training callback finds the default path by itself.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 
-import torch
-
-from pixdit.errors import PixditError
-from pixdit.eval.inception import InceptionFeatureExtractor, resolve_inception_path
-from pixdit.eval.reference import make_reference_stats
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="shard folder with manifest.json")
-    parser.add_argument("--resolution", type=int, default=None, help="evaluation resolution (default: the shards')")
-    parser.add_argument("--out", default=None, help="output .npz (default: SHARDS/fid_stats/clean_<res>.npz)")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-images", type=int, default=None, help="only the first N images (quick checks)")
-    parser.add_argument("--kid", action="store_true", help="also store the features (for KID; 8 KB per image)")
-    parser.add_argument("--force", action="store_true", help="recompute even if an up-to-date file exists")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--inception-path", default=None, help="inception-2015-12-05.pt (file or folder)")
-    parser.add_argument("--cache-dir", default=None, help="folder searched for the weights before /tmp")
-    parser.add_argument("--download", action="store_true", help="download the weights if missing")
-    args = parser.parse_args(argv)
-    try:
-        weights = resolve_inception_path(args.inception_path, args.cache_dir, args.download, config_prefix="--")
-        extractor = InceptionFeatureExtractor(weights, device=args.device, config_prefix="--")
-        make_reference_stats(args.shards, extractor, resolution=args.resolution, split=args.split,
-                             batch_size=args.batch_size, kid=args.kid, out=args.out, force=args.force,
-                             max_images=args.max_images)
-    except PixditError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
+from pixdit.cli.make_fid_stats import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,6 @@ conftest module, and the two would shadow each other).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,18 +16,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `import train` (train.py lives at the repository root)
 
 
 def compose_config(overrides: list[str]):
-    """train.py's config for these command-line overrides, composed in-process (no Hydra run directory)."""
-    from hydra import compose, initialize_config_dir
+    """train.py's config for these command-line overrides, composed in-process (no Hydra run directory) from the
+    installed package pixdit.configs, as pixdit-train loads it."""
+    from hydra import compose, initialize_config_module
 
     from pixdit.config import register_resolvers
 
     register_resolvers()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 

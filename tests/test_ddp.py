@@ -39,13 +39,11 @@ def image_digest(image: torch.Tensor) -> str:
 def run_rank(out_dir: Path, overrides: list[str]) -> None:
     """The program of every rank (see module doc)."""
     import lightning as L
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
     import pixdit.callbacks
+    from pixdit.cli import train as train_script  # the code `python train.py` / `pixdit-train` runs
     from pixdit.config import register_resolvers
-
-    sys.path.insert(0, str(REPO))
-    import train as train_script  # train.py: the code users run
 
     class RankProbe(L.Callback):
         def __init__(self):
@@ -64,7 +62,7 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
     build_callbacks = pixdit.callbacks.build_callbacks
     pixdit.callbacks.build_callbacks = lambda cfg, run_dir: build_callbacks(cfg, run_dir) + [RankProbe()]
     register_resolvers()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     train_script.train(cfg, out_dir / "run")
     # A process group left open aborts some exits (gloo threads at interpreter teardown, status -6): train() closes it.

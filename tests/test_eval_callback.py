@@ -1,6 +1,5 @@
 """End to end: FIDCallback in a tiny Lightning run, and scripts/evaluate.py on its checkpoint (stand-in Inception file)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,11 +9,13 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from lightning.pytorch.loggers import CSVLogger
 from test_eval_pipeline import TINY, write_tiny_shards
 from test_eval_standin import write_standin_inception
 
+from pixdit.callbacks import AtomicCheckpointIO
+from pixdit.cli import evaluate as evaluate_cli
 from pixdit.errors import PixditError
 from pixdit.eval import InceptionFeatureExtractor, evaluate_generator, generate_uint8, load_reference
 from pixdit.eval.callback import FIDCallback
@@ -116,13 +117,6 @@ def test_callback_reference_defaults_to_the_statistics_next_to_the_data(tmp_path
         trainer(tmp_path, callback, max_steps=1).fit(tiny_module(), datamodule=Data())
 
 
-def load_evaluate_script():
-    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_evaluate_script_end_to_end(tmp_path, files):
     module = tiny_module()
     fit = trainer(tmp_path, FIDCallback(every_n_steps=0, at_end=False), max_steps=2)
@@ -143,6 +137,9 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     settings = metrics["settings"]
     assert settings["weights"] == "ema" and settings["steps"] == 2 and settings["precision"] == "fp32"
     assert settings["num_samples"] == 12 and settings["seed"] == 3 and settings["global_step"] == 2
+    # A checkpoint without an EMA artifact (Lightning's own writer, or a run from before the artifact existed) is
+    # read whole, with weights_only=True.
+    assert settings["weights_file"] == str((run_dir / "checkpoints" / "last.ckpt").resolve())
     assert settings["reference_id"] == load_reference(str(files["reference"])).id
     # Same numbers as the in-process evaluation of the EMA model (the first seed range).
     direct = evaluate_generator(module.ema.model, module.flow, InceptionFeatureExtractor(files["weights"]),
@@ -157,23 +154,36 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
     assert (out_dir / "grid.png").is_file() and not (out_dir / "samples_uint8.npy").exists()
 
+    # pixdit's checkpoint writer adds the EMA artifact last.ema.pt; evaluation then reads it (not the whole
+    # checkpoint) and gets the same numbers.
+    last = run_dir / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(torch.load(last, weights_only=True), last)
+    assert (run_dir / "checkpoints" / "last.ema.pt").stat().st_size < last.stat().st_size / 2
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
+        cfg = compose("evaluate", overrides=[*overrides, "seeds=1", "save_npz=false", f"out_dir={tmp_path / 'eval2'}"])
+    from_artifact = evaluate_cli.evaluate(cfg)
+    assert from_artifact["settings"]["weights_file"] == str((run_dir / "checkpoints" / "last.ema.pt").resolve())
+    assert from_artifact["settings"]["global_step"] == 2 and from_artifact["settings"]["weights"] == "ema"
+    assert from_artifact["fid"] == pytest.approx(metrics["per_seed"][0]["fid"], rel=1e-6)
+    # The artifact has no raw weights: use_ema=false on it says where they are.
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
+        cfg = compose("evaluate", overrides=[*overrides, f"ckpt={run_dir / 'checkpoints' / 'last.ema.pt'}",
+                                             "use_ema=false"])
+    with pytest.raises(PixditError, match="holds only the EMA weights.*last.ckpt"):
+        evaluate_cli.evaluate(cfg)
+
     # A missing weights file stops the script before anything is loaded, naming the config key.
-    script = load_evaluate_script()
-    with initialize_config_dir(config_dir=str(REPO / "configs" / "eval"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
         cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}"])
     with pytest.raises(PixditError, match=r"(?s)missing.pt.*nvlabs-fi-cdn.*eval.inception_path"):
-        script.evaluate(cfg)
+        evaluate_cli.evaluate(cfg)
 
 
 def test_evaluate_script_rejects_a_batch_size_below_one_at_start_up(tmp_path):
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(REPO / "configs" / "eval" / "evaluate.yaml")
-    for key in ("defaults", "hydra"):
-        cfg.pop(key)
-    cfg.merge_with({"ckpt": str(tmp_path / "missing.ckpt"), "device": "cpu", "batch_size": 0})
+    with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
+        cfg = compose("evaluate", overrides=[f"ckpt={tmp_path / 'missing.ckpt'}", "device=cpu", "batch_size=0"])
     with pytest.raises(PixditError, match="batch_size >= 1.*batch_size=0"):
-        load_evaluate_script().evaluate(cfg)
+        evaluate_cli.evaluate(cfg)
 
 
 def test_callback_rejects_zero_inception_splits_at_construction():

@@ -108,6 +108,22 @@ def test_noise_depends_only_on_seed_and_index():
     assert torch.equal(full[[1, 3, 5, 7, 9]], noise_for_indices([1, 3, 5, 7, 9], (3, 4, 4), seed=3))
     assert not torch.equal(full, noise_for_indices(range(10), (3, 4, 4), seed=4))
     assert not torch.equal(full[0], full[1])
+    # One per-index noise for evaluation and the fixed-noise validation loss (pixdit.runtime).
+    from pixdit.module import validation_noise_and_sigma
+
+    assert torch.equal(validation_noise_and_sigma(torch.arange(10), (3, 4, 4), seed=3)[0], full)
+
+
+def test_precision_names():
+    """One map of precision names: auto follows the trainer (FIDCallback) or the device (pixdit-evaluate)."""
+    from pixdit.runtime import resolve_precision
+
+    assert resolve_precision("auto", "cpu", trainer_precision="bf16-mixed") == "bf16"
+    assert resolve_precision("auto", "cpu", trainer_precision="16-mixed") == "fp16"
+    assert resolve_precision("auto", "cpu") == "fp32" and resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("fp16", "cpu", trainer_precision="bf16-mixed") == "fp16"
+    with pytest.raises(PixditError, match="callbacks.fid.precision='bf32'; allowed: auto, fp32, bf16, fp16"):
+        resolve_precision("bf32", "cpu", key="callbacks.fid.precision")
 
 
 def test_reference_statistics_from_shards_are_exact_and_cached(tmp_path, weights):
@@ -236,13 +252,7 @@ def test_cleanfid_precomputed_statistics_are_read_from_the_cache_dir(tmp_path):
 
 
 def test_make_fid_stats_script(tmp_path, weights, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "make_fid_stats.py"
-    spec = importlib.util.spec_from_file_location("make_fid_stats", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from pixdit.cli import make_fid_stats as script
     write_tiny_shards(tmp_path / "shards", count=20)
     out = tmp_path / "stats.npz"
     args = ["--shards", str(tmp_path / "shards"), "--out", str(out), "--device", "cpu", "--batch-size", "8"]

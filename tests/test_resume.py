@@ -17,7 +17,7 @@ def h(train_helpers):
 
 
 def _run(h, run_dir, tiny_shards, max_steps, ckpt_path=None):
-    import train
+    from pixdit.cli import train
 
     overrides = ["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards, batch_size=4),
                  f"trainer.max_steps={max_steps}", "trainer.val_check_interval=2", "optimizer.warmup_steps=5",

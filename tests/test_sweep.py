@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
 from pixdit.errors import PixditError
 from pixdit.sweep import check_launch_layout, expand_sweep, find_invalid_runs, gpu_slots, varying
@@ -60,7 +60,7 @@ def test_find_invalid_runs_uses_the_model_build():
     """In-process: a 32x32 grid is 1024 tokens; LLSA needs B^L to divide it (pixdit.kernels.llsa_check)."""
     jobs = expand_sweep(["attention.block_size=16,32", "attention.num_levels=1,3"])
     base = ["model=dit_t", "attention=llsa", "model.token_order=zorder", "data.resolution=32"]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
     reasons = {" ".join(job): reason for job, reason in invalid}
     assert set(reasons) == {"attention.block_size=16 attention.num_levels=3",
@@ -68,7 +68,7 @@ def test_find_invalid_runs_uses_the_model_build():
     assert "4096" in reasons["attention.block_size=16 attention.num_levels=3"]  # B^L = 16^3 is named
     assert "32768" in reasons["attention.block_size=32 attention.num_levels=3"]
     # A config error is an invalid run too, not a crash of the check.
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         invalid = find_invalid_runs([["model.no_such_key=1"]], lambda job: compose(config_name="train", overrides=job))
     assert len(invalid) == 1 and "no_such_key" in invalid[0][1]
 
@@ -113,7 +113,7 @@ def test_sweep_runs_every_job_and_the_summary_marks_the_failed_one(tmp_path, tin
 def test_launcher_configs_compose():
     from hydra.core.plugins import Plugins
 
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         slurm = compose(config_name="train", return_hydra_config=True, overrides=[
             "hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2",
             "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gpu"])
@@ -126,6 +126,8 @@ def test_launcher_configs_compose():
     assert params["cpus_per_gpu"] > 0 and params["cpus_per_task"] is None and params["partition"] == "gpu"
     assert local.hydra.launcher._target_ == "hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher"
     assert local.hydra.launcher.gpus_per_job == 1
+    # Hydra instantiates only launchers its plugin scan found in the installed hydra_plugins namespace package.
+    assert type(Plugins.instance()._instantiate(local.hydra.launcher)).__name__ == "LocalGPUPoolLauncher"
 
 
 @pytest.mark.parametrize("overrides, problem", [
@@ -142,7 +144,7 @@ def test_launcher_configs_compose():
 ])
 def test_launch_layout(overrides, problem):
     """Every process of a multi-GPU run must be started by the launcher (see pixdit.sweep.check_launch_layout)."""
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     if problem is None:
         check_launch_layout(cfg)
@@ -180,7 +182,7 @@ def test_find_invalid_runs_checks_every_section_the_module_reads():
     one of them must be reported (it used to share the cached verdict of the good run)."""
     jobs = expand_sweep(["ema.max_decay=0.9999,abc"])
     base = ["model=dit_t", "data.resolution=32"]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
     assert [job for job, _ in invalid] == [["ema.max_decay=abc"]]
     assert "ema.max_decay" in invalid[0][1]

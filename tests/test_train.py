@@ -26,7 +26,7 @@ def h(train_helpers):
 
 
 def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, tmp_path):
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4),
                      *h.tiny_model, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -36,7 +36,8 @@ def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, 
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 4
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"], checkpoints
+    assert checkpoints == ["last.ckpt", "last.ema.pt", "step=2.ckpt", "step=2.ema.pt", "step=4.ckpt",
+                           "step=4.ema.pt"], checkpoints
     samples = sorted(p.name for p in (tmp_path / "samples").iterdir())
     assert samples == ["step_0000002.png", "step_0000004.png"], samples
     grid = Image.open(tmp_path / "samples" / "step_0000004.png")
@@ -57,7 +58,7 @@ def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, 
 
 
 def _fail_message(capsys, overrides):
-    import train
+    from pixdit.cli import train
 
     with pytest.raises(SystemExit) as exit_info:
         train.check_overrides(overrides)
@@ -89,7 +90,7 @@ def test_unknown_key_lists_keys(capsys):
 ])
 def test_bad_setting_is_one_named_error(h, tiny_shards, tmp_path, overrides, message):
     """train() turns a bad setting into a PixditError naming the key and what is allowed (train.py prints it)."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards), *overrides])
     with pytest.raises(PixditError, match=message):
@@ -125,8 +126,9 @@ def test_research_command_without_data_is_one_clear_message(h, tmp_path):
 
 def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog):
     """The paper's 32 -> 128 progression, in small: a 32-px checkpoint initialises a 16-px Z-order model; the EMA
-    weights are loaded, EMA/optimizer/step start fresh and the log says so."""
-    import train
+    weights are loaded (from the EMA artifact next to the checkpoint, or from the checkpoint itself for runs without
+    one), EMA/optimizer/step start fresh and the log says so."""
+    from pixdit.cli import train
     from pixdit.data.quickstart import make_quickstart_dataset
     from pixdit.module import DiffusionModule
 
@@ -139,10 +141,16 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
     module = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
                                     "token_order": "zorder", "patch_size": 2}, image_size=16)
     message = module.init_from(checkpoint_path)
-    assert "EMA" in message and "start fresh" in message
+    assert "EMA" in message and "start fresh" in message and "last.ema.pt" in message
     for name, value in module.model.state_dict().items():
         if f"ema.model.{name}" in state:
             assert torch.equal(value, state[f"ema.model.{name}"]), name
+    (tmp_path / "low" / "checkpoints" / "last.ema.pt").rename(tmp_path / "artifact.pt")  # a run from before
+    from_checkpoint = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
+                                             "token_order": "zorder", "patch_size": 2}, image_size=16)
+    assert "EMA weight tensors from " + str(checkpoint_path) in from_checkpoint.init_from(checkpoint_path)
+    for name, value in from_checkpoint.model.state_dict().items():
+        assert torch.equal(value, module.model.state_dict()[name]), name
     assert int(module.ema.num_updates) == 0
     assert torch.equal(module.ema.model.final_layer.linear.weight, module.model.final_layer.linear.weight)
 
@@ -163,7 +171,7 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
 def test_fid_callback_is_wired_and_checked_at_start(h, tiny_shards, tmp_path):
     """callbacks.fid (configs/callbacks/fid.yaml) is off by default; switched on, its start-up check runs before the
     first step (no Inception weights or reference statistics here -> a PixditError naming the config key)."""
-    import train
+    from pixdit.cli import train
     from pixdit.callbacks import build_callbacks
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards)])
@@ -201,6 +209,24 @@ def test_validation_loss_is_fixed_across_batch_sizes(h, tiny_shards):
     for key in ("val/loss", "val/loss_ema"):
         assert abs(a[key] - b[key]) < 1e-6 and abs(a[key] - c[key]) < 1e-6, (key, a, b, c)
     assert abs(val_loss(2, seed=1)["val/loss"] - a["val/loss"]) > 1e-4
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 1, 4])
+def test_lr_warmup_is_linear_then_constant(warmup_steps):
+    """optimizer.warmup_steps=W: lr * (step + 1) / W for the first W optimizer steps, then lr (LinearLR)."""
+    from pixdit.module import DiffusionModule
+
+    module = DiffusionModule(model={"name": "DiT-T", "depth": 1}, image_size=8,
+                             optimizer={"lr": 1e-3, "warmup_steps": warmup_steps})
+    optimizers = module.configure_optimizers()
+    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [1e-3 * min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1e-3 for step in range(6)]
+    assert rates == pytest.approx(expected, rel=1e-12)
 
 
 def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
@@ -246,7 +272,7 @@ def test_loggers(h, tmp_path):
     it; an unknown logger option is named."""
     import importlib.util
 
-    import train
+    from pixdit.cli import train
 
     loggers = train.build_loggers(h.compose(["logger=[csv,tensorboard]"]).logger, tmp_path)
     assert [type(x).__name__ for x in loggers] == ["CSVLogger", "TensorBoardLogger"]
@@ -256,11 +282,28 @@ def test_loggers(h, tmp_path):
             train.build_loggers(h.compose(["logger=wandb"]).logger, tmp_path)
     with pytest.raises(PixditError, match="flush_every.*logger.csv"):
         train.build_loggers(h.compose(["+logger.csv.flush_every=3"]).logger, tmp_path)
+    with pytest.raises(PixditError, match="logger 'mlflow' is not known; available: csv, tensorboard, wandb"):
+        train.build_loggers({"mlflow": {}}, tmp_path)
+
+
+def test_callbacks_from_the_table(h, tmp_path):
+    """callbacks.* keys name classes of pixdit.callbacks.CALLBACKS, built in the table's order with pixdit's run
+    directory; an unknown name or option is a named error."""
+    from pixdit.callbacks import build_callbacks
+
+    callbacks = build_callbacks(h.compose(["callbacks.checkpoint.save_top_k=0"]).callbacks, tmp_path)
+    assert [type(c).__name__ for c in callbacks] == ["PerfMonitor", "StepCheckpoint", "SampleGrid", "TQDMProgressBar"]
+    assert callbacks[1].dirpath == str(tmp_path / "checkpoints") and callbacks[1].save_top_k == 0
+    assert callbacks[1].save_last and callbacks[2].dirpath == tmp_path / "samples"
+    with pytest.raises(PixditError, match=r"unknown callbacks \['ema_swap'\]; allowed: .*'throughput'"):
+        build_callbacks({"ema_swap": {}}, tmp_path)
+    with pytest.raises(PixditError, match="windo.*callbacks.throughput.*window"):
+        build_callbacks({"throughput": {"windo": 3}}, tmp_path)
 
 
 def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
     """The training loop drives VSA's dense-to-sparse schedule: the backends see global_step, and it is checkpointed."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["trainer=cpu", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
                      "attention=vsa", "model.token_order=zorder", "attention.topk=1", "attention.anneal_every=1",
@@ -279,7 +322,7 @@ def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monk
     import itertools
     from types import SimpleNamespace
 
-    import train
+    from pixdit.cli import train
     import pixdit.callbacks
 
     clock = itertools.count()
@@ -300,7 +343,7 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
     import itertools
     from types import SimpleNamespace
 
-    import train
+    from pixdit.cli import train
     import pixdit.callbacks
 
     clock = itertools.count()
@@ -327,7 +370,7 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
 def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(h, tiny_shards, tmp_path):
     """max_steps=5 with a checkpoint every 2 steps: last.ckpt must hold step 5 (it held step 4: the last step's
     training was lost, and result["checkpoint"] pointed at an older model than the one that was sampled)."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
                      "model.patch_size=2", "trainer.max_steps=5", "trainer.val_check_interval=2",
@@ -335,7 +378,9 @@ def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(
                      "callbacks.progress_bar=null"])
     result = train.train(cfg, tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=5.ckpt"], checkpoints
+    assert [c for c in checkpoints if c.endswith(".ckpt")] == ["last.ckpt", "step=2.ckpt", "step=4.ckpt",
+                                                                "step=5.ckpt"], checkpoints
+    assert len(checkpoints) == 8 and torch.load(tmp_path / "checkpoints" / "last.ema.pt")["global_step"] == 5
     last = torch.load(result["checkpoint"], weights_only=False)
     assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5
     # ... and validated: the "final" validation loss (sweep summaries, bench_scaling) is the last step's, not step 4's
@@ -348,7 +393,7 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
     """The GPU recipe (bf16-mixed, fused AdamW, gradient_clip_val=1.0) on the CPU: Lightning's AMP plugin refuses to
     clip for a fused optimizer (it assumes an fp16 GradScaler); bf16 has none, so the module clips itself. The
     clipped step must equal an unfused AdamW's step on the same clipped gradients."""
-    import train
+    from pixdit.cli import train
 
     results = {}
     for fused in (True, False):
@@ -363,7 +408,7 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
 
 
 def test_compile_option():
-    import train
+    from pixdit.cli import train
 
     assert train.resolve_compile(True, "cpu") is True and train.resolve_compile(False, "gpu") is False
     assert train.resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer

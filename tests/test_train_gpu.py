@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_quickstart_on_gpu(train_helpers, tiny_shards, tmp_path, compile):
-    import train
+    from pixdit.cli import train
 
     h = train_helpers
     cfg = h.compose(["experiment=quickstart", "trainer=gpu", *h.tiny_model, *h.tiny_data(tiny_shards, batch_size=4),

@@ -3,12 +3,16 @@
 * ``SampleGrid``: every N steps and at the end of training, samples a grid with the EMA model from fixed seeds (the
   same noise every time, so grids are comparable across steps and runs), writes ``<run>/samples/step_XXXXXXX.png`` and
   sends it to the loggers that take images (TensorBoard, W&B).
-* ``ThroughputMonitor``: images/s, pixel tokens/s and peak GPU memory, logged as ``perf/*``.
+* ``PerfMonitor``: images/s, pixel tokens/s and peak GPU memory, logged as ``perf/*`` (config key ``throughput``;
+  not Lightning's ``ThroughputMonitor``, which counts batches and FLOPs).
 * ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
   the target with ``os.replace`` (``pixdit.checkpoint``); a kill during a write leaves the previous checkpoint intact.
+  Next to each checkpoint ``X.ckpt`` it writes the EMA artifact ``X.ema.pt`` (EMA weights + model config: what
+  pixdit-evaluate and ``init_from`` read) and removes it with the checkpoint.
 * ``StepCheckpoint``: Lightning's ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) that also
   saves the final step when ``every_n_train_steps`` does not divide ``max_steps``.
-* ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these and the progress bar.
+* ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these, the progress bar and
+  ``pixdit.eval.callback.FIDCallback``, through the name -> class table ``CALLBACKS``.
 """
 
 from __future__ import annotations
@@ -23,19 +27,29 @@ from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-from pixdit.checkpoint import atomic_torch_save
-from pixdit.config import construct
+from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path
+from pixdit.config import construct, plain
 from pixdit.errors import PixditError
+from pixdit.eval.callback import FIDCallback
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO whose writes are crash-safe (``pixdit.checkpoint.atomic_torch_save``): a kill during a
-    checkpoint write never destroys the last good checkpoint."""
+    checkpoint write never destroys the last good checkpoint. Each checkpoint of a DiffusionModule also gets its EMA
+    artifact (``pixdit.checkpoint.ema_artifact``), written first: an interrupted save leaves an artifact at least as
+    new as its checkpoint, never an older one that would be evaluated in its place. Lightning calls this on rank 0."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
+        artifact = ema_artifact(checkpoint)
+        if artifact is not None:
+            atomic_torch_save(artifact, ema_path(path))
         atomic_torch_save(checkpoint, path)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        ema_path(path).unlink(missing_ok=True)  # ModelCheckpoint's save_top_k drops a checkpoint: its artifact too
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -99,7 +113,7 @@ class SampleGrid(Callback):
         return path
 
 
-class ThroughputMonitor(Callback):
+class PerfMonitor(Callback):
     """Logs ``perf/images_per_s``, ``perf/tokens_per_s`` (pixel tokens = images x H x W / patch^2) and
     ``perf/peak_mem_gb`` averaged over windows of ``window`` optimizer steps (one GPU sync per window)."""
 
@@ -144,37 +158,35 @@ class ThroughputMonitor(Callback):
         self._start, self._images, self._tokens = None, 0, 0
 
 
+# Config key (configs/callbacks/) -> callback class, in the order the callbacks run. The perf monitor first: Lightning
+# calls on_train_batch_end in list order (checkpoints always last), so a window that ends at a sampling / checkpoint
+# / FID step is measured before that work runs.
+CALLBACKS = {"throughput": PerfMonitor, "checkpoint": StepCheckpoint, "samples": SampleGrid,
+             "progress_bar": TQDMProgressBar, "fid": FIDCallback}
+# pixdit's defaults under the configured options (Lightning's ModelCheckpoint: step=N.ckpt, keep all, and last.ckpt).
+CALLBACK_DEFAULTS = {"checkpoint": {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
+                                    "save_top_k": -1}}
+
+
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
-    """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml). Each key names one callback:
-
-    ``checkpoint`` -> StepCheckpoint(dirpath=<run>/checkpoints), ``samples`` -> SampleGrid(dirpath=<run>/samples),
-    ``throughput`` -> ThroughputMonitor, ``progress_bar`` -> TQDMProgressBar, ``fid`` -> pixdit.eval FIDCallback
-    (configs/callbacks/fid.yaml; built only when it is on: every_n_steps > 0 or at_end); a null entry turns one off.
-    """
+    """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml), one per key of ``CALLBACKS``; a null entry
+    turns one off. The run directory is pixdit's choice: ``checkpoint`` writes <run>/checkpoints, ``samples``
+    <run>/samples. ``fid`` (configs/callbacks/fid.yaml) is built only when it is on (every_n_steps > 0 or at_end)."""
     run_dir = Path(run_dir)
-    known = {"checkpoint", "samples", "throughput", "progress_bar", "fid"}
-    cfg = dict(cfg or {})
-    unknown = sorted(set(cfg) - known)
+    cfg = plain(cfg) or {}
+    unknown = sorted(set(cfg) - set(CALLBACKS))
     if unknown:
-        raise PixditError(f"unknown callbacks {unknown}; allowed: {sorted(known)} (set one to null to turn it off)")
+        raise PixditError(f"unknown callbacks {unknown}; allowed: {sorted(CALLBACKS)} (set one to null to turn it off)")
+    fixed = {"checkpoint": {"dirpath": str(run_dir / "checkpoints")}, "samples": {"dirpath": str(run_dir / "samples")}}
     callbacks: list[Callback] = []
-    # The throughput monitor first: Lightning calls on_train_batch_end in list order (checkpoints always last), so a
-    # window that ends at a sampling / checkpoint / FID step is measured before that work runs.
-    if cfg.get("throughput") is not None:
-        callbacks.append(construct(ThroughputMonitor, cfg["throughput"], "callbacks.throughput"))
-    if cfg.get("checkpoint") is not None:
-        options = {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
-                   "save_top_k": -1, **cfg["checkpoint"]}
-        callbacks.append(construct(StepCheckpoint, options, "callbacks.checkpoint",
-                                   dirpath=str(run_dir / "checkpoints")))
-    if cfg.get("samples") is not None:
-        callbacks.append(construct(SampleGrid, cfg["samples"], "callbacks.samples", dirpath=str(run_dir / "samples")))
-    if cfg.get("progress_bar") is not None:
-        callbacks.append(construct(TQDMProgressBar, cfg["progress_bar"], "callbacks.progress_bar"))
-    fid = cfg.get("fid")
-    # Built when switched on (any non-zero every_n_steps or at_end); FIDCallback then checks the values themselves.
-    if fid is not None and (fid.get("every_n_steps") or fid.get("at_end")):
-        from pixdit.eval.callback import FIDCallback  # imported only when on: it loads the Inception network
-
-        callbacks.append(construct(FIDCallback, fid, "callbacks.fid"))
+    for name, cls in CALLBACKS.items():
+        options = cfg.get(name)
+        if options is None:
+            continue
+        # FID is switched on by any non-zero every_n_steps or at_end; FIDCallback then checks the values themselves.
+        if name == "fid" and isinstance(options, dict) and not (options.get("every_n_steps") or options.get("at_end")):
+            continue
+        if isinstance(options, dict):
+            options = {**CALLBACK_DEFAULTS.get(name, {}), **options}
+        callbacks.append(construct(cls, options, f"callbacks.{name}", **fixed.get(name, {})))
     return callbacks

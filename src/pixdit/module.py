@@ -1,6 +1,7 @@
 """DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow (spec llsa.md §9–§10).
 
-What it owns (train.py builds it from the config; see configs/train.yaml for every key):
+What it owns (``DiffusionModule.from_config(cfg, image_size)`` builds it from a run's config; see configs/train.yaml
+for every key):
 
 * the model (``pixdit.models.build_model``: model config + attention config + the data's image size) and the flow
   (``pixdit.flow.RectifiedFlow``: training loss and Euler sampler);
@@ -35,18 +36,17 @@ import lightning as L
 import numpy as np
 import torch
 
+from pixdit.checkpoint import Weights, load_weights
 from pixdit.config import construct, plain
 from pixdit.ema import EMA
 from pixdit.errors import PixditError
 from pixdit.flow import RectifiedFlow
 from pixdit.models import build_model
+from pixdit.runtime import mixed_seed, noise_for_indices
 
 GOLDEN = (math.sqrt(5) - 1) / 2  # low-discrepancy step for the fixed validation timesteps
-
-
-def mixed_seed(*numbers: int) -> int:
-    """A well-mixed 63-bit seed from a tuple of non-negative ints (numpy's SeedSequence hashing)."""
-    return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1, dtype=np.uint64)[0] >> 1)
+# The sections of configs/train.yaml that DiffusionModule.from_config reads.
+CONFIG_SECTIONS = ("model", "attention", "flow", "optimizer", "ema", "validation", "seed")
 
 
 def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +55,7 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
     Depends only on (seed, index): not on the batch size, the rank, the device or anything drawn before.
     sigma_i = 0.001 + 0.999 * frac(0.5 + i * golden ratio) covers [0.001, 1) evenly for any number of images.
     """
-    noise = torch.stack([
-        torch.randn(shape, generator=torch.Generator().manual_seed(mixed_seed(seed, int(i))), dtype=torch.float32)
-        for i in indices.tolist()
-    ])
+    noise = noise_for_indices(indices.tolist(), shape, seed)
     frac = torch.remainder(0.5 + indices.double() * GOLDEN, 1.0)
     sigma = (0.001 + 0.999 * frac).float()
     return noise, sigma
@@ -80,6 +77,30 @@ def check_seed(seed, name: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise PixditError(f"{name}={seed!r} must be a non-negative integer")
     return seed
+
+
+def build_model_and_flow(model: dict, attention: dict | None, image_size: int | tuple[int, int],
+                         flow: dict | None) -> tuple[torch.nn.Module, RectifiedFlow]:
+    """The DiT and the rectified flow of a run's ``model`` / ``attention`` / ``flow`` config sections at the data's
+    image size: what DiffusionModule trains, and what ``load_generator`` rebuilds from a checkpoint for sampling."""
+    image_size = (image_size, image_size) if isinstance(image_size, int) else tuple(plain(image_size))
+    return (build_model(**plain(model), attention=plain(attention) or {"name": "full"}, input_size=image_size),
+            construct(RectifiedFlow, plain(flow) or {}, "flow", image_size=image_size))
+
+
+def load_generator(path: str | Path, use_ema: bool = True,
+                   key: str = "ckpt") -> tuple[torch.nn.Module, RectifiedFlow, Weights]:
+    """The model (eval mode, on the CPU) and flow of a run's checkpoint, for sampling, with the weights' origin:
+    the EMA weights by default, read from the EMA artifact next to the checkpoint when there is one
+    (``pixdit.checkpoint.load_weights``). pixdit-evaluate and scripts/llsa_recall.py load checkpoints here."""
+    weights = load_weights(path, use_ema=use_ema, key=key)
+    if weights.config is None:
+        raise PixditError(f"{key}={str(path)!r} has no model config (hyper_parameters): not a pixdit training run's "
+                          f"checkpoint")
+    config = weights.config
+    model, flow = build_model_and_flow(config["model"], config["attention"], config["image_size"], config["flow"])
+    model.load_state_dict(weights.state_dict)
+    return model.eval(), flow, weights
 
 
 class DiffusionModule(L.LightningModule):
@@ -105,8 +126,7 @@ class DiffusionModule(L.LightningModule):
                                        optimizer=optimizer, ema=ema, validation=validation, seed=seed,
                                        compile=compile))
         self.image_size = image_size
-        self.model = build_model(**model, attention=attention, input_size=image_size)
-        self.flow = construct(RectifiedFlow, flow, "flow", image_size=image_size)
+        self.model, self.flow = build_model_and_flow(model, attention, image_size, flow)
         self.optimizer_options = construct(adamw_options, optimizer, "optimizer")
         self.ema = construct(EMA, ema, "ema", model=self.model)
         # Attention backends whose behaviour follows the optimizer step (VSA's dense-to-sparse annealing).
@@ -118,6 +138,14 @@ class DiffusionModule(L.LightningModule):
             self.model.compile()
         self._val_seen = 0
         self.validated_at_step = -1   # optimizer step of the last validation (train.py validates the final step)
+
+    @classmethod
+    def from_config(cls, cfg, image_size: int | tuple[int, int], compile: bool = False) -> DiffusionModule:
+        """The module of a run's config (configs/train.yaml: the CONFIG_SECTIONS; a missing one takes its defaults)
+        at the data's image size. The one place a run's module is built: pixdit-train, the sweep's pre-launch check
+        (on the meta device) and scripts/bench_train.py."""
+        sections = {key: cfg.get(key) for key in CONFIG_SECTIONS if cfg.get(key) is not None}
+        return cls(**sections, image_size=image_size, compile=compile)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -183,7 +211,9 @@ class DiffusionModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=options["lr"], betas=tuple(options["betas"]),
                                       weight_decay=options["weight_decay"], eps=options["eps"], fused=fused)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup_steps))
+        # Linear warm-up: lr * (step + 1) / warmup_steps for steps 0 .. warmup_steps - 1, then lr (constant).
+        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / max(1, warmup_steps),
+                                                      total_iters=max(0, warmup_steps - 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _has_grad_scaler(self) -> bool:
@@ -274,18 +304,11 @@ class DiffusionModule(L.LightningModule):
 
     def init_from(self, path: str | Path, use_ema: bool = True) -> str:
         """Start from another run's weights (e.g. the 32-px model for a 128-px run: RoPE and no absolute positions
-        make the weights resolution-independent). Loads the EMA weights (or the raw ones with use_ema=False) into the
-        model and restarts the EMA from them; the optimizer, LR schedule and step count start fresh. Returns the
-        message that train.py logs."""
-        path = Path(path)
-        if not path.is_file():
-            raise PixditError(f"init_from={str(path)!r}: no such checkpoint file")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        state = checkpoint.get("state_dict", checkpoint)
-        prefix = "ema.model." if use_ema and any(k.startswith("ema.model.") for k in state) else "model."
-        weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        if not weights:
-            raise PixditError(f"init_from={str(path)!r} holds no pixdit model weights (keys 'model.*' / 'ema.model.*')")
+        make the weights resolution-independent). Loads the EMA weights (from the EMA artifact next to a checkpoint
+        when there is one; or the raw ones with use_ema=False) into the model and restarts the EMA from them; the
+        optimizer, LR schedule and step count start fresh. Returns the message that train.py logs."""
+        loaded = load_weights(path, use_ema=use_ema, key="init_from")
+        path, weights = loaded.path, loaded.state_dict
         own = self.model.state_dict()
         wrong = [f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(own[k].shape)} here"
                  for k, v in weights.items() if k in own and own[k].shape != v.shape]
@@ -294,7 +317,7 @@ class DiffusionModule(L.LightningModule):
                               + "; ".join(wrong[:5]))
         result = self.model.load_state_dict(weights, strict=False)
         self.ema.reset(self.model)
-        source = "EMA" if prefix == "ema.model." else "raw"
+        source = "EMA" if loaded.source == "ema" else "raw"
         message = (f"init_from: loaded {len(weights) - len(result.unexpected_keys)} {source} weight tensors from {path}; "
                    f"optimizer, LR schedule, EMA and step count start fresh")
         if result.missing_keys:
@@ -302,16 +325,3 @@ class DiffusionModule(L.LightningModule):
         if result.unexpected_keys:
             message += f"; ignored (not in this model): {result.unexpected_keys}"
         return message
-
-
-class LinearWarmup:
-    """LR multiplier: (step + 1) / warmup_steps during warm-up, then 1 (constant LR). A class, not a lambda, so the
-    scheduler's state_dict stays picklable."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if self.warmup_steps <= 0:
-            return 1.0
-        return min(1.0, (step + 1) / self.warmup_steps)

@@ -18,7 +18,9 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
 
 def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tuple[float, float]:
     """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls, and the peak GPU memory (GB) during
-    the timed calls (nan on CPU). On CUDA each call is timed with CUDA events (device time, launch queue drained)."""
+    the timed calls (nan on CPU). On CUDA the calls run back to back, each between two CUDA events, with one
+    synchronisation at the end (as ``triton.testing.do_bench`` does): host work that overlaps the GPU's queue is not
+    counted, host work that starves the GPU is."""
     import statistics
     import time
 
@@ -31,16 +33,17 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) / 1000 for start, end in events]
+    else:
+        times = []
+        for _ in range(repeats):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)

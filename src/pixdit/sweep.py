@@ -12,7 +12,7 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
 * ``SweepCallback`` (a Hydra callback, listed under ``hydra.callbacks`` in configs/train.yaml)
     - ``on_multirun_start``: expands the sweep exactly as Hydra's BasicSweeper will, composes every job's config with
       Hydra's own loader, and builds each job's model on PyTorch's ``meta`` device (no memory, no data) through
-      ``pixdit.module.DiffusionModule`` - the same constructor train.py calls, so the same checks run (attention
+      ``DiffusionModule.from_config`` - the same builder pixdit-train calls, so the same checks run (attention
       options, ``check_grid`` / the kernels' ``llsa_check``: B a power of two >= 16, B^L divides the token count...).
       It also checks that the launcher starts every process a run needs (``check_launch_layout``). If any job
       would fail there, nothing is launched and one message lists every bad combination.
@@ -21,16 +21,14 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
       summary marks failed runs.
 * ``LocalGPUPool``: hydra-submitit-launcher's local launcher, except that at most one job runs per GPU (or per
   ``gpus_per_job`` GPUs, one process each): submitit's local executor alone would start every job at once on the same
-  GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` package, so the registered class is the one-line
-  subclass ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher`` (hydra_plugins/ at the repository root, next to
-  train.py, whose directory Python puts on ``sys.path``).
+  GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` namespace package, so the registered class is the
+  one-line subclass ``hydra_plugins.pixdit_sweep.LocalGPUPoolLauncher`` (src/hydra_plugins/, installed with pixdit).
 
 Guide: docs/scaling.md. Tests: ``.venv/bin/python -m pytest tests/test_sweep.py tests/test_sweep_summary.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -45,6 +43,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import DictConfig, OmegaConf
 
 from pixdit.errors import PixditError
+from pixdit.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +82,16 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
     return size if isinstance(size, int) else tuple(size)
 
 
-# The config sections check_run_config reads (the arguments of DiffusionModule, plus data for the image size).
-CHECKED_SECTIONS = ("model", "attention", "data", "flow", "optimizer", "ema", "validation", "seed")
-
-
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise PixditError if this run's model cannot be built: the same ``DiffusionModule(...)`` call as train.py,
+    """Raise PixditError if this run's model cannot be built: ``DiffusionModule.from_config`` as in pixdit-train,
     on the ``meta`` device, so every check the model, attention backend and kernels make runs, in ~0.1-1 s."""
     import torch
 
     from pixdit.module import DiffusionModule
 
     with torch.device("meta"):
-        DiffusionModule(model=cfg.model, attention=cfg.attention, image_size=image_size_of(cfg), flow=cfg.flow,
-                        optimizer=cfg.optimizer, ema=cfg.ema, validation=cfg.validation, seed=cfg.seed,
-                        compile=False)  # compile is lazy anyway; the compiled graph is not what we check
+        # compile is lazy anyway; the compiled graph is not what we check
+        DiffusionModule.from_config(cfg, image_size_of(cfg), compile=False)
 
 
 def check_launch_layout(cfg: DictConfig) -> None:
@@ -134,12 +128,15 @@ def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from pixdit.module import CONFIG_SECTIONS
+
+    checked_sections = [*CONFIG_SECTIONS, "data"]  # what check_run_config reads (data: the image size)
     invalid, seen = [], {}
     for job in jobs:
         try:
             cfg = compose(list(job))
             # Runs that differ only in keys the check does not read (trainer, callbacks, ...) are checked once.
-            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, list(CHECKED_SECTIONS)), resolve=True)
+            key = OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, checked_sections), resolve=True)
             if key not in seen:
                 try:
                     check(cfg)
@@ -178,10 +175,7 @@ def write_status(run_dir: str | Path, status: str, error: BaseException | None =
         record["error"] = f"{type(error).__name__}: {error}"
         record["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
     path = Path(run_dir) / "status.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".status.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, record, indent=2)
     return path
 
 
@@ -293,9 +287,6 @@ class LocalGPUPool(LocalLauncher):
         executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=self.gpus_per_job,
                                    stderr_to_stdout=params.get("stderr_to_stdout", False))
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        # Workers unpickle this launcher: make its hydra_plugins module importable whatever their working directory.
-        plugin_root = str(Path(sys.modules[type(self).__module__].__file__).resolve().parents[1])
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_root, os.environ.get("PYTHONPATH")) if p)
         log.info("local GPU pool: %d jobs, %d at a time on GPUs %s; sweep dir %s", len(job_overrides), len(slots),
                  [list(s) for s in slots] if slots != [()] else "none (CPU)", self.config.hydra.sweep.dir)
 

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pixdit.data.imageops import decode_image
 from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest
 from pixdit.errors import PixditError
+from pixdit.runtime import rank_and_world_size
 
 _BLOCK_SEED, _FLIP_SEED = 1, 2  # stream tags, so block-shuffle and flip random numbers never coincide
 
@@ -386,9 +387,7 @@ class ShardDataModule(L.LightningDataModule):
             return self.trainer.global_rank, self.trainer.world_size
         if self._rank is not None:
             return self._rank, self._world_size or 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return 0, 1
+        return rank_and_world_size()
 
     def batches_per_epoch(self) -> int:
         """Batches per rank per epoch: epoch_images // (world_size * batch_size), at least 1."""

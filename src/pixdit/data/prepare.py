@@ -45,8 +45,9 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from pixdit.data.imageops import center_crop_arr, encode_image
-from pixdit.data.shards import IMAGE_FORMATS, ShardWriter, shard_name, split_info, write_json_atomic, write_manifest
+from pixdit.data.shards import IMAGE_FORMATS, ShardWriter, shard_name, split_info, write_manifest
 from pixdit.errors import PixditError
+from pixdit.files import write_json
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 LABEL_MODES = ("none", "folders")
@@ -269,7 +270,7 @@ def write_one_shard(task: dict) -> dict:
                                                     "sha256": None}
     result = {**shard, "index": task["index"], "skipped": skipped}
     # written after the shard's rename: a state file means the shard is complete
-    write_json_atomic(out / STATE_DIR / (shard_name(task["split"], task["index"]) + ".json"), result)
+    write_json(out / STATE_DIR / (shard_name(task["split"], task["index"]) + ".json"), result)
     return result
 
 
@@ -308,7 +309,7 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
             raise PixditError(f"{out} holds shards prepared with different settings ({', '.join(changed)}); "
                               f"use another --out, or delete {out} to start over")
     else:
-        write_json_atomic(options_file, options)  # a half-written options.json would block every later run
+        write_json(options_file, options)  # a half-written options.json would block every later run
     for stale in out.glob("*.tar.tmp"):  # shards a killed run left half-written
         stale.unlink()
 

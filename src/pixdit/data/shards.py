@@ -32,6 +32,7 @@ from typing import Any
 import webdataset as wds
 
 from pixdit.errors import PixditError
+from pixdit.files import commit_file, write_json
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "pixdit-shards"
@@ -82,9 +83,7 @@ class ShardWriter:
             os.remove(tmp_name)
             return
         final = tmp_name[: -len(".tmp")]
-        with open(tmp_name, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_name, final)
+        commit_file(tmp_name, final)
         self.shards.append({"name": os.path.basename(final), "count": count, "sha256": sha256_of_file(final)})
 
     def write(self, key: str, image_bytes: bytes, image_format: str, label: int | None = None,
@@ -163,17 +162,9 @@ def write_manifest(out_dir: str | os.PathLike, *, resolution: int, image_format:
         "options": options or {},
     }
     if classes:
-        write_json_atomic(out_dir / "classes.json", classes)
-    write_json_atomic(out_dir / MANIFEST_NAME, manifest)
+        write_json(out_dir / "classes.json", classes)
+    write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON to a temporary file, then rename it over `path`: a killed run leaves the old file or the
-    new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def read_manifest(root: str | os.PathLike, prepare_command: str | None = None) -> dict:

@@ -26,19 +26,9 @@ from pixdit.errors import PixditError
 from pixdit.eval.evaluator import evaluate_generator
 from pixdit.eval.inception import InceptionFeatureExtractor, resolve_inception_path
 from pixdit.eval.reference import ReferenceStats, default_stats_path, load_reference
+from pixdit.runtime import resolve_precision
 
 log = logging.getLogger(__name__)
-
-# Trainer precision -> the autocast precision of generation.
-TRAINER_PRECISIONS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16", "16-mixed": "fp16",
-                      "16-true": "fp16", "16": "fp16", "32-true": "fp32", "32": "fp32", "64-true": "fp32"}
-
-
-def generation_precision(precision: str, trainer_precision: str | None) -> str:
-    if precision != "auto":
-        return precision
-    return TRAINER_PRECISIONS.get(str(trainer_precision), "fp32")
-
 
 class FIDCallback(Callback):
     """FID/IS of generated samples every `every_n_steps` optimizer steps (0 = never) and/or at the end of training."""
@@ -72,8 +62,7 @@ class FIDCallback(Callback):
                 f"inception_splits ({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_steps="
                 f"{every_n_steps}, num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
             )
-        if precision not in ("auto", "fp32", "bf16", "fp16"):
-            raise PixditError(f"{key}.precision={precision!r}; allowed: auto (the trainer's), fp32, bf16, fp16")
+        resolve_precision(precision, "cpu", key=f"{key}.precision")  # checks the name now; `auto` = the trainer's
         self.reference_name = reference
         self.every_n_steps = every_n_steps
         self.at_end = at_end
@@ -164,7 +153,7 @@ class FIDCallback(Callback):
             model, pl_module.flow, self.extractor, self.reference,
             num_samples=self.num_samples, image_size=pl_module.image_size, steps=self.steps, seed=self.seed,
             cfg_scale=self.cfg_scale, num_classes=pl_module.num_classes, batch_size=self.batch_size, device=device,
-            precision=generation_precision(self.precision, trainer.precision), inception_splits=self.inception_splits,
+            precision=resolve_precision(self.precision, device, trainer.precision), inception_splits=self.inception_splits,
             kid=self.kid,
         )
         logged = {k: float(metrics[k]) for k in ("fid", "is_mean", "is_std", "kid") if metrics.get(k) is not None}

@@ -22,17 +22,12 @@ from pixdit.eval.inception import FEATURE_DIM, InceptionFeatureExtractor
 from pixdit.eval.reference import ReferenceStats
 from pixdit.eval.sampling import generate_uint8, rank_indices
 from pixdit.eval.stats import FeatureStatistics, frechet_distance, inception_score, kernel_inception_distance
-
-
-def _distributed() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+from pixdit.runtime import rank_and_world_size
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when `flag` is true on at least one (a collective; just `flag` without a process group)."""
-    if _distributed()[1] == 1:
+    if rank_and_world_size()[1] == 1:
         return flag
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -42,7 +37,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 def gather_by_index(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """all_gather rows `[n_r, d]` with their global sample indices `[n_r]` from every rank (n_r may differ) and return
     all rows `[sum n_r, d]` sorted by index, on every rank."""
-    rank, world_size = _distributed()
+    rank, world_size = rank_and_world_size()
     indices = indices.to(rows.device)
     if world_size > 1:
         count = torch.tensor([rows.shape[0]], device=rows.device)
@@ -93,7 +88,7 @@ def evaluate_generator(
     on_batch(indices, uint8 images) is called on each rank for its own batches (PNG grid / samples.npz writers).
     Collective: every rank of the default process group must call it with the same arguments.
     """
-    rank, world_size = _distributed()
+    rank, world_size = rank_and_world_size()
     if num_samples < max(2, inception_splits):
         raise PixditError(f"num_samples={num_samples} must be at least 2 and at least inception_splits "
                           f"({inception_splits})")

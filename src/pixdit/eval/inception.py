@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pixdit.errors import PixditError
+from pixdit.files import atomic_write
 
 INCEPTION_FILENAME = "inception-2015-12-05.pt"
 # Same URL as cleanfid.downloads_helper.inception_url (kept here so the error message works without importing it).
@@ -53,15 +53,8 @@ def _candidate_paths(inception_path: str | None, cache_dir: str | None) -> list[
 
 def download_file(url: str, destination: Path) -> None:
     """Download with a timeout to a temporary file, then rename (never leaves a half-written weights file)."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as tmp:
-        try:
-            with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-                shutil.copyfileobj(response, tmp)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, destination)
+    with atomic_write(destination) as f, urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+        shutil.copyfileobj(response, f)
 
 
 def resolve_inception_path(inception_path: str | None = None, cache_dir: str | None = None,

@@ -25,6 +25,7 @@ import numpy as np
 
 from pixdit.errors import PixditError
 from pixdit.eval.inception import download_file, option_name
+from pixdit.files import atomic_write
 
 CLEANFID_STATS_URL = "https://www.cs.cmu.edu/~clean-fid/stats"
 CLEANFID_PREFIX = "cleanfid:"
@@ -150,13 +151,11 @@ def save_reference(path: str | Path, mu: np.ndarray, sigma: np.ndarray, count: i
                    features: np.ndarray | None = None) -> Path:
     """Write statistics atomically (temporary file + rename) so an interrupted run leaves no half file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
     arrays = {"mu": mu, "sigma": sigma, "count": np.int64(count), "description": np.array(json.dumps(description))}
     if features is not None:
         arrays["features"] = features
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
     return path
 
 

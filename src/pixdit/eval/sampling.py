@@ -1,6 +1,7 @@
 """Sample generation for evaluation: per-index seeding, class balance, rank sharding, OOM-safe batching.
 
-Sample `i` is a pure function of (seed, i): its noise comes from a CPU generator seeded by (seed, i) and its class
+Sample `i` is a pure function of (seed, i): its noise comes from a CPU generator seeded by (seed, i)
+(``pixdit.runtime.noise_for_indices``, the same per-index noise as the validation loss) and its class
 label is `i % num_classes`. So the set of images does not depend on the number of GPUs, the batch size or the order
 in which ranks process their indices, and two evaluations with disjoint index ranges use disjoint noise
 (`seeds=3` in scripts/evaluate.py uses indices [0, N), [N, 2N), [2N, 3N)).
@@ -11,32 +12,12 @@ in which ranks process their indices, and two evaluations with disjoint index ra
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
-from pixdit.errors import PixditError
 from pixdit.eval.inception import images_to_uint8
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """A well-mixed 63-bit generator seed for sample `index` of an evaluation seeded with `seed`."""
-    state = np.random.SeedSequence([int(seed), int(index)]).generate_state(2, dtype=np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
-
-
-def noise_for_indices(indices: Sequence[int], shape: Sequence[int], seed: int) -> torch.Tensor:
-    """Standard-normal noise [len(indices), *shape] (float32, CPU); row k depends only on (seed, indices[k])."""
-    generator = torch.Generator(device="cpu")
-    rows = []
-    for index in indices:
-        generator.manual_seed(sample_seed(seed, index))
-        rows.append(torch.randn(tuple(shape), generator=generator))
-    return torch.stack(rows)
+from pixdit.runtime import autocast, noise_for_indices
 
 
 def labels_for_indices(indices: Sequence[int], num_classes: int) -> torch.Tensor | None:
@@ -50,15 +31,6 @@ def labels_for_indices(indices: Sequence[int], num_classes: int) -> torch.Tensor
 def rank_indices(num_samples: int, rank: int = 0, world_size: int = 1, offset: int = 0) -> list[int]:
     """The sample indices rank `rank` generates: offset + rank, offset + rank + world_size, ... < offset + num_samples."""
     return list(range(offset + rank, offset + num_samples, world_size))
-
-
-def autocast_context(device: torch.device, precision: str):
-    if precision not in PRECISIONS:
-        raise PixditError(f"precision={precision!r} is not supported; allowed: {sorted(PRECISIONS)}")
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 @torch.no_grad()
@@ -92,7 +64,7 @@ def generate_uint8(
         labels = labels_for_indices(chunk, num_classes)
         labels = labels.to(device) if labels is not None else None
         try:
-            with autocast_context(device, precision):
+            with autocast(device, precision):
                 images = flow.sample(model, noise, steps, y=labels, cfg_scale=cfg_scale)
         except torch.cuda.OutOfMemoryError:
             if batch_size == 1:

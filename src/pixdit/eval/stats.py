@@ -20,6 +20,7 @@ from scipy import linalg
 from scipy.special import xlogy
 
 from pixdit.errors import PixditError
+from pixdit.runtime import rank_and_world_size
 
 
 class FeatureStatistics:
@@ -49,7 +50,7 @@ class FeatureStatistics:
 
     def all_reduce(self) -> "FeatureStatistics":
         """Sum the statistics over all ranks of the default process group (no-op without one)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if rank_and_world_size()[1] > 1:
             for tensor in (self.count, self.sum, self.outer_sum):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return self

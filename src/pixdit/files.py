@@ -1,0 +1,69 @@
+"""Crash-safe file writes. Every file pixdit writes for a later reader (checkpoints and their EMA artifacts, shards,
+manifests, FID statistics, metrics, sweep status files, downloaded weights) is written with one of these:
+
+    with atomic_write(path) as f:            # binary; atomic_write(path, "w") for text
+        torch.save(obj, f)
+    write_json(path, obj)                    # the same for a JSON document
+    commit_file(tmp_path, path)              # a file another library wrote under a temporary name (shards)
+
+The bytes go to a temporary file in the same directory (same file system, so the rename is atomic); the file is
+fsync'ed, renamed over ``path`` with ``os.replace``, and the directory is fsync'ed so the rename survives a power loss.
+A kill at any moment leaves either the old file or the new one at ``path``, never part of one; an exception inside
+the ``with`` block removes the temporary file and leaves ``path`` untouched. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+MODES = ("wb", "w")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """An open file (binary ``"wb"`` or text ``"w"``, UTF-8) whose contents replace ``path`` when the block ends."""
+    if mode not in MODES:
+        raise ValueError(f"atomic_write: mode={mode!r}; allowed: {', '.join(MODES)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique hidden name, created exclusively ("x") with the usual permissions (mkstemp would make it 0600).
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(path.parent)
+
+
+def commit_file(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make a complete, closed file ``tmp`` durable and rename it over ``path`` (same directory)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(Path(path).parent)
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int = 1) -> None:
+    """``obj`` as a JSON document at ``path``, written atomically (readers never see half of it)."""
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(obj, indent=indent) + "\n")
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
