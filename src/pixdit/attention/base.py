@@ -1,29 +1,28 @@
-"""Attention backends: the interface every attention method implements, the name registry, and `full` attention.
+"""The interface every attention backend implements, the name registry, and `build_attention`.
 
 Every attention layer of the DiT owns one backend, built from `configs/attention/<name>.yaml`:
 
-    name: full      # selects the registered class below
-    impl: sdpa      # every other key is a constructor option of that class
+    name: full        # selects the registered class
+    kernel: sdpa      # every other key is a constructor option of that class
 
     >>> from pixdit.attention import build_attention
-    >>> backend = build_attention({"name": "full", "impl": "sdpa"}, dim=384, num_heads=6)
+    >>> backend = build_attention({"name": "full", "kernel": "sdpa"}, dim=384, num_heads=6)
     >>> out = backend(q, k, v, grid_hw=(64, 64), hidden=h)    # q, k, v: [batch, heads, tokens, head_dim]
 
-A new method is one class (`@register_attention("mine")`, subclass of `AttentionBackend`) plus one config file.
-The sparse methods (llsa, vsa, sla) live in `pixdit.attention_sparse`.
+A new method is one module in this package with one class (`@register_attention("mine")`, a subclass of
+`AttentionBackend`), imported by `pixdit/attention/__init__.py`, plus one config file.
 Tests: ``.venv/bin/python -m pytest tests/test_attention.py``.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pixdit.config import construct, plain
 from pixdit.errors import PixditError
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -33,11 +32,14 @@ class AttentionBackend(nn.Module):
     """One attention layer's q, k, v -> output map. Subclasses take ``(dim, num_heads, **options)``.
 
     ``token_order``: the order the backend needs the tokens in ("zorder" for the block-sparse methods, whose blocks of
-    consecutive tokens must be square patches); None means any order works. The model checks it at build time.
+    consecutive tokens must be square patches); None = any order (``model.token_order: auto`` then picks raster).
+    ``renamed_options``: old config keys -> what replaced them; building with an old key is an error naming the new
+    one.
     """
 
     name: str = ""
     token_order: str | None = None
+    renamed_options: dict[str, str] = {}
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -46,6 +48,11 @@ class AttentionBackend(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
+
+    def reset_parameters(self) -> None:
+        """Initialise the backend's own parameters (VSA's gates, SLA's projection). Subclasses with parameters call it
+        at the end of ``__init__``; the model calls it again after its own initialisation (which re-initialises every
+        ``nn.Linear``), so the methods keep the initialisation they require."""
 
     def check_grid(self, grid_hw: tuple[int, int]) -> None:
         """Raise PixditError (naming the grid and the violated number) if this backend cannot handle the token grid."""
@@ -72,13 +79,13 @@ def register_attention(name: str):
 
 
 def attention_names() -> list[str]:
-    _import_sparse_backends()
     return sorted(_BACKENDS)
 
 
-def _import_sparse_backends() -> None:
-    # attention_sparse imports this module, so it is imported here, on first use, to fill the registry.
-    import pixdit.attention_sparse  # noqa: F401
+def attention_class(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise PixditError(f"attention name={name!r} is not known; available: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]
 
 
 def attention_options(cfg: Mapping[str, Any] | str | None) -> tuple[str, dict[str, Any]]:
@@ -87,13 +94,7 @@ def attention_options(cfg: Mapping[str, Any] | str | None) -> tuple[str, dict[st
         return "full", {}
     if isinstance(cfg, str):
         return cfg, {}
-    try:  # an OmegaConf DictConfig: resolve interpolations and turn ListConfigs into lists
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency, but the model itself does not need it
-        pass
+    cfg = plain(cfg)
     if not isinstance(cfg, Mapping) or "name" not in cfg:
         raise PixditError(f"attention config must be a mapping with a 'name' key, got {cfg!r}")
     options = {key: value for key, value in cfg.items() if key != "name"}
@@ -103,50 +104,26 @@ def attention_options(cfg: Mapping[str, Any] | str | None) -> tuple[str, dict[st
 def build_attention(cfg: Mapping[str, Any] | str | None, dim: int, num_heads: int) -> AttentionBackend:
     """Build one backend from its config (``name`` selects the class, the other keys are its options)."""
     name, options = attention_options(cfg)
-    _import_sparse_backends()
-    if name not in _BACKENDS:
-        raise PixditError(f"attention name={name!r} is not known; available: {', '.join(sorted(_BACKENDS))}")
-    cls = _BACKENDS[name]
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim", "num_heads")]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise PixditError(f"attention '{name}' got unknown option(s) {', '.join(unknown)}; "
-                          f"allowed: {', '.join(['name'] + allowed)}")
-    return cls(dim, num_heads, **options)
+    cls = attention_class(name)
+    for old in options:
+        if old in cls.renamed_options:
+            raise PixditError(f"attention.{old} (attention={name}) was renamed: "
+                              f"use attention.{cls.renamed_options[old]}")
+    return construct(cls, options, "attention", dim=dim, num_heads=num_heads)
 
 
-FULL_ATTENTION_IMPLS = ("sdpa", "triton")
-
-
-@register_attention("full")
-class FullAttention(AttentionBackend):
-    """Dense softmax attention over all tokens (scale 1/sqrt(head_dim)), in any token order.
-
-    impl: "sdpa"   torch.nn.functional.scaled_dot_product_attention (FlashAttention / cuDNN / efficient on GPU)
-          "triton" pixdit.kernels.flash_attention (our Triton kernel)
-    """
-
-    def __init__(self, dim: int, num_heads: int, impl: str = "sdpa"):
-        super().__init__(dim, num_heads)
-        if impl not in FULL_ATTENTION_IMPLS:
-            raise PixditError(f"attention.impl={impl!r} is not known; "
-                              f"allowed values: {', '.join(FULL_ATTENTION_IMPLS)}")
-        self.impl = impl
-        self._flash_attention = _import_flash_attention() if impl == "triton" else None
-
-    def forward(self, q, k, v, *, grid_hw, hidden):
-        if self._flash_attention is not None:
-            return self._flash_attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v)
-
-    def extra_repr(self) -> str:
-        return f"impl={self.impl}"
-
-
-def _import_flash_attention():
+def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Callable[[torch.Tensor], Any]) -> None:
+    """Validate a backend's options once at build time by running its kernel on a tiny CPU input (the kernels own
+    the rules: allowed block sizes, head dims, K, scopes...); their ValueError/TypeError becomes a PixditError."""
+    x = torch.zeros(1, 1, block_size if isinstance(block_size, int) and block_size > 0 else 1, head_dim,
+                    device="cpu")
     try:
-        from pixdit.kernels import flash_attention
-    except ImportError as error:
-        raise PixditError(f"attention.impl=triton needs pixdit.kernels.flash_attention, which is not available "
-                          f"({error}); use attention.impl=sdpa") from None
-    return flash_attention
+        call(x)
+    except (ValueError, TypeError) as error:
+        raise PixditError(f"attention={backend_name}: {error}") from None
+
+
+def uninitialized_linear(in_features: int, out_features: int) -> nn.Linear:
+    """An ``nn.Linear`` for a backend's ``reset_parameters`` to fill. ``skip_init`` skips nn.Linear's own random
+    init, so building it draws nothing from the random stream (the rest of the model initialises as without it)."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, device=torch.get_default_device())
