@@ -1,5 +1,5 @@
-"""Token order (pixdit.tokens): Z-order permutations against worked examples (docs/algorithms.md, "Token order") and their
-block-locality guarantee. Run: .venv/bin/python -m pytest tests/test_tokens.py"""
+"""Token order (pixdit.tokens): Z-order permutations against worked examples (docs/algorithms.md, "Token order") and
+their block-locality guarantee. Run: .venv/bin/python -m pytest tests/test_tokens.py"""
 
 import pytest
 import torch
