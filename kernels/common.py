@@ -27,7 +27,8 @@ HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64)   # VSA's and SLA's block sizes
 IMPLS = ("auto", "triton", "torch")
-# The Triton interpreter runs the kernels on CPU tensors (tests); it must be chosen before triton is imported.
+# The Triton interpreter runs the kernels on CPU tensors (tests); TRITON_INTERPRET=1 must be set before pixdit.kernels
+# is imported (the @triton.jit functions are created then).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
