@@ -10,7 +10,7 @@ Model. Queries are cut into tiles of ``query_block`` rows, keys ("the bank") int
 tile ``t`` attends to the key blocks listed in ``block_lists[b, h, t, :]`` (int32 ids, ``-1`` = empty slot; ids
 distinct within a row), one softmax over all their keys; key rows ``>= Nk`` (a partial last block) are masked. An
 optional ``block_log_weights[key block]`` (fp32) is added to every logit of that block: LLSA's ``W_l = B^l``
-multiplicity (spec llsa.md §3.2) is ``log_weight = l * ln(B)``.
+multiplicity (docs/algorithms.md, "LLSA") is ``log_weight = l * ln(B)``.
 
 Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_fwd_kernel``   query-major: one program per (query tile, batch*head); online softmax over its list; writes O and
@@ -28,7 +28,6 @@ CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exac
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -36,12 +35,11 @@ import triton
 import triton.language as tl
 
 from .blocks import csr_to_csc
+from .common import INTERPRET, autocast_inputs, check_qkv, use_triton
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -292,8 +290,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
 # of compiling per new shape). PIXDIT_KERNELS_AUTOTUNE=0 (set by tests/kernels/conftest.py) and the interpreter
 # (TRITON_INTERPRET=1, CPU tests) launch them directly with 4 warps and 2 stages. Results are bitwise reproducible
 # within a process either way; across processes only with autotuning off (the timing-picked config may differ).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_AUTOTUNE = not _INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
+_AUTOTUNE = not INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
 _CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 2))]
 
 
@@ -310,15 +307,15 @@ _LAUNCH = {} if _AUTOTUNE else {"num_warps": 4, "num_stages": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-def _flat(x: torch.Tensor) -> torch.Tensor:
+def flatten_heads(x: torch.Tensor) -> torch.Tensor:
     """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
     x = x.reshape(-1, x.shape[-2], x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def flatten_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k and v flattened with one shared layout (the kernels use one set of strides for both)."""
-    kf, vf = _flat(k), _flat(v)
+    kf, vf = flatten_heads(k), flatten_heads(v)
     if kf.stride() != vf.stride():
         kf, vf = kf.contiguous(), vf.contiguous()
     return kf, vf
@@ -437,7 +434,7 @@ def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
 
 
-def _split_for(n_programs: int, list_len: int) -> int:
+def split_count(n_programs: int, list_len: int) -> int:
     """Split long key-major lists so that ~1000 programs run (deterministic: depends on shapes only)."""
     want = max(1, 1024 // max(1, n_programs))
     return int(min(want, max(1, list_len // 8), 64))
@@ -449,49 +446,11 @@ def delta_rows(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------- public API
-def _check_inputs(q, k, v, name="block_sparse_attention", triton_path=True):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{name}: q, k, v must be [batch, heads, tokens, head_dim], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{name}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES and triton_path:
-        raise TypeError(f"{name}: dtype must be one of float16, bfloat16, float32, got {q.dtype}")
-    if triton_path and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim must be one of {SUPPORTED_HEAD_DIMS} for the Triton kernels, "
-                         f"got {q.shape[-1]}")
-
-
-def _use_triton(q: torch.Tensor, impl: str) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    use = impl == "triton" or (impl == "auto" and q.is_cuda)
-    if use and not q.is_cuda and not _INTERPRET:
-        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
-                         "pixdit.kernels is imported (or use impl='torch' / 'auto')")
-    return use
-
-
-def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under CUDA autocast, fp32 q/k/v are cast to the autocast dtype (what SDPA does), so an fp32 qk-norm/RoPE
-    output does not silently run the slow exact-fp32 kernels."""
-    t = tensors[0]
-    if not t.is_cuda or t.dtype != torch.float32:
-        return tensors
-    try:
-        enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    except (TypeError, AttributeError):   # older torch
-        enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return tuple(x.to(dtype) for x in tensors) if enabled else tensors
-
-
 class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc):
         b, h, n_q, d = q.shape
-        qf, (kf, vf) = _flat(q), _flat_kv(k, v)
+        qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
         ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
         ctx.csc = csc
@@ -502,7 +461,7 @@ class _BlockSparseFn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
         query_block, key_block, scale, q_shape, k_shape = ctx.cfg
-        do = _flat(do.contiguous())
+        do = flatten_heads(do.contiguous())
         delta = delta_rows(o, do)
         if dlse is not None:  # d lse_i / d s_it = P_it: the same as an extra -dlse_i in Δ
             delta = delta - dlse.reshape(delta.shape).float()
@@ -513,7 +472,7 @@ class _BlockSparseFn(torch.autograd.Function):
         csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)
         dq = bsa_backward_dq(qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights,
                              out_dtype=qf.dtype)
-        n_split = _split_for(qf.shape[0] * n_blocks, lf.shape[1])
+        n_split = split_count(qf.shape[0] * n_blocks, lf.shape[1])
         dk, dv = bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csc, query_block, key_block, scale, log_weights,
                                    n_split=n_split, shared_list=shared,
                                    out_dtype=kf.dtype if n_split == 1 else torch.float32)
@@ -570,10 +529,10 @@ def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block:
     Returns:
         o ``[b, h, Nq, d]`` in the input dtype (and lse).
     """
-    use_triton = _use_triton(q, impl)
-    if use_triton:
+    triton_path = use_triton(q, impl)
+    if triton_path:
         q, k, v = autocast_inputs(q, k, v)
-    _check_inputs(q, k, v, triton_path=use_triton)
+    check_qkv(q, k, v, name="block_sparse_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if query_block % 16 or query_block <= 0:
         raise ValueError(f"block_sparse_attention: query_block must be a positive multiple of 16, got {query_block}")
@@ -583,7 +542,7 @@ def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block:
     if block_lists.dim() != 4 or block_lists.shape[-2] != n_tiles:
         raise ValueError(f"block_sparse_attention: block_lists must be [b, h, {n_tiles}, len] for Nq={q.shape[2]} "
                          f"and query_block={query_block}, got {tuple(block_lists.shape)}")
-    if not use_triton:
+    if not triton_path:
         return block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, scale, block_log_weights,
                                             return_lse)
     o, lse = _BlockSparseFn.apply(q, k, v, _flat_lists(block_lists, q), query_block, key_block, scale,
@@ -612,10 +571,10 @@ def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     n_tiles = triton.cdiv(q.shape[2], block)
     n_blocks = triton.cdiv(k.shape[2], block)
     lists = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
-    if not _use_triton(q, impl):
+    if not use_triton(q, impl):
         return block_sparse_attention(q, k, v, lists, query_block=block, key_block=block, scale=scale, impl=impl)
     q, k, v = autocast_inputs(q, k, v)
-    _check_inputs(q, k, v, name="flash_attention")
+    check_qkv(q, k, v, name="flash_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # "every tile sees every block": all key blocks share one CSC list (no sort, no per-block copy)
     o, _ = _BlockSparseFn.apply(q, k, v, lists[0], block, block, scale, None, shared_csc(n_tiles, q.device))

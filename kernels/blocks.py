@@ -21,7 +21,7 @@ __all__ = ["block_mean", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
 
 @contextmanager
 def exact_fp32_matmul():
-    """Selection scores are fp32 (spec llsa.md §2.2): keep TF32 off inside (restores the caller's setting)."""
+    """Selection scores are fp32 (docs/algorithms.md): keep TF32 off inside (restores the caller's setting)."""
     old = torch.get_float32_matmul_precision()
     if old != "highest":
         torch.set_float32_matmul_precision("highest")
@@ -83,12 +83,13 @@ def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
 
 
 def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Transpose per-row column lists into per-column row lists (spec llsa.md §5.2), deterministically.
+    """Transpose per-row column lists into per-column row lists, deterministically (the key-major backward walks them).
 
     index: int ``[batch, rows, width]`` column ids in ``[0, num_cols)``; ``-1`` marks an empty slot. Ids must be
     distinct within a row. Returns ``(offsets, rows)``: int32 ``[batch, num_cols + 1]`` and int32
     ``[batch, rows * width]``; the rows that list column ``c`` are ``rows[b, offsets[b, c]:offsets[b, c + 1]]``,
-    ascending (empty slots are sorted to the front, so ``offsets[b, 0]`` = their number, not always 0). Implemented as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
+    ascending (empty slots are sorted to the front, so ``offsets[b, 0]`` = their number, not always 0). Implemented
+    as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
     same result on every run and device, no atomics), so the dk/dv sums that follow the lists are bitwise
     reproducible.
     """

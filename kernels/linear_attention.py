@@ -1,4 +1,4 @@
-"""SLA's linear-attention branch (spec ``/work/shared/spec/sla.md`` §7, §10): feature maps, exact and Triton forms.
+"""SLA's linear-attention branch (docs/algorithms.md, "SLA"): feature maps, exact and Triton forms.
 
 For a query ``t`` in query block ``i``, with ``w_tu = phi(q_t) . phi(k_u)`` and ``L(i)`` the keys of its linear set:
 
@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .block_sparse import list_walk_start, listed_key_rows
 from .blocks import csr_to_csc
-from .vsa import pad_to_blocks
+from .common import pad_to_blocks
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
 ALL_SCOPE_EPS = 1e-5

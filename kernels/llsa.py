@@ -1,11 +1,11 @@
-"""LLSA: Log-linear Sparse Attention (arXiv 2512.16615), exact semantics of spec llsa.md §1-§6.
+"""LLSA: Log-linear Sparse Attention (arXiv 2512.16615); semantics in docs/algorithms.md ("LLSA").
 
     from pixdit.kernels import llsa_attention, llsa_select, llsa_check, llsa_num_levels
     o = llsa_attention(q, k, v, block_size=16, topk=8)            # q, k, v: [batch, heads, tokens, head_dim]
     index = llsa_select(q, k, block_size=16, topk=8)              # [I^(1), ..., I^(L)], int32 [b, h, N_l, K_l]
     llsa_check(num_tokens=16384, block_size=16, topk=8)          # config-time validation -> effective settings
 
-What a fine query attends to (spec §3.1): the B tokens of each of its K_1 selected fine blocks (weight 1), at every
+What a fine query attends to: the B tokens of each of its K_1 selected fine blocks (weight 1), at every
 pooled level 1 <= l < L the K_{l+1}*B level-l tokens its level-(l+1) ancestor scored during selection (weight B^l),
 and every coarsest-level token (weight B^L); one softmax over all of them. Levels above ``enrich_levels`` are left
 out (the coarsest first). Pooling and selection scores are fp32; ties go to the smaller block id.
@@ -15,7 +15,7 @@ query blocks; the pooled levels are a second pass over one "bank" (levels 1..L c
 to the input dtype) with 64-row query tiles, whose lists are shared by all 64 rows (a level-l list depends only on
 the level-(l+1) ancestor, and B^2 >= 64 rows share it); the second pass continues the first pass's softmax. The
 backward is dq query-major, dk/dv key-major over the CSC transpose, then the mean-pool adjoint. CPU tensors run the
-exact gather form (spec §4.2) in fp32 with autograd.
+exact gather form in fp32 with autograd.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import triton
 
 from . import block_sparse as bs
 from .blocks import block_mean, csr_to_csc
+from .common import autocast_inputs, check_qkv, use_triton
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -94,27 +95,9 @@ def llsa_check(num_tokens: int, block_size: int = 16, num_levels: int | None = N
     return {"num_levels": L, "topk": eff, "enrich_levels": Le, "level_tokens": sizes, "tokens_per_query": tokens}
 
 
-def _check_qkv(q, k, v, use_triton: bool) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"llsa_attention: {name} must be a [batch, heads, tokens, head_dim] tensor, "
-                             f"got {getattr(x, 'shape', type(x))}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"llsa_attention: q, k, v must have one shape (self-attention), got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise TypeError(f"llsa_attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if use_triton:
-        if q.dtype not in bs.SUPPORTED_DTYPES:
-            raise TypeError(f"llsa_attention: the Triton path takes float16, bfloat16 or float32, got {q.dtype}")
-        if q.shape[-1] not in bs.SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"llsa_attention: head_dim must be one of {bs.SUPPORTED_HEAD_DIMS} on the Triton path, "
-                             f"got {q.shape[-1]}")
-
-
 # ----------------------------------------------------------------------------------------------------- selection
 def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor]:
-    """[x^(1), ..., x^(levels)]: recursive fp32 block means (spec §1.1)."""
+    """[x^(1), ..., x^(levels)]: recursive fp32 block means."""
     out, cur = [], x
     for _ in range(levels):
         cur = block_mean(cur, block_size)
@@ -123,7 +106,7 @@ def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor
 
 
 def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
-    """Hierarchical top-k (spec §2.2) on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
+    """Hierarchical top-k on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
     Coarsest level: every key is a candidate; level l < L: the B children of each of the parent's K_{l+1} picks,
     shared by the B sibling rows (``pooled_topk`` with ``parents``)."""
     L = len(ks)
@@ -137,7 +120,7 @@ def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> li
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: int | Sequence[int] = 8,
                 num_levels: int | None = None, impl: str = "auto") -> list[torch.Tensor]:
-    """Hierarchical top-k selection (spec §2): ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
+    """Hierarchical top-k selection: ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
 
     Row r of I^(l) lists, in descending score order (ties -> smaller id), the level-l key tokens (= level-(l-1)
     blocks) that level-l query token r keeps. Pooling and scores in fp32, deterministic, no gradient. ``topk`` is
@@ -152,7 +135,7 @@ def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: in
 
 # ---------------------------------------------------------------------------------------- exact PyTorch (CPU) path
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; gradient multiplied by ``factor`` (reference-compat l1 pooled gradient, spec §6.2)."""
+    """Identity forward; gradient multiplied by ``factor`` (``reference_l1_grad``)."""
 
     @staticmethod
     def forward(ctx, x, factor):
@@ -164,8 +147,8 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.factor, None
 
 
-def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, compat_l1):
-    """Gather form (spec §4.2): per fine query block, gather its fine / candidate keys; the coarsest level (shared
+def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, reference_l1_grad):
+    """Gather form: per fine query block, gather its fine / candidate keys; the coarsest level (shared
     by all queries) is a plain matmul. fp32 math, autograd to q, k, v; memory O(N * tokens_per_query)."""
     B, L = block_size, len(index)
     b, h, N, d = q.shape
@@ -176,7 +159,7 @@ def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, compat_l1):
     for lvl in range(0, min(enrich_levels, L) + 1):
         if lvl > 0:
             kl, vl = block_mean(kl, B), block_mean(vl, B)
-            if compat_l1 and L == 1:
+            if reference_l1_grad and L == 1:
                 kl, vl = _ScaleGrad.apply(kl, 1.0 / B), _ScaleGrad.apply(vl, 1.0 / B)
         if lvl == L:          # every coarsest token (not gathered: one shared [N_L, d] matrix)
             s = qb @ kl[:, :, None].transpose(-1, -2)                                 # [b, h, nq, B, N_L]
@@ -236,11 +219,11 @@ def _bank_log_weights(N, B, L, Le, device):
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bank_k, bank_v, fine_lists, coarse_lists, block_size, num_levels, enrich_levels,
-                scale, compat_l1):
+                scale, reference_l1_grad):
         # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
-        qf, (kf, vf) = bs._flat(q), bs._flat_kv(k, v)
+        qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
         has_coarse = Le >= 1
         o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale,
                                 out_dtype=torch.float32 if has_coarse else None)
@@ -250,16 +233,16 @@ class _LLSATriton(torch.autograd.Function):
             o, lse = bs.bsa_forward(qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw,
                                     init=(o, lse), out_dtype=q.dtype)
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
-        ctx.cfg = (B, L, Le, scale, compat_l1, q.shape)
+        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape)
         return o.view(b, h, N, d)
 
     @staticmethod
     def backward(ctx, do):
         qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
-        B, L, Le, scale, compat_l1, shape = ctx.cfg
+        B, L, Le, scale, reference_l1_grad, shape = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
-        do = bs._flat(do.contiguous())
+        do = bs.flatten_heads(do.contiguous())
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
         if Le >= 1:
@@ -267,7 +250,7 @@ class _LLSATriton(torch.autograd.Function):
             dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw,
                                     o=o)
             pooled_k, pooled_v = _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw,
-                                                    B, L, Le, scale, compat_l1)
+                                                    B, L, Le, scale, reference_l1_grad)
         # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
         # adjoint of the pooled gradients; writes the input dtype directly
         dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq,
@@ -278,7 +261,8 @@ class _LLSATriton(torch.autograd.Function):
         return (dq.view(shape), dk.view(shape), dv.view(shape), None, None, None, None, None, None, None, None, None)
 
 
-def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, compat_l1):
+def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale,
+                       reference_l1_grad):
     """Key-major dK/dV of the pooled bank, then pushed down the pyramid to level 1: returns fp32
     ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
     BH, N, d = qf.shape
@@ -292,15 +276,15 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
     if top_lo > 0:   # candidate levels: one CSC list per bank block
         csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
         bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, csc, COARSE_TILE, B, scale, logw,
-                             blk_range=(0, top_lo), n_split=bs._split_for(BH * top_lo, n_cand * n_tiles // top_lo),
+                             blk_range=(0, top_lo), n_split=bs.split_count(BH * top_lo, n_cand * n_tiles // top_lo),
                              dk=dbk, dv=dbv)
     if top_lo < n_bank_blocks:   # coarsest level: every tile lists every block -> one shared list,
         group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
         n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
         bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, bs.shared_csc(n_tiles, qf.device), COARSE_TILE, B,
                              scale, logw, blk_range=(top_lo, n_bank_blocks), group=group,
-                             n_split=bs._split_for(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
-    if compat_l1 and L == 1:   # reference l1 kernel: pooled-path gradient B times too small (spec §6.2)
+                             n_split=bs.split_count(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
+    if reference_l1_grad and L == 1:   # the authors' l1 kernel: pooled-path gradient B times too small
         dbk, dbv = dbk / B, dbv / B
     gk = gv = None
     for lvl in range(min(Le, L), 0, -1):   # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
@@ -319,7 +303,7 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
                    topk: int | Sequence[int] = 8, num_levels: int | None = None, enrich_levels: int | None = None,
                    scale: float | None = None, *, index: Sequence[torch.Tensor] | None = None,
                    reference_l1_grad: bool = False, impl: str = "auto") -> torch.Tensor:
-    """Log-linear sparse attention (spec llsa.md §3), differentiable in q, k, v.
+    """Log-linear sparse attention, differentiable in q, k, v.
 
     Args:
         q, k, v: ``[batch, heads, tokens, head_dim]``, tokens in locality (Z-) order; tokens must be a multiple of
@@ -331,17 +315,17 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
         enrich_levels: pooled levels 1..L_e that enter the softmax (None -> L; 0 -> fine tokens only).
         scale: logit scale, None -> 1/sqrt(head_dim).
         index: precomputed ``llsa_select`` tables (tests, diagnostics); None -> selected from q, k.
-        reference_l1_grad: reproduce the reference l1 kernel's gradient through the pooled K/V, which is B times too
-            small (spec §6.2); only affects L = 1. Off = the true gradient.
+        reference_l1_grad: reproduce the authors' l1 kernel's gradient through the pooled K/V, which is B times too
+            small (docs/algorithms.md, "LLSA"); only affects L = 1. Off = the true gradient.
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
     Returns:
         ``[batch, heads, tokens, head_dim]`` in the input dtype (under CUDA autocast, fp32 inputs run and return
         the autocast dtype, like SDPA).
     """
-    use_triton = bs._use_triton(q, impl)
-    if use_triton:
-        q, k, v = bs.autocast_inputs(q, k, v)
-    _check_qkv(q, k, v, use_triton)
+    triton_path = use_triton(q, impl)
+    if triton_path:
+        q, k, v = autocast_inputs(q, k, v)
+    check_qkv(q, k, v, name="llsa_attention", scale=scale)
     b, h, N, d = q.shape
     cfg = llsa_check(N, block_size, num_levels, topk, enrich_levels)
     L, Le = cfg["num_levels"], cfg["enrich_levels"]
@@ -350,7 +334,7 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
         index = [t.to(device=q.device, dtype=torch.int32) for t in index]
         if len(index) != L:
             raise ValueError(f"llsa_attention: index must hold num_levels={L} tables, got {len(index)}")
-    if not use_triton:
+    if not triton_path:
         if index is None:
             index = llsa_select(q, k, block_size, cfg["topk"], L, impl="torch")
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)

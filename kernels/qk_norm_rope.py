@@ -1,4 +1,5 @@
-"""qk-norm + 2-D RoPE + head layout in one pass: the DiT attention's prologue (spec llsa.md §8), forward and backward.
+"""qk-norm + 2-D RoPE + head layout in one pass: the DiT attention's prologue (docs/algorithms.md, "The pixel DiT"),
+forward and backward.
 
     from pixdit.kernels import qk_norm_rope
     q, k, v = qk_norm_rope(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5)
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .block_sparse import _use_triton
+from .common import use_triton
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
@@ -207,7 +208,7 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_we
         if tuple(table.shape) != (n, head_dim // 2):
             raise ValueError(f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
                              f"got {tuple(table.shape)}")
-    if not _use_triton(qkv, impl):
+    if not use_triton(qkv, impl):
         return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps)
     if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"qk_norm_rope: qkv dtype must be float16, bfloat16 or float32, got {qkv.dtype}")

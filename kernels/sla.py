@@ -1,17 +1,17 @@
-"""SLA — Sparse-Linear Attention (arXiv 2509.24006), spec ``/work/shared/spec/sla.md``: top-K softmax + linear rest.
+"""SLA — Sparse-Linear Attention (arXiv 2509.24006): top-K softmax + linear attention on the rest.
 
     from pixdit.kernels import sla_attention
     o_sparse, o_linear = sla_attention(q, k, v, block_size=16, topk=32)     # [batch, heads, tokens, head_dim] each
     out = o_sparse + proj(o_linear)      # proj: the layer's zero-initialised Linear(head_dim, head_dim)
 
 Why two outputs: ``Proj`` is a learnable parameter shared across heads and owned by the attention layer (fp32 master
-weights under autocast, checkpointed with the model, spec §2.3); keeping it out of the op keeps the op parameter-free
-and lets plain autograd differentiate it. ``o_sparse + o_linear @ W.T + b`` is the method's output (spec §8).
+weights under autocast, checkpointed with the model); keeping it out of the op keeps the op parameter-free and lets
+plain autograd differentiate it. ``o_sparse + o_linear @ W.T + b`` is the method's output (docs/algorithms.md, "SLA").
 
 Per (batch, head), with blocks = ``block_size`` consecutive tokens for queries and keys alike (the last block may be
 partial: pooled over its real tokens, its missing keys masked):
 
-1. classification scores ``mean(q_i) . mean(k_j - mean(k))`` (fp32, smooth-K, spec §5); per query block the ``K`` key
+1. classification scores ``mean(q_i) . mean(k_j - mean(k))`` (fp32, smooth-K); per query block the ``K`` key
    blocks with the largest scores are *critical* (ties toward the smaller block id);
 2. ``o_sparse``: exact softmax attention (``scale``, default ``head_dim ** -0.5``) over the critical blocks;
 3. ``o_linear``: linear attention ``phi(q) . sum phi(k)^T v / phi(q) . sum phi(k)`` over the keys chosen by
@@ -43,7 +43,8 @@ import torch
 from .block_sparse import block_sparse_attention
 from .blocks import block_mean, exact_fp32_matmul, topk_desc
 from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
-from .vsa import check_qkv, check_selection, num_blocks, resolve_topk, select_topk_blocks, use_triton
+from .common import (check_block_size, check_qkv, check_selection, num_blocks, resolve_topk, select_topk_blocks,
+                     use_triton)
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
@@ -86,9 +87,10 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
     ``critical`` is best first; ``negligible`` lists the lowest-scoring blocks (used by ``linear_scope="marginal"``),
     an empty last dimension when ``negligible_ratio`` gives 0 blocks.
     """
-    check_qkv(q, k, k, block_size, None)
+    check_qkv(q, k, k, name="sla_select")
+    check_block_size(block_size)
     t = num_blocks(q.shape[2], block_size)
-    kk = resolve_topk(t, topk, topk_ratio, "topk", "topk_ratio", keep_fraction=True)
+    kk = resolve_topk(t, topk, topk_ratio)
     with torch.no_grad():
         q_pool, k_pool = _pooled_for_scores(q, k, block_size)
     critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=use_triton(q, impl))
@@ -111,7 +113,8 @@ def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, lin
     docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch".
     ``selection``: optional precomputed ``(critical, negligible)`` from ``sla_select`` (then ``topk``/``topk_ratio``/
     ``negligible_ratio`` are not used), e.g. to run two paths on the same selection."""
-    check_qkv(q, k, v, block_size, scale)
+    check_qkv(q, k, v, name="sla_attention", scale=scale)
+    check_block_size(block_size)
     _check_options(linear_scope, feature_map, negligible_ratio)
     triton_path = use_triton(q, impl)
     if selection is None:

@@ -1,4 +1,4 @@
-"""Attention kernel benchmark: LLSA (and later VSA/SLA) against PyTorch SDPA in the same run (issue 3).
+"""Attention kernel benchmark: LLSA, VSA and SLA against PyTorch SDPA and our dense kernel, in the same run.
 
     python scripts/bench_attention.py                       # 64^2..512^2 tokens, batch*N = 131072, bf16, h=6, d=64
     python scripts/bench_attention.py --quick               # 64^2 and 128^2 only, fewer repeats

@@ -43,8 +43,7 @@ def parse_args(argv=None):
 def bench(args, attention: str, side: int) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
-    model = build_model(args.model, input_size=(side, side), attention={"name": attention},
-                        token_order="raster" if attention == "full" else "zorder", **overrides)
+    model = build_model(args.model, input_size=(side, side), attention={"name": attention}, **overrides)
     model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
     batch = args.batch or DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))

@@ -5,7 +5,7 @@ the same size, as a markdown table (stdout), and with --out DIR as bench_train.m
 bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens; one line per
 variant).
 
-    # issue 8's figure on the H200 (docs/benchmarks.md); scripts/device_suite.sh train runs this
+    # the figure of docs/benchmarks.md (H200); scripts/device_suite.sh train runs this
     python scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \\
         --sizes 64 128 256 512 --warmup 3 --steps 10 --steps-at 512:1:3 --out bench/train
     python scripts/bench_train.py --attention llsa --sizes 128 256             # one backend, table on stdout

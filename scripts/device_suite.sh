@@ -34,7 +34,7 @@ case "$stage" in
     $PY scripts/bench_train.py --attention full llsa:num_levels=2 vsa sla --sizes 128 256 --warmup 3 --steps 8 \
       --compile --out "$OUT/train_compiled" 2>&1 | tee "$OUT/bench_train_compiled.log" ;;
   profile)
-    # Where a training step goes (top CUDA ops per phase), eager and compiled, LLSA L=2 (issue 8).
+    # Where a training step goes (top CUDA ops per phase), eager and compiled, LLSA L=2.
     $PY scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 8 --profile \
       --out "$OUT/train_profile" 2>&1 | tee "$OUT/bench_train_profile.log"
     $PY scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 8 --compile --profile \

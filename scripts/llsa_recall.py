@@ -1,4 +1,4 @@
-"""Routing recall of LLSA's hierarchical selection (issue 3, "Beyond the reference").
+"""Routing recall of LLSA's hierarchical selection: does the coarse-to-fine search find the right blocks?
 
 Does the coarse-to-fine top-K find the blocks a full search would? For every layer and level l, the recall is the
 fraction of the exact single-level top-K_l blocks (full pooled-score search over all N_l tokens of level l) that the
@@ -24,15 +24,12 @@ import torch.nn.functional as F
 
 from pixdit.kernels import llsa_check, llsa_select, topk_desc
 from pixdit.kernels.blocks import block_mean
+from pixdit.tokens import token_permutation
 
 
 def zorder_inverse(side: int, device) -> torch.Tensor:
-    """Raster index of each Z-order position (spec llsa.md §7.1: row bit more significant in each 2-bit digit)."""
-    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    z = torch.zeros_like(y)
-    for bit in range(max(1, (side - 1).bit_length())):
-        z |= ((y >> bit) & 1) << (2 * bit + 1) | ((x >> bit) & 1) << (2 * bit)
-    return torch.argsort(z.flatten()).to(device)
+    """Raster index of each Z-order position of a side x side grid (the model's token order)."""
+    return token_permutation("zorder", side, side)[1].to(device)
 
 
 def random_qk(args, device, layer):

@@ -1,19 +1,24 @@
-"""Attention backends (pixdit.attention, pixdit.attention_sparse): registry, config validation, full attention against
-an explicit softmax oracle, the model's token-order check. Run: .venv/bin/python -m pytest tests/test_attention.py"""
+"""Attention backends (the pixdit.attention package): registry, config validation, full attention against an explicit
+softmax oracle, the model's token order (auto and explicit), the backends' own parameter init, and that every module
+imports on its own (no import cycle). Run: .venv/bin/python -m pytest tests/test_attention.py"""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
-import pixdit.kernels as kernels
 from pixdit.attention import AttentionBackend, attention_names, build_attention, register_attention
 from pixdit.errors import PixditError
 from pixdit.models import build_model
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
 
 
 def softmax_attention(q, k, v):
@@ -38,34 +43,36 @@ def test_registry_lists_all_backends():
 
 
 def test_config_errors_list_the_choices():
-    with pytest.raises(PixditError, match=r"block_size.*allowed: name, impl"):
+    with pytest.raises(PixditError, match=r"block_size.*in attention; allowed keys for FullAttention: kernel"):
         build_attention({"name": "full", "block_size": 16}, dim=64, num_heads=2)
     with pytest.raises(PixditError, match=r"full.*llsa.*sla.*vsa"):
         build_attention({"name": "ring"}, dim=64, num_heads=2)
     with pytest.raises(PixditError, match=r"sdpa, triton"):
-        build_attention({"name": "full", "impl": "xformers"}, dim=64, num_heads=2)
+        build_attention({"name": "full", "kernel": "xformers"}, dim=64, num_heads=2)
+    with pytest.raises(PixditError, match=r"attention.topk='many' must be int"):
+        build_attention({"name": "llsa", "topk": "many"}, dim=64, num_heads=2)
+
+
+@pytest.mark.parametrize("name,old,new", [("full", "impl", "attention.kernel"),
+                                          ("vsa", "sparsity", "attention.topk_ratio = 1 - sparsity")])
+def test_renamed_options_name_their_replacement(name, old, new):
+    with pytest.raises(PixditError, match=f"attention.{old} .*was renamed: use {new}"):
+        build_attention({"name": name, old: 0.5}, dim=64, num_heads=2)
 
 
 def test_accepts_omegaconf_and_shipped_configs():
     cfg = OmegaConf.load(CONFIGS / "attention/full.yaml")
-    assert build_attention(cfg, dim=64, num_heads=2).impl == "sdpa"
+    assert build_attention(cfg, dim=64, num_heads=2).kernel == "sdpa"
     for name in ["llsa", "vsa", "sla"]:  # every key of the shipped config is a constructor option
         cfg = OmegaConf.load(CONFIGS / f"attention/{name}.yaml")
-        try:
-            build_attention(cfg, dim=64, num_heads=2)
-        except PixditError as error:
-            assert "unknown option" not in str(error)
+        assert build_attention(cfg, dim=64, num_heads=2).name == name
 
 
-def test_triton_impl_is_clear_when_missing():
-    if hasattr(kernels, "flash_attention"):
-        q, k, v = qkv(n=64, d=16)
-        backend = build_attention({"name": "full", "impl": "triton"}, dim=48, num_heads=3)
-        torch.testing.assert_close(backend(q, k, v, grid_hw=(8, 8), hidden=None), softmax_attention(q, k, v),
-                                   atol=1e-4, rtol=1e-4)
-    else:
-        with pytest.raises(PixditError, match="flash_attention"):
-            build_attention({"name": "full", "impl": "triton"}, dim=48, num_heads=3)
+def test_full_triton_kernel_matches_softmax_oracle():
+    q, k, v = qkv(n=64, d=16)
+    backend = build_attention({"name": "full", "kernel": "triton"}, dim=48, num_heads=3)
+    torch.testing.assert_close(backend(q, k, v, grid_hw=(8, 8), hidden=None), softmax_attention(q, k, v),
+                               atol=1e-4, rtol=1e-4)
 
 
 @register_attention("test_needs_zorder")
@@ -80,9 +87,17 @@ class NeedsZorder(AttentionBackend):
         return softmax_attention(q, k, v)
 
 
-def test_model_checks_backend_token_order_and_grid():
-    with pytest.raises(PixditError, match="token_order='zorder'"):
-        build_model("DiT-T", input_size=8, attention={"name": "test_needs_zorder"})
+def test_model_token_order_auto_follows_the_backend_and_explicit_orders_are_checked():
+    assert build_model("DiT-T", input_size=8, attention={"name": "test_needs_zorder"}).token_order == "zorder"
+    assert build_model("DiT-T", input_size=8, attention={"name": "full"}).token_order == "raster"
+    assert build_model("DiT-T", input_size=8, token_order="zorder").token_order == "zorder"  # full: any order
+    with pytest.raises(PixditError, match="needs token_order='zorder'.*token_order='raster'.*auto"):
+        build_model("DiT-T", input_size=8, token_order="raster", attention={"name": "test_needs_zorder"})
+    with pytest.raises(PixditError, match="token_order='hilbert'.*auto, raster, zorder"):
+        build_model("DiT-T", input_size=8, token_order="hilbert")
+
+
+def test_model_checks_backend_grid():
     with pytest.raises(PixditError, match="36 tokens.*block_size=16"):
         build_model("DiT-T", input_size=6, token_order="zorder", attention={"name": "test_needs_zorder"})
     model = build_model("DiT-T", input_size=8, token_order="zorder", attention={"name": "test_needs_zorder"})
@@ -90,16 +105,6 @@ def test_model_checks_backend_token_order_and_grid():
         model(torch.randn(1, 3, 6, 6), torch.ones(1))
 
 
-needs_llsa = pytest.mark.skipif(not hasattr(kernels, "llsa_attention"), reason="pixdit.kernels.llsa_attention missing")
-
-
-@pytest.mark.skipif(hasattr(kernels, "llsa_attention"), reason="the LLSA kernel is available")
-def test_llsa_without_kernel_is_a_clear_error():
-    with pytest.raises(PixditError, match="llsa.*not implemented yet"):
-        build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa"})
-
-
-@needs_llsa
 def test_llsa_selecting_every_block_without_enrichment_is_full_attention():
     """K_1 = N / B keeps every fine block and enrich_levels=0 drops the pooled tokens: exactly dense attention."""
     q, k, v = qkv(n=64, d=16)
@@ -110,12 +115,11 @@ def test_llsa_selecting_every_block_without_enrichment_is_full_attention():
     assert not torch.allclose(sparse(q, k, v, grid_hw=(8, 8), hidden=None), out, atol=1e-3)
 
 
-@needs_llsa
 def test_llsa_model_trains_on_cpu_and_matches_full_attention_when_dense():
     torch.manual_seed(0)
     options = dict(input_size=(8, 16), depth=2, hidden_size=64, num_heads=2, zero_init=False)
     full = build_model("DiT-T", **options)
-    llsa = build_model("DiT-T", **options, token_order="zorder",
+    llsa = build_model("DiT-T", **options,
                        attention={"name": "llsa", "block_size": 16, "topk": 8, "enrich_levels": 0})
     llsa.load_state_dict(full.state_dict())
     x, t = torch.randn(2, 3, 8, 16), 1000 * torch.rand(2)
@@ -124,29 +128,27 @@ def test_llsa_model_trains_on_cpu_and_matches_full_attention_when_dense():
     out.square().mean().backward()
     assert all(p.grad is not None for p in llsa.parameters())
     default_llsa = OmegaConf.load(CONFIGS / "attention/llsa.yaml")
-    default = build_model("DiT-T", input_size=16, token_order="zorder", attention=default_llsa)
+    default = build_model("DiT-T", input_size=16, attention=default_llsa)
     assert default(torch.randn(1, 3, 16, 16), torch.ones(1)).shape == (1, 3, 16, 16)
 
 
-@needs_llsa
 def test_llsa_bad_grid_fails_at_build_with_both_numbers():
     with pytest.raises(PixditError, match=r"6x6 token grid \(36 tokens\).*16"):
-        build_model("DiT-T", input_size=6, token_order="zorder", attention={"name": "llsa"})
+        build_model("DiT-T", input_size=6, attention={"name": "llsa"})
     with pytest.raises(PixditError, match=r"num_levels=2.*256"):
-        build_model("DiT-T", input_size=(16, 24), token_order="zorder", attention={"name": "llsa", "num_levels": 2})
+        build_model("DiT-T", input_size=(16, 24), attention={"name": "llsa", "num_levels": 2})
     with pytest.raises(PixditError, match="block_size"):
-        build_model("DiT-T", input_size=16, token_order="zorder", attention={"name": "llsa", "block_size": 12})
+        build_model("DiT-T", input_size=16, attention={"name": "llsa", "block_size": 12})
     with pytest.raises(PixditError, match="token_order='zorder'"):
-        build_model("DiT-T", input_size=16, attention={"name": "llsa"})
+        build_model("DiT-T", input_size=16, token_order="raster", attention={"name": "llsa"})
 
 
-@pytest.mark.parametrize("attention,order", [({"name": "full"}, "raster"),
-                                             pytest.param({"name": "llsa"}, "zorder", marks=needs_llsa)])
-def test_model_under_bf16_autocast(attention, order):
+@pytest.mark.parametrize("attention", [{"name": "full"}, {"name": "llsa"}])
+def test_model_under_bf16_autocast(attention):
     """q, k, v reach the backend in one dtype under autocast (the kernels require it); bf16 output near fp32."""
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=8, depth=2, hidden_size=64, num_heads=2, token_order=order,
-                        attention=attention, zero_init=False)
+    model = build_model("DiT-T", input_size=8, depth=2, hidden_size=64, num_heads=2, attention=attention,
+                        zero_init=False)
     x, t = torch.randn(2, 3, 8, 8), 1000 * torch.rand(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x, t)
@@ -157,6 +159,79 @@ def test_model_under_bf16_autocast(attention, order):
 
 @pytest.mark.parametrize("name", ["vsa", "sla"])
 def test_vsa_sla_backends_build_from_their_configs(name):  # (training tests: tests/kernels/test_{vsa,sla}_backend.py)
-    model = build_model("DiT-T", input_size=16, token_order="zorder",
-                        attention=OmegaConf.load(CONFIGS / f"attention/{name}.yaml"))
+    model = build_model("DiT-T", input_size=16, attention=OmegaConf.load(CONFIGS / f"attention/{name}.yaml"))
     assert model.blocks[0].attn.backend.name == name
+
+
+@register_attention("test_own_parameter")
+class OwnParameter(AttentionBackend):
+    """A backend with a parameter that must start at 0.5 (as VSA's gates and SLA's projection must start at 0)."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__(dim, num_heads)
+        self.mix = nn.Linear(dim, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.constant_(self.mix.weight, 0.5)
+
+    def forward(self, q, k, v, *, grid_hw, hidden):
+        return softmax_attention(q, k, v)
+
+
+def test_the_model_init_leaves_backend_parameters_to_the_backend():
+    model = build_model("DiT-T", input_size=8, attention={"name": "test_own_parameter"})  # zero_init: DiT's init
+    assert all(block.attn.backend.mix.weight.eq(0.5).all() for block in model.blocks)
+    model.initialize_weights()
+    assert all(block.attn.backend.mix.weight.eq(0.5).all() for block in model.blocks)
+
+
+@pytest.mark.parametrize("attention", [{"name": "vsa", "topk": 2, "fine_gate": True}, {"name": "sla", "topk": 2}])
+def test_backend_parameters_do_not_change_the_rest_of_the_init(attention):
+    """The same seed gives the same DiT weights with any backend: the backends' zero-initialised layers draw nothing
+    from the random stream and the DiT's xavier pass skips them."""
+    torch.manual_seed(0)
+    full = build_model("DiT-T", input_size=16, attention={"name": "full"}).state_dict()
+    torch.manual_seed(0)
+    sparse = build_model("DiT-T", input_size=16, attention=attention).state_dict()
+    shared = [key for key in sparse if key in full]
+    assert len(shared) == len(full) and len(sparse) > len(full)
+    assert all(torch.equal(full[key], sparse[key]) for key in shared)
+
+
+def _modules(package: Path, prefix: str) -> list[str]:
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        names.append(".".join((prefix, *parts[:-1])) if parts[-1] == "__init__" else ".".join((prefix, *parts)))
+    return names
+
+
+MODULES = _modules(ROOT / "src" / "pixdit", "pixdit") + _modules(ROOT / "kernels", "pixdit.kernels")
+
+
+# In one fresh interpreter that has loaded the heavy third-party libraries but no pixdit module, each module is imported
+# in a forked child: every child starts with no pixdit module loaded, as `python -c "import pixdit.X"` would, without
+# paying for torch's import ~50 times.
+IMPORT_EACH_IN_A_CHILD = """
+import os, sys
+import hydra, lightning, numpy, omegaconf, torch, triton
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            __import__(name)
+        except BaseException as error:
+            print(f"import {name}: {type(error).__name__}: {error}", flush=True)
+            os._exit(1)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_every_module_imports_first_without_a_cycle():
+    assert "pixdit.attention.base" in MODULES and "pixdit.kernels.common" in MODULES
+    result = subprocess.run([sys.executable, "-c", IMPORT_EACH_IN_A_CHILD, *MODULES], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr

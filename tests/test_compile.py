@@ -29,9 +29,8 @@ BACKENDS = {
 def live_model(attention: dict, side: int, device: str) -> torch.nn.Module:
     """DiT-T whose every parameter matters: the reference init (no adaLN-Zero) plus noise on all weights, so that the
     zero-initialised gates of VSA / SLA and the attention outputs reach the loss."""
-    token_order = "raster" if attention["name"] == "full" else "zorder"
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=side, token_order=token_order, attention=attention, zero_init=False,
+    model = build_model("DiT-T", input_size=side, attention=attention, zero_init=False,
                         num_classes=10, class_dropout=0.0)  # no label dropout: no random draw to differ
     with torch.no_grad():
         for parameter in model.parameters():

@@ -1,5 +1,5 @@
 """The pixel DiT (pixdit.models): shapes, gradients, token-order equivariance, RoPE against a complex-number oracle,
-zero-init, CFG, parameter counts of spec llsa.md §8. Run: .venv/bin/python -m pytest tests/test_model.py"""
+zero-init, CFG, parameter counts of the LLSA paper's model. Run: .venv/bin/python -m pytest tests/test_model.py"""
 
 from pathlib import Path
 
@@ -155,7 +155,7 @@ def test_label_dropout_is_drawn_once_per_sample():
 
 
 def test_reference_parameter_count():
-    """Spec §8: the reference's unconditional DiT-S has 35,177,859 parameters (one timestep MLP per block);
+    """The reference's unconditional DiT-S has 35,177,859 parameters (one timestep MLP per block);
     the standard shared embedding gives 32,466,051; 1000 classes add 384,384 per block."""
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     reference = build_model("DiT-S", input_size=(4, 8), per_block_conditioning=True, zero_init=False)

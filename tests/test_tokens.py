@@ -1,5 +1,5 @@
-"""Token order (pixdit.tokens): Z-order permutations against the worked examples of spec llsa.md §7 and their
-block-locality guarantee. Run: .venv/bin/python -m pytest tests/test_tokens.py"""
+"""Token order (pixdit.tokens): Z-order permutations against worked examples (docs/algorithms.md, "Token order") and
+their block-locality guarantee. Run: .venv/bin/python -m pytest tests/test_tokens.py"""
 
 import pytest
 import torch
@@ -60,7 +60,7 @@ def test_zorder_codes_match_bit_interleaving(n):
 @pytest.mark.parametrize("height,width,tile", [(16, 16, 4), (64, 64, 4), (64, 64, 16), (48, 80, 4), (32, 16, 4),
                                                (32, 64, 8), (12, 20, 4), (48, 80, 16)])
 def test_aligned_runs_are_square_patches(height, width, tile):
-    """Every aligned run of tile*tile tokens is one tile x tile pixel patch (spec §7.1, §7.3)."""
+    """Every aligned run of tile*tile tokens is one tile x tile pixel patch, on square and other grids."""
     if height % tile or width % tile:
         pytest.skip("grid not a multiple of the tile")
     rows, cols = token_coordinates("zorder", height, width)

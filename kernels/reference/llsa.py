@@ -1,4 +1,4 @@
-"""Dense PyTorch oracle of LLSA (spec llsa.md §4.1): small N only, O(N^2) memory. Tests and diagnostics only.
+"""Dense PyTorch oracle of LLSA (docs/algorithms.md, "LLSA"): small N only, O(N^2) memory. Tests and diagnostics only.
 
     from pixdit.kernels.reference import llsa_hier_topk, llsa_dense
     idx = llsa_hier_topk(q.double(), k.double(), block_size=16, topk=[8, 8])    # [I^(1), ..., I^(L)]
@@ -29,9 +29,9 @@ def llsa_rank_topk(score: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tens
 
 
 def llsa_hier_topk(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: list[int]) -> list[torch.Tensor]:
-    """Hierarchical top-k (spec §2.2). Returns [I^(1), ..., I^(L)] (int64), I^(l): [b, h, N_l, K_l].
+    """Hierarchical top-k. Returns [I^(1), ..., I^(L)] (int64), I^(l): [b, h, N_l, K_l].
 
-    K_L is clamped to N_L as in the spec; finer K_l must be <= K_{l+1} * block_size (the caller's job).
+    K_L is clamped to N_L as in the kernels; finer K_l must be <= K_{l+1} * block_size (the caller's job).
     """
     B, L = block_size, len(topk)
     qp, kp = [q], [k]
@@ -55,11 +55,12 @@ def llsa_hier_topk(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: list
 
 
 def llsa_dense(q, k, v, block_size: int, index: list[torch.Tensor], enrich_levels: int | None = None,
-               scale: float | None = None, pooled_grad_scale: float = 1.0) -> torch.Tensor:
-    """Dense LLSA output (spec §4.1) given the index tables [I^(1), ..., I^(L)]; levels 1..enrich_levels enrich.
-    ``pooled_grad_scale`` multiplies the gradient that flows through the pooled K/V (1/B with L = 1 models the
-    reference l1 kernel, spec §6.2); the forward value is unchanged."""
+               scale: float | None = None, reference_l1_grad: bool = False) -> torch.Tensor:
+    """Dense LLSA output given the index tables [I^(1), ..., I^(L)]; levels 1..enrich_levels enrich.
+    ``reference_l1_grad``: with L = 1, the gradient through the pooled K/V is divided by B, as in the authors' l1
+    kernel; the forward value is unchanged."""
     B, L = block_size, len(index)
+    pooled_grad_scale = 1.0 / B if reference_l1_grad and L == 1 else 1.0
     Le = L if enrich_levels is None else enrich_levels
     b, h, N, d = q.shape
     scale = d ** -0.5 if scale is None else scale

@@ -1,4 +1,4 @@
-"""Dense PyTorch oracle of SLA (Sparse-Linear Attention), spec ``sla.md`` §9 — for tests and diagnostics only.
+"""Dense PyTorch oracle of SLA (Sparse-Linear Attention, docs/algorithms.md) — for tests and diagnostics only.
 
 fp32 throughout with explicit ``N x N`` token masks (O(N²) memory: keep ``N`` to a few thousand). It shares no code
 with ``pixdit.kernels.sla`` on purpose. Query and key blocks are both ``block_size`` consecutive tokens; a partial
@@ -6,9 +6,9 @@ last block holds the remaining ``N mod block_size`` tokens.
 
     from pixdit.kernels.reference import sla_reference
     o_sparse, o_linear = sla_reference(q, k, v, block_size=16, topk=4, linear_scope="noncritical")
-    out = o_sparse + o_linear @ W.T + b          # the layer's Proj (spec §8)
+    out = o_sparse + o_linear @ W.T + b          # the layer's Proj
 
-Linear-branch denominators (our definition, spec §7 leaves it open): ``linear_scope="all"`` adds ``1e-5`` like the
+Linear-branch denominators (our definition; the paper leaves it open): ``linear_scope="all"`` adds ``1e-5`` like the
 authors' current code; the other scopes return 0 for a row whose denominator is exactly 0 (no linear keys, or a relu
 feature map that vanishes on all of them) instead of the authors' 0/0 = NaN.
 """
@@ -44,7 +44,7 @@ def _block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def sla_reference_scores(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block-classification scores (spec §5, smooth-K form, no scale) -> ``[B, H, T, T]`` fp32."""
+    """Block-classification scores (smooth-K form, no scale) -> ``[B, H, T, T]`` fp32."""
     q, k = _upcast(q), _upcast(k)
     k_smooth = k - k.mean(2, keepdim=True)
     return _block_mean(q, block_size) @ _block_mean(k_smooth, block_size).transpose(-1, -2)

@@ -1,8 +1,8 @@
-"""Dense PyTorch oracle of VSA (Video Sparse Attention), spec ``vsa.md`` §8 — for tests and diagnostics only.
+"""Dense PyTorch oracle of VSA (Video Sparse Attention, docs/algorithms.md) — for tests and diagnostics only.
 
 Everything is computed in fp32 with explicit ``N x N`` token masks, so it is O(N²) in memory: keep ``N`` small
 (a few thousand tokens). It shares no code with ``pixdit.kernels.vsa`` on purpose (an independent second reading of
-the spec). Tokens are grouped into tiles of ``block_size`` consecutive positions; a partial last tile holds the
+the method). Tokens are grouped into tiles of ``block_size`` consecutive positions; a partial last tile holds the
 ``N mod block_size`` remaining tokens and is pooled over its real tokens only.
 
     from pixdit.kernels.reference import vsa_reference, vsa_reference_scores
@@ -41,7 +41,7 @@ def vsa_reference_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, scal
 def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float | None = None, tile_idx=None,
                   gate_fine=None):
     """VSA output ``O_fine * gate_fine + gate * O_coarse`` (a gate absent -> 1), fp32, differentiable in q, k, v and
-    the gates (spec §8's oracle with ``gate_c = gate``, ``gate_f = gate_fine``).
+    the gates (``gate`` = G_c, ``gate_fine`` = G_f).
 
     ``tile_idx [B, H, T, K]`` (optional) forces the selected key tiles, e.g. the kernel's own selection, so that
     output and gradients can be compared independently of near-ties; by default the oracle selects the ``topk``

@@ -1,4 +1,4 @@
-"""Exponential moving average (EMA) of a model's weights, with the LLSA recipe's warm-up (spec llsa.md §10.1).
+"""Exponential moving average (EMA) of a model's weights, with the LLSA recipe's warm-up (docs/algorithms.md).
 
 At the n-th update (n = 1, 2, ...) the decay is ``min(max_decay, 1 - n ** -power)`` (max_decay 0.9999, power 3/4), so the
 first update copies the weights (decay 0) and the average lengthens as training goes on (~0.9997 after 44k updates).

@@ -1,4 +1,4 @@
-"""Noise-rescaled rectified flow (spec llsa.md §9): the training loss, timestep sampling and the Euler sampler.
+"""Noise-rescaled rectified flow (docs/algorithms.md): the training loss, timestep sampling and the Euler sampler.
 
 With data x0 in [-1, 1], Gaussian noise eps and a noise scale s (the paper's "noise rescaling"):
 
@@ -42,7 +42,7 @@ MIN_SAMPLING_SIGMA = 0.001  # the sampler's last model evaluation, as the refere
 
 
 def auto_noise_scale(image_size: int | tuple[int, int]) -> float:
-    """side / 64 with side = sqrt(H * W); 1 for images of 64 px or less (spec §9.1)."""
+    """side / 64 with side = sqrt(H * W); 1 for images of 64 px or less."""
     height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     return max(1.0, math.sqrt(height * width) / 64)
 

@@ -1,17 +1,19 @@
-"""Token order: raster or Z-order (quadtree / Morton) permutations for any H x W token grid (spec llsa.md §7).
+"""Token order: raster or Z-order (quadtree / Morton) permutations for any H x W token grid.
 
 Sparse attention (LLSA, VSA, SLA) groups *consecutive* tokens into blocks. In raster order a block of 16 tokens is a
 1x16 strip of pixels; in Z-order it is a 4x4 square patch, which is what makes block pooling meaningful. The model
-reorders tokens once after the patch embedding and undoes it once before the output head (`pixdit.models.dit`).
+reorders tokens once after the patch embedding and undoes it once before the output head (`pixdit.models.dit`);
+``model.token_order: auto`` (the default) takes the order the attention backend needs (`resolve_token_order`).
+Details: docs/algorithms.md ("Token order").
 
-Conventions (spec §7.2), for a grid of H rows and W columns, raster index r = y * W + x:
+Conventions, for a grid of H rows and W columns, raster index r = y * W + x:
 
 * ``perm[r]`` = sequence position of the token at raster index r  (raster -> sequence)
 * ``inv[s]``  = raster index of the token at sequence position s    (sequence -> raster), ``inv[perm[r]] == r``
 * model entry: ``seq = raster_tokens[:, inv]``; model exit: ``raster_tokens = seq[:, perm]``.
 
-Z-order code (§7.1): z(y, x) = sum_k (2 * bit_k(y) + bit_k(x)) * 4**k, the row bit more significant, so the quadrants
-come top-left, top-right, bottom-left, bottom-right, recursively. For non-square or non-power-of-two grids (§7.3) the
+Z-order code: z(y, x) = sum_k (2 * bit_k(y) + bit_k(x)) * 4**k, the row bit more significant, so the quadrants
+come top-left, top-right, bottom-left, bottom-right, recursively. For non-square or non-power-of-two grids the
 sequence order is the stable argsort of z; if H and W are multiples of 2**j, every aligned 2**j x 2**j tile still
 occupies 4**j consecutive positions (e.g. 16-token runs are 4x4 patches on a 48 x 80 grid).
 
@@ -32,11 +34,24 @@ import torch
 from pixdit.errors import PixditError
 
 TOKEN_ORDERS = ("raster", "zorder")
+MODEL_TOKEN_ORDERS = ("auto", *TOKEN_ORDERS)   # the model's setting: auto = what the attention backend needs
 
 
-def check_token_order(token_order: str) -> None:
-    if token_order not in TOKEN_ORDERS:
-        raise PixditError(f"token_order={token_order!r} is not known; allowed values: {', '.join(TOKEN_ORDERS)}")
+def check_token_order(token_order: str, allowed: tuple[str, ...] = TOKEN_ORDERS) -> None:
+    if token_order not in allowed:
+        raise PixditError(f"token_order={token_order!r} is not known; allowed values: {', '.join(allowed)}")
+
+
+def resolve_token_order(token_order: str, needed: str | None, needed_by: str) -> str:
+    """The order a model uses: ``auto`` -> ``needed`` (the order its attention backend ``needed_by`` requires), or
+    raster when any order works (``needed=None``); an explicit order is kept, and must be the needed one."""
+    check_token_order(token_order, MODEL_TOKEN_ORDERS)
+    if token_order == "auto":
+        return needed or "raster"
+    if needed not in (None, token_order):
+        raise PixditError(f"attention '{needed_by}' needs token_order={needed!r}, but the model has "
+                          f"token_order={token_order!r}; use model.token_order=auto (the default) or {needed}")
+    return token_order
 
 
 def zorder_codes(height: int, width: int) -> torch.Tensor:
@@ -81,6 +96,6 @@ def token_permutation(token_order: str, height: int, width: int) -> tuple[torch.
 
 
 def token_coordinates(token_order: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column (int64 [height * width]) of the token at each sequence position; RoPE uses these (spec §7.2)."""
+    """Row and column (int64 [height * width]) of the token at each sequence position; RoPE uses these."""
     _, inv = token_permutation(token_order, height, width)
     return inv // width, inv % width

@@ -1,10 +1,10 @@
-"""SLA (pixdit.kernels.sla_attention) against the independent dense oracle of spec sla.md §9, on CPU.
+"""SLA (pixdit.kernels.sla_attention) against the independent dense oracle (pixdit.kernels.reference), on CPU.
 
     .venv/bin/python -m pytest tests/kernels/test_sla.py
 
-Split as the spec asks: a tie-tolerant selection test, and attention tests that hand the op's own critical blocks to
+Split in two: a tie-tolerant selection test, and attention tests that hand the op's own critical blocks to
 the fp64 oracle and compare both branches and every gradient (q, k, v through phi, and the layer's Proj W, b).
-The authors' failure modes (spec §12.2) each have a test here.
+The authors' failure modes (docs/algorithms.md, "SLA") each have a test here.
 """
 
 import pytest
@@ -29,7 +29,7 @@ def _proj(d, seed=2, zero=False):
 
 
 def _combine_and_grads(o_sparse, o_linear, w, b, inputs, seed=1):
-    out = o_sparse + o_linear @ w.to(o_linear.dtype).T + b.to(o_linear.dtype)   # the layer's Proj (spec §8)
+    out = o_sparse + o_linear @ w.to(o_linear.dtype).T + b.to(o_linear.dtype)   # the layer's Proj
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     return out, torch.autograd.grad((out * upstream).sum(), inputs)
 

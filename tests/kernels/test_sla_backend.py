@@ -1,4 +1,4 @@
-"""The `sla` attention backend (pixdit.attention_sparse.SLAAttention) inside a tiny pixel DiT, on CPU.
+"""The `sla` attention backend (pixdit.attention.SLAAttention) inside a tiny pixel DiT, on CPU.
 
     .venv/bin/python -m pytest tests/kernels/test_sla_backend.py
 """
@@ -17,8 +17,7 @@ from pixdit.models import build_model
 def test_tiny_dit_trains_a_step_and_the_zero_proj_learns(scope, feature_map):
     torch.manual_seed(0)
     # zero_init=False: with adaLN-Zero no gradient would reach the attention layers in the first step
-    model = build_model("DiT-T", input_size=(16, 16), hidden_size=64, depth=2, num_heads=2, token_order="zorder",
-                        zero_init=False,
+    model = build_model("DiT-T", input_size=(16, 16), hidden_size=64, depth=2, num_heads=2, zero_init=False,
                         attention={"name": "sla", "topk": 4, "linear_scope": scope, "feature_map": feature_map,
                                    "negligible_ratio": 0.25 if scope == "marginal" else 0.0})
     proj = model.blocks[0].attn.backend.proj_linear

@@ -1,9 +1,9 @@
-"""VSA (pixdit.kernels.vsa_attention) against the independent dense oracle of spec vsa.md §8, on CPU.
+"""VSA (pixdit.kernels.vsa_attention) against the independent dense oracle (pixdit.kernels.reference), on CPU.
 
     .venv/bin/python -m pytest tests/kernels/test_vsa.py
 
 The oracle runs in fp64; the op's exact PyTorch path runs fp32 math, so forward and all gradients (q, k, v, gate)
-must agree to ~1e-5. The failure modes of the authors' kernels (spec §11.2) each have a test here.
+must agree to ~1e-5. The failure modes of the authors' kernels (docs/algorithms.md, "VSA") each have a test here.
 """
 
 import os
@@ -51,7 +51,7 @@ def test_forward_and_grads_match_oracle(block_size, head_dim, num_tokens, topk, 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"))])
 def test_fine_gate_matches_oracle_with_gradients_of_both_gates(impl):
-    """The paper's optional G_f (spec §2.2): O_fine * gate_fine + gate * O_coarse, both paths, d gate_fine too."""
+    """The paper's optional G_f: O_fine * gate_fine + gate * O_coarse, both paths, d gate_fine too."""
     q, k, v, gate = _inputs(1, 2, 70, 32, seed=8)
     gate_fine = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).requires_grad_()
     out = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate, gate_fine=gate_fine, impl=impl)
@@ -90,7 +90,7 @@ def test_topk_all_tiles_is_full_attention():
     q, k, v, _ = _inputs(2, 2, 90, 64, seed=4)
     zero_gate = torch.zeros_like(q)
     full = F.scaled_dot_product_attention(q, k, v)
-    for kwargs in ({"topk": 6}, {"topk": 100}, {"sparsity": 0.0}):        # 6 tiles; topk clamps to T
+    for kwargs in ({"topk": 6}, {"topk": 100}, {"topk_ratio": 1.0}):      # 6 tiles; topk clamps to T
         out = vsa_attention(q, k, v, block_size=16, gate=zero_gate, **kwargs)
         torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
 
@@ -124,11 +124,11 @@ def test_bf16_inputs_give_bf16_output_close_to_oracle():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("num_tiles,sparsity,expected", [(10, 0.7, 3), (256, 0.875, 32), (7, 1.0, 1),
-                                                          (7, 0.0, 7), (100, 0.9, 10), (3, 0.99, 1)])
-def test_sparsity_to_topk_rule(num_tiles, sparsity, expected):
+@pytest.mark.parametrize("num_tiles,topk_ratio,expected", [(10, 0.3, 3), (256, 0.125, 32), (7, 0.0, 1),
+                                                            (7, 1.0, 7), (100, 0.1, 10), (3, 0.01, 1)])
+def test_topk_ratio_to_topk_rule(num_tiles, topk_ratio, expected):
     q = torch.randn(1, 1, num_tiles * 16, 32)
-    assert vsa_select(q, q, block_size=16, sparsity=sparsity).shape[-1] == expected
+    assert vsa_select(q, q, block_size=16, topk_ratio=topk_ratio).shape[-1] == expected
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -136,8 +136,8 @@ def test_sparsity_to_topk_rule(num_tiles, sparsity, expected):
     ({"topk": 0}, "topk"),
     ({"topk": 2.0}, "topk"),
     ({}, "exactly one"),
-    ({"topk": 1, "sparsity": 0.5}, "exactly one"),
-    ({"sparsity": 1.5}, "sparsity"),
+    ({"topk": 1, "topk_ratio": 0.5}, "exactly one"),
+    ({"topk_ratio": 1.5}, "topk_ratio"),
     ({"topk": 1, "gate": torch.zeros(1, 1, 32, 32)}, "gate"),
     ({"topk": 1, "scale": -1.0}, "scale"),
 ])

@@ -1,4 +1,4 @@
-"""The `vsa` attention backend (pixdit.attention_sparse.VSAAttention) inside a tiny pixel DiT, on CPU.
+"""The `vsa` attention backend (pixdit.attention.VSAAttention) inside a tiny pixel DiT, on CPU.
 
     .venv/bin/python -m pytest tests/kernels/test_vsa_backend.py
 """
@@ -6,8 +6,7 @@
 import pytest
 import torch
 
-from pixdit.attention import build_attention
-from pixdit.attention_sparse import vsa_annealed_topk
+from pixdit.attention import build_attention, vsa_annealed_topk
 from pixdit.errors import PixditError
 from pixdit.flow import RectifiedFlow
 from pixdit.kernels import vsa_attention
@@ -17,8 +16,7 @@ from pixdit.models import build_model
 def _tiny_model(**attention):
     torch.manual_seed(0)
     # zero_init=False: with adaLN-Zero no gradient would reach the attention layers in the first step
-    return build_model("DiT-T", input_size=(16, 16), hidden_size=64, depth=2, num_heads=2, token_order="zorder",
-                       zero_init=False,
+    return build_model("DiT-T", input_size=(16, 16), hidden_size=64, depth=2, num_heads=2, zero_init=False,
                        attention={"name": "vsa", "topk": 4, **attention})
 
 
@@ -66,8 +64,10 @@ def test_fine_gate_starts_as_no_gate_and_learns():
     assert with_fine_gate.fine_gate.weight.grad.abs().sum() > 0
     model = _tiny_model(fine_gate=True)
     assert model.blocks[0].attn.backend.fine_gate.bias.eq(1).all()     # the model's init leaves it alone
-    with pytest.raises(PixditError, match="fine_gate must be true or false"):
+    with pytest.raises(PixditError, match="fine_gate='yes' must be true/false"):
         build_attention({"name": "vsa", "topk": 2, "fine_gate": "yes"}, dim=64, num_heads=2)
+    with pytest.raises(PixditError, match="fine_gate must be true or false"):
+        build_attention({"name": "vsa", "topk": 2, "fine_gate": 1}, dim=64, num_heads=2)
 
 
 def test_bf16_autocast_forward_backward():
@@ -99,7 +99,7 @@ def test_annealing_backend_needs_the_step_and_checkpoints_it():
 
 
 @pytest.mark.parametrize("options,message", [({"block_size": 8}, "block_size"), ({"topk": 0}, "topk"),
-                                             ({"topk": 4, "sparsity": 0.5}, "exactly one"),
+                                             ({"topk": 4, "topk_ratio": 0.5}, "exactly one"),
                                              ({"anneal_every": -1}, "anneal_every")])
 def test_bad_options_are_pixdit_errors(options, message):
     with pytest.raises(PixditError, match=message):

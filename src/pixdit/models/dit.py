@@ -1,16 +1,16 @@
-"""The pixel-space diffusion transformer (spec llsa.md §8: the LLSA paper's "RopeDiT", generalised).
+"""The pixel-space diffusion transformer (the LLSA paper's "RopeDiT", generalised; docs/algorithms.md, "The pixel DiT").
 
     image [b, 3, H, W] --patch embed (Conv2d, patch p)--> tokens [b, N, hidden] in raster order, N = (H/p) * (W/p)
-      --reorder once (token_order: raster | zorder)--> depth x DiTBlock (adaLN-Zero; attention = swappable backend
-      with RMS qk-norm and 2-D RoPE whose positions follow the tokens) --> final adaLN + Linear --> undo the order once
-      --> unpatchify --> velocity [b, 3, H, W]
+      --reorder once (token_order: auto = what the attention needs | raster | zorder)--> depth x DiTBlock (adaLN-Zero;
+      attention = swappable backend with RMS qk-norm and 2-D RoPE whose positions follow the tokens) --> final adaLN
+      + Linear --> undo the order once --> unpatchify --> velocity [b, 3, H, W]
 
 Conditioning: sinusoidal embedding of t = 1000 * sigma -> MLP, plus (optional) a class embedding with a null class for
 classifier-free guidance. `per_block_conditioning=True` gives each block its own timestep MLP (and class table) as the
 LLSA reference does (35,177,859 parameters for the unconditional DiT-S); the default shares one, as DiT does.
 
     >>> from pixdit.models import build_model
-    >>> model = build_model("DiT-S", input_size=(128, 128), token_order="zorder", attention={"name": "full"})
+    >>> model = build_model("DiT-S", input_size=(128, 128), attention={"name": "llsa"})   # token_order auto: zorder
     >>> velocity = model(x_sigma, 1000 * sigma)                  # x_sigma: [b, 3, 128, 128], sigma: [b]
 
 Differences from the LLSA reference (set `per_block_conditioning=True, zero_init=False` to reproduce its model):
@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from pixdit.attention import build_attention
 from pixdit.errors import PixditError
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
-from pixdit.tokens import check_token_order, token_coordinates, token_permutation
+from pixdit.tokens import (MODEL_TOKEN_ORDERS, check_token_order, resolve_token_order, token_coordinates,
+                           token_permutation)
 
 ROPE_THETA = 10000.0
 
@@ -65,7 +66,7 @@ class PermuteTokens(torch.autograd.Function):
         return grad[:, inverse_order], None, None
 
 
-# ------------------------------------------------------------------ 2-D rotary position embedding (spec §8 table)
+# ------------------------------------------------------------------ 2-D rotary position embedding
 def rope_cos_sin(rows: torch.Tensor, cols: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [tokens, head_dim / 2] (fp32), one angle per interleaved pair (2j, 2j + 1) of the head dim.
 
@@ -190,14 +191,14 @@ class DiT(nn.Module):
         mlp_ratio: float = 4.0,
         num_classes: int = 0,
         class_dropout: float = 0.1,
-        token_order: str = "raster",
+        token_order: str = "auto",
         attention: Mapping[str, Any] | str | None = None,
         per_block_conditioning: bool = False,
         grad_checkpointing: bool = False,
         zero_init: bool = True,
     ):
         super().__init__()
-        check_token_order(token_order)
+        check_token_order(token_order, MODEL_TOKEN_ORDERS)
         if hidden_size % num_heads:
             raise PixditError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         if not 0.0 <= class_dropout < 1.0:
@@ -208,7 +209,6 @@ class DiT(nn.Module):
         self.num_heads = num_heads
         self.num_classes = num_classes
         self.class_dropout = class_dropout
-        self.token_order = token_order
         self.grad_checkpointing = grad_checkpointing
         self.per_block_conditioning = per_block_conditioning
 
@@ -221,9 +221,7 @@ class DiT(nn.Module):
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
 
         backend = self.blocks[0].attn.backend
-        if backend.token_order not in (None, token_order):
-            raise PixditError(f"attention '{backend.name}' needs token_order={backend.token_order!r}, "
-                              f"but the model has token_order={token_order!r}")
+        self.token_order = resolve_token_order(token_order, backend.token_order, backend.name)
         grid_hw = self.grid_size(*self.input_size)
         backend.check_grid(grid_hw)
         # Token order and RoPE tables for the configured size, as buffers (move with .to(), seen by torch.compile);
@@ -240,15 +238,15 @@ class DiT(nn.Module):
     # ---------------------------------------------------------- init
     def initialize_weights(self) -> None:
         """DiT's initialisation: xavier-uniform linears, zero adaLN modulation and output layer (every block starts as
-        the identity and the model predicts 0). NB: the LLSA reference does NOT do this (it keeps PyTorch's default
-        init everywhere despite the adaLN-Zero name, spec §8); `zero_init=False` reproduces the reference."""
-
-        def xavier(module):
-            if isinstance(module, nn.Linear):
+        the identity and the model predicts 0). The attention backends initialise their own parameters (VSA's gates,
+        SLA's projection: `reset_parameters`), which the methods require to start at zero. NB: the LLSA reference does
+        NOT do this (it keeps PyTorch's default init everywhere despite the adaLN-Zero name); `zero_init=False`
+        reproduces the reference."""
+        backend_modules = {module for block in self.blocks for module in block.attn.backend.modules()}
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module not in backend_modules:
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-
-        self.apply(xavier)
         nn.init.xavier_uniform_(self.x_embedder.weight.view(self.x_embedder.weight.shape[0], -1))
         nn.init.zeros_(self.x_embedder.bias)
         for embedder in self.t_embedders:
@@ -260,6 +258,8 @@ class DiT(nn.Module):
             self.final_layer.adaLN_modulation[-1], self.final_layer.linear]:
             nn.init.zeros_(module.weight)
             nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            block.attn.backend.reset_parameters()
 
     # ---------------------------------------------------------- grids
     def grid_size(self, height: int, width: int) -> tuple[int, int]:
@@ -270,7 +270,7 @@ class DiT(nn.Module):
 
     def _make_grid_tables(self, grid_hw):
         perm, inv = token_permutation(self.token_order, *grid_hw)
-        rows, cols = token_coordinates(self.token_order, *grid_hw)  # RoPE positions follow the tokens (spec §7.2)
+        rows, cols = token_coordinates(self.token_order, *grid_hw)  # RoPE positions follow the tokens
         cos, sin = rope_cos_sin(rows, cols, self.blocks[0].attn.head_dim)
         return perm.clone(), inv.clone(), cos, sin
 

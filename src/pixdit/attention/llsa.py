@@ -1,0 +1,52 @@
+"""`llsa`: Log-linear Sparse Attention, a thin wrapper over `pixdit.kernels.llsa_attention`.
+
+    python train.py experiment=ffhq256_llsa attention.topk=16 attention.num_levels=2
+
+What it computes and what the knobs mean: docs/algorithms.md ("LLSA").
+"""
+
+from __future__ import annotations
+
+from pixdit.attention.base import AttentionBackend, register_attention
+from pixdit.errors import PixditError
+from pixdit.kernels import llsa_attention, llsa_check
+
+
+@register_attention("llsa")
+class LLSAAttention(AttentionBackend):
+    """Hierarchical top-K block selection + KV enrichment (Triton on CUDA, exact PyTorch gather form on CPU).
+
+    block_size (B):     tokens pooled per level (16 = 4x4 pixel patches in Z-order); a power of two >= 16
+    topk (K):           blocks kept per query block at every level (an int, or a list, one per level, finest first)
+    num_levels (L):     pooled levels; null = paper formula floor(log_B N - 1) (clamped to >= 1) for each grid
+    enrich_levels (Le): pooled levels 1..Le whose tokens enter the softmax; null = all L levels, 0 = none
+    reference_l1_grad:  reproduce the authors' l1 kernel's pooled-K/V gradient, B times too small (L = 1 only)
+    """
+
+    token_order = "zorder"
+
+    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
+                 num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):
+        super().__init__(dim, num_heads)
+        self.block_size = block_size
+        self.topk = list(topk) if isinstance(topk, (list, tuple)) else topk
+        self.num_levels = num_levels
+        self.enrich_levels = enrich_levels
+        self.reference_l1_grad = bool(reference_l1_grad)
+
+    def check_grid(self, grid_hw):
+        num_tokens = grid_hw[0] * grid_hw[1]
+        try:
+            llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
+                       enrich_levels=self.enrich_levels)
+        except (ValueError, TypeError) as error:
+            raise PixditError(f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid "
+                              f"({num_tokens} tokens): {error}") from None
+
+    def forward(self, q, k, v, *, grid_hw, hidden):
+        return llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk, num_levels=self.num_levels,
+                              enrich_levels=self.enrich_levels, reference_l1_grad=self.reference_l1_grad)
+
+    def extra_repr(self) -> str:
+        return (f"block_size={self.block_size}, topk={self.topk}, num_levels={self.num_levels}, "
+                f"enrich_levels={self.enrich_levels}")

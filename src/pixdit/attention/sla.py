@@ -1,0 +1,56 @@
+"""`sla`: Sparse-Linear Attention, a thin wrapper over `pixdit.kernels.sla_attention` plus the layer's projection.
+
+    python train.py experiment=ffhq128_sla attention.linear_scope=all
+
+What it computes and what the knobs mean: docs/algorithms.md ("SLA").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
+from pixdit.kernels import sla_attention
+
+
+@register_attention("sla")
+class SLAAttention(AttentionBackend):
+    """Exact softmax attention over the top-K ("critical") key blocks + linear attention over the rest, output =
+    O_sparse + Proj(O_linear) with Proj a Linear(head_dim, head_dim) shared across heads, zero-initialised (SLA
+    starts as block-sparse attention).
+
+    block_size:        tokens per block for queries and keys (16 = 4x4 pixels in Z-order; 16, 32 or 64)
+    topk (K):          critical key blocks per query block (clamped to the number of blocks); or
+    topk_ratio:        instead of topk, the share of blocks kept: K = clamp(ceil(topk_ratio * T), 1, T)
+    linear_scope:      noncritical (the authors' first code, default) | all (their current code) | marginal (paper)
+    feature_map:       softmax (default) | elu (elu + 1) | relu
+    negligible_ratio:  marginal scope only: the fraction of lowest-scoring blocks skipped entirely
+    """
+
+    token_order = "zorder"
+
+    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
+                 topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",
+                 negligible_ratio: float = 0.0):
+        super().__init__(dim, num_heads)
+        self.options = dict(block_size=block_size, topk=topk, topk_ratio=topk_ratio, linear_scope=linear_scope,
+                            feature_map=feature_map, negligible_ratio=negligible_ratio)
+        check_kernel_options("sla", self.head_dim, block_size, lambda x: sla_attention(x, x, x, **self.options))
+        self.proj_linear = uninitialized_linear(self.head_dim, self.head_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Proj starts at 0: SLA = its sparse branch."""
+        with torch.no_grad():
+            self.proj_linear.weight.zero_()
+            self.proj_linear.bias.zero_()
+
+    def forward(self, q, k, v, *, grid_hw, hidden):
+        o_sparse, o_linear = sla_attention(q, k, v, **self.options)
+        # fp32 master weights; under autocast F.linear runs in the autocast dtype
+        projected = self.proj_linear(o_linear if torch.is_autocast_enabled(o_linear.device.type)
+                                     else o_linear.to(self.proj_linear.weight.dtype))
+        return o_sparse + projected.to(o_sparse.dtype)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{key}={value}" for key, value in self.options.items())
