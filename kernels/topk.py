@@ -125,7 +125,7 @@ def _bitonic_top(x, ROWS: tl.constexpr, LOG_N: tl.constexpr, LOG_K: tl.constexpr
 
 
 @triton.jit
-def _merge_queues(kept, q0, q1, q2, q3, k, ROWS: tl.constexpr, LOG_CHUNK: tl.constexpr, LOG_SLOTS: tl.constexpr):
+def _fold_queues(kept, q0, q1, q2, q3, k, ROWS: tl.constexpr, LOG_CHUNK: tl.constexpr, LOG_SLOTS: tl.constexpr):
     """Fold the four queue planes into ``kept`` (ascending, the row's best SLOTS keys); returns the new ``kept`` and
     each row's k-th best key (the bar a newcomer must beat)."""
     SLOTS: tl.constexpr = 1 << LOG_SLOTS
@@ -174,7 +174,7 @@ def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, k, stride_qb, stride_kb,
         q0 = tl.where(new, keys, q0)
         full = tl.max(tl.reshape((q3 != _EMPTY).to(tl.int32), [ROWS * CHUNK]), 0)
         if (full > 0) | (c0 >= n_cand):                     # a queue is full (or the end): fold them into kept
-            kept, bar = _merge_queues(kept, q0, q1, q2, q3, k, ROWS, LOG_CHUNK, LOG_SLOTS)
+            kept, bar = _fold_queues(kept, q0, q1, q2, q3, k, ROWS, LOG_CHUNK, LOG_SLOTS)
             q0 = tl.full([ROWS, CHUNK], _EMPTY, tl.int64)
             q1 = q0
             q2 = q0

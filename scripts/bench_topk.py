@@ -1,7 +1,7 @@
 """Block selection (pooled scores + exact top-k) on its own, then a sweep over K through VSA and SLA, in one run.
 
     python scripts/bench_topk.py                                  # selection table + K sweep (GPU)
-    python scripts/bench_topk.py --baseline old/topk.py           # + another version of topk.py (A/B of a kernel change)
+    python scripts/bench_topk.py --baseline old/topk.py           # + another topk.py (A/B of a kernel change)
     python scripts/bench_topk.py --no-sweep                       # selection table only
 
 Selection table: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton`` (what ``pooled_topk`` runs by
