@@ -1,69 +1,112 @@
-"""Block selection (pooled scores + exact top-k) on its own: the Triton kernels of ``pixdit.kernels.topk`` against the
-PyTorch path, at the shapes the backends use, in one run (medians of 200 calls after 25 warm-up calls, CUDA events:
-``pixdit.report.time_median``).
+"""Block selection (pooled scores + exact top-k) on its own, then a sweep over K through VSA and SLA, in one run.
 
-    python scripts/bench_topk.py                                  # VSA/SLA at 128^2 and 256^2, LLSA 512^2 L=2 top level
-    python scripts/bench_topk.py --baseline old/topk.py           # + another version of topk.py (A/B of a kernel change)
+    python scripts/bench_topk.py                                  # selection table + K sweep (GPU)
+    python scripts/bench_topk.py --baseline old/topk.py           # + another topk.py (A/B of a kernel change)
+    python scripts/bench_topk.py --no-sweep                       # selection table only
 
-Rows: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton`` (what ``pooled_topk`` runs by default), and
-the streaming kernel at 16 and 32 query rows per program. Every variant's
-ids are checked against the ``torch`` row's (same exact selection up to fp32 near-ties, reported as a mismatch
-count). Shapes: [batch*heads, rows, head_dim] pooled queries against as many pooled keys, fp32, head_dim 64.
+Selection table: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton`` (what ``pooled_topk`` runs by
+default), the streaming kernel at 16 and 32 query rows per program, and ``baseline`` (``--baseline``'s
+``pooled_topk``), at the shapes the backends use: [batch*heads, rows, head_dim] fp32 pooled queries against as many
+pooled keys (medians of 100 calls after 25 warm-up calls, CUDA events: ``pixdit.report.time_median``). Every variant's ids are checked against the
+``torch`` row's (same exact selection up to fp32 near-ties, reported as a count of differing rows).
+
+K sweep: ``vsa_attention`` and ``sla_attention`` forward + backward on [2, 2, 4096, 64] bf16 with 16-token tiles
+(256 tiles) for K = 4, 8, ..., 256 in one process: the first call's seconds (compilation included: no K should
+compile anything new after the first) and the warm median. The baseline is left out of the sweep (a topk.py that
+compiles per K takes minutes there).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import time
 
 import torch
 
-from pixdit.kernels import topk
+from pixdit.kernels import sla_attention, topk, vsa_attention
 from pixdit.report import markdown_table, time_median
 
-# (label, batch*heads, blocks, k): VSA/SLA at 128^2 (K=20) and 256^2 (K=32), block 16, 6 heads; LLSA's coarsest
-# level at 512^2 with L=2 (1,024 tokens, K=8)
-SHAPES = [("128² VSA/SLA", 48, 1024, 20), ("256² VSA/SLA", 12, 4096, 32), ("512² LLSA L=2 top", 6, 1024, 8)]
+# (label, batch*heads, blocks, k): VSA/SLA at 128^2 (K=20) and 256^2 (K=16 / 32 / 64: the three streaming buckets),
+# block 16, 6 heads; LLSA's coarsest level at 512^2 with L=2 (1,024 tokens, K=8)
+SHAPES = [("128² VSA/SLA", 48, 1024, 20), ("256² VSA/SLA", 12, 4096, 16), ("256² VSA/SLA", 12, 4096, 32),
+          ("256² VSA/SLA", 12, 4096, 64), ("512² LLSA L=2 top", 6, 1024, 8)]
+SWEEP_SHAPE = (2, 2, 4096, 64)          # [batch, heads, tokens, head_dim]: 256 tiles of 16 tokens
 
 
 def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("topk_baseline", path)
+    """Another topk.py, loaded as a module of pixdit.kernels so that its relative imports resolve."""
+    spec = importlib.util.spec_from_file_location("pixdit.kernels._topk_baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default=None, help="another topk.py to time next to this one")
-    parser.add_argument("--head-dim", type=int, default=64)
-    args = parser.parse_args(argv)
-    baseline = load_module(args.baseline) if args.baseline else None
-
+def selection_table(baseline, head_dim: int) -> list[dict]:
     rows = []
     for label, bh, blocks, k in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(bh, blocks, args.head_dim, device="cuda", generator=g)
-        kp = torch.randn(bh, blocks, args.head_dim, device="cuda", generator=g)
+        q = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
+        kp = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
         out = torch.empty(bh, blocks, k, device="cuda", dtype=torch.int32)
         variants = {"torch": lambda: topk.pooled_topk(q, kp, k, impl="torch"),
                     "triton": lambda: topk.pooled_topk(q, kp, k, impl="triton")}
-        for rows_per_program in (16, 32):
-            variants[f"streaming rows={rows_per_program}"] = (
-                lambda r=rows_per_program: topk._streaming_topk(q, kp, k, out, r))
+        if topk._route(blocks, head_dim, k, None) == "streaming":
+            for rows_per_program in (16, 32):
+                variants[f"streaming rows={rows_per_program}"] = (
+                    lambda r=rows_per_program: topk._streaming_topk(q, kp, k, out, r))
         if baseline is not None:
             variants["baseline"] = lambda: baseline.pooled_topk(q, kp, k, impl="triton")
         reference = variants["torch"]().clone()
         torch_ms = None
         for name, fn in variants.items():
             mismatched_rows = int((fn() != reference).any(-1).sum())
-            ms = 1000 * time_median(fn, warmup=25, repeats=200, device="cuda")[0]
+            ms = 1000 * time_median(fn, 25, 100, q.device)[0]
             torch_ms = torch_ms or ms
             rows.append({"shape": label, "bh x blocks, k": f"{bh} x {blocks}, {k}", "variant": name,
                          "ms": f"{ms:.3f}", "x torch": f"{torch_ms / ms:.1f}x", "rows differing": mismatched_rows})
             print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_table() -> tuple[list[dict], float]:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, up = (torch.randn(*SWEEP_SHAPE, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    methods = {"vsa": lambda kk: vsa_attention(q, k, v, block_size=16, topk=kk),
+               "sla": lambda kk: sum(sla_attention(q, k, v, block_size=16, topk=kk))}
+    n_tiles = SWEEP_SHAPE[2] // 16
+    rows, t_start = [], time.perf_counter()
+    for kk in range(4, n_tiles + 1, 4):
+        row = {"K": kk, "selection": topk._route(n_tiles, SWEEP_SHAPE[3], kk, None)}
+        for name, method in methods.items():
+            def step(method=method):
+                torch.autograd.grad(method(kk), (q, k, v), up)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            row[f"{name} first call s"] = f"{time.perf_counter() - t0:.2f}"
+            row[f"{name} fwd+bwd ms"] = f"{1000 * time_median(step, 5, 25, q.device)[0]:.3f}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows, time.perf_counter() - t_start
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=None, help="another topk.py to time next to this one")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the K sweep through VSA and SLA")
+    args = parser.parse_args(argv)
+    baseline = load_module(args.baseline) if args.baseline else None
+    selection = selection_table(baseline, args.head_dim)
+    sweep, seconds = sweep_table() if not args.no_sweep else ([], 0.0)
     print()
-    print(markdown_table(rows))
+    print(markdown_table(selection))
+    if sweep:
+        print(f"\nK sweep, {SWEEP_SHAPE} bf16, 16-token tiles: {seconds:.1f} s in all (first calls included)\n")
+        print(markdown_table(sweep))
 
 
 if __name__ == "__main__":

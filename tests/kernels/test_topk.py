@@ -1,0 +1,165 @@
+"""The selection kernels of ``pixdit.kernels.topk`` against ``blocks.topk_desc`` (descending fp32 score, ties ->
+smaller id) for every k bucket and path; on CPU through the Triton interpreter (tests/kernels/conftest.py), on the
+GPU with ``-m gpu`` (k is a run-time argument: a sweep over k compiles at most one variant per size bucket).
+
+    .venv/bin/python -m pytest tests/kernels/test_topk.py -q
+"""
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pixdit.kernels import topk
+from pixdit.kernels.blocks import topk_desc
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_interpreter = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs CUDA or TRITON_INTERPRET=1")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+
+
+def tie_heavy(bh, rows, n_cand, d, seed):
+    """Small-integer q, k (exact fp32 dot products, so every path sees the same scores): many equal scores, key rows
+    duplicated far apart (equal scores at distant ids, across chunk borders) and all-zero key rows (score 0)."""
+    g = torch.Generator().manual_seed(seed)
+    qp = torch.randint(-1, 2, (bh, rows, d), generator=g).float()
+    kp = torch.randint(-1, 2, (bh, n_cand, d), generator=g).float()
+    kp[:, n_cand // 2:n_cand // 2 + 5] = kp[:, 3:8]
+    kp[:, -3:] = kp[:, :3]
+    kp[:, 10:13] = 0.0
+    return qp, kp
+
+
+def oracle(qp, kp, k):
+    return topk_desc(qp.double() @ kp.double().transpose(-1, -2), k)
+
+
+def test_route_sends_each_k_where_the_module_doc_says():
+    assert topk._route(4096, 64, 32, None) == "streaming"                    # 256x256 VSA/SLA
+    assert topk._route(4096, 64, topk.STREAM_MAX_K, None) == "streaming"
+    assert topk._route(4096, 64, topk.STREAM_MAX_K + 1, None) == "torch"     # large k: nothing to compile
+    assert topk._route(1100, 16, 1099, None) == "torch"
+    assert topk._route(256, 64, 100, None) == "one_shot"                     # 4,096 tokens, 16-token tiles
+    assert topk._route(256, 64, 256, None) == "torch"                        # every tile selected
+    assert topk._route(64, 32, 64, 16) == "one_shot"                         # LLSA children: all of them is fine
+    assert topk._route(2048, 64, 8, 16) == "torch"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k", [1, 3, 16, 17, 32, 33, 64])
+def test_streaming_kernel_every_bucket_matches_topk_desc(k):
+    """Each SLOTS bucket (16 / 32 / 64) at its edges; 700 candidates = 21 chunks + a partial one, 40 rows = one
+    full and one partial program, two (batch*head) slices, tie-heavy scores."""
+    qp, kp = tie_heavy(2, 40, 700, 16, seed=k)
+    out = torch.empty(2, 40, k, dtype=torch.int32, device=DEVICE)
+    got = topk._streaming_topk(qp.to(DEVICE), kp.to(DEVICE), k, out).cpu()
+    assert torch.equal(got, oracle(qp, kp, k))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("trend", [0.0, 4.0])
+def test_streaming_kernel_continuous_scores_and_folds(trend):
+    """Random scores over 2000 candidates with k = 20: the queues fill and fold many times and the bar rises. With
+    a rising trend (later candidates score higher on average) newcomers keep entering the top k until the end, so a
+    bar set one place too high loses some."""
+    g = torch.Generator().manual_seed(11)
+    qp, kp = torch.randn(1, 33, 32, generator=g), torch.randn(1, 2000, 32, generator=g)
+    qp[..., 0], kp[..., 0] = 1.0, trend * torch.linspace(0, 1, 2000)
+    out = torch.empty(1, 33, 20, dtype=torch.int32, device=DEVICE)
+    got = topk._streaming_topk(qp.to(DEVICE), kp.to(DEVICE), 20, out).cpu()
+    assert torch.equal(got, oracle(qp, kp, 20))
+
+
+@needs_interpreter
+def test_streaming_kernel_bar_is_the_kth_best():
+    """After the first fold (4 chunks = 128 candidates, scores 1000 + id) the bar is the 20th best, 1108. A later
+    1108.5 must still enter the top 20 (a bar one place higher would drop it); a later 1108 loses the tie to the
+    kept id 108."""
+    n = 400
+    kp = torch.zeros(1, n, 16)
+    kp[0, :128, 0] = 1000.0 + torch.arange(128.0)
+    kp[0, 200, 0], kp[0, 300, 0] = 1108.5, 1108.0
+    qp = torch.zeros(1, 3, 16)
+    qp[0, :, 0] = 1.0
+    out = torch.empty(1, 3, 20, dtype=torch.int32, device=DEVICE)
+    got = topk._streaming_topk(qp.to(DEVICE), kp.to(DEVICE), 20, out).cpu()
+    assert got[0, 0].tolist() == list(range(127, 108, -1)) + [200]
+    assert torch.equal(got, oracle(qp, kp, 20))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k", [1, 17, 128, 255])
+def test_one_shot_kernel_run_time_k(k):
+    """All 256 candidates scored at once, k rounds in a run-time loop, up to k = candidates - 1."""
+    qp, kp = tie_heavy(2, 24, 256, 32, seed=100 + k)
+    assert topk._route(256, 32, k, None) == "one_shot"
+    got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), k, impl="triton").cpu()
+    assert torch.equal(got, oracle(qp, kp, k))
+
+
+@pytest.mark.parametrize("n_cand,k", [(256, 256), (1100, 65), (1100, 1100)])
+def test_torch_path_for_all_candidates_and_large_k(n_cand, k):
+    qp, kp = tie_heavy(2, 20, n_cand, 16, seed=n_cand + k)
+    got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), k, impl="triton").cpu()
+    assert got.shape == (2, 20, k) and torch.equal(got, oracle(qp, kp, k))
+
+
+def test_pooled_topk_rejects_k_outside_the_candidates():
+    qp, kp = torch.randn(1, 4, 16), torch.randn(1, 40, 16)
+    for bad in (0, 41, 2.5, True):
+        with pytest.raises(ValueError, match=r"k must be an int in \[1, 40\]"):
+            topk.pooled_topk(qp, kp, bad)
+
+
+@triton.jit
+def _keys_kernel(S, IDS, OUT, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(OUT + i, topk._descending_keys(tl.load(S + i), tl.load(IDS + i)))
+
+
+@needs_interpreter
+def test_sort_keys_order_like_topk_desc_with_signed_zeros_and_infinities():
+    """The int64 keys the streaming kernel merges: sorting them descending gives topk_desc's order, -0.0 tying with
+    +0.0 (smaller id first), infinities and subnormals in place."""
+    s = torch.tensor([0.0, -0.0, 1.5, -1.5, float("inf"), float("-inf"), 1e-45, -1e-45, 1.5, -0.0, 0.0, 3.0, -3.0,
+                      2.0, 1e-45, -2.0], dtype=torch.float32)
+    ids = torch.tensor([7, 2, 9, 4, 1, 0, 12, 15, 3, 11, 5, 6, 8, 10, 13, 14], dtype=torch.int32)
+    keys = torch.empty(16, dtype=torch.int64, device=DEVICE)
+    _keys_kernel[(1,)](s.to(DEVICE), ids.to(DEVICE), keys, N=16)
+    order = ids[keys.cpu().argsort(descending=True)]
+    want = topk_desc(s[ids.argsort()], 16)        # scores indexed by id
+    assert order.tolist() == want.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------- GPU (-m gpu)
+def compiled_variants(fn) -> int:
+    """Variants of a @triton.jit kernel compiled in this process (Triton 3.x keeps them per device)."""
+    return sum(len(caches[0]) for caches in fn.device_caches.values())
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
+    q, kp = (x.cuda() for x in tie_heavy(6, 1024, 1024, 64, seed=0))    # exact scores: every path agrees
+    before = compiled_variants(topk._streaming_topk_kernel)
+    for k in range(4, topk.STREAM_MAX_K + 1, 4):
+        assert topk._route(1024, 64, k, None) == "streaming"
+        got = topk.pooled_topk(q, kp, k)
+        assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
+    assert compiled_variants(topk._streaming_topk_kernel) - before <= 3      # SLOTS 16, 32, 64
+    q, kp = q[:, :256], kp[:, :256]
+    before = compiled_variants(topk._pooled_topk_kernel)
+    for k in range(4, 256, 12):
+        assert torch.equal(topk.pooled_topk(q, kp, k), topk.pooled_topk(q, kp, k, impl="torch")), k
+    assert compiled_variants(topk._pooled_topk_kernel) - before <= 1
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_streaming_matches_torch_at_the_256px_vsa_shape(mark):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
+    for k in (8, 32, 64):
+        got, want = topk.pooled_topk(q, kp, k), topk.pooled_topk(q, kp, k, impl="torch")
+        assert (got != want).any(-1).float().mean() < 1e-3     # fp32 near-ties only (different summation order)
