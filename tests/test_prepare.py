@@ -352,6 +352,7 @@ def test_workers_exit_when_the_run_is_killed(tmp_path):
     command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
                "--out", str(tmp_path / "out"), "--resolution", str(RES), "--maxcount", "1", "--workers", "2"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
     try:
         deadline = time.time() + 60
         while len(_children(process.pid)) < 2 and process.poll() is None and time.time() < deadline:
@@ -364,10 +365,11 @@ def test_workers_exit_when_the_run_is_killed(tmp_path):
         while any(_alive(pid) for pid in workers) and time.time() < deadline:
             time.sleep(0.05)
         assert not [pid for pid in workers if _alive(pid)], "pool workers outlived the killed run"
-    finally:
-        for pid in _children(process.pid) + [process.pid]:  # (a leak must not outlive the test either)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    finally:  # a leak must not outlive the test (only processes of this command: pids may be reused)
+        for pid in [process.pid] + workers + _children(process.pid):
+            with contextlib.suppress(OSError):
+                if b"prepare_data.py" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_resume_rewrites_a_finished_shard_damaged_since(tmp_path):

@@ -49,7 +49,9 @@ from pixdit.errors import PixditError
 from pixdit.runtime import rank_and_world_size
 
 _BLOCK_SEED, _FLIP_SEED = 1, 2  # stream tags, so block-shuffle and flip random numbers never coincide
-SKIPPED_KEY = "skipped"  # train batches carry, from the worker to the main process, the images skipped since the last
+# A train batch carries, from its loader worker to the main process, the images the worker skipped since its previous
+# batch; the main process adds them to ShardDataModule.skipped_samples and takes the key off.
+SKIPPED_KEY = "skipped"
 
 
 def _worker_slot() -> tuple[int, int]:
