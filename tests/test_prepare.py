@@ -323,6 +323,22 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path):
     assert prepare_dataset(tmp_path / "src", out, RES, progress=False)["counts"] == {"train": 4}  # lock released
 
 
+def test_lock_on_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from pixdit.files import exclusive_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="--out X: cannot lock .*No locks available.*no other process writes there"):
+        with exclusive_lock(tmp_path / "lock", what="--out X", fix="-"):
+            assert (tmp_path / "lock").read_text().startswith(f"pid {os.getpid()} on ")
+    assert (tmp_path / "lock").read_text() == ""  # a released lock names nobody
+
+
 def _children(pid: int) -> list[int]:
     """Live (not zombie) child processes of `pid`, from /proc."""
     children = []

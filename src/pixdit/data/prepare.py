@@ -301,14 +301,14 @@ def _exit_with_parent() -> None:
 def _is_finished(out: Path, record: dict) -> bool:
     """Whether the shard of a .prepare record is on disk as written (a record without a size, from an older
     version, trusts the file's presence)."""
+    if record["count"] == 0:
+        return True
     path = out / record["name"]
-    return record["count"] == 0 or (path.is_file() and path.stat().st_size == record.get("bytes", path.stat().st_size))
+    return path.is_file() and ("bytes" not in record or path.stat().st_size == record["bytes"])
 
 
 def _make_out_dir(out: Path) -> None:
     """Create `out` and its state folder, or say in one message why that is impossible."""
-    if out.exists() and not out.is_dir():
-        raise PixditError(f"--out {out} is a file; give a folder (new, or one this command wrote before)")
     try:
         (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a parent that is a file, no permission, a read-only file system
@@ -330,6 +330,8 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
             raise PixditError(f"{flag} must be >= {low}, got {value}")
     if quality > 100:
         raise PixditError(f"--quality must be in 1..100, got {quality}")
+    if out.exists() and not out.is_dir():
+        raise PixditError(f"--out {out} is a file; give a folder (new, or one this command wrote before)")
     kind, items, classes = list_source(source, labels)
     if limit is not None:
         if limit < 1:
@@ -360,7 +362,8 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
 
 def _write_shards(source: Path, out: Path, kind: str, plan: dict, options: dict, workers: int,
                   progress: bool) -> dict[str, dict]:
-    """Write the shards of `plan` that no earlier run finished; returns the manifest's `splits`. Holds the lock."""
+    """Write the shards of `plan` that no earlier run finished; returns the manifest's `splits`. (The caller holds
+    the lock on `out`.)"""
     state_dir = out / STATE_DIR
     options_file = state_dir / "options.json"
     if options_file.is_file():

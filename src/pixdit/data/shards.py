@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import tarfile
@@ -238,7 +239,7 @@ def shard_problem(path: str | os.PathLike, entry: dict, resolution: int) -> str 
                 return "truncated (it does not end like a complete tar file)"
             f.seek(0)
             with tarfile.open(fileobj=f, mode="r|") as tar:
-                for member, _ in zip(tar, range(8)):  # a sample is a few members: .cls, .png|.jpg, .src
+                for member in itertools.islice(tar, 8):  # a sample is a few members: .cls, .png|.jpg, .src
                     if member.isfile() and member.name.rsplit(".", 1)[-1] in IMAGE_FORMATS:
                         with Image.open(io.BytesIO(tar.extractfile(member).read())) as image:
                             width, height = image.size  # from the header: no decoding
