@@ -373,6 +373,7 @@ def test_workers_exit_when_the_run_is_killed(tmp_path):
         deadline = time.time() + 60
         while len(_children(process.pid)) < 2 and process.poll() is None and time.time() < deadline:
             time.sleep(0.01)
+        process.send_signal(signal.SIGSTOP)  # the run cannot finish now: its workers wait for it
         workers = _children(process.pid)
         assert process.poll() is None and len(workers) >= 2, "the run ended before its workers were seen"
         process.send_signal(signal.SIGKILL)
