@@ -390,9 +390,10 @@ def test_too_many_bad_shards_is_one_error_before_training(tmp_path):
     with pytest.raises(PixditError, match=r"(?s)val split.*val-000000.tar: 1536 bytes, the manifest says .*"
                                           r"prepare_data.py --source"):
         ShardDataModule(tmp_path, max_bad_fraction=0.5, prepare_command=command)  # the val split is checked too
-    # manifests of older versions record no shard sizes: a cut-short tar is told by its end
+    # manifests of older versions record no shard sizes: a cut-short tar is told by its end, an intact one passes
     assert shard_problem(tmp_path / "val-000000.tar", {"name": "val-000000.tar", "count": 4}, RES).startswith(
         "truncated")
+    assert shard_problem(tmp_path / "train-000000.tar", {"name": "train-000000.tar", "count": 4}, RES) is None
     with pytest.raises(PixditError, match=r"data\.max_bad_fraction must be in \[0, 1\].*got 2"):
         ShardDataModule(tmp_path, max_bad_fraction=2)
 
