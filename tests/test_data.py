@@ -14,7 +14,8 @@ import torch
 from pixdit.data.datamodule import ShardDataModule
 from pixdit.data.imageops import encode_image
 from pixdit.data.quickstart import make_quickstart_dataset
-from pixdit.data.shards import ShardWriter, read_manifest, sha256_of_file, verify_checksums, write_manifest
+from pixdit.data.shards import (ShardWriter, read_manifest, sha256_of_file, shard_problem, verify_checksums,
+                                write_manifest)
 from pixdit.errors import PixditError
 
 RES = 8
@@ -330,22 +331,115 @@ def test_setting_range_errors_name_the_value_the_user_gave(tmp_path):
         ShardDataModule(tmp_path, num_workers=-2)
 
 
-def test_truncated_shard_is_warned_and_does_not_shift_validation_indices(tmp_path):
+def test_shard_damaged_after_the_check_is_warned_and_does_not_shift_validation_indices(tmp_path):
     make_dataset(tmp_path, [8, 8])
-    shard = tmp_path / "train-000000.tar"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # Python's tarfile stops here silently
     dm = ShardDataModule(tmp_path, batch_size=4, num_workers=0, flip=False, val_images=16)
+    shard = tmp_path / "train-000000.tar"  # damaged after the pre-flight check (while training)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # Python's tarfile stops here silently
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train = sum((identities(b) for b in dm.train_dataloader()), [])
         val = list(dm.val_dataloader())
     truncated = [str(w.message) for w in caught if "train-000000.tar" in str(w.message)]
     assert len(truncated) == 2 and all("manifest" in m for m in truncated)  # one from each loader
-    assert dm._train_dataset.corrupt.count == 1
     assert set(range(8, 16)) <= set(train) <= set(range(16))
+    assert dm._train_dataset.corrupt.count == dm.skipped_samples == 16 - len(train) > 0  # images, not events
     # validation (the train split here, there is no val split): `index` is still the image's position in the split
     assert all(batch["index"].tolist() == identities(batch) for batch in val)
     assert sum((identities(b) for b in val), [])[-8:] == list(range(8, 16))
+
+
+def damage(shard, how):
+    """Make a shard unusable the way a bad copy or a mixed-up dataset does."""
+    if how == "empty":
+        shard.write_bytes(b"")
+    elif how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1536])
+    else:  # images of another resolution, under the manifest's name and size
+        size = shard.stat().st_size
+        with ShardWriter(shard.parent / "other", "train", maxcount=4) as writer:
+            for i in range(4):
+                writer.write(f"{i:08d}", encode_image(np.zeros((2 * RES, 2 * RES, 3), np.uint8)), "png")
+        other = (shard.parent / "other" / "train-000000.tar").read_bytes()
+        shard.write_bytes(other[:size - 1024] + bytes(1024) if len(other) >= size else other + bytes(size - len(other)))
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "resolution"])
+def test_bad_shard_is_left_out_with_one_warning_before_training(tmp_path, how):
+    make_dataset(tmp_path, [4, 4, 4, 4], val=4)
+    damage(tmp_path / "train-000002.tar", how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = ShardDataModule(tmp_path, batch_size=4, num_workers=0, flip=False, max_bad_fraction=0.25)
+        epoch = epoch_samples(dm)
+    messages = [str(w.message) for w in caught if "train-000002.tar" in str(w.message)]
+    assert len(messages) == 1 and "4 of 16 images (25.0%) lost" in messages[0]
+    assert sorted(epoch) == [i for i in range(16) if i // 4 != 2]  # the epoch is the intact shards, once
+    assert dm.skipped_samples == 0  # nothing left to fail while training
+
+
+def test_too_many_bad_shards_is_one_error_before_training(tmp_path):
+    make_dataset(tmp_path, [4, 4, 4, 4], val=4)
+    damage(tmp_path / "train-000001.tar", "empty")
+    damage(tmp_path / "val-000000.tar", "truncated")
+    command = "python scripts/prepare_data.py --source SRC --out DATA --resolution 8"
+    with pytest.raises(PixditError, match=r"(?s)1 of 4 shards of the train split.*4 of 16 images \(25.0%\) lost"
+                                          r".*train-000001.tar: empty.*max_bad_fraction=0.01"
+                                          r".*prepare_data.py --source"):
+        ShardDataModule(tmp_path, prepare_command=command)  # default threshold: 1% of the images
+    with pytest.raises(PixditError, match=r"(?s)val split.*val-000000.tar: 1536 bytes, the manifest says .*"
+                                          r"prepare_data.py --source"):
+        ShardDataModule(tmp_path, max_bad_fraction=0.5, prepare_command=command)  # the val split is checked too
+    # manifests of older versions record no shard sizes: a cut-short tar is told by its end, an intact one passes
+    assert shard_problem(tmp_path / "val-000000.tar", {"name": "val-000000.tar", "count": 4}, RES).startswith(
+        "truncated")
+    assert shard_problem(tmp_path / "train-000000.tar", {"name": "train-000000.tar", "count": 4}, RES) is None
+    with pytest.raises(PixditError, match=r"data\.max_bad_fraction must be in \[0, 1\].*got 2"):
+        ShardDataModule(tmp_path, max_bad_fraction=2)
+
+
+def test_unreadable_images_are_counted_over_all_workers(tmp_path):
+    with ShardWriter(tmp_path, "train", maxcount=4) as writer:
+        for i in range(16):  # one undecodable image in each of the 4 shards: every worker meets some
+            writer.write(f"{i:08d}", b"not a png" if i % 4 == 1 else encode_image(identity_image(i)), "png")
+    write_manifest(tmp_path, resolution=RES, image_format="png", splits={"train": writer.split_info()}, source="t")
+    dm = ShardDataModule(tmp_path, batch_size=4, num_workers=2, flip=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(dm.train_dataloader())
+    assert all("skipped" not in batch for batch in batches)  # the count travels with the batch, then is taken off
+    assert dm.skipped_samples == 4 and sum(len(identities(b)) for b in batches) == 12
+    assert any("4 unreadable images skipped on rank 0" in str(w.message) for w in caught)
+
+
+def test_a_whole_unreadable_batch_repeats_the_previous_one(tmp_path):
+    make_dataset(tmp_path, [4, 4, 4, 4])
+    dm = ShardDataModule(tmp_path, batch_size=4, num_workers=0, flip=False, shuffle_block=4)
+    stream = dm.train_dataloader().dataset  # one shard per batch here
+    intact = [identities(b) for b in stream]
+    shard_of_batch = [ids[0] // 4 for ids in intact]
+    (tmp_path / f"train-{shard_of_batch[1]:06d}.tar").write_bytes(b"")  # damaged while training
+    with pytest.warns(UserWarning, match="repeating the previous batch"):
+        batches = list(stream)  # the same epoch again
+    assert [identities(b) for b in batches] == [intact[0], intact[0], intact[2], intact[3]]  # as many batches
+    assert [int(b["skipped"]) for b in batches] == [0, 4, 0, 0]
+    (tmp_path / f"train-{shard_of_batch[0]:06d}.tar").write_bytes(b"")  # nothing to repeat: a clear error
+    with pytest.raises(PixditError, match="first batch .* unreadable"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        list(stream)
+
+
+def test_damaged_manifest_is_one_error(tmp_path):
+    make_dataset(tmp_path, [4])
+    manifest = tmp_path / "manifest.json"
+    text = manifest.read_text()
+    for damaged, expected in ((text[: len(text) // 2], "not valid JSON"), (b"\xff\xfe\x00garbage", "not valid JSON"),
+                              (text.replace('"resolution": 8', '"resolution": "8"'), "resolution='8'"),
+                              (text.replace('"shards"', '"shard"'), "lacks a 'count' or a 'shards' list"),
+                              ("[1, 2]", "not a pixdit shard manifest")):
+        manifest.write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
+        with pytest.raises(PixditError, match=expected):
+            ShardDataModule(tmp_path, prepare_command="python scripts/prepare_data.py --out X")
 
 
 def test_epoch_and_batch_settings_below_one_are_errors_not_silent_defaults(tmp_path):

@@ -1,6 +1,7 @@
 """prepare_data: FFHQ-like (flat folder, zip, parquet) and ImageNet-like (synset folders, val + devkit) sources built
 here -> shards -> ShardDataModule. Pixel-exact for png, labels, counts, corrupt files, resume without duplicates."""
 
+import contextlib
 import io
 import json
 import os
@@ -254,13 +255,147 @@ def test_cli_parallel_jpg_limit(tmp_path):
     assert batch["image"].shape == (10, 3, RES, RES)
 
 
-def test_cli_user_error_is_one_message(tmp_path, monkeypatch):
+def test_cli_user_error_is_one_message(tmp_path, monkeypatch, capsys):
     import runpy
 
     monkeypatch.setattr(sys, "argv", ["prepare_data.py", "--source", str(tmp_path / "missing"), "--out",
                                       str(tmp_path / "x"), "--resolution", "8"])
-    with pytest.raises(SystemExit, match="error: --source .*missing does not exist"):
+    with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / "scripts" / "prepare_data.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: --source {tmp_path / 'missing'} does not exist\n"
+
+
+def test_out_that_cannot_be_a_folder_is_one_error(tmp_path):
+    make_flat_folder(tmp_path / "src", 2)
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(PixditError, match="--out .*file is a file; give a folder"):
+        prepare_dataset(tmp_path / "src", tmp_path / "file", RES, progress=False)
+    with pytest.raises(PixditError, match=r"--out .*file/out: cannot create it \(Not a directory"):
+        prepare_dataset(tmp_path / "src", tmp_path / "file" / "out", RES, progress=False)
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "locked").mkdir(mode=0o500)
+        with pytest.raises(PixditError, match=r"--out .*locked/out: cannot create it \(Permission denied"):
+            prepare_dataset(tmp_path / "src", tmp_path / "locked" / "out", RES, progress=False)
+
+
+def test_disk_full_is_one_message_and_the_rerun_completes(tmp_path, monkeypatch):
+    import errno
+
+    from pixdit.data.shards import ShardWriter
+
+    make_flat_folder(tmp_path / "src", 9)
+    reference = prepare_dataset(tmp_path / "src", tmp_path / "ref", RES, maxcount=3, progress=False)
+    write = ShardWriter.write
+    calls = []
+
+    def write_until_full(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:  # the disk fills up in the second shard
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.out_dir / "train-000001.tar.tmp"))
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "write", write_until_full)
+    with pytest.raises(PixditError, match=r"disk full: no space left writing .*out/train-000001.tar.tmp .*free "
+                                          r"space there.*re-run the same command"):
+        prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=3, progress=False)
+    monkeypatch.setattr(ShardWriter, "write", write)
+    assert prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=3, progress=False)["splits"] == \
+        reference["splits"]
+
+
+def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path):
+    from pixdit.files import exclusive_lock
+
+    make_flat_folder(tmp_path / "src", 4)
+    out = tmp_path / "out"
+    (out / ".prepare").mkdir(parents=True)
+    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+               "--out", str(out), "--resolution", str(RES)]
+    with exclusive_lock(out / ".prepare" / "lock", what="test", fix="-"):  # a first run, in progress
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        with pytest.raises(PixditError, match=f"--out {out} is in use by pid {os.getpid()} on .* since "):
+            prepare_dataset(tmp_path / "src", out, RES, progress=False)
+    assert second.returncode == 2 and "Traceback" not in second.stderr
+    assert f"error: --out {out} is in use by pid {os.getpid()} on " in second.stderr
+    assert "wait for that run to finish" in second.stderr
+    assert not (out / "manifest.json").exists()  # the second run wrote nothing
+    assert prepare_dataset(tmp_path / "src", out, RES, progress=False)["counts"] == {"train": 4}  # lock released
+
+
+def test_lock_on_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from pixdit.files import exclusive_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="--out X: cannot lock .*No locks available.*no other process writes there"):
+        with exclusive_lock(tmp_path / "lock", what="--out X", fix="-"):
+            assert (tmp_path / "lock").read_text().startswith(f"pid {os.getpid()} on ")
+    assert (tmp_path / "lock").read_text() == ""  # a released lock names nobody
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+def test_workers_exit_when_the_run_is_killed(tmp_path):
+    import signal
+    import time
+
+    make_flat_folder(tmp_path / "src", 40)
+    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+               "--out", str(tmp_path / "out"), "--resolution", str(RES), "--maxcount", "1", "--workers", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        deadline = time.time() + 60
+        while len(_children(process.pid)) < 2 and process.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGSTOP)  # the run cannot finish now: its workers wait for it
+        workers = _children(process.pid)
+        assert process.poll() is None and len(workers) >= 2, "the run ended before its workers were seen"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.time() + 20
+        while any(_alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in workers if _alive(pid)], "pool workers outlived the killed run"
+    finally:  # a leak must not outlive the test (only processes of this command: pids may be reused)
+        for pid in [process.pid] + workers + _children(process.pid):
+            with contextlib.suppress(OSError):
+                if b"prepare_data.py" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_resume_rewrites_a_finished_shard_damaged_since(tmp_path):
+    make_flat_folder(tmp_path / "src", 8)
+    reference = prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=4, progress=False)
+    shard = tmp_path / "out" / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:2048])  # a full disk or a bad copy, after the run
+    assert prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=4, progress=False) == reference
+    assert verify_checksums(tmp_path / "out") == []
 
 
 def test_bad_options_are_clear_errors(tmp_path):
@@ -299,3 +434,78 @@ def test_prepare_killed_then_rerun_completes_without_duplicates(tmp_path):
     reference = prepare_dataset(tmp_path / "src", tmp_path / "ref", RES, maxcount=2, val=4, progress=False)
     assert resumed["splits"] == reference["splits"]
     assert len(all_samples(out)) == 60 and not list(out.glob("*.tmp"))
+
+
+# ---- every PIL image mode: converted by its bit depth, or skipped with the reason ----------------------------------
+GRADIENT = np.arange(RES * RES).reshape(RES, RES) % 256  # every 8-bit level, 0..255
+
+
+def colour_image() -> Image.Image:
+    pixels = np.stack([GRADIENT, GRADIENT[::-1], GRADIENT.T], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+# mode -> (file format, the image): 8-bit modes come from one colour image and must come out as PIL converts them
+EIGHT_BIT = {"1": "PNG", "L": "PNG", "LA": "PNG", "P": "PNG", "PA": "TIFF", "RGB": "PNG", "RGBA": "PNG",
+             "RGBX": "TIFF", "CMYK": "TIFF", "YCbCr": "TIFF", "LAB": "TIFF"}
+# high-bit-depth greyscale: the stored value of 8-bit level k, and the file format
+WIDE = {"I;16": (GRADIENT * 257, np.uint16, "PNG"), "I;16B": (GRADIENT * 257, ">u2", "TIFF"),
+        "I": (np.rint(GRADIENT * ((2**31 - 1) / 255)), np.int32, "TIFF"), "F": (GRADIENT / 255, np.float32, "TIFF")}
+
+
+def test_every_writable_pil_mode_is_converted_by_its_bit_depth(tmp_path):
+    (tmp_path / "src").mkdir()
+    expected = {}
+    for mode, file_format in EIGHT_BIT.items():
+        name = f"{mode.replace(';', '_')}.{file_format.lower()}"
+        colour_image().convert(mode).save(tmp_path / "src" / name, format=file_format)
+        with Image.open(tmp_path / "src" / name) as stored:
+            assert stored.mode == {"RGBX": "RGB"}.get(mode, mode)  # the file really holds that mode
+            expected[name] = np.asarray(stored.convert("RGB"))  # PIL's own conversion of 8-bit modes
+    for mode, (values, dtype, file_format) in WIDE.items():
+        name = f"{mode.replace(';', '_')}.{file_format.lower()}"
+        image = Image.fromarray(values.astype(dtype)) if mode != "I;16B" else Image.frombytes(
+            "I;16B", (RES, RES), values.astype(dtype).tobytes())
+        image.save(tmp_path / "src" / name, format=file_format)
+        with Image.open(tmp_path / "src" / name) as stored:
+            assert stored.mode in (mode, "I;16") and stored.mode[0] == mode[0]
+        expected[name] = np.repeat(GRADIENT[..., None], 3, axis=-1).astype(np.uint8)  # level k, exactly
+    manifest = prepare_dataset(tmp_path / "src", tmp_path / "out", RES, progress=False)
+    assert manifest["skipped_count"] == 0 and manifest["counts"]["train"] == len(expected)
+    for name, sample in all_samples(tmp_path / "out").items():
+        got = np.asarray(Image.open(io.BytesIO(sample["png"])))
+        assert np.array_equal(got, expected[name]), name
+
+
+def test_modes_no_file_format_keeps_are_converted_too():
+    from pixdit.data.imageops import to_rgb8
+
+    rgb = colour_image()
+    for mode in ("HSV", "RGBa"):
+        image = rgb.convert(mode)
+        assert np.array_equal(np.asarray(to_rgb8(image)), np.asarray(image.convert("RGB"))), mode
+    premultiplied = Image.merge("La", [Image.fromarray(GRADIENT.astype(np.uint8))] * 2)
+    assert np.array_equal(np.asarray(to_rgb8(premultiplied)), np.asarray(premultiplied.convert("LA").convert("RGB")))
+    native = Image.frombytes("I;16N", (RES, RES), (GRADIENT * 257).astype("=u2").tobytes())
+    assert np.array_equal(np.asarray(to_rgb8(native))[..., 0], GRADIENT)
+
+
+def test_images_with_no_faithful_8_bit_version_are_skipped_with_the_reason(tmp_path):
+    (tmp_path / "src").mkdir()
+    colour_image().save(tmp_path / "src" / "good.png")
+    Image.fromarray((GRADIENT * 1.0).astype(np.float32)).save(tmp_path / "src" / "float255.tif")  # not 0..1
+    nan = (GRADIENT / 255).astype(np.float32)
+    nan[0, 0] = np.nan
+    Image.fromarray(nan).save(tmp_path / "src" / "nan.tif")
+    Image.fromarray((GRADIENT % 100).astype(np.uint16)).save(tmp_path / "src" / "faint16.png")  # < 1/255 of range
+    Image.fromarray(-GRADIENT.astype(np.int32)).save(tmp_path / "src" / "negative.tif")
+    manifest = prepare_dataset(tmp_path / "src", tmp_path / "out", RES, progress=False)
+    assert manifest["counts"]["train"] == 1
+    reasons = {Path(s["path"]).name: s["error"] for s in manifest["splits"]["train"]["skipped"]}
+    assert sorted(reasons) == ["faint16.png", "float255.tif", "nan.tif", "negative.tif"]
+    assert "32-bit float greyscale image (mode F) with values in [0, 255]; pixdit maps [0, 1.0]" in reasons[
+        "float255.tif"]
+    assert "NaN" in reasons["nan.tif"]
+    assert "16-bit greyscale image (mode I;16) with values in [0, 99]" in reasons["faint16.png"]
+    assert "one flat grey level" in reasons["faint16.png"]
+    assert "values in [-255, 0]" in reasons["negative.tif"]

@@ -1,5 +1,5 @@
-"""Crash-safe file writes. Every file pixdit writes for a later reader (checkpoints and their EMA artifacts, shards,
-manifests, FID statistics, metrics, sweep status files, downloaded weights) is written with one of these:
+"""Crash-safe file writes, and locks. Every file pixdit writes for a later reader (checkpoints and their EMA artifacts,
+shards, manifests, FID statistics, metrics, sweep status files, downloaded weights) is written with one of these:
 
     with atomic_write(path) as f:            # binary; atomic_write(path, "w") for text
         torch.save(obj, f)
@@ -9,18 +9,31 @@ manifests, FID statistics, metrics, sweep status files, downloaded weights) is w
 The bytes go to a temporary file in the same directory (same file system, so the rename is atomic); the file is
 fsync'ed, renamed over ``path`` with ``os.replace``, and the directory is fsync'ed so the rename survives a power loss.
 A kill at any moment leaves either the old file or the new one at ``path``, never part of one; an exception inside
-the ``with`` block removes the temporary file and leaves ``path`` untouched. Imports only the standard library.
+the ``with`` block removes the temporary file and leaves ``path`` untouched.
+
+A folder that one process at a time may write (a prepare_data ``--out``) is guarded with ``exclusive_lock``:
+
+    with exclusive_lock(out / ".prepare" / "lock", what=f"--out {out}", fix="wait for it, or use another --out"):
+        ...                                  # a second process gets one PixditError naming the holder
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
+import fcntl
 import json
 import os
+import socket
+import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from pixdit.errors import PixditError
 
 MODES = ("wb", "w")
 
@@ -67,3 +80,37 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, what: str, fix: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if needed) for the block. If another process holds it,
+    raise PixditError "{what} is in use by <pid, host, start time, command>; {fix}". The lock is the kernel's (flock):
+    it goes away with its holder however that ends, kill -9 included, so it is never stale. The file holds the
+    holder's description only for that message."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise PixditError(f"{what}: cannot create {path} ({error.strerror}); use a writable folder") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            raise PixditError(f"{what} is in use by {holder}; {fix}") from None
+        except OSError as error:  # a file system without locks (some network mounts): go on, unprotected
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            warnings.warn(f"{what}: cannot lock {path} ({error.strerror}); make sure no other process writes there",
+                          stacklevel=3)
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {started} ({' '.join(sys.argv)})"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # the description is only true while the lock is held
+    finally:
+        os.close(fd)  # releases the lock

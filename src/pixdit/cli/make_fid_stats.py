@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--download", action="store_true", help="download the weights if missing")
     args = parser.parse_args(argv)
     try:
+        if args.resolution is not None and args.resolution < 1:  # (0 used to mean "the shards' resolution")
+            raise PixditError(f"--resolution must be >= 1 (pixels), got {args.resolution}; leave it out to use the "
+                              f"shards' own resolution")
         weights = resolve_inception_path(args.inception_path, args.cache_dir, args.download, config_prefix="--")
         extractor = InceptionFeatureExtractor(weights, device=args.device, config_prefix="--")
         make_reference_stats(args.shards, extractor, resolution=args.resolution, split=args.split,

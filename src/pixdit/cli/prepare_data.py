@@ -7,12 +7,13 @@ folder / zip / parquet) into webdataset shards for training.
     python scripts/prepare_data.py --source ~/imagenet/val --out data/imagenet256_val --resolution 256 --labels folders
 
 Writes DIR/{train,val}-%06d.tar + DIR/manifest.json (+ classes.json). Re-run the same command to finish an
-interrupted run: complete shards are kept. Details: docs/data.md and src/pixdit/data/prepare.py.
+interrupted run: complete shards are kept. One run at a time per DIR (a second one exits with status 2, naming the
+first). Details: docs/data.md and src/pixdit/data/prepare.py.
 """
 
 import argparse
-import sys
 
+from pixdit.cli import fail
 from pixdit.data.prepare import LABEL_MODES, prepare_dataset
 from pixdit.data.shards import IMAGE_FORMATS
 from pixdit.errors import PixditError
@@ -37,11 +38,11 @@ def main() -> None:
                                    maxcount=args.maxcount, workers=args.workers, image_format=args.format,
                                    quality=args.quality, limit=args.limit, val=args.val)
     except PixditError as error:
-        sys.exit(f"error: {error}")
+        fail(str(error))
     counts = ", ".join(f"{split} {count}" for split, count in manifest["counts"].items())
     classes = f", {manifest['num_classes']} classes" if manifest["num_classes"] else ""
     print(f"wrote {args.out}: {counts} images at {args.resolution}x{args.resolution}{classes}; "
-          f"{manifest['skipped_count']} unreadable source images skipped")
+          f"{manifest['skipped_count']} source images skipped (listed above and in the manifest)")
 
 
 if __name__ == "__main__":

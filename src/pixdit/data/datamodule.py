@@ -20,6 +20,12 @@ How the training stream is defined (all of it a pure function of seed, epoch, ra
   batches from its workers round-robin; so after S batches, worker w has delivered len(range(w, S, W)) of them.
 * resume: `state_dict()` stores (epoch, batches consumed in it); after `load_state_dict()` each worker skips exactly
   what it delivered, reading no file it does not need and decoding nothing it skips.
+
+Bad data: before training every shard gets a cheap check (pixdit.data.shards.shard_problem: size, end of the tar, the
+first image's size). Bad shards are left out of the stream with one warning saying how many images that loses; more
+than `max_bad_fraction` of a split is one PixditError instead. Samples that still fail while training (undecodable,
+wrong size, a shard damaged since) are warned about, skipped and counted: `skipped_samples`, over all workers of the
+rank.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ from typing import Any, Iterator
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pixdit.data.imageops import decode_image
-from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest
+from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest, shard_problem
 from pixdit.errors import PixditError
 from pixdit.runtime import rank_and_world_size
 
 _BLOCK_SEED, _FLIP_SEED = 1, 2  # stream tags, so block-shuffle and flip random numbers never coincide
+# A train batch carries, from its loader worker to the main process, the images the worker skipped since its previous
+# batch; the main process adds them to ShardDataModule.skipped_samples and takes the key off.
+SKIPPED_KEY = "skipped"
 
 
 def _worker_slot() -> tuple[int, int]:
@@ -75,15 +85,15 @@ def _to_batch(pixels: list[np.ndarray], labels: list[int | None], extra: dict | 
 
 
 class _CorruptCounter:
-    """Warns (shard and key) about every unusable sample and counts them, per worker process."""
+    """Warns about unusable data (sample key, or shard) and counts the images lost, per worker process."""
 
     def __init__(self) -> None:
         self.count = 0
 
-    def report(self, what: str, error: Exception) -> None:
-        self.count += 1
-        warnings.warn(f"skipping corrupt sample {what}: {error} ({self.count} skipped by this loader worker)",
-                      stacklevel=2)
+    def report(self, what: str, error: Exception, images: int) -> None:
+        """`images`: the images this loses, when they are counted here (0: where the gap is seen)."""
+        self.count += images
+        warnings.warn(f"skipping {what}: {error}", stacklevel=2)
 
 
 class ShardTrainStream(IterableDataset):
@@ -141,29 +151,32 @@ class ShardTrainStream(IterableDataset):
                 continue
             name, count = self.shards[shard_index]
             unit_end = position + size
+            reached = max(position, start)  # the next position this unit owes
             try:
                 with contextlib.closing(iter_shard_samples(self.root / name)) as shard_samples:
-                    reached = yield from self._unit_samples(shard_samples, part, parts, position, unit_end, start,
-                                                            stop)
+                    for item in self._unit_samples(shard_samples, part, parts, position, unit_end, start, stop):
+                        yield item
+                        reached = item[0] + 1
                 if reached < min(unit_end, stop):  # Python's tarfile ends a truncated tar silently
                     raise ValueError(f"it holds fewer samples than the {count} of the manifest (truncated? check "
                                      f"it with pixdit.data.shards.verify_checksums)")
             except Exception as error:  # truncated / unreadable tar: warn, skip the rest of the unit
-                self.corrupt.report(f"in shard {self.root / name}", error)
+                # (the images are counted in __iter__, which sees the gap)
+                self.corrupt.report(f"the rest of shard {self.root / name} ({min(unit_end, stop) - reached} "
+                                    f"images)", error, images=0)
             position = unit_end
 
     @staticmethod
     def _unit_samples(shard_samples, part, parts, position, unit_end, start, stop):
-        """Yields (position, sample) of the unit's samples in [start, stop); returns the position it reached."""
+        """Yields (position, sample) of the unit's samples in [start, stop)."""
         for index_in_shard, sample in enumerate(shard_samples):
             if index_in_shard % parts != part:
                 continue
             if position >= unit_end or position >= stop:
-                return position  # (more samples than the manifest says: positions stay as the manifest defines them)
+                return  # (more samples than the manifest says: positions stay as the manifest defines them)
             if position >= start:
                 yield position, sample
             position += 1
-        return position
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker_id, num_workers = _worker_slot()
@@ -180,6 +193,7 @@ class ShardTrainStream(IterableDataset):
 
         pixels, labels, batch_index = [], [], first_output // bs
         flips = self._flips(worker, batch_index)
+        previous, counted = None, self.corrupt.count  # the last batch (stands in for an unreadable one); count sent
         blocks = itertools.groupby(raw, key=lambda item: item[0] // block)
         group = next(blocks, None)
         for block_index in range(first_block, math.ceil(num_samples / block)):
@@ -195,7 +209,9 @@ class ShardTrainStream(IterableDataset):
                 output = block_start + offset
                 if output < first_output:
                     continue
-                if source in samples:
+                if source not in samples:  # its shard failed (warned about in raw_samples)
+                    self.corrupt.count += 1
+                else:
                     sample = samples[source]
                     try:
                         image, label = _decode_sample(sample, self.resolution, self.labelled)
@@ -204,11 +220,21 @@ class ShardTrainStream(IterableDataset):
                         pixels.append(image)
                         labels.append(label)
                     except Exception as error:
-                        self.corrupt.report(f"{sample.get('__key__')} in shard {sample.get('__url__')}", error)
+                        self.corrupt.report(f"corrupt sample {sample.get('__key__')} in shard {sample.get('__url__')}",
+                                            error, images=1)
                 if output % bs == bs - 1:
-                    if not pixels:
-                        raise PixditError(f"every sample of a batch in {self.root} is corrupt; re-run prepare_data.py")
-                    yield _to_batch(pixels, labels)
+                    if pixels:
+                        previous = _to_batch(pixels, labels)
+                    elif previous is None:
+                        raise PixditError(f"every image of the first batch of a loader worker in {self.root} is "
+                                          f"unreadable (see the warnings above); check the shards with "
+                                          f"pixdit.data.shards.verify_checksums and re-run prepare_data.py")
+                    else:  # a whole batch lost: repeat the previous one, so every rank and worker keeps its count
+                        warnings.warn(f"every image of a batch in {self.root} is unreadable; repeating the previous "
+                                      f"batch", stacklevel=2)
+                        previous = {key: value.clone() for key, value in previous.items()}
+                    yield {**previous, SKIPPED_KEY: torch.tensor(self.corrupt.count - counted)}
+                    counted = self.corrupt.count
                     pixels, labels, batch_index = [], [], batch_index + 1
                     flips = self._flips(worker, batch_index)
 
@@ -223,12 +249,14 @@ class ShardValStream(IterableDataset):
     """The first `num_images` samples of a split, in shard order, no flip: rank r takes images r, r+R, ...; batches
     are dealt to workers round-robin, so the batch sequence is the same for any number of workers.
     Batches carry `index` (int64: the image's position in the split, by the manifest's shard counts) so a model can
-    fix per-image noise. Unreadable samples and shards are warned about and skipped like in training."""
+    fix per-image noise. Unreadable samples and shards are warned about and skipped like in training; the shards in
+    `skip` (left out by the pre-flight check, already warned about) are not opened, their positions stay reserved."""
 
     def __init__(self, root: str | Path, shards: list[dict], *, resolution: int, batch_size: int, num_images: int,
-                 rank: int, world_size: int, labelled: bool):
+                 rank: int, world_size: int, labelled: bool, skip: frozenset[str] = frozenset()):
         self.root = Path(root)
         self.shards = [(s["name"], int(s["count"])) for s in shards]
+        self.skip = skip
         self.resolution, self.batch_size, self.labelled = resolution, batch_size, labelled
         self.indices = list(range(rank, num_images, world_size))
         self.corrupt = _CorruptCounter()
@@ -243,6 +271,9 @@ class ShardValStream(IterableDataset):
         for name, count in self.shards:
             if shard_start > last:
                 return
+            if name in self.skip:
+                shard_start += count
+                continue
             read = 0
             try:
                 with contextlib.closing(iter_shard_samples(self.root / name)) as samples:
@@ -254,8 +285,8 @@ class ShardValStream(IterableDataset):
                 if read < count:  # Python's tarfile ends a truncated tar silently
                     raise ValueError(f"it holds {read} samples, the manifest says {count} (truncated? check it "
                                      f"with pixdit.data.shards.verify_checksums)")
-            except Exception as error:
-                self.corrupt.report(f"in shard {self.root / name}", error)
+            except Exception as error:  # (the images are counted in __iter__, which sees the gap)
+                self.corrupt.report(f"the rest of shard {self.root / name}", error, images=0)
             shard_start += count
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -264,10 +295,11 @@ class ShardValStream(IterableDataset):
                 if (position // self.batch_size) % num_workers == worker}
         if not mine:
             return
-        pixels, labels, indices, current = [], [], [], None
+        pixels, labels, indices, current, seen = [], [], [], None, 0
         for position, sample in self._positioned_samples(max(mine)):
             if position not in mine:
                 continue
+            seen += 1
             batch = mine[position]
             if current is not None and batch != current and pixels:
                 yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
@@ -279,7 +311,9 @@ class ShardValStream(IterableDataset):
                 labels.append(label)
                 indices.append(position)
             except Exception as error:
-                self.corrupt.report(f"{sample.get('__key__')} in shard {sample.get('__url__')}", error)
+                self.corrupt.report(f"corrupt sample {sample.get('__key__')} in shard {sample.get('__url__')}", error,
+                                    images=1)
+        self.corrupt.count += len(mine) - seen  # images of unreadable or skipped shards
         if pixels:
             yield _to_batch(pixels, labels, {"index": torch.tensor(indices)})
 
@@ -297,9 +331,16 @@ class _TrainLoader(DataLoader):
         return self._counted(super().__iter__())
 
     def _counted(self, iterator):
+        skipped = 0  # unreadable images of this epoch, over all the workers of this rank
         for batch in iterator:
             self.datamodule._batches_yielded += 1
+            lost = int(batch.pop(SKIPPED_KEY))
+            skipped += lost
+            self.datamodule.skipped_samples += lost
             yield batch
+        if skipped:  # once per epoch on every rank (each counts its own)
+            warnings.warn(f"data epoch {self.dataset.epoch}: {skipped} unreadable images skipped on rank "
+                          f"{self.dataset.rank} (see the warnings above)", stacklevel=2)
 
     # Lightning also checkpoints "stateful" dataloaders (and otherwise warns that a mid-epoch resume is not
     # resumable): hand it the data module's position, the one mechanism.
@@ -327,7 +368,9 @@ class ShardDataModule(L.LightningDataModule):
         labelled: feed class labels (the manifest must have classes). num_classes: checked against the manifest.
         seed: the data stream's seed. shuffle_block: samples permuted together (memory: this many encoded images
             per worker).
-        prepare_command: the command shown when the data is missing.
+        max_bad_fraction: the largest fraction of a split's images that shards failing the pre-flight check may hold
+            (they are then left out, with one warning); more is a PixditError before training.
+        prepare_command: the command shown when the data is missing or damaged.
         rank, world_size: only for use without a Trainer (tests, scripts); a Trainer's values win.
     """
 
@@ -335,11 +378,12 @@ class ShardDataModule(L.LightningDataModule):
                  flip: bool = True, epoch_images: int | None = None, val_images: int = 256,
                  val_batch_size: int | None = None, val_root: str | None = None, labelled: bool = False,
                  num_classes: int | None = None,
-                 seed: int = 0, shuffle_block: int = 1000, prepare_command: str | None = None,
-                 pin_memory: bool = True, rank: int | None = None, world_size: int | None = None):
+                 seed: int = 0, shuffle_block: int = 1000, max_bad_fraction: float = 0.01,
+                 prepare_command: str | None = None, pin_memory: bool = True, rank: int | None = None,
+                 world_size: int | None = None):
         super().__init__()
         self.root = Path(root)
-        self.manifest = read_manifest(self.root, prepare_command)
+        self.manifest = read_manifest(self.root, prepare_command, require_shards=False)  # (checked below)
         manifest_resolution = int(self.manifest["resolution"])
         if resolution is not None and int(resolution) != manifest_resolution:
             raise PixditError(f"data.resolution={resolution} but the shards in {self.root} are "
@@ -350,6 +394,9 @@ class ShardDataModule(L.LightningDataModule):
                                  ("epoch_images", epoch_images, 1), ("val_batch_size", val_batch_size, 1)):
             if value is not None and int(value) < low:  # (None: epoch_images / val_batch_size take their default)
                 raise PixditError(f"data.{name} must be >= {low}, got {value}")
+        if not 0 <= float(max_bad_fraction) <= 1:
+            raise PixditError(f"data.max_bad_fraction must be in [0, 1] (a fraction of the images), got "
+                              f"{max_bad_fraction}")
         manifest_classes = int(self.manifest.get("num_classes") or 0)
         if labelled and manifest_classes == 0:
             raise PixditError(f"data.labelled=true but {self.root} has no class labels; prepare it with "
@@ -361,7 +408,8 @@ class ShardDataModule(L.LightningDataModule):
         self.val_root, self.val_manifest = self.root, self.manifest
         if val_root is not None:
             self.val_root = Path(val_root)
-            self.val_manifest = read_manifest(self.val_root, f"scripts/prepare_data.py ... --out {val_root}")
+            self.val_manifest = read_manifest(self.val_root, f"scripts/prepare_data.py ... --out {val_root}",
+                                              require_shards=False)
             if int(self.val_manifest["resolution"]) != manifest_resolution:
                 raise PixditError(f"data.val_root={val_root} is {self.val_manifest['resolution']} px but data.root "
                                   f"is {manifest_resolution} px")
@@ -370,16 +418,59 @@ class ShardDataModule(L.LightningDataModule):
         self.resolution = manifest_resolution
         self.labelled = bool(labelled)
         self.num_classes = manifest_classes if labelled else 0
+        self.max_bad_fraction, self.prepare_command = float(max_bad_fraction), prepare_command
+
+        # pre-flight check of every shard that will be read; the bad ones are left out of the streams
+        val_splits = self.val_manifest["splits"]
+        self.val_split = "val" if "val" in val_splits and val_splits["val"]["count"] > 0 else "train"
+        bad_train = self._check_shards(self.root, self.manifest, "train", prepare_command)
+        self.train_shards = [s for s in self.manifest["splits"]["train"]["shards"] if s["name"] not in bad_train]
+        if (self.val_root, self.val_split) == (self.root, "train"):
+            self.val_skip = frozenset(bad_train)
+        else:
+            val_command = (prepare_command if self.val_root == self.root
+                           else f"scripts/prepare_data.py ... --out {val_root}")
+            self.val_skip = frozenset(self._check_shards(self.val_root, self.val_manifest, self.val_split,
+                                                         val_command))
+        train_images = sum(int(s["count"]) for s in self.train_shards)
+        if train_images == 0:
+            raise PixditError(f"the training split in {self.root} has no readable images")
+        self.skipped_samples = 0  # unreadable images skipped while training, over this rank's workers (this run)
+
         self.batch_size, self.num_workers, self.flip, self.seed = int(batch_size), int(num_workers), flip, int(seed)
-        self.epoch_images = int(epoch_images or self.manifest["splits"]["train"]["count"])
+        self.epoch_images = int(epoch_images or train_images)
         self.val_images, self.val_batch_size = int(val_images), int(val_batch_size or batch_size)
-        self.shuffle_block, self.prepare_command, self.pin_memory = int(shuffle_block), prepare_command, pin_memory
+        self.shuffle_block, self.pin_memory = int(shuffle_block), pin_memory
         self._rank, self._world_size = rank, world_size
         # position tracking (see state_dict): the epoch being served and batches handed out in it
         self._epoch: int | None = None
         self._batches_yielded = 0
         self._resume: dict | None = None
         self._train_dataset: ShardTrainStream | None = None
+
+    def _check_shards(self, root: Path, manifest: dict, split: str, prepare_command: str | None) -> set[str]:
+        """Names of the shards of `split` that fail the pre-flight check (shards.shard_problem). Left out with one
+        warning when they hold at most max_bad_fraction of the split's images, else one PixditError."""
+        shards = manifest["splits"][split]["shards"]
+        problems = {s["name"]: problem for s in shards
+                    if (problem := shard_problem(root / s["name"], s, self.resolution)) is not None}
+        if not problems:
+            return set()
+        total = sum(int(s["count"]) for s in shards)
+        lost = sum(int(s["count"]) for s in shards if s["name"] in problems)
+        listing = "".join(f"\n  {root / name}: {problem}" for name, problem in list(problems.items())[:10])
+        if len(problems) > 10:
+            listing += f"\n  ... and {len(problems) - 10} more"
+        summary = (f"{len(problems)} of {len(shards)} shards of the {split} split in {root} are unusable: "
+                   f"{lost} of {total} images ({lost / max(total, 1):.1%}) lost{listing}")
+        if lost > self.max_bad_fraction * total:
+            raise PixditError(f"{summary}\nThat is more than data.max_bad_fraction={self.max_bad_fraction:g}. Delete "
+                              f"these shards and re-run the command that made them (it rewrites missing shards):\n"
+                              f"    {prepare_command or 'scripts/prepare_data.py (the same options)'}\n"
+                              f"or set data.max_bad_fraction to a larger fraction to train without them.")
+        rank_zero_warn(f"{summary}\nThese shards are left out (data.max_bad_fraction={self.max_bad_fraction:g} "
+                       f"allows that).")
+        return set(problems)
 
     # ---- topology ---------------------------------------------------------------------------------------------
     def rank_and_world_size(self) -> tuple[int, int]:
@@ -397,26 +488,23 @@ class ShardDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world_size()
         self._train_dataset = ShardTrainStream(
-            self.root, self.manifest["splits"]["train"]["shards"], resolution=self.resolution,
+            self.root, self.train_shards, resolution=self.resolution,
             batch_size=self.batch_size, batches_per_epoch=self.batches_per_epoch(), rank=rank, world_size=world_size,
             seed=self.seed, flip=self.flip, shuffle_block=self.shuffle_block, labelled=self.labelled)
         return _TrainLoader(self._train_dataset, self, num_workers=self.num_workers,
                             pin_memory=self.pin_memory and torch.cuda.is_available(), persistent_workers=False)
 
     def val_dataloader(self) -> DataLoader:
-        splits = self.val_manifest["splits"]
-        split = "val"
-        if "val" not in splits or splits["val"]["count"] == 0:
-            if self.val_root == self.root:
-                warnings.warn(f"{self.root} has no held-out 'val' split (prepare_data.py --val N makes one); "
-                              f"the validation loss uses the first {self.val_images} training images", stacklevel=2)
-            split = "train"
+        split = self.val_manifest["splits"][self.val_split]
+        if self.val_split == "train" and self.val_root == self.root:
+            warnings.warn(f"{self.root} has no held-out 'val' split (prepare_data.py --val N makes one); "
+                          f"the validation loss uses the first {self.val_images} training images", stacklevel=2)
         rank, world_size = self.rank_and_world_size()
-        num_images = min(self.val_images, splits[split]["count"])
+        num_images = min(self.val_images, split["count"])
         num_images -= num_images % world_size  # every rank gets the same number of images
-        dataset = ShardValStream(self.val_root, splits[split]["shards"], resolution=self.resolution,
+        dataset = ShardValStream(self.val_root, split["shards"], resolution=self.resolution,
                                  batch_size=self.val_batch_size, num_images=num_images, rank=rank,
-                                 world_size=world_size, labelled=self.labelled)
+                                 world_size=world_size, labelled=self.labelled, skip=self.val_skip)
         return DataLoader(dataset, batch_size=None, num_workers=min(self.num_workers, len(dataset)),
                           pin_memory=self.pin_memory and torch.cuda.is_available())
 

@@ -16,25 +16,34 @@ Sources (detected from the path):
 (torchvision ImageFolder order; for ImageNet the sorted synset ids), saved as classes.json. In a .zip, the top level
 is below the folders every member shares (train.zip holding train/<synset>/... gives the synsets).
 
-Every image: ADM's center_crop_arr (pixdit.data.imageops) to `resolution`, then PNG (default) or JPEG.
+Every image: to 8-bit RGB scaled by its bit depth (16-bit and float images too), then ADM's center_crop_arr
+(pixdit.data.imageops) to `resolution`, then PNG (default) or JPEG.
 
 Determinism and resume: the source list is sorted; `--val N` holds out N images picked by a fixed seed; training
 images are dealt to shards round-robin (image i -> shard i mod K), so each shard is a cross-section of the dataset (all
 ImageNet classes in every shard); parquet sources keep row order (contiguous shards) because parquet cannot be read
 out of order cheaply. A shard's content is therefore a function of the sorted source list and the options, so an
 interrupted run restarted with the same command keeps its finished shards (recorded in DIR/.prepare/) and writes only
-the rest, with no duplicates. Unreadable images are reported with their paths, skipped, and counted in the manifest.
+the rest, with no duplicates (a finished shard whose size differs from its record is rewritten). Unreadable images,
+and images with no faithful 8-bit version (imageops.to_rgb8), are reported with their paths, skipped, and listed in
+the manifest with the reason.
+
+One run at a time per `--out`: a run holds a lock (DIR/.prepare/lock) and a second one stops with a message naming
+the first. Worker processes exit when the run that started them ends, however it ends (kill -9 included).
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import sys
+import threading
 import zipfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -44,15 +53,16 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
-from pixdit.data.imageops import center_crop_arr, encode_image
+from pixdit.data.imageops import UnsupportedImage, center_crop_arr, encode_image
 from pixdit.data.shards import IMAGE_FORMATS, ShardWriter, shard_name, split_info, write_manifest
 from pixdit.errors import PixditError
-from pixdit.files import write_json
+from pixdit.files import exclusive_lock, write_json
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 LABEL_MODES = ("none", "folders")
 VAL_SEED = 0  # which images --val holds out; fixed so re-runs and resumes agree
 STATE_DIR = ".prepare"
+LOCK_NAME = "lock"  # in STATE_DIR
 PARQUET_IMAGE_COLUMNS = ("image", "img", "png", "jpg", "jpeg", "image_bytes", "bytes")
 
 
@@ -240,7 +250,8 @@ def _parquet_image_column(path: Path, schema) -> str:
 
 
 def convert_image(data: bytes, resolution: int) -> np.ndarray:
-    """Decode any PIL-readable image fully and apply center_crop_arr; raises on corrupt data."""
+    """Decode any PIL-readable image fully and apply center_crop_arr; raises on corrupt data and UnsupportedImage on
+    an image with no faithful 8-bit version."""
     with Image.open(io.BytesIO(data)) as image:
         image.load()
         return center_crop_arr(image, resolution)
@@ -256,8 +267,9 @@ def write_one_shard(task: dict) -> dict:
             for key_index, ref, label in task["items"]:
                 try:
                     pixels = convert_image(reader.read(ref), task["resolution"])
-                except Exception as error:  # corrupt / truncated / unreadable: report, skip
+                except Exception as error:  # corrupt / truncated / unreadable / no 8-bit version: report, skip
                     reason = ("not a readable image" if isinstance(error, UnidentifiedImageError)
+                              else str(error) if isinstance(error, UnsupportedImage)
                               else f"{type(error).__name__}: {error}")
                     skipped.append({"path": f"{source}/{ref}" if task["kind"] == "parquet" else str(source / ref),
                                     "error": reason})
@@ -274,6 +286,36 @@ def write_one_shard(task: dict) -> dict:
     return result
 
 
+def _exit_with_parent() -> None:
+    """Pool worker initializer: end this worker as soon as the process that started it ends (kill -9 included).
+    Without it, an idle worker waits forever for work from a parent that is gone."""
+    parent = multiprocessing.parent_process()
+
+    def watch():
+        parent.join()  # returns when the parent's end of the pipe multiprocessing keeps to it closes
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _is_finished(out: Path, record: dict) -> bool:
+    """Whether the shard of a .prepare record is on disk as written (a record without a size, from an older
+    version, trusts the file's presence)."""
+    if record["count"] == 0:
+        return True
+    path = out / record["name"]
+    return path.is_file() and ("bytes" not in record or path.stat().st_size == record["bytes"])
+
+
+def _make_out_dir(out: Path) -> None:
+    """Create `out` and its state folder, or say in one message why that is impossible."""
+    try:
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a parent that is a file, no permission, a read-only file system
+        raise PixditError(f"--out {out}: cannot create it ({error.strerror}: {error.filename}); choose a folder "
+                          f"you can write to") from None
+
+
 # ---- the whole run --------------------------------------------------------------------------------------------------
 def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolution: int, labels: str = "none",
                     maxcount: int = 1000, workers: int = 1, image_format: str = "png", quality: int = 95,
@@ -288,6 +330,8 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
             raise PixditError(f"{flag} must be >= {low}, got {value}")
     if quality > 100:
         raise PixditError(f"--quality must be in 1..100, got {quality}")
+    if out.exists() and not out.is_dir():
+        raise PixditError(f"--out {out} is a file; give a folder (new, or one this command wrote before)")
     kind, items, classes = list_source(source, labels)
     if limit is not None:
         if limit < 1:
@@ -299,8 +343,28 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
                "maxcount": maxcount, "format": image_format, "quality": quality if image_format == "jpg" else None,
                "limit": limit, "val": val, "resize": "center_crop_arr (box halvings, then bicubic; centre square)",
                "items_sha256": hashlib.sha256("\n".join(f"{i.ref}\t{i.label}" for i in items).encode()).hexdigest()}
+    _make_out_dir(out)
+    with exclusive_lock(out / STATE_DIR / LOCK_NAME, what=f"--out {out}",
+                        fix="wait for that run to finish (or stop it), or use another --out"):
+        try:
+            splits = _write_shards(source, out, kind, plan, options, workers, progress)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise PixditError(f"disk full: no space left writing {error.filename or out} ({error.strerror}); free "
+                              f"space there (or use an --out on another disk) and re-run the same command: the "
+                              f"shards finished so far are kept") from None
+        for entry in (s for info in splits.values() for s in info["skipped"]):
+            print(f"skipped image {entry['path']}: {entry['error']}", file=sys.stderr)
+        return write_manifest(out, resolution=resolution, image_format=image_format, splits=splits,
+                              source=str(source), classes=classes, options=options)
+
+
+def _write_shards(source: Path, out: Path, kind: str, plan: dict, options: dict, workers: int,
+                  progress: bool) -> dict[str, dict]:
+    """Write the shards of `plan` that no earlier run finished; returns the manifest's `splits`. (The caller holds
+    the lock on `out`.)"""
     state_dir = out / STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True)
     options_file = state_dir / "options.json"
     if options_file.is_file():
         previous = json.loads(options_file.read_text())
@@ -319,12 +383,12 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
         for index, shard_items in enumerate(shards):
             state = state_dir / (shard_name(split, index) + ".json")
             done = json.loads(state.read_text()) if state.is_file() else None
-            if done is not None and (done["count"] == 0 or (out / done["name"]).is_file()):
+            if done is not None and _is_finished(out, done):
                 results[split][index] = done  # finished in an earlier run: keep
                 continue
             tasks.append({"out": str(out), "source": str(source), "kind": kind, "split": split, "index": index,
-                          "resolution": resolution, "format": image_format, "quality": quality,
-                          "items": [(key, it.ref, it.label) for key, it in shard_items]})
+                          "resolution": options["resolution"], "format": options["format"],
+                          "quality": options["quality"], "items": [(key, it.ref, it.label) for key, it in shard_items]})
     total = sum(len(t["items"]) for t in tasks)
     with tqdm(total=total, unit="img", desc=f"prepare {out.name}", disable=not progress, file=sys.stderr) as bar:
         if workers <= 1 or len(tasks) <= 1:
@@ -332,20 +396,21 @@ def prepare_dataset(source: str | os.PathLike, out: str | os.PathLike, resolutio
                 results[task["split"]][task["index"]] = write_one_shard(task)
                 bar.update(len(task["items"]))
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with ProcessPoolExecutor(max_workers=workers, initializer=_exit_with_parent) as pool:
                 futures = {pool.submit(write_one_shard, task): task for task in tasks}
-                for future in as_completed(futures):
-                    task = futures[future]
-                    results[task["split"]][task["index"]] = future.result()
-                    bar.update(len(task["items"]))
+                try:
+                    for future in as_completed(futures):
+                        task = futures[future]
+                        results[task["split"]][task["index"]] = future.result()
+                        bar.update(len(task["items"]))
+                except BaseException:  # one shard failed (a full disk...): do not start the others
+                    pool.shutdown(cancel_futures=True)
+                    raise
 
     splits = {}
     for split, by_index in results.items():
         ordered = [by_index[i] for i in sorted(by_index)]
-        shards = [{"name": r["name"], "count": r["count"], "sha256": r["sha256"]} for r in ordered if r["count"]]
+        shards = [{key: r[key] for key in ("name", "count", "bytes", "sha256") if key in r}
+                  for r in ordered if r["count"]]
         splits[split] = split_info(shards, [s for r in ordered for s in r["skipped"]])
-    skipped = [s for info in splits.values() for s in info["skipped"]]
-    for entry in skipped:
-        print(f"skipped unreadable image {entry['path']}: {entry['error']}", file=sys.stderr)
-    return write_manifest(out, resolution=resolution, image_format=image_format, splits=splits, source=str(source),
-                          classes=classes, options=options)
+    return splits

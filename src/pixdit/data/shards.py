@@ -3,7 +3,7 @@
 A dataset directory looks like this (written by `scripts/prepare_data.py` or `scripts/make_quickstart_data.py`):
 
     data/ffhq256/
-      manifest.json            counts, resolution, classes, source, per-shard sample counts and sha256 checksums
+      manifest.json            counts, resolution, classes, source, per-shard sample counts, sizes, sha256 checksums
       train-000000.tar ...     `{split}-%06d.tar`, `maxcount` samples each (the last one may hold fewer)
       val-000000.tar ...       optional held-out split (the training module's validation loss uses it)
       classes.json             class names in class-id order (labelled data only)
@@ -13,7 +13,9 @@ Each sample in a shard is `<key>.png` (or `.jpg`) holding an RGB image of `resol
 back to its origin). Keys are the sample's position in the split, zero-padded, so they sort in write order.
 
 Shards are written atomically: `ShardWriter` writes `train-000003.tar.tmp` and renames it to `train-000003.tar` only
-after the tar is closed, so a killed run never leaves a truncated shard under a name that looks complete.
+after the tar is closed, so a killed run never leaves a truncated shard under a name that looks complete. A shard
+damaged later (a copy cut short, a full disk) is caught by `shard_problem`, a cheap check of its size, end and first
+image that the loader runs on every shard before training.
 
     from pixdit.data.shards import ShardWriter, write_manifest
     with ShardWriter(out_dir, "train", maxcount=1000) as writer:
@@ -24,12 +26,16 @@ after the tar is closed, so a killed run never leaves a truncated shard under a 
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import webdataset as wds
+from PIL import Image
 
 from pixdit.errors import PixditError
 from pixdit.files import commit_file, write_json
@@ -57,7 +63,8 @@ class ShardWriter:
     """Writes the samples of one split as `{split}-%06d.tar` shards of `maxcount` samples (webdataset `ShardWriter`).
 
     Each shard is written under a `.tmp` name and renamed when complete. `shards` lists, for every finished shard,
-    its name, sample count and sha256. `start_shard` lets a parallel or resumed writer produce shard k directly.
+    its name, sample count, size in bytes and sha256. `start_shard` lets a parallel or resumed writer produce shard
+    k directly.
     Tar headers carry a fixed mtime, so the same samples always give byte-identical shards (and checksums).
     """
 
@@ -84,7 +91,8 @@ class ShardWriter:
             return
         final = tmp_name[: -len(".tmp")]
         commit_file(tmp_name, final)
-        self.shards.append({"name": os.path.basename(final), "count": count, "sha256": sha256_of_file(final)})
+        self.shards.append({"name": os.path.basename(final), "count": count, "bytes": os.path.getsize(final),
+                            "sha256": sha256_of_file(final)})
 
     def write(self, key: str, image_bytes: bytes, image_format: str, label: int | None = None,
               source: str | None = None) -> None:
@@ -167,22 +175,80 @@ def write_manifest(out_dir: str | os.PathLike, *, resolution: int, image_format:
     return manifest
 
 
-def read_manifest(root: str | os.PathLike, prepare_command: str | None = None) -> dict:
-    """Load `root/manifest.json`; missing data is a PixditError that names the path and the command that makes it."""
+def read_manifest(root: str | os.PathLike, prepare_command: str | None = None, require_shards: bool = True) -> dict:
+    """Load and check `root/manifest.json`. A missing or damaged manifest, or (with `require_shards`) a missing shard,
+    is a PixditError that names the path and the command that makes the data."""
     path = Path(root) / MANIFEST_NAME
+    hint = prepare_command or "python scripts/prepare_data.py --source PATH --out DIR --resolution R"
     if not path.is_file():
-        hint = prepare_command or "python scripts/prepare_data.py --source PATH --out DIR --resolution R"
         raise PixditError(f"no dataset at {path} (manifest.json not found). Prepare it with:\n    {hint}")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise PixditError(f"{path} is not a pixdit shard manifest (format={manifest.get('format')!r})")
-    for split in manifest["splits"].values():
+    try:
+        manifest = json.loads(path.read_bytes())
+    except ValueError as error:  # not JSON, or not UTF-8: a file cut short or overwritten
+        raise PixditError(f"{path} is damaged (not valid JSON: {error}); make it again with:\n    {hint}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise PixditError(f"{path} is not a pixdit shard manifest (format={found!r})")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise PixditError(f"{path} is damaged ({problem}); make it again with:\n    {hint}")
+    for split in manifest["splits"].values() if require_shards else ():
         for shard in split["shards"]:
             shard_path = Path(root) / shard["name"]
             if not shard_path.is_file():
-                hint = prepare_command or "scripts/prepare_data.py"
                 raise PixditError(f"shard {shard_path} listed in {path} is missing; re-run:\n    {hint}")
     return manifest
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What a reader of the manifest relies on and this one lacks (None: nothing)."""
+    def is_count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not is_count(manifest.get("resolution")) or manifest["resolution"] < 1:
+        return f"resolution={manifest.get('resolution')!r}, expected a positive integer"
+    if not isinstance(manifest.get("splits"), dict):
+        return "no 'splits' table"
+    for name, split in manifest["splits"].items():
+        if not isinstance(split, dict) or not is_count(split.get("count")) or not isinstance(split.get("shards"), list):
+            return f"split {name!r} lacks a 'count' or a 'shards' list"
+        for shard in split["shards"]:
+            if not (isinstance(shard, dict) and isinstance(shard.get("name"), str) and is_count(shard.get("count"))):
+                return f"split {name!r} has a shard entry without a name and count: {shard!r}"
+    return None
+
+
+def shard_problem(path: str | os.PathLike, entry: dict, resolution: int) -> str | None:
+    """Why the shard at `path`, listed in a manifest as `entry`, cannot be read as the manifest says (None: no sign
+    of trouble). Cheap: the file's size (against the manifest's, when it records one), the tar's end-of-archive
+    marker (a tar ends in 1024 zero bytes; a cut-short copy does not) and the size of its first image, read from
+    the image header. Nothing is decoded and no checksum is computed (verify_checksums does that)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size == 0:
+        return "empty (0 bytes)"
+    if "bytes" in entry and size != entry["bytes"]:
+        return f"{size} bytes, the manifest says {entry['bytes']} (cut short or replaced)"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 1024))
+            if size % 512 or f.read() != bytes(1024):
+                return "truncated (it does not end like a complete tar file)"
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r|") as tar:
+                for member in itertools.islice(tar, 8):  # a sample is a few members: .cls, .png|.jpg, .src
+                    if member.isfile() and member.name.rsplit(".", 1)[-1] in IMAGE_FORMATS:
+                        with Image.open(io.BytesIO(tar.extractfile(member).read())) as image:
+                            width, height = image.size  # from the header: no decoding
+                        if (width, height) != (resolution, resolution):
+                            return f"its images are {width}x{height}, the manifest says {resolution}x{resolution}"
+                        return None
+        return f"no {'/'.join(IMAGE_FORMATS)} image among its first files"
+    except (OSError, tarfile.TarError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+        return f"unreadable ({type(error).__name__}: {error})"
 
 
 def verify_checksums(root: str | os.PathLike) -> list[str]:
