@@ -6,17 +6,17 @@
 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
 (-0.0 ties with +0.0), deterministic. Scores are fp32 FMA products (``input_precision="ieee"``, never TF32). ``k``
-is a run-time argument everywhere: a new k compiles nothing new (the streaming kernel has three size buckets).
+is a run-time argument everywhere: a new k compiles nothing new (one one-shot variant per candidate count, three streaming buckets).
 Three paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
-* ``_streaming_topk_kernel`` (every key row a candidate, any number of them, ``k <= 64``): scores 32 candidates
-  at a time and never writes scores. Each candidate becomes an int64 key that orders like (score, smaller id);
-  a key that beats its row's current k-th best ("the bar") joins a 4-deep queue of its (row, column); when any
-  queue of the program is full, all queues are folded into the row's best ``SLOTS`` keys with bitonic networks
-  (``SLOTS`` = 16, 32 or 64, the power of two >= k) and the bar rises. After the first chunks few candidates beat
-  the bar, so folds are rare and a chunk costs its fp32 FMA scores plus ~15 integer ops per score.
+* ``_streaming_topk_kernel`` (every key row a candidate, any number of them, ``k <= 64``): scores a chunk of 128
+  candidates at a time and keeps each row's best k in registers (``SLOTS`` = 16, 32 or 64 slots, the power of two
+  >= k). Chunks come in ascending id order, so a newcomer enters only if it is *strictly* better than the worst
+  kept entry (on a tie the kept, smaller id wins); each chunk costs as many insertion rounds as its most-improved
+  row needs, which after the first chunks is a few. Nothing ``[T, T]`` is written (the PyTorch form materialises
+  805 MB of scores per call at 256x256 pixels with 16-token tiles).
 * PyTorch (CPU, ``k`` above 64 or equal to the number of candidates, or shapes the kernels do not take): chunked
   fp32 matmuls (TF32 off) + ``topk_desc_fast``; nothing to compile.
 
@@ -36,15 +36,13 @@ __all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES", "STREAM_MAX_K"]
 MAX_CANDIDATES = 1024
 _MAX_CAND_X_DIM = 32768   # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
 _ROWS = 16
-# Streaming kernel. Each row keeps its best SLOTS int64 keys in registers next to four [rows, 32] queue planes;
-# SLOTS = 128 spills (and trips a Triton layout pass), so k > 64 takes the PyTorch path: at those k the [T, T]
-# scores are no longer the dominant cost.
+# Streaming kernel: each row keeps its best SLOTS (16, 32 or 64: the power of two >= k) scores and ids in registers;
+# k > 64 takes the PyTorch path (at those k the [T, T] scores no longer dominate).
 STREAM_MAX_K = 64
-_STREAM_MIN_SLOTS = 16    # k <= 16 shares one bucket (k = 8 for LLSA's coarsest level)
+_STREAM_MIN_SLOTS = 16
 _STREAM_ROWS = 32         # query rows per program: each loaded key chunk serves 32 rows
-_STREAM_LOG_CHUNK = 5     # 32 candidates scored per step (= queue columns)
+_STREAM_CHUNK = 128       # candidates scored per step
 _TORCH_MAX_SCORES = 1 << 26   # fp32 scores alive at once in the PyTorch path (256 MiB)
-_EMPTY: tl.constexpr = tl.constexpr(-9223372036854775808)   # int64 min: below every real key
 
 
 @triton.jit(do_not_specialize=["k"])     # k only bounds a loop: one compiled kernel serves every k
@@ -79,119 +77,59 @@ def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, k, stride_qb, stride_k
         s = tl.where(ids[None, :] == sel[:, None], float("-inf"), s)
 
 
-@triton.jit
-def _descending_keys(s, ids):
-    """int64 keys ordered like (fp32 score, then smaller id): ``blocks.topk_desc``'s keys, built in registers.
-
-    High 32 bits: the score's bits made to order like the float (flip the magnitude bits of negatives; -0.0 turned
-    into +0.0 first so the two zeros tie). Low 32 bits: ``~id``, so that on equal scores the smaller id is larger.
-    """
-    s = tl.where(s == 0.0, 0.0, s)
-    bits = s.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (~ids).to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _compare_exchange(x, ROWS: tl.constexpr, N: tl.constexpr, STRIDE: tl.constexpr, RUN: tl.constexpr,
-                      DESCENDING: tl.constexpr):
-    """One stage of a bitonic network along axis 1 of ``x`` ``[ROWS, N]`` (each row on its own): slots ``i`` and
-    ``i + STRIDE`` (``i`` with bit STRIDE clear) are put in order, ascending or descending as asked, the order
-    flipped inside every other run of ``RUN`` slots (runs sorted in alternate directions make the bitonic sequences
-    of the next stage)."""
-    y = tl.reshape(x, [ROWS, N // (2 * STRIDE), 2, STRIDE])
-    partner = tl.sum(y, 2, keep_dims=True) - y              # the other slot of the pair (int64 wrap-around is exact)
-    second = (tl.arange(0, 2) == 1)[None, None, :, None]
-    run = tl.arange(0, N // (2 * STRIDE))[None, :, None, None] // (RUN // (2 * STRIDE))
-    descending = (run % 2 == 1) != DESCENDING
-    y = tl.where((y > partner) == (second != descending), y, partner)
-    return tl.reshape(y, [ROWS, N])
-
-
-@triton.jit
-def _bitonic_top(x, ROWS: tl.constexpr, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
-    """The ``2**LOG_K`` largest of each row of ``x`` ``[ROWS, 2**LOG_N]``, sorted descending (bitonic top-k: sort
-    runs of ``2**LOG_K`` in alternate directions, then halve repeatedly: the elementwise max of a descending and an
-    ascending run is a bitonic run holding the best of both, and one bitonic merge sorts it)."""
-    K: tl.constexpr = 1 << LOG_K
-    for p in tl.static_range(1, LOG_K + 1):
-        for q in tl.static_range(p):
-            x = _compare_exchange(x, ROWS, 1 << LOG_N, 1 << (p - 1 - q), 1 << p, True)
-    for h in tl.static_range(1, LOG_N - LOG_K + 1):     # halve: 2**(LOG_N - h) slots remain
-        x = tl.reshape(tl.max(tl.reshape(x, [ROWS, 1 << (LOG_N - h - LOG_K), 2, K]), 2), [ROWS, 1 << (LOG_N - h)])
-        for q in tl.static_range(LOG_K):
-            x = _compare_exchange(x, ROWS, 1 << (LOG_N - h), 1 << (LOG_K - 1 - q), K, True)
-    return x
-
-
-@triton.jit
-def _fold_queues(kept, q0, q1, q2, q3, k, ROWS: tl.constexpr, LOG_CHUNK: tl.constexpr, LOG_SLOTS: tl.constexpr):
-    """Fold the four queue planes into ``kept`` (ascending, the row's best SLOTS keys); returns the new ``kept`` and
-    each row's k-th best key (the bar a newcomer must beat)."""
-    SLOTS: tl.constexpr = 1 << LOG_SLOTS
-    queued = tl.reshape(tl.join(tl.join(q0, q1), tl.join(q2, q3)), [ROWS, 4 << LOG_CHUNK])
-    best = _bitonic_top(queued, ROWS, LOG_CHUNK + 2, LOG_SLOTS)        # descending
-    # kept ascending vs best descending: the elementwise max is a bitonic sequence holding the SLOTS best of both
-    kept = tl.maximum(kept, best)
-    for q in tl.static_range(LOG_SLOTS):
-        kept = _compare_exchange(kept, ROWS, SLOTS, 1 << (LOG_SLOTS - 1 - q), SLOTS, False)
-    slot = tl.arange(0, SLOTS)[None, :]
-    bar = tl.max(tl.where(slot == SLOTS - k, kept, _EMPTY), 1, keep_dims=True)
-    return kept, bar
-
-
-@triton.jit(do_not_specialize=["k"])
+@triton.jit(do_not_specialize=["k"])     # k is a run-time value: one compiled kernel per SLOTS bucket
 def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, k, stride_qb, stride_kb, stride_ob,
-                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, LOG_CHUNK: tl.constexpr,
-                           LOG_SLOTS: tl.constexpr):
-    SLOTS: tl.constexpr = 1 << LOG_SLOTS
-    CHUNK: tl.constexpr = 1 << LOG_CHUNK
+                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     dims = tl.arange(0, HEAD_DIM)
     qp = tl.load(QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
-    kept = tl.full([ROWS, SLOTS], _EMPTY, tl.int64)        # each row's best SLOTS keys so far, ascending
-    bar = tl.full([ROWS, 1], _EMPTY, tl.int64)             # the row's k-th best kept key
-    # per (row, chunk column) a queue of up to 4 newcomers that beat the bar, q0 the newest
-    q0 = tl.full([ROWS, CHUNK], _EMPTY, tl.int64)
-    q1 = q0
-    q2 = q0
-    q3 = q0
+    big = 2147483647
+    slot = tl.arange(0, SLOTS)
+    live = (slot < k)[None, :]
+    # kept entries: -inf until filled; slots beyond k hold +inf so they are never the worst; distinct ids
+    kept = tl.where(live, float("-inf"), float("inf")) + tl.zeros([ROWS, SLOTS], tl.float32)
+    kept_id = -1 - slot[None, :] + tl.zeros([ROWS, SLOTS], tl.int32)
+    worst = tl.full([ROWS], float("-inf"), tl.float32)
     c = tl.arange(0, CHUNK)
-    for c0 in range(0, n_cand + CHUNK, CHUNK):              # one step past the end: it only flushes the queues
+    for c0 in range(0, n_cand, CHUNK):
         ids = c0 + c
         ok = ids < n_cand
         kt = tl.load(KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :],
                      other=0.0)
         s = tl.dot(qp, kt, input_precision="ieee")
-        keys = _descending_keys(s, ids[None, :])
-        new = (keys > bar) & ok[None, :]
-        q3 = tl.where(new, q2, q3)
-        q2 = tl.where(new, q1, q2)
-        q1 = tl.where(new, q0, q1)
-        q0 = tl.where(new, keys, q0)
-        full = tl.max(tl.reshape((q3 != _EMPTY).to(tl.int32), [ROWS * CHUNK]), 0)
-        if (full > 0) | (c0 >= n_cand):                     # a queue is full (or the end): fold them into kept
-            kept, bar = _fold_queues(kept, q0, q1, q2, q3, k, ROWS, LOG_CHUNK, LOG_SLOTS)
-            q0 = tl.full([ROWS, CHUNK], _EMPTY, tl.int64)
-            q1 = q0
-            q2 = q0
-            q3 = q0
-    rank = SLOTS - 1 - tl.arange(0, SLOTS)                  # kept[:, j] is the row's (rank + 1)-th best
-    tl.store(OUT + bh * stride_ob + rows[:, None] * k + rank[None, :], (~kept).to(tl.int32),
-             mask=row_ok[:, None] & (rank[None, :] < k))
+        s = tl.where(ok[None, :], s, float("-inf"))
+        # newcomers have larger ids than every kept entry: only a strictly better score enters
+        rounds = tl.minimum(tl.max(tl.sum((s > worst[:, None]).to(tl.int32), 1), 0), k)
+        for _ in range(rounds):
+            m = tl.max(s, 1)
+            new_id = tl.min(tl.where(s == m[:, None], ids[None, :], big), 1)
+            # the entry to evict: the lowest kept value, among equal values the largest id
+            evict_id = tl.max(tl.where(kept == worst[:, None], kept_id, -big), 1)
+            evict = (kept_id == evict_id[:, None]) & (m > worst)[:, None]
+            kept = tl.where(evict, m[:, None], kept)
+            kept_id = tl.where(evict, new_id[:, None], kept_id)
+            s = tl.where(ids[None, :] == new_id[:, None], float("-inf"), s)
+            worst = tl.min(kept, 1)
+    # write out best first: value descending, ties -> smaller id
+    kept = tl.where(live, kept, float("-inf"))
+    out_base = OUT + bh * stride_ob + rows * k
+    for i in range(k):
+        m = tl.max(kept, 1)
+        sel = tl.min(tl.where(kept == m[:, None], kept_id, big), 1)
+        tl.store(out_base + i, sel, mask=row_ok)
+        kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
 
 
 def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
     """Launch ``_streaming_topk_kernel`` on contiguous fp32 ``[BH, R, d]`` / ``[BH, C, d]`` into int32 ``out``
     (``rows_per_program`` is a knob for scripts/bench_topk.py)."""
     BH, R, d = qf.shape
-    slots = max(_STREAM_MIN_SLOTS, triton.next_power_of_2(k))
     _streaming_topk_kernel[(triton.cdiv(R, rows_per_program), BH)](
         qf, kf, out, R, kf.shape[1], k, qf.stride(0), kf.stride(0), out.stride(0), HEAD_DIM=d, ROWS=rows_per_program,
-        LOG_CHUNK=_STREAM_LOG_CHUNK, LOG_SLOTS=slots.bit_length() - 1, num_warps=4)
+        CHUNK=_STREAM_CHUNK, SLOTS=max(_STREAM_MIN_SLOTS, triton.next_power_of_2(k)), num_warps=4)
     return out
 
 

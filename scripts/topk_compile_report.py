@@ -39,8 +39,7 @@ def one_shot_variant(head_dim: int, cand: int) -> tuple:
 def streaming_variant(head_dim: int, slots: int) -> tuple:
     sig = {"QP": "*fp32", "KP": "*fp32", "OUT": "*i32", "n_rows": "i32", "n_cand": "i32", "k": "i32",
            "stride_qb": "i32", "stride_kb": "i32", "stride_ob": "i32"}
-    const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "LOG_CHUNK": topk._STREAM_LOG_CHUNK,
-             "LOG_SLOTS": slots.bit_length() - 1}
+    const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "CHUNK": topk._STREAM_CHUNK, "SLOTS": slots}
     return topk._streaming_topk_kernel, sig, const, 4
 
 
