@@ -49,6 +49,7 @@ INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrain
 CLEANFID_DEFAULT_DIR = "/tmp"  # where cleanfid.features.feature_extractor looks for / downloads the file on Linux
 FEATURE_DIM = 2048
 SPATIAL_BLOCK, SPATIAL_CHANNELS = "mixed_6", 7  # ADM's sFID: mixed_6/conv, first 7 channels (17 x 17 x 7 = 2023)
+SPATIAL_DIM = 17 * 17 * SPATIAL_CHANNELS
 INCEPTION_MODES = ("clean", "legacy_tensorflow")  # clean-fid's mode names (cleanfid.resize.build_resizer)
 DOWNLOAD_TIMEOUT_S = 20
 
