@@ -16,7 +16,7 @@ from test_eval_pipeline import TINY, write_tiny_shards
 from test_eval_standin import write_standin_inception
 
 from pixdit.errors import PixditError
-from pixdit.eval import InceptionFeatureExtractor, evaluate_generator, generate_uint8, load_reference
+from pixdit.eval import InceptionFeatureExtractor, MetricSuite, evaluate_generator, generate_uint8, load_reference
 from pixdit.eval.callback import FIDCallback
 from pixdit.eval.reference import make_reference_stats
 from pixdit.module import DiffusionModule
@@ -33,6 +33,10 @@ def files(tmp_path_factory):
     reference = make_reference_stats(root / "shards", InceptionFeatureExtractor(weights), batch_size=16,
                                      progress=lambda message: None)
     return {"root": root, "weights": weights, "reference": reference}
+
+
+def suite(files, metrics=("fid", "is")):
+    return MetricSuite(metrics, InceptionFeatureExtractor(files["weights"]), load_reference(str(files["reference"])))
 
 
 def tiny_module():
@@ -65,8 +69,7 @@ def test_callback_logs_fid_of_the_ema_model_every_n_steps_and_at_the_end(tmp_pat
     assert all(float(r["is_mean"]) >= 1.0 and r["is_std"] != "" for r in fid_rows)
     assert float(fit.callback_metrics["fid"]) == pytest.approx(float(fid_rows[-1]["fid"]))
     # Independent re-computation from the trained module's EMA weights gives the logged end-of-training value.
-    direct = evaluate_generator(module.ema.model, module.flow, InceptionFeatureExtractor(files["weights"]),
-                                load_reference(str(files["reference"])), image_size=(8, 8), **FID_OPTIONS)
+    direct = evaluate_generator(module.ema.model, module.flow, suite(files), image_size=(8, 8), **FID_OPTIONS)
     assert direct["fid"] == pytest.approx(float(fid_rows[-1]["fid"]), rel=1e-4)
     assert direct["is_mean"] == pytest.approx(float(fid_rows[-1]["is_mean"]), rel=1e-4)
 
@@ -145,8 +148,7 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     assert settings["num_samples"] == 12 and settings["seed"] == 3 and settings["global_step"] == 2
     assert settings["reference_id"] == load_reference(str(files["reference"])).id
     # Same numbers as the in-process evaluation of the EMA model (the first seed range).
-    direct = evaluate_generator(module.ema.model, module.flow, InceptionFeatureExtractor(files["weights"]),
-                                load_reference(str(files["reference"])), image_size=(8, 8), **FID_OPTIONS)
+    direct = evaluate_generator(module.ema.model, module.flow, suite(files), image_size=(8, 8), **FID_OPTIONS)
     assert metrics["per_seed"][0]["fid"] == pytest.approx(direct["fid"], rel=1e-4)
     # samples.npz (ADM format): uint8 NHWC, sample i at row i.
     with np.load(out_dir / "samples.npz") as samples:
@@ -160,7 +162,8 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     # A missing weights file stops the script before anything is loaded, naming the config key.
     script = load_evaluate_script()
     with initialize_config_dir(config_dir=str(REPO / "configs" / "eval"), version_base="1.3"):
-        cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}"])
+        cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}",
+                                             f"eval.reference={files['reference']}"])
     with pytest.raises(PixditError, match=r"(?s)missing.pt.*nvlabs-fi-cdn.*eval.inception_path"):
         script.evaluate(cfg)
 

@@ -26,12 +26,27 @@ from pixdit.eval.inception import tensorflow_bilinear_resize
 ACTIVE_FEATURES = 64
 
 
+class _CornerConv(nn.Module):
+    """1x1 conv + ReLU whose output is 0 outside the top-left 4x4 of the 17x17 grid: like ACTIVE_FEATURES, this keeps
+    the 2023-d sFID covariances cheap (112 varying dimensions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+        mask = torch.zeros(1, 1, 17, 17)
+        mask[..., :4, :4] = 1
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)) * self.mask
+
+
 class _Mixed6(nn.Module):
     """Two branches concatenated, like the real block; `conv` is the branch sFID reads."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU())
+        self.conv = _CornerConv()
         self.tower = nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
