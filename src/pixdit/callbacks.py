@@ -31,6 +31,7 @@ from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path
 from pixdit.config import construct, plain
 from pixdit.errors import PixditError
 from pixdit.eval.callback import FIDCallback
+from pixdit.flow import check_sampler
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -69,10 +70,13 @@ class SampleGrid(Callback):
     """PNG grids of EMA samples from fixed seeds, every ``every_n_steps`` optimizer steps and at the end."""
 
     def __init__(self, dirpath: str, every_n_steps: int = 1000, num_samples: int = 16, steps: int = 20,
-                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True):
+                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True,
+                 sampler: str = "euler", cfg_interval: list[float] | None = None):
         if every_n_steps < 0 or num_samples < 1 or steps < 1:
             raise PixditError(f"callbacks.samples: every_n_steps must be >= 0 (0 = only at the end), num_samples and "
                               f"steps >= 1; got every_n_steps={every_n_steps}, num_samples={num_samples}, steps={steps}")
+        self.cfg_interval = check_sampler(sampler, cfg_interval, prefix="callbacks.samples.")
+        self.sampler = sampler
         self.dirpath = Path(dirpath)
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
@@ -98,7 +102,8 @@ class SampleGrid(Callback):
         # Every rank must call sample_images if it ever synchronises; ours does not, so only rank 0 samples.
         if not trainer.is_global_zero:
             return None
-        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale)
+        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale,
+                                         sampler=self.sampler, cfg_interval=self.cfg_interval)
         grid = torchvision.utils.make_grid((images.float().cpu() + 1) / 2, nrow=self.nrow, padding=2)
         grid = grid.clamp(0, 1)
         self.dirpath.mkdir(parents=True, exist_ok=True)

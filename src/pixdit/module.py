@@ -260,9 +260,9 @@ class DiffusionModule(L.LightningModule):
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def sample_images(self, num_samples: int, steps: int = 20, seed: int = 0, cfg_scale: float = 1.0,
-                      use_ema: bool = True) -> torch.Tensor:
+                      use_ema: bool = True, sampler: str = "euler", cfg_interval=None) -> torch.Tensor:
         """Images in [-1, 1] from fixed noise (seed), with the EMA model by default; labels 0, 1, 2, ... if
-        class-conditional."""
+        class-conditional. sampler / cfg_interval: see RectifiedFlow.sample."""
         h, w = self.image_size
         noise = torch.randn((num_samples, 3, h, w), generator=torch.Generator().manual_seed(seed)).to(self.device)
         y = torch.arange(num_samples, device=self.device) % self.num_classes if self.num_classes else None
@@ -272,7 +272,8 @@ class DiffusionModule(L.LightningModule):
         autocast = self.trainer.precision_plugin.forward_context() if self._trainer is not None \
             else contextlib.nullcontext()
         with autocast:
-            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale)
+            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale, sampler=sampler,
+                                      cfg_interval=cfg_interval)
         model.train(was_training)
         return images.float()
 
