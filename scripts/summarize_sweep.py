@@ -10,7 +10,7 @@ Writes into ``--out`` (default: the multirun directory itself)
 * ``summary.png`` - every metric against every swept parameter (one panel each; one line per setting of the other
   swept parameters; failed runs are left out of the plot and marked in the tables),
 * ``fid_curves.png`` - FID against the training step, one line per run, when the FID callback logged FID during
-  training (``callbacks.fid.every_n_steps``); the tables then also hold each run's best logged FID and its step.
+  training (``callbacks.fid.every_n_train_steps``); the tables then also hold each run's best logged FID and its step.
 
 A run is any directory below MULTIRUN_DIR that holds ``.hydra/overrides.yaml`` (Hydra saves it when the job starts).
 Per run it reads:

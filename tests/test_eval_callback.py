@@ -56,8 +56,8 @@ def trainer(tmp_path, callback, **options):
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options)
 
 
-def test_callback_logs_fid_of_the_ema_model_every_n_steps_and_at_the_end(tmp_path, files):
-    callback = FIDCallback(reference=str(files["reference"]), every_n_steps=2, at_end=True, sampler="heun",
+def test_callback_logs_fid_of_the_ema_model_every_n_train_steps_and_at_the_end(tmp_path, files):
+    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=2, at_end=True, sampler="heun",
                            inception_path=str(files["weights"]), **FID_OPTIONS)
     module = tiny_module()
     samplers_used, original = [], module.flow.sample
@@ -91,7 +91,7 @@ def test_callback_does_not_evaluate_the_checkpoint_step_again_after_a_resume(tmp
             evaluated.append(trainer.global_step)
             return super().evaluate(trainer, pl_module)
 
-    options = dict(reference=str(files["reference"]), every_n_steps=1, at_end=False,
+    options = dict(reference=str(files["reference"]), every_n_train_steps=1, at_end=False,
                    inception_path=str(files["weights"]), **FID_OPTIONS)
     evaluated = []
     first = trainer(tmp_path, Recording(**options), max_steps=1, accumulate_grad_batches=2)
@@ -106,7 +106,7 @@ def test_callback_does_not_evaluate_the_checkpoint_step_again_after_a_resume(tmp
 
 def test_callback_fails_at_start_up_without_weights_and_is_off_in_fast_dev_run(tmp_path, files):
     missing = tmp_path / "none" / "inception-2015-12-05.pt"
-    callback = FIDCallback(reference=str(files["reference"]), every_n_steps=1, inception_path=str(missing),
+    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=1, inception_path=str(missing),
                            **FID_OPTIONS)
     module = tiny_module()
     fit = trainer(tmp_path, callback, max_steps=2)
@@ -125,14 +125,14 @@ def test_callback_reference_defaults_to_the_statistics_next_to_the_data(tmp_path
         def train_dataloader(self):
             return loader()
 
-    callback = FIDCallback(every_n_steps=0, at_end=True, inception_path=str(files["weights"]), **FID_OPTIONS)
+    callback = FIDCallback(every_n_train_steps=0, at_end=True, inception_path=str(files["weights"]), **FID_OPTIONS)
     with pytest.raises(PixditError, match=r"(?s)fid_stats/clean_8.npz does not exist.*make_fid_stats.py --shards"):
         trainer(tmp_path, callback, max_steps=1).fit(tiny_module(), datamodule=Data())
 
 
 def test_evaluate_script_end_to_end(tmp_path, files):
     module = tiny_module()
-    fit = trainer(tmp_path, FIDCallback(every_n_steps=0, at_end=False), max_steps=2)
+    fit = trainer(tmp_path, FIDCallback(every_n_train_steps=0, at_end=False), max_steps=2)
     fit.fit(module, train_dataloaders=loader())
     run_dir = tmp_path / "run"
     fit.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
@@ -229,7 +229,7 @@ def test_sample_grid_uses_the_configured_sampler(tmp_path):
     with pytest.raises(PixditError, match="callbacks.samples.sampler='dpm'"):
         SampleGrid(str(tmp_path), sampler="dpm")
     module = tiny_module()
-    grid = SampleGrid(str(tmp_path), every_n_steps=0, num_samples=2, steps=2, sampler="heun", at_end=True)
+    grid = SampleGrid(str(tmp_path), every_n_train_steps=0, num_samples=2, steps=2, sampler="heun", at_end=True)
     fit = trainer(tmp_path, grid, max_steps=1)
     calls = []
     original = module.flow.sample

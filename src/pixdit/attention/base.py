@@ -41,7 +41,7 @@ class AttentionBackend(nn.Module):
     ``token_order``: the order the backend needs the tokens in ("zorder" for the block-sparse methods, whose blocks of
     consecutive tokens must be square patches); None = any order (``model.token_order: auto`` then picks raster).
     ``renamed_options``: old config keys -> what replaced them; building with an old key is an error naming the new
-    one.
+    one (``config.construct`` checks it).
     """
 
     name: str = ""
@@ -155,12 +155,7 @@ def build_attention(cfg: Mapping[str, Any] | str | None, dim: int, num_heads: in
     """Build one backend from its config (``name`` selects the class, the other keys are its options; the model's
     per-layer schedule ``dense_blocks`` is not one of them and is not read here)."""
     name, options = attention_options(cfg)
-    cls = attention_class(name)
-    for old in options:
-        if old in cls.renamed_options:
-            raise PixditError(f"attention.{old} (attention={name}) was renamed: "
-                              f"use attention.{cls.renamed_options[old]}")
-    return construct(cls, options, "attention", dim=dim, num_heads=num_heads)
+    return construct(attention_class(name), options, "attention", dim=dim, num_heads=num_heads)
 
 
 def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Callable[[torch.Tensor], Any]) -> None:

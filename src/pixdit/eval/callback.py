@@ -5,7 +5,7 @@ turns into FID-vs-step curves.
 
 Config: configs/callbacks/fid.yaml (train.py builds it as `callbacks.fid`); e.g.
 
-    python train.py experiment=ffhq128_llsa callbacks.fid.every_n_steps=5000 callbacks.fid.num_samples=10000 \
+    python train.py experiment=ffhq128_llsa callbacks.fid.every_n_train_steps=5000 callbacks.fid.num_samples=10000 \
         callbacks.fid.reference=cleanfid:ffhq_trainval70k callbacks.fid.inception_path=/data/inception-2015-12-05.pt
 
 * Checks: metric names, sampler and CFG interval when the callback is built; the weights files and the reference
@@ -37,14 +37,16 @@ log = logging.getLogger(__name__)
 
 
 class FIDCallback(Callback):
-    """FID/IS of generated samples every `every_n_steps` optimizer steps (0 = never) and/or at the end of training."""
+    """FID/IS of generated samples every `every_n_train_steps` optimizer steps (0 = never) and/or at the end of
+    training."""
 
     config_key = "callbacks.fid"
+    renamed_options = {"every_n_steps": "every_n_train_steps"}  # Lightning's word, as callbacks.checkpoint has it
 
     def __init__(
         self,
         reference: str | None = None,  # None: <data root>/fid_stats/clean_<res>.npz (scripts/make_fid_stats.py)
-        every_n_steps: int = 0,
+        every_n_train_steps: int = 0,
         at_end: bool = True,
         num_samples: int = 10_000,
         steps: int = 20,
@@ -65,19 +67,19 @@ class FIDCallback(Callback):
         download: bool = False,
     ):
         key = self.config_key
-        if every_n_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1 \
+        if every_n_train_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1 \
                 or inception_splits < 1:
             raise PixditError(
-                f"{key}: every_n_steps must be >= 0 (0 = only at the end), inception_splits >= 1, num_samples >= "
-                f"inception_splits ({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_steps="
-                f"{every_n_steps}, num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
+                f"{key}: every_n_train_steps must be >= 0 (0 = only at the end), inception_splits >= 1, num_samples >= "
+                f"inception_splits ({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_train_steps="
+                f"{every_n_train_steps}, num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
             )
         resolve_precision(precision, "cpu", key=f"{key}.precision")  # checks the name now; `auto` = the trainer's
         self.metrics = check_metric_names(metrics, key)
         self.cfg_interval = check_sampler(sampler, cfg_interval, prefix=f"{key}.")
         self.sampler = sampler
         self.reference_name = reference
-        self.every_n_steps = every_n_steps
+        self.every_n_train_steps = every_n_train_steps
         self.at_end = at_end
         self.num_samples = num_samples
         self.steps = steps
@@ -93,7 +95,7 @@ class FIDCallback(Callback):
         self.dinov2_path = dinov2_path
         self.cleanfid_stats_dir = cleanfid_stats_dir
         self.download = download
-        self.enabled = every_n_steps > 0 or at_end
+        self.enabled = every_n_train_steps > 0 or at_end
         self.suite: MetricSuite | None = None
         self.last_metrics: dict | None = None
         self._reference = None  # the resolved reference name
@@ -142,7 +144,7 @@ class FIDCallback(Callback):
     # ------------------------------------------------------------------ when to evaluate
     def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.enabled and self.every_n_steps and step > 0 and step % self.every_n_steps == 0 \
+        if self.enabled and self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0 \
                 and step != self._last_step:
             self.evaluate(trainer, pl_module)
 
