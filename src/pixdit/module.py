@@ -1,4 +1,5 @@
-"""DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow (spec llsa.md §9–§10).
+"""DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow
+(docs/algorithms.md, "Flow matching with noise rescaling").
 
 What it owns (``DiffusionModule.from_config(cfg, image_size)`` builds it from a run's config; see configs/train.yaml
 for every key):
@@ -63,8 +64,9 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
 
 def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
                   eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None) -> dict:
-    """The ``optimizer`` section: AdamW's arguments (recipe defaults, spec llsa.md §10.1) plus the linear LR warm-up.
-    Built through ``pixdit.config.construct``, so an unknown key or a word for a number is a clear error."""
+    """The ``optimizer`` section: AdamW's arguments (defaults: the paper's recipe, docs/algorithms.md "Flow matching
+    with noise rescaling") plus the linear LR warm-up. Built through ``pixdit.config.construct``, so an unknown key or
+    a word for a number is a clear error."""
     return dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused)
 
 
