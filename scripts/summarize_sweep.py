@@ -8,7 +8,9 @@ Writes into ``--out`` (default: the multirun directory itself)
 * ``summary.md``  - a markdown table, one row per run (also printed),
 * ``summary.csv`` - the same table as CSV,
 * ``summary.png`` - every metric against every swept parameter (one panel each; one line per setting of the other
-  swept parameters; failed runs are left out of the plot and marked in the tables).
+  swept parameters; failed runs are left out of the plot and marked in the tables),
+* ``fid_curves.png`` - FID against the training step, one line per run, when the FID callback logged FID during
+  training (``callbacks.fid.every_n_train_steps``); the tables then also hold each run's best logged FID and its step.
 
 A run is any directory below MULTIRUN_DIR that holds ``.hydra/overrides.yaml`` (Hydra saves it when the job starts).
 Per run it reads:
@@ -17,7 +19,8 @@ Per run it reads:
 * Lightning's CSV logger output (``metrics.csv`` anywhere below the run directory; the newest one if several):
   final validation loss of the weights and of the EMA weights (``val/loss``, ``val/loss_ema``), training throughput (median of ``perf/images_per_s`` and
   ``perf/tokens_per_s``: the median ignores the slow first window), peak memory (max of ``perf/peak_mem_gb``),
-  FID / IS (last logged value) when the evaluation callback logged them;
+  FID / IS (last logged value) when the evaluation callback logged them, and the lowest logged FID
+  (``fid_best``) with its step (``fid_best_step``);
 * ``metrics.json`` below the run directory (written by scripts/evaluate.py), whose ``fid`` / ``is_mean`` keys take
   precedence over logged values (several files: the last in path order wins);
 * ``status.json`` in the run directory, written by ``pixdit.sweep.SweepCallback`` when the job ends: ``ok`` or
@@ -96,6 +99,23 @@ def read_metrics_csv(run: Path) -> dict[str, list[float]]:
     return columns
 
 
+def read_curve(run: Path, column: str) -> list[tuple[int, float]]:
+    """(step, value) of every row of the newest ``metrics.csv`` below ``run`` that logged ``column``, in step order."""
+    files = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return []
+    points = []
+    with open(files[-1], newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                step, value = int(float(row.get("step") or "")), float(row.get(column) or "")
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                points.append((step, value))
+    return sorted(points)
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -139,6 +159,10 @@ def summarize_run(run: Path) -> dict:
             row[name] = reduce_metric(logged[column], how)
     if "step" in logged:
         row["steps"] = int(max(logged["step"])) + 1
+    curve = read_curve(run, "fid")
+    if curve:
+        best_step, best = min(curve, key=lambda point: (point[1], point[0]))
+        row["fid_best"], row["fid_best_step"] = best, best_step
     status = read_json(run / "status.json")
     row["status"] = status.get("status", "incomplete")
     if status.get("error"):
@@ -161,7 +185,7 @@ def build_table(multirun_dir: Path) -> tuple[list[str], list[str], list[dict]]:
         row.update({k: o.get(k, "") for k in swept})
         row.update(summarize_run(run))
         rows.append(row)
-    metric_columns = [m for m in [*METRICS, "steps"] if any(m in r for r in rows)]
+    metric_columns = [m for m in [*METRICS, "fid_best", "fid_best_step", "steps"] if any(m in r for r in rows)]
     columns = ["run", *swept, *metric_columns, "status"]
     if any("error" in r for r in rows):
         columns.append("error")
@@ -241,6 +265,34 @@ def plot(path: Path, swept: list[str], metric_columns: list[str], rows: list[dic
     return True
 
 
+def plot_fid_curves(path: Path, multirun_dir: Path, swept: list[str], rows: list[dict]) -> bool:
+    """FID against the training step, one line per run (label: its swept values). False if no run logged FID."""
+    curves = [(row, read_curve(multirun_dir / row["run"], "fid")) for row in rows]
+    curves = [(row, points) for row, points in curves if points]
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row, points in curves:
+        label = ", ".join(f"{p}={row[p]}" for p in swept) or row["run"]
+        if row["status"] != "ok":
+            label += f" ({row['status']})"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("FID (training-time callback)")
+    ax.grid(alpha=0.3)
+    if len(curves) <= 12:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("multirun_dir", type=Path, help="the sweep directory (hydra.sweep.dir), e.g. multirun/DATE/TIME")
@@ -257,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out / "summary.csv", columns, rows)
     metric_columns = [c for c in columns if c in METRICS]
     plotted = plot(out / "summary.png", swept, metric_columns, rows)
+    curves = plot_fid_curves(out / "fid_curves.png", args.multirun_dir, swept, rows)
     print(markdown)
     failed = sum(r["status"] != "ok" for r in rows)
     print(f"{len(rows)} runs ({failed} not ok); wrote {out / 'summary.md'}, {out / 'summary.csv'}"
-          + (f", {out / 'summary.png'}" if plotted else " (no metrics to plot)"))
+          + (f", {out / 'summary.png'}" if plotted else " (no metrics to plot)")
+          + (f", {out / 'fid_curves.png'}" if curves else ""))
     return 0
 
 

@@ -235,3 +235,56 @@ def test_every_module_imports_first_without_a_cycle():
     result = subprocess.run([sys.executable, "-c", IMPORT_EACH_IN_A_CHILD, *MODULES], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_dense_blocks_keep_full_attention_in_the_listed_blocks():
+    """attention.dense_blocks: full attention in the listed blocks, the configured backend in the others; the sparse
+    backend still decides the token order (block 0 being dense must not switch the model to raster)."""
+    model = build_model("DiT-T", input_size=16, attention={"name": "llsa", "dense_blocks": [0, 3]})
+    assert [block.attn.backend.name for block in model.blocks] == ["full", "llsa", "llsa", "full"]
+    assert model.token_order == "zorder"
+    assert [backend.name for backend in model.attention_backends()] == ["full", "llsa"]
+    vsa = build_model("DiT-T", input_size=16, attention={"name": "vsa", "topk": 2, "dense_blocks": [1]})
+    gated = sorted({key.split(".attn")[0] for key in vsa.state_dict() if ".backend.gate." in key})
+    assert gated == ["blocks.0", "blocks.2", "blocks.3"]  # VSA's own parameters only where VSA runs
+    # Every block listed = the full-attention model (same seed, same weights, same output): dense blocks really are
+    # full attention, not the sparse backend under another name.
+    x, t = torch.randn(2, 3, 16, 16), 1000 * torch.rand(2)
+    torch.manual_seed(0)
+    all_dense = build_model("DiT-T", input_size=16, zero_init=False,
+                            attention={"name": "llsa", "dense_blocks": [0, 1, 2, 3]})
+    torch.manual_seed(0)
+    full = build_model("DiT-T", input_size=16, zero_init=False, attention={"name": "full"})
+    assert all_dense.token_order == full.token_order == "raster"
+    torch.testing.assert_close(all_dense(x, t), full(x, t), rtol=0, atol=0)
+    # An empty list, null, or a bare backend name: the configured backend everywhere.
+    for attention in ({"name": "llsa", "dense_blocks": []}, {"name": "llsa", "dense_blocks": None}, "llsa"):
+        assert {block.attn.backend.name for block in build_model("DiT-T", input_size=16,
+                                                                 attention=attention).blocks} == {"llsa"}
+
+
+@pytest.mark.parametrize("dense_blocks, message", [
+    ([0, 4], r"attention.dense_blocks=\[0, 4\]: 4 is not a block index; allowed: .*from 0 to 3 \(the model has depth 4\)"),
+    ([-1], r"-1 is not a block index.*depth 4"),
+    (["0", 1.0], r"'0', 1.0 are not block indices.*depth 4"),
+    ([True], r"True is not a block index"),
+    (3, r"attention.dense_blocks=3 must be a list of block indices.*depth 4"),
+    ([1, 1], r"lists a block twice.*depth 4"),
+])
+def test_bad_dense_blocks_are_one_named_error_before_any_block_is_built(dense_blocks, message, monkeypatch):
+    from pixdit.models import dit
+
+    built = []
+    monkeypatch.setattr(dit.DiTBlock, "__init__", lambda self, *args: built.append(args))
+    with pytest.raises(PixditError, match=message):
+        build_model("DiT-T", input_size=16, attention={"name": "llsa", "dense_blocks": dense_blocks})
+    assert built == []
+
+
+def test_dense_blocks_is_not_a_backend_option():
+    """Building one backend from a config that carries the schedule (configs/attention/*.yaml always do) builds the
+    configured backend; the schedule is the model's."""
+    backend = build_attention({"name": "llsa", "dense_blocks": [0]}, dim=64, num_heads=2)
+    assert backend.name == "llsa"
+    for name in ("full", "llsa", "vsa", "sla"):
+        assert list(OmegaConf.load(CONFIGS / f"attention/{name}.yaml").dense_blocks) == []  # shown in every config

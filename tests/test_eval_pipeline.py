@@ -18,6 +18,7 @@ from pixdit.eval import (
     INCEPTION_URL,
     FeatureStatistics,
     InceptionFeatureExtractor,
+    MetricSuite,
     evaluate_generator,
     frechet_distance,
     load_reference,
@@ -30,7 +31,8 @@ from pixdit.models import build_model
 
 SIZE = (8, 8)
 TINY = dict(depth=2, hidden_size=32, num_heads=2)  # DiT-T made smaller still: the CPU suite has a time budget
-SETTINGS = dict(num_samples=22, image_size=SIZE, steps=2, seed=7, num_classes=3, cfg_scale=1.5, kid=True)
+SETTINGS = dict(num_samples=22, image_size=SIZE, steps=2, seed=7, num_classes=3, cfg_scale=1.5)
+METRICS = ("fid", "is", "kid", "precision_recall")
 
 
 def tiny_model():
@@ -45,7 +47,7 @@ def run_evaluation(weights, reference, batch_size, rank_images=None):
     def keep(indices, batch):
         images.update({int(i): im for i, im in zip(indices, batch)})
 
-    metrics = evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), extractor, reference,
+    metrics = evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), MetricSuite(METRICS, extractor, reference),
                                  batch_size=batch_size, on_batch=keep, **SETTINGS)
     return metrics, images
 
@@ -69,8 +71,9 @@ def _failing_rank_main(rank, world_size, init_file, weights, out_dir):
             if rank == 1:
                 raise PixditError("rank 1 failed")
 
-        evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), InceptionFeatureExtractor(weights), None,
-                           batch_size=4, on_batch=fail_on_rank1, **SETTINGS)
+        suite = MetricSuite(("fid", "is"), InceptionFeatureExtractor(weights), None)
+        evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), suite, batch_size=4, on_batch=fail_on_rank1,
+                           **SETTINGS)
         outcome = "returned"
     except Exception as error:  # noqa: BLE001
         outcome = f"{type(error).__name__}: {error}"
@@ -172,7 +175,7 @@ def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, wei
     # CPU matmuls may round differently for other batch shapes: allow one grey level.
     for i in images:
         assert (images[i].int() - images_b3[i].int()).abs().max() <= 1
-    for key in ("fid", "is_mean", "is_std", "kid"):
+    for key in ("fid", "is_mean", "is_std", "kid", "precision", "recall"):
         assert metrics_b3[key] == pytest.approx(metrics[key], rel=1e-3), key
     assert metrics["num_samples"] == SETTINGS["num_samples"] and metrics["fid"] > 0
 
@@ -185,7 +188,7 @@ def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, wei
     for i, image in {**rank0["images"], **rank1["images"]}.items():
         assert (image.int() - images[i].int()).abs().max() <= 1
     assert rank0["metrics"] == rank1["metrics"]  # computed once, broadcast
-    for key in ("fid", "is_mean", "is_std", "kid"):
+    for key in ("fid", "is_mean", "is_std", "kid", "precision", "recall"):
         assert rank0["metrics"][key] == pytest.approx(metrics[key], rel=1e-3), key
 
 
@@ -204,8 +207,8 @@ def test_fid_against_own_statistics_is_zero(weights):
     def accumulate(indices, images):
         stats.update(extractor(images)[0])
 
-    metrics = evaluate_generator(model, flow, extractor, None, batch_size=8, on_batch=accumulate,
-                                 **{**SETTINGS, "kid": False})
+    metrics = evaluate_generator(model, flow, MetricSuite(("fid", "is"), extractor, None), batch_size=8,
+                                 on_batch=accumulate, **SETTINGS)
     assert metrics["fid"] is None and metrics["is_mean"] >= 1.0
     mu, sigma = stats.mean_and_covariance()
     assert frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-6 * np.trace(sigma))

@@ -6,6 +6,8 @@ import torch
 
 from pixdit.errors import PixditError
 from pixdit.eval import FeatureStatistics, frechet_distance, inception_score, kernel_inception_distance
+from pixdit.eval import stats as stats_module
+from pixdit.eval.stats import precision_recall
 
 
 def test_frechet_distance_diagonal_closed_form():
@@ -109,3 +111,41 @@ def test_kid_is_reproducible_and_near_zero_for_same_distribution():
     assert first == kernel_inception_distance(a, b, num_subsets=10, max_subset_size=100, seed=5)
     shifted = kernel_inception_distance(a, b + 3.0, num_subsets=10, max_subset_size=100, seed=5)
     assert abs(first) < 0.05 < shifted
+
+
+def brute_force_precision_recall(real, fake, k):
+    from scipy.spatial.distance import cdist
+
+    def radii(x):
+        return np.sort(cdist(x, x, "sqeuclidean"), axis=1)[:, k]  # column 0 is the point itself
+
+    precision = (cdist(fake, real, "sqeuclidean") <= radii(real)[None]).any(axis=1).mean()
+    recall = (cdist(real, fake, "sqeuclidean") <= radii(fake)[None]).any(axis=1).mean()
+    return precision, recall
+
+
+@pytest.mark.parametrize("block_elements", [2**27, 37])  # one block, and many small row blocks
+def test_precision_recall_equals_brute_force(monkeypatch, block_elements):
+    monkeypatch.setattr(stats_module, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+    rng = np.random.default_rng(5)
+    real = rng.normal(size=(120, 16))
+    fake = rng.normal(size=(90, 16)) * 0.6 + 0.4  # narrower and shifted: precision and recall both below 1
+    expected = brute_force_precision_recall(real, fake, 3)
+    assert 0.05 < expected[0] < 0.99 and 0.05 < expected[1] < 0.99
+    result = precision_recall(torch.from_numpy(real), torch.from_numpy(fake), k=3)
+    assert result == pytest.approx(expected, abs=1e-12)
+    result32 = precision_recall(torch.from_numpy(real).float(), torch.from_numpy(fake).float(), k=3)
+    assert result32 == pytest.approx(expected, abs=2 / 90)  # float32 may flip a point on a ball's boundary
+
+
+def test_precision_recall_known_answers():
+    rng = np.random.default_rng(6)
+    real = torch.from_numpy(rng.normal(size=(200, 8)))
+    assert precision_recall(real, real.clone()) == (1.0, 1.0)  # same set: every point is inside its own ball
+    assert precision_recall(real, real + 100.0) == (0.0, 0.0)  # far apart: neither covers the other
+    # Mode collapse: fakes are copies of a few real points -> all realistic (precision 1), little coverage
+    collapsed = real[:5].repeat(40, 1)
+    precision, recall = precision_recall(real, collapsed)
+    assert precision == 1.0 and recall < 0.2
+    with pytest.raises(PixditError, match="k=3 needs more than 3"):
+        precision_recall(real[:3], real)

@@ -55,7 +55,7 @@ def test_experiment_recipe(h, experiment):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_fast_dev_run(h, experiment, tiny_shards, tiny_labelled_shards, tmp_path):
-    import train
+    from pixdit.cli import train
 
     shards = tiny_labelled_shards if experiment.startswith("imagenet") else tiny_shards
     cfg = h.compose([f"experiment={experiment}", "trainer=cpu", "trainer.devices=1", "trainer.fast_dev_run=1",
@@ -69,7 +69,7 @@ def test_experiment_fast_dev_run(h, experiment, tiny_shards, tiny_labelled_shard
 @pytest.mark.parametrize("attention", ["llsa", "vsa", "sla"])
 def test_quickstart_runs_with_a_sparse_attention(h, attention, tiny_shards, tmp_path):
     """`train.py experiment=quickstart attention=llsa` needs no token-order override (auto picks zorder)."""
-    import train
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", f"attention={attention}", "trainer=cpu", "trainer.devices=1",
                      "trainer.fast_dev_run=1", *h.tiny_model, *h.tiny_data(tiny_shards), "callbacks.samples=null"])

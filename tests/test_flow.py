@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pixdit.errors import PixditError
-from pixdit.flow import RectifiedFlow, auto_noise_scale
+from pixdit.flow import SAMPLERS, RectifiedFlow, auto_noise_scale
 from pixdit.models import build_model
 
 
@@ -135,6 +135,78 @@ def test_cfg_sampling_with_dit():
     torch.testing.assert_close(flow.sample(model, noise, steps=2, y=y, cfg_scale=1.0), plain)
     with pytest.raises(PixditError, match="cfg_scale"):
         flow.sample(model, noise, steps=2, cfg_scale=3.0)
+
+
+@pytest.mark.parametrize("s,mu,c", [(1.0, 0.3, 0.5), (2.0, -0.2, 0.8)])
+def test_heun_is_second_order_and_euler_first_order(s, mu, c):
+    """Gaussian data: the ODE is linear with the exact solution x(0) = mu + c * eps from x(1) = s * eps, so the
+    error of each sampler is known exactly. Going from 10 to 20 steps shrinks the step by 2.1x (the grid is
+    linspace(1, 0.001, steps)): a first-order error falls ~2x, a second-order one ~4x."""
+    flow = RectifiedFlow(noise_scale=s)
+    velocity = gaussian_velocity(mu, c, s)
+    noise = torch.randn(64, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    exact = mu + c * noise.double()
+
+    def error(sampler, steps):
+        return (flow.sample(velocity, noise, steps=steps, clamp=False, sampler=sampler).double() - exact).abs().max()
+
+    euler10, euler20, heun10, heun20 = error("euler", 10), error("euler", 20), error("heun", 10), error("heun", 20)
+    assert heun10 < euler10 / 20, (heun10, euler10)
+    assert 1.7 < euler10 / euler20 < 2.4, (euler10, euler20)  # order ~1
+    assert 3.3 < heun10 / heun20 < 5.0, (heun10, heun20)  # order ~2
+
+
+def counting_model(record):
+    """A velocity field that records (sigma, guided) for every evaluation; zero velocity."""
+
+    class Model:
+        def __call__(self, x, t, y=None):
+            record.append((round(t[0].item() / 1000, 6), False))
+            return torch.zeros_like(x)
+
+        def forward_with_cfg(self, x, t, y, cfg_scale):
+            record.append((round(t[0].item() / 1000, 6), True))
+            return torch.zeros_like(x)
+
+    return Model()
+
+
+def test_heun_evaluates_twice_per_step_except_the_last_euler_step_to_zero():
+    calls = []
+    RectifiedFlow(noise_scale=1.0).sample(counting_model(calls), torch.randn(2, 3, 2, 2), steps=4, sampler="heun")
+    sigmas = [sigma for sigma, _ in calls]
+    assert len(calls) == 2 * 4 - 1
+    # predictor at sigma_k, corrector at sigma_{k+1}; the step from 0.001 to 0 has no corrector (no evaluation at 0)
+    assert sigmas == [1.0, 0.667, 0.667, 0.334, 0.334, 0.001, 0.001]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_cfg_interval_guides_only_inside_the_closed_sigma_interval(sampler):
+    calls = []
+    flow = RectifiedFlow(noise_scale=1.0)
+    noise, y = torch.randn(2, 3, 2, 2), torch.tensor([0, 1])
+    # steps=5: sigma = 1, 0.75025, 0.5005, 0.25075, 0.001; the interval's ends are sampled sigmas (closed: included)
+    flow.sample(counting_model(calls), noise, steps=5, y=y, cfg_scale=2.0, sampler=sampler,
+                cfg_interval=(0.25075, 0.75025))
+    assert calls and all(guided == (0.25075 <= sigma <= 0.75025) for sigma, guided in calls), calls
+    assert {sigma for sigma, guided in calls if guided} == {0.75025, 0.5005, 0.25075}
+    calls.clear()
+    flow.sample(counting_model(calls), noise, steps=5, y=y, cfg_scale=2.0, sampler=sampler)  # no interval: always
+    assert all(guided for _, guided in calls)
+    calls.clear()
+    flow.sample(counting_model(calls), noise, steps=5, y=y, cfg_scale=1.0, sampler=sampler, cfg_interval=(0.0, 1.0))
+    assert not any(guided for _, guided in calls)  # scale 1: never guided
+
+
+def test_bad_sampler_or_interval_is_named_before_any_model_evaluation():
+    calls = []
+    flow = RectifiedFlow(noise_scale=1.0)
+    with pytest.raises(PixditError, match="sampler='dpm'.*allowed: euler, heun"):
+        flow.sample(counting_model(calls), torch.randn(1, 3, 2, 2), steps=2, sampler="dpm")
+    for bad in [(0.5, 0.2), (0.0, 1.5), "x", (0.1,)]:
+        with pytest.raises(PixditError, match="cfg_interval"):
+            flow.sample(counting_model(calls), torch.randn(1, 3, 2, 2), steps=2, cfg_interval=bad)
+    assert calls == []
 
 
 def test_bad_settings_name_the_allowed_values():

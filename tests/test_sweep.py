@@ -195,3 +195,17 @@ def test_image_size_is_read_from_the_shards_when_the_config_leaves_it_null(tiny_
 
     assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": None}})) == 16
     assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": 24}})) == 24
+
+
+def test_dense_blocks_are_sweepable_and_a_bad_index_is_reported_before_launch():
+    """A sweep over per-layer schedules: Hydra's list values are sweep values, each builds (DiT-T has 4 blocks), and
+    an index past the model's depth is reported by the pre-launch check."""
+    jobs = expand_sweep(["attention.dense_blocks=[],[0,3],[0,4]"])
+    assert len(jobs) == 3
+    base = ["model=dit_t", "attention=llsa", "data.resolution=16"]
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
+        composed = [compose(config_name="train", overrides=base + job) for job in jobs]
+        invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
+    assert [list(cfg.attention.dense_blocks) for cfg in composed] == [[], [0, 3], [0, 4]]
+    assert [job for job, _ in invalid] == [jobs[2]]
+    assert "attention.dense_blocks=[0, 4]" in invalid[0][1] and "depth 4" in invalid[0][1]

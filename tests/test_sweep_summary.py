@@ -16,14 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "summarize_sweep.py"
 
 
-def make_job(root: Path, num: int, overrides: list[str], rows: list[dict] | None, status: dict | None):
+FIELDS = ["epoch", "step", "train/loss", "val/loss", "perf/images_per_s", "perf/tokens_per_s", "perf/peak_mem_gb"]
+
+
+def make_job(root: Path, num: int, overrides: list[str], rows: list[dict] | None, status: dict | None,
+             fields: list[str] = FIELDS):
     job = root / str(num)
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if rows is not None:
         log_dir = job / "csv" / "version_0"
         log_dir.mkdir(parents=True)
-        fields = ["epoch", "step", "train/loss", "val/loss", "perf/images_per_s", "perf/tokens_per_s", "perf/peak_mem_gb"]
         with open(log_dir / "metrics.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
@@ -87,3 +90,27 @@ def test_summary_table_and_plot(tmp_path):
 def test_summary_rejects_a_directory_without_runs(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "no Hydra job directories" in result.stderr
+
+
+def test_fid_over_training_curves_and_best(tmp_path):
+    """The FID callback's rows in metrics.csv (fid, is_mean at the evaluation steps, between training rows) become a
+    curve per run and the table's last / best FID."""
+    sweep = tmp_path / "multirun"
+    fields = [*FIELDS, "fid", "is_mean", "is_std"]
+    fids = {0: [(100, 80.0), (200, 41.5), (300, 44.0)], 1: [(100, 70.0), (200, 35.0), (300, 30.25)]}
+    for job, curve in fids.items():
+        rows = [{"epoch": 0, "step": step - 1, "train/loss": 0.5} for step, _ in curve]
+        rows += [{"step": step, "fid": fid, "is_mean": 2.0, "is_std": 0.1} for step, fid in curve]
+        make_job(sweep, job, [f"attention=full" if job == 0 else "attention=llsa"], rows, {"status": "ok"}, fields)
+    make_job(sweep, 2, ["attention=vsa"], [{"epoch": 0, "step": 9, "train/loss": 0.4}], {"status": "ok"}, fields)
+    result = subprocess.run([sys.executable, str(SCRIPT), str(sweep)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = {r["attention"]: r for r in csv.DictReader(f)}
+    assert float(rows["full"]["fid"]) == 44.0 and float(rows["full"]["fid_best"]) == 41.5  # last vs best
+    assert int(rows["full"]["fid_best_step"]) == 200
+    assert float(rows["llsa"]["fid"]) == 30.25 and float(rows["llsa"]["fid_best"]) == 30.25
+    assert rows["vsa"]["fid_best"] == ""  # no FID logged: no curve, no best
+    png = (sweep / "fid_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "fid_curves.png" in result.stdout

@@ -31,7 +31,7 @@ def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4),
                      *h.tiny_model, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
                      "trainer.log_every_n_steps=1", "callbacks.checkpoint.every_n_train_steps=2",
-                     "callbacks.samples.every_n_steps=2", "callbacks.samples.num_samples=4", "callbacks.samples.steps=2",
+                     "callbacks.samples.every_n_train_steps=2", "callbacks.samples.num_samples=4", "callbacks.samples.steps=2",
                      "callbacks.throughput.window=2", "logger=[csv,tensorboard]"])
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 4
@@ -76,6 +76,19 @@ def test_unknown_key_lists_keys(capsys):
     assert "unknown config key 'trainer.max_step'" in err and "max_steps" in err
     err = _fail_message(capsys, ["optimizer.learning_rate=1"])
     assert "optimizer.learning_rate" in err and "lr" in err and "warmup_steps" in err
+
+
+@pytest.mark.parametrize("name", ["samples", "fid"])
+def test_renamed_callback_key_names_the_new_one(capsys, tmp_path, name):
+    """every_n_steps became every_n_train_steps (Lightning's word): the old key, on the command line or in a config
+    section, is one message naming the new key - also for `fid`, which an unset every_n_train_steps would turn off."""
+    from pixdit.callbacks import build_callbacks
+
+    err = _fail_message(capsys, ["experiment=quickstart", f"callbacks.{name}.every_n_steps=100"])
+    assert f"callbacks.{name}.every_n_steps was renamed: use callbacks.{name}.every_n_train_steps" in err
+    with pytest.raises(PixditError, match=rf"callbacks.{name}.every_n_steps was renamed: use "
+                                          rf"callbacks.{name}.every_n_train_steps"):
+        build_callbacks({name: {"every_n_steps": 100}}, tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -308,7 +321,7 @@ def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
     cfg = h.compose(["trainer=cpu", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
                      "attention=vsa", "model.token_order=zorder", "attention.topk=1", "attention.anneal_every=1",
                      "attention.anneal_rate=0.5", "trainer.max_steps=3", "trainer.limit_val_batches=0",
-                     "callbacks.samples.every_n_steps=0"])
+                     "callbacks.samples.every_n_train_steps=0"])
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 3
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -358,7 +371,7 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
     monkeypatch.setattr(pixdit.callbacks.SampleGrid, "write", slow_write)
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
                      "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=100",
-                     "trainer.log_every_n_steps=2", "callbacks.throughput.window=2", "callbacks.samples.every_n_steps=2",
+                     "trainer.log_every_n_steps=2", "callbacks.throughput.window=2", "callbacks.samples.every_n_train_steps=2",
                      "callbacks.samples.num_samples=1", "callbacks.samples.steps=1", "+callbacks.samples.at_end=false",
                      "callbacks.checkpoint=null", "callbacks.progress_bar=null"])
     train.train(cfg, tmp_path)
@@ -399,7 +412,7 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
     for fused in (True, False):
         cfg = h.compose(["trainer=cpu", "trainer.precision=bf16-mixed", f"optimizer.fused={fused}",
                          "trainer.gradient_clip_val=1e-3", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
-                         "trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks.samples.every_n_steps=0"])
+                         "trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks.samples.every_n_train_steps=0"])
         out = tmp_path / f"fused_{fused}"
         assert train.train(cfg, out)["global_step"] == 2
         results[fused] = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -413,3 +426,28 @@ def test_compile_option():
     assert train.resolve_compile(True, "cpu") is True and train.resolve_compile(False, "gpu") is False
     assert train.resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer
     assert train.resolve_compile("auto", "auto") is torch.cuda.is_available()
+
+
+def test_dense_blocks_schedule_trains_and_travels_with_the_checkpoint(h, tiny_shards, tmp_path):
+    """attention.dense_blocks on the command line: shown in the composed config, a short LLSA run with dense first and
+    last blocks trains, and its EMA artifact rebuilds the same per-block schedule; a bad index stops the run before
+    anything is written."""
+    from omegaconf import OmegaConf
+
+    from pixdit.cli import train
+    from pixdit.module import load_generator
+
+    base = ["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards), "model=dit_t", "+model.hidden_size=32",
+            "+model.depth=3", "+model.num_heads=2", "attention=llsa", "trainer.max_steps=2",
+            "trainer.limit_val_batches=0", "callbacks.samples=null"]
+    assert "dense_blocks: []" in OmegaConf.to_yaml(h.compose(base).attention)  # the default is visible
+    cfg = h.compose([*base, "attention.dense_blocks=[0,2]"])
+    assert list(cfg.attention.dense_blocks) == [0, 2]
+    assert train.train(cfg, tmp_path / "run")["global_step"] == 2
+    model, _, weights = load_generator(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert weights.path.name == "last.ema.pt"
+    assert [block.attn.backend.name for block in model.blocks] == ["full", "llsa", "full"]
+
+    with pytest.raises(PixditError, match=r"attention.dense_blocks=\[0, 3\]: 3 is not a block index.*depth 3"):
+        train.train(h.compose([*base, "attention.dense_blocks=[0,3]"]), tmp_path / "bad")
+    assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -28,9 +28,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path
-from pixdit.config import construct, plain
+from pixdit.config import check_renamed, construct, plain
 from pixdit.errors import PixditError
 from pixdit.eval.callback import FIDCallback
+from pixdit.flow import check_sampler
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -66,15 +67,21 @@ class StepCheckpoint(ModelCheckpoint):
 
 
 class SampleGrid(Callback):
-    """PNG grids of EMA samples from fixed seeds, every ``every_n_steps`` optimizer steps and at the end."""
+    """PNG grids of EMA samples from fixed seeds, every ``every_n_train_steps`` optimizer steps and at the end."""
 
-    def __init__(self, dirpath: str, every_n_steps: int = 1000, num_samples: int = 16, steps: int = 20,
-                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True):
-        if every_n_steps < 0 or num_samples < 1 or steps < 1:
-            raise PixditError(f"callbacks.samples: every_n_steps must be >= 0 (0 = only at the end), num_samples and "
-                              f"steps >= 1; got every_n_steps={every_n_steps}, num_samples={num_samples}, steps={steps}")
+    renamed_options = {"every_n_steps": "every_n_train_steps"}  # Lightning's word, as callbacks.checkpoint has it
+
+    def __init__(self, dirpath: str, every_n_train_steps: int = 1000, num_samples: int = 16, steps: int = 20,
+                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True,
+                 sampler: str = "euler", cfg_interval: list[float] | None = None):
+        if every_n_train_steps < 0 or num_samples < 1 or steps < 1:
+            raise PixditError(f"callbacks.samples: every_n_train_steps must be >= 0 (0 = only at the end), num_samples "
+                              f"and steps >= 1; got every_n_train_steps={every_n_train_steps}, "
+                              f"num_samples={num_samples}, steps={steps}")
+        self.cfg_interval = check_sampler(sampler, cfg_interval, prefix="callbacks.samples.")
+        self.sampler = sampler
         self.dirpath = Path(dirpath)
-        self.every_n_steps = every_n_steps
+        self.every_n_train_steps = every_n_train_steps
         self.num_samples = num_samples
         self.steps = steps
         self.seed = seed
@@ -86,7 +93,8 @@ class SampleGrid(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+        every = self.every_n_train_steps
+        if every and step > 0 and step % every == 0 and step != self._last_step:
             self.write(trainer, pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module) -> None:
@@ -98,7 +106,8 @@ class SampleGrid(Callback):
         # Every rank must call sample_images if it ever synchronises; ours does not, so only rank 0 samples.
         if not trainer.is_global_zero:
             return None
-        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale)
+        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale,
+                                         sampler=self.sampler, cfg_interval=self.cfg_interval)
         grid = torchvision.utils.make_grid((images.float().cpu() + 1) / 2, nrow=self.nrow, padding=2)
         grid = grid.clamp(0, 1)
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -171,7 +180,8 @@ CALLBACK_DEFAULTS = {"checkpoint": {"filename": "step={step}", "auto_insert_metr
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
     """Callbacks from ``cfg.callbacks`` (configs/callbacks/default.yaml), one per key of ``CALLBACKS``; a null entry
     turns one off. The run directory is pixdit's choice: ``checkpoint`` writes <run>/checkpoints, ``samples``
-    <run>/samples. ``fid`` (configs/callbacks/fid.yaml) is built only when it is on (every_n_steps > 0 or at_end)."""
+    <run>/samples. ``fid`` (configs/callbacks/fid.yaml) is built only when it is on (every_n_train_steps > 0 or
+    at_end)."""
     run_dir = Path(run_dir)
     cfg = plain(cfg) or {}
     unknown = sorted(set(cfg) - set(CALLBACKS))
@@ -183,8 +193,11 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
         options = cfg.get(name)
         if options is None:
             continue
-        # FID is switched on by any non-zero every_n_steps or at_end; FIDCallback then checks the values themselves.
-        if name == "fid" and isinstance(options, dict) and not (options.get("every_n_steps") or options.get("at_end")):
+        if isinstance(options, dict):
+            check_renamed(cls, options, f"callbacks.{name}")  # before `fid` is skipped: an old key is never ignored
+        # FID is switched on by any non-zero every_n_train_steps or at_end; FIDCallback then checks the values.
+        if name == "fid" and isinstance(options, dict) and not (options.get("every_n_train_steps")
+                                                                or options.get("at_end")):
             continue
         if isinstance(options, dict):
             options = {**CALLBACK_DEFAULTS.get(name, {}), **options}

@@ -3,7 +3,8 @@
 * ``construct(cls, options, "callbacks.checkpoint", dirpath=...)`` calls ``cls(**options, **fixed)`` after checking
   every option name against ``cls``'s signature: an unknown key raises ``PixditError`` naming the config section and
   listing the allowed keys (instead of a bare ``TypeError`` deep inside a library), and so does a word given where
-  the default is a number or a flag (``data.batch_size=abc``).
+  the default is a number or a flag (``data.batch_size=abc``), and so does an old name of a renamed option (a class's
+  ``renamed_options``: old key -> its replacement), naming the new key.
 * ``register_resolvers()`` adds ``${auto_precision:}`` for configs: ``bf16-mixed`` when a CUDA GPU is present,
   ``32-true`` otherwise (configs/trainer/auto.yaml uses it so ``experiment=quickstart`` runs on either).
 """
@@ -30,11 +31,21 @@ def allowed_keys(cls) -> list[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+def check_renamed(cls, options, where: str) -> None:
+    """An option that ``cls`` renamed (its ``renamed_options``: old key -> replacement) -> PixditError naming the new
+    key (``where`` is the config section, e.g. ``callbacks.samples``)."""
+    renamed = getattr(cls, "renamed_options", {})
+    for old in options:
+        if old in renamed:
+            raise PixditError(f"{where}.{old} was renamed: use {where}.{renamed[old]}")
+
+
 def construct(cls, options, where: str, **fixed):
     """``cls(**options, **fixed)``; unknown option names -> PixditError naming ``where`` and the allowed keys."""
     options = plain(options) or {}
     if not isinstance(options, dict):
         raise PixditError(f"{where} must be a mapping of {cls.__name__} arguments, got {options!r}")
+    check_renamed(cls, options, where)
     params = inspect.signature(cls).parameters.values()
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
     allowed = [k for k in allowed_keys(cls) if k not in fixed]

@@ -1,4 +1,4 @@
-"""Noise-rescaled rectified flow (docs/algorithms.md): the training loss, timestep sampling and the Euler sampler.
+"""Noise-rescaled rectified flow (docs/algorithms.md): the training loss, timestep sampling and the samplers.
 
 With data x0 in [-1, 1], Gaussian noise eps and a noise scale s (the paper's "noise rescaling"):
 
@@ -17,12 +17,18 @@ Timestep sampling (`timestep_sampling`):
                 rescaling, so use it with noise_scale=1).
                 The sampler uses the same shifted schedule.
 
-Sampling (Euler, deterministic): x = s * eps, sigma_k = linspace(1, 0.001, steps) then 0,
-x <- x + (sigma_{k+1} - sigma_k) * v(x, 1000 * sigma_k), updates in fp32, classifier-free guidance if cfg_scale != 1.
+Sampling (deterministic ODE solvers, `sampler=`): x = s * eps, sigma_k = linspace(1, 0.001, steps) then 0, updates in
+fp32, h_k = sigma_{k+1} - sigma_k (negative: sigma runs from noise to data), v_k = v(x, 1000 * sigma_k):
+  euler  x <- x + h_k v_k                                          first order, `steps` model evaluations
+  heun   x' = x + h_k v_k;  x <- x + h_k (v_k + v(x', sigma_{k+1})) / 2   second order (EDM's Heun: Euler predictor,
+         trapezoid corrector); the last step, to sigma = 0, is plain Euler (as EDM), so 2 * steps - 1 evaluations
+Classifier-free guidance (cfg_scale != 1) is applied at every model evaluation whose sigma lies in `cfg_interval`
+(None = everywhere); outside it the model gives the plain conditional velocity (see `RectifiedFlow.sample`).
 
     >>> flow = RectifiedFlow(noise_scale="auto", image_size=128)
     >>> loss = flow.loss(model, images)                          # training
     >>> images = flow.sample(ema_model, torch.randn(16, 3, 128, 128, generator=g), steps=20)
+    >>> images = flow.sample(ema_model, noise, steps=10, sampler="heun", y=labels, cfg_scale=1.5, cfg_interval=(0.0, 0.7))
 
 Tests: ``.venv/bin/python -m pytest tests/test_flow.py``.
 """
@@ -37,6 +43,7 @@ import torch
 from pixdit.errors import PixditError
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal", "shift")
+SAMPLERS = ("euler", "heun")
 NUM_TRAIN_TIMESTEPS = 1000  # t = 1000 * sigma; uniform sigma lives on the grid 1/1000, ..., 1000/1000
 MIN_SAMPLING_SIGMA = 0.001  # the sampler's last model evaluation, as the reference
 
@@ -132,21 +139,58 @@ class RectifiedFlow:
 
     @torch.no_grad()
     def sample(self, model: Callable, noise: torch.Tensor, steps: int = 20, y: torch.Tensor | None = None,
-               cfg_scale: float = 1.0, clamp: bool = True) -> torch.Tensor:
-        """Euler integration from x = s * noise (per-sample noise: the caller controls the seeds) to sigma = 0.
-        Returns fp32 images, clamped to [-1, 1] unless clamp=False. cfg_scale != 1 needs labels `y` and a model with
-        `forward_with_cfg` (pixdit.models.DiT)."""
+               cfg_scale: float = 1.0, clamp: bool = True, sampler: str = "euler",
+               cfg_interval: tuple[float, float] | None = None) -> torch.Tensor:
+        """Integrate the flow ODE from x = s * noise (per-sample noise: the caller controls the seeds) to sigma = 0.
+
+        sampler: "euler" (first order) or "heun" (second order; see the module docstring).
+        cfg_scale != 1 needs labels `y` and a model with `forward_with_cfg` (pixdit.models.DiT).
+        cfg_interval: (lo, hi) in this flow's sigma (1 = pure noise, 0 = data; the model sees t = 1000 * sigma):
+            guidance is applied at a model evaluation when lo <= sigma <= hi (a closed interval), elsewhere the model
+            gives the conditional velocity. None = guidance at every evaluation. Papers that count time the other way
+            (JiT's t = 1 - sigma, guidance for t in [0.1, 1]) correspond to cfg_interval = (1 - t_hi, 1 - t_lo).
+        Returns fp32 images, clamped to [-1, 1] unless clamp=False.
+        """
+        interval = check_sampler(sampler, cfg_interval)
         guided = cfg_scale != 1.0
         if guided and (y is None or not hasattr(model, "forward_with_cfg")):
             raise PixditError(f"cfg_scale={cfg_scale} needs class labels y and a class-conditional model")
+
+        def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+            t = torch.full((x.shape[0],), NUM_TRAIN_TIMESTEPS * sigma, device=x.device, dtype=torch.float32)
+            if guided and (interval is None or interval[0] <= sigma <= interval[1]):
+                return model.forward_with_cfg(x, t, y, cfg_scale).float()
+            return model(x, t, y).float()
+
         x = self.noise_scale * noise.float()
         sigmas = self.sampling_sigmas(steps).tolist()
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            t = torch.full((x.shape[0],), NUM_TRAIN_TIMESTEPS * sigma, device=x.device, dtype=torch.float32)
-            velocity = model.forward_with_cfg(x, t, y, cfg_scale) if guided else model(x, t, y)
-            x = x + (sigma_next - sigma) * velocity.float()
+            h = sigma_next - sigma
+            v = velocity(x, sigma)
+            if sampler == "heun" and sigma_next > 0:
+                x_predicted = x + h * v
+                x = x + h * 0.5 * (v + velocity(x_predicted, sigma_next))
+            else:
+                x = x + h * v
         return x.clamp(-1, 1) if clamp else x
 
+
+def check_sampler(sampler: str, cfg_interval=None, prefix: str = "") -> tuple[float, float] | None:
+    """Validate a sampler name and a CFG interval (cheap: call it before any expensive work); returns the interval as
+    a (lo, hi) float pair or None. `prefix` is prepended to the option names in messages (e.g. "callbacks.fid.")."""
+    if sampler not in SAMPLERS:
+        raise PixditError(f"{prefix}sampler={sampler!r} is not known; allowed: {', '.join(SAMPLERS)}")
+    if cfg_interval is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in cfg_interval)
+    except (TypeError, ValueError):
+        raise PixditError(f"{prefix}cfg_interval={cfg_interval!r} must be null or a pair [lo, hi] of noise levels "
+                          f"sigma in [0, 1] (1 = pure noise), e.g. [0.0, 0.7]") from None
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise PixditError(f"{prefix}cfg_interval=[{lo}, {hi}] needs 0 <= lo <= hi <= 1 (sigma: 1 = pure noise, "
+                          f"0 = data)")
+    return lo, hi
 
 def _per_sample(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=like.device)

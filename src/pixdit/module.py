@@ -1,4 +1,5 @@
-"""DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow (spec llsa.md §9–§10).
+"""DiffusionModule: the LightningModule that trains a pixel DiT with noise-rescaled rectified flow
+(docs/algorithms.md, "Flow matching with noise rescaling").
 
 What it owns (``DiffusionModule.from_config(cfg, image_size)`` builds it from a run's config; see configs/train.yaml
 for every key):
@@ -63,8 +64,9 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
 
 def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
                   eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None) -> dict:
-    """The ``optimizer`` section: AdamW's arguments (recipe defaults, spec llsa.md §10.1) plus the linear LR warm-up.
-    Built through ``pixdit.config.construct``, so an unknown key or a word for a number is a clear error."""
+    """The ``optimizer`` section: AdamW's arguments (defaults: the paper's recipe, docs/algorithms.md "Flow matching
+    with noise rescaling") plus the linear LR warm-up. Built through ``pixdit.config.construct``, so an unknown key or
+    a word for a number is a clear error."""
     return dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused)
 
 
@@ -260,9 +262,9 @@ class DiffusionModule(L.LightningModule):
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def sample_images(self, num_samples: int, steps: int = 20, seed: int = 0, cfg_scale: float = 1.0,
-                      use_ema: bool = True) -> torch.Tensor:
+                      use_ema: bool = True, sampler: str = "euler", cfg_interval=None) -> torch.Tensor:
         """Images in [-1, 1] from fixed noise (seed), with the EMA model by default; labels 0, 1, 2, ... if
-        class-conditional."""
+        class-conditional. sampler / cfg_interval: see RectifiedFlow.sample."""
         h, w = self.image_size
         noise = torch.randn((num_samples, 3, h, w), generator=torch.Generator().manual_seed(seed)).to(self.device)
         y = torch.arange(num_samples, device=self.device) % self.num_classes if self.num_classes else None
@@ -272,7 +274,8 @@ class DiffusionModule(L.LightningModule):
         autocast = self.trainer.precision_plugin.forward_context() if self._trainer is not None \
             else contextlib.nullcontext()
         with autocast:
-            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale)
+            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale, sampler=sampler,
+                                      cfg_interval=cfg_interval)
         model.train(was_training)
         return images.float()
 

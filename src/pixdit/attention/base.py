@@ -11,6 +11,9 @@ Every attention layer of the DiT owns one backend, built from `configs/attention
 
 A new method is one module in this package with one class (`@register_attention("mine")`, a subclass of
 `AttentionBackend`), imported by `pixdit/attention/__init__.py`, plus one config file.
+
+Per-layer schedule: `dense_blocks: [0, 11]` in the attention config keeps full attention in those blocks of the model
+and the configured backend in the others (`block_attention_configs`; it is the model's setting, not a backend option).
 Tests: ``.venv/bin/python -m pytest tests/test_attention.py``.
 """
 
@@ -27,6 +30,10 @@ from pixdit.errors import PixditError
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
+# The attention config's key for the per-layer schedule: read by the model (block_attention_configs), never passed to
+# a backend's constructor.
+DENSE_BLOCKS_KEY = "dense_blocks"
+
 
 class AttentionBackend(nn.Module):
     """One attention layer's q, k, v -> output map. Subclasses take ``(dim, num_heads, **options)``.
@@ -34,7 +41,7 @@ class AttentionBackend(nn.Module):
     ``token_order``: the order the backend needs the tokens in ("zorder" for the block-sparse methods, whose blocks of
     consecutive tokens must be square patches); None = any order (``model.token_order: auto`` then picks raster).
     ``renamed_options``: old config keys -> what replaced them; building with an old key is an error naming the new
-    one.
+    one (``config.construct`` checks it).
     """
 
     name: str = ""
@@ -88,28 +95,67 @@ def attention_class(name: str) -> type[AttentionBackend]:
     return _BACKENDS[name]
 
 
-def attention_options(cfg: Mapping[str, Any] | str | None) -> tuple[str, dict[str, Any]]:
-    """Split an attention config into (name, constructor options). Accepts a dict, an OmegaConf node or a bare name."""
+def _as_mapping(cfg: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """An attention config as a plain dict with a `name` (None = full attention, a bare string = that name)."""
     if cfg is None:
-        return "full", {}
+        return {"name": "full"}
     if isinstance(cfg, str):
-        return cfg, {}
+        return {"name": cfg}
     cfg = plain(cfg)
     if not isinstance(cfg, Mapping) or "name" not in cfg:
         raise PixditError(f"attention config must be a mapping with a 'name' key, got {cfg!r}")
-    options = {key: value for key, value in cfg.items() if key != "name"}
+    return dict(cfg)
+
+
+def attention_options(cfg: Mapping[str, Any] | str | None) -> tuple[str, dict[str, Any]]:
+    """Split an attention config into (name, constructor options). Accepts a dict, an OmegaConf node or a bare name.
+    The per-layer schedule (`dense_blocks`) is the model's, not an option: see block_attention_configs."""
+    cfg = _as_mapping(cfg)
+    options = {key: value for key, value in cfg.items() if key not in ("name", DENSE_BLOCKS_KEY)}
     return str(cfg["name"]), options
 
 
-def build_attention(cfg: Mapping[str, Any] | str | None, dim: int, num_heads: int) -> AttentionBackend:
-    """Build one backend from its config (``name`` selects the class, the other keys are its options)."""
+def block_attention_configs(cfg: Mapping[str, Any] | str | None, depth: int) -> list[dict[str, Any]]:
+    """The attention config of each block of a model with `depth` blocks.
+
+    `dense_blocks: [i, j, ...]` (block indices 0 .. depth - 1) gives those blocks full attention (`full` with its
+    default options) and every other block the configured backend, e.g. ``attention=llsa attention.dense_blocks=[0,11]``
+    for a 12-block model; empty or null: the configured backend everywhere (with `attention=full` the list changes
+    nothing). A bad list is a PixditError naming the key and the model's depth, raised before anything is built.
+    """
+    cfg = _as_mapping(cfg)
     name, options = attention_options(cfg)
-    cls = attention_class(name)
-    for old in options:
-        if old in cls.renamed_options:
-            raise PixditError(f"attention.{old} (attention={name}) was renamed: "
-                              f"use attention.{cls.renamed_options[old]}")
-    return construct(cls, options, "attention", dim=dim, num_heads=num_heads)
+    dense = _dense_block_indices(cfg.get(DENSE_BLOCKS_KEY), depth)
+    configured = {"name": name, **options}
+    dense_config = configured if name == "full" else {"name": "full"}
+    return [dense_config if index in dense else configured for index in range(depth)]
+
+
+def _dense_block_indices(value: Any, depth: int) -> set[int]:
+    if value is None:
+        return set()
+    key = f"attention.{DENSE_BLOCKS_KEY}"
+    allowed = (f"a list of block indices, integers from 0 to {depth - 1} (the model has depth {depth}), e.g. "
+               f"{key}=[0,{depth - 1}] (or [] for none)")
+    if not isinstance(value, (list, tuple)):
+        raise PixditError(f"{key}={value!r} must be {allowed}")
+    # bool is an int subclass, but `true` is a typo here, not block 1.
+    bad = [index for index in value if isinstance(index, bool) or not isinstance(index, int)
+           or not 0 <= index < depth]
+    if bad:
+        raise PixditError(f"{key}={list(value)}: {', '.join(map(repr, bad))} "
+                          f"{'is not a block index' if len(bad) == 1 else 'are not block indices'}; "
+                          f"allowed: {allowed}")
+    if len(set(value)) != len(value):
+        raise PixditError(f"{key}={list(value)} lists a block twice; allowed: {allowed}")
+    return set(value)
+
+
+def build_attention(cfg: Mapping[str, Any] | str | None, dim: int, num_heads: int) -> AttentionBackend:
+    """Build one backend from its config (``name`` selects the class, the other keys are its options; the model's
+    per-layer schedule ``dense_blocks`` is not one of them and is not read here)."""
+    name, options = attention_options(cfg)
+    return construct(attention_class(name), options, "attention", dim=dim, num_heads=num_heads)
 
 
 def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Callable[[torch.Tensor], Any]) -> None:

@@ -1,17 +1,21 @@
-"""``pixdit-evaluate`` (= ``python scripts/evaluate.py``): FID / Inception Score (/ KID) of a checkpoint, with every
-setting that changes the numbers recorded.
+"""``pixdit-evaluate`` (= ``python scripts/evaluate.py``): FID / IS / KID / sFID / precision-recall / FD-DINOv2 of a
+checkpoint, with every setting that changes the numbers recorded.
 
     python scripts/evaluate.py ckpt=outputs/ffhq256_llsa/RUN/checkpoints/last.ckpt num_samples=50000 sampler.steps=20 \
         eval.reference=cleanfid:ffhq_trainval70k eval.inception_path=/data/inception-2015-12-05.pt
     python scripts/evaluate.py ckpt=outputs/imagenet256/RUN cfg_scale=1.5 seeds=3 save_npz=true   # mean ± std
+    python scripts/evaluate.py ckpt=... sampler.name=heun cfg_interval=[0.0,0.7] eval.inception_mode=legacy_tensorflow \
+        eval.reference=VIRTUAL_imagenet256_labeled.npz eval.metrics=[fid,is,sfid,precision_recall]     # ADM suite
     torchrun --nproc_per_node=8 scripts/evaluate.py ckpt=...      # any GPU count gives the same images and numbers
 
 Config: configs/eval/evaluate.yaml (the package pixdit.configs.eval). The weights come from the EMA artifact
 X.ema.pt next to the checkpoint X.ckpt (pixdit.checkpoint); use_ema=false reads the raw weights from X.ckpt, and so
-does a run saved before the artifact existed. Writes into out_dir (default RUN/eval/<ckpt>_n<N>_steps<S>_cfg<C>_<ema|raw>):
-  metrics.json  FID, IS (mean and split std), KID if asked, per-seed values and, with seeds > 1, the std over seeds;
-                plus the settings: checkpoint, the file read and its step, EMA or raw weights, sampler and steps, CFG scale, precision,
-                seeds and sample-index ranges, sample count, reference-statistics id, feature network, world size
+does a run saved before the artifact existed. Writes into out_dir
+(default RUN/eval/<ckpt>_n<N>_<sampler><steps>_cfg<C>[_in<lo>-<hi>]_<ema|raw>):
+  metrics.json  the metrics (eval.metrics), per-seed values, the mean and, with seeds > 1, the std over seeds and the
+                best seed set; plus the settings: checkpoint, the file read and its step, EMA or raw weights, sampler,
+                steps, CFG scale and interval, precision, seeds and sample-index ranges, sample count, reference id,
+                feature networks, world size
   grid.png      the first `grid_samples` samples (of the first seed)
   samples.npz   with save_npz=true: uint8 [N, H, W, 3] `arr_0` (+ `arr_1` labels for class-conditional models), the
                 ADM evaluation suite's input format (first seed)
@@ -37,17 +41,19 @@ from pixdit.checkpoint import EMA_SUFFIX
 from pixdit.cli import fail
 from pixdit.errors import PixditError
 from pixdit.eval import (
-    INCEPTION_FILENAME,
-    InceptionFeatureExtractor,
+    build_suite,
+    check_metric_names,
     default_stats_path,
     evaluate_generator,
     gather_by_index,
-    load_reference,
-    resolve_inception_path,
+    save_adm_npz,
+    summarize_seeds,
 )
 from pixdit.eval.sampling import labels_for_indices
-from pixdit.files import atomic_write, write_json
+from pixdit.files import write_json
+from pixdit.flow import check_sampler
 from pixdit.runtime import rank_and_world_size, resolve_precision
+
 
 def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
     """torchrun / Lightning-style env (RANK, WORLD_SIZE, LOCAL_RANK) -> process group; else a single process."""
@@ -71,33 +77,19 @@ def resolve_checkpoint(ckpt: str) -> Path:
     return path / "checkpoints" / "last.ckpt" if path.is_dir() else path
 
 
-def default_reference(ckpt: Path, resolution: int) -> str:
-    """<data root>/fid_stats/clean_<res>.npz from the run's saved Hydra config (RUN/.hydra/config.yaml)."""
+def default_reference(ckpt: Path, resolution: int, inception_mode: str) -> str:
+    """<data root>/fid_stats/<inception_mode>_<res>.npz from the run's saved Hydra config (RUN/.hydra/config.yaml)."""
     run_config = ckpt.parent.parent / ".hydra" / "config.yaml"
     hint = ("set eval.reference=cleanfid:ffhq_trainval70k (FFHQ 256/1024 px) or eval.reference=PATH of an .npz made by "
             "`python scripts/make_fid_stats.py --shards DATA_DIR`")
     if not run_config.is_file():
         raise PixditError(f"eval.reference is not set and {run_config} (the run's data config) is missing: {hint}")
     root = OmegaConf.load(run_config).get("data", {}).get("root")
-    path = default_stats_path(root, resolution) if root else None
+    path = default_stats_path(root, resolution, inception_mode) if root else None
     if path is None or not path.is_file():
         raise PixditError(f"eval.reference is not set and {path} does not exist. Make it with:\n"
                           f"    python scripts/make_fid_stats.py --shards {root} --resolution {resolution}\n  or {hint}")
     return str(path)
-
-
-def summarize(per_seed: list[dict]) -> dict:
-    """Mean over seeds of each metric; std over seeds (sample std, ddof=1) when there is more than one seed."""
-    summary = {}
-    for key in ("fid", "is_mean", "is_std", "kid"):
-        values = [m[key] for m in per_seed if m.get(key) is not None]
-        if not values:
-            summary[key] = None
-            continue
-        summary[key] = float(np.mean(values))
-        if len(values) > 1:
-            summary[f"{key}_std_over_seeds"] = float(np.std(values, ddof=1))
-    return summary
 
 
 def evaluate(cfg: DictConfig) -> dict | None:
@@ -107,10 +99,10 @@ def evaluate(cfg: DictConfig) -> dict | None:
         raise PixditError(f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
                           f"sampler.steps >= 1, batch_size >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
                           f"sampler.steps={cfg.sampler.steps}, batch_size={cfg.batch_size}")
-    if cfg.sampler.name != "euler":
-        raise PixditError(f"sampler.name={cfg.sampler.name!r}; allowed: euler")
-    # Start-up checks first: nothing is generated before the weights file and the reference are known to be there.
-    inception_weights = resolve_inception_path(cfg.eval.inception_path, cfg.eval.cache_dir, cfg.eval.download)
+    # Start-up checks first, cheapest first: nothing is generated before the metric names, the sampler, the weights
+    # files and the reference are known to be good (build_suite, below).
+    metric_names = check_metric_names(cfg.eval.metrics)
+    cfg_interval = check_sampler(cfg.sampler.name, cfg.cfg_interval)
     ckpt = resolve_checkpoint(str(cfg.ckpt))
 
     from pixdit.module import load_generator
@@ -120,12 +112,18 @@ def evaluate(cfg: DictConfig) -> dict | None:
     image_size = tuple(weights.config["image_size"])
     num_classes = model.num_classes
     resolution = int(image_size[0])
-    reference = load_reference(cfg.eval.reference or default_reference(ckpt, resolution), resolution=resolution,
-                               cleanfid_dir=cfg.eval.cleanfid_stats_dir, download=cfg.eval.download)
-    extractor = InceptionFeatureExtractor(inception_weights, device=device)
+    reference = cfg.eval.reference
+    if not reference and set(metric_names) != {"is"}:
+        reference = default_reference(ckpt, resolution, cfg.eval.inception_mode)
+    suite = build_suite(metric_names, reference, resolution=resolution, device=device,
+                        inception_path=cfg.eval.inception_path, cache_dir=cfg.eval.cache_dir,
+                        inception_mode=cfg.eval.inception_mode, dinov2_path=cfg.eval.dinov2_path,
+                        cleanfid_stats_dir=cfg.eval.cleanfid_stats_dir, download=cfg.eval.download)
 
     name = ckpt.name.removesuffix(".ckpt").removesuffix(EMA_SUFFIX)
-    tag = f"{name}_n{cfg.num_samples}_steps{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}_{weights.source}"
+    interval_tag = "" if cfg_interval is None else f"_in{cfg_interval[0]:g}-{cfg_interval[1]:g}"
+    tag = (f"{name}_n{cfg.num_samples}_{cfg.sampler.name}{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}{interval_tag}"
+           f"_{weights.source}")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ckpt.parent.parent / "eval" / tag
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,10 +154,10 @@ def evaluate(cfg: DictConfig) -> dict | None:
                 npz_rows[(indices - offset).numpy()] = images.permute(0, 2, 3, 1).numpy()
 
         metrics = evaluate_generator(
-            model, flow, extractor, reference, num_samples=cfg.num_samples, image_size=image_size,
-            steps=cfg.sampler.steps, seed=cfg.seed, cfg_scale=cfg.cfg_scale, num_classes=num_classes,
-            index_offset=offset, batch_size=cfg.batch_size, device=device, precision=precision,
-            inception_splits=cfg.eval.inception_splits, kid=cfg.eval.kid, on_batch=on_batch,
+            model, flow, suite, num_samples=cfg.num_samples, image_size=image_size,
+            steps=cfg.sampler.steps, sampler=cfg.sampler.name, cfg_interval=cfg_interval, seed=cfg.seed,
+            cfg_scale=cfg.cfg_scale, num_classes=num_classes, index_offset=offset, batch_size=cfg.batch_size,
+            device=device, precision=precision, inception_splits=cfg.eval.inception_splits, on_batch=on_batch,
         )
         per_seed.append({**metrics, "sample_indices": [offset, offset + cfg.num_samples]})
         if repeat == 0 and cfg.grid_samples > 0:
@@ -179,18 +177,15 @@ def evaluate(cfg: DictConfig) -> dict | None:
         if world_size > 1:
             dist.barrier()
         if rank == 0:
-            arrays = {"arr_0": np.lib.format.open_memmap(npy_path, mode="r")}
             labels = labels_for_indices(range(cfg.num_samples), num_classes)
-            if labels is not None:
-                arrays["arr_1"] = labels.numpy()
-            with atomic_write(out_dir / "samples.npz") as f:  # no half file under the name
-                np.savez(f, **arrays)
+            save_adm_npz(out_dir / "samples.npz", np.lib.format.open_memmap(npy_path, mode="r"),
+                         labels.numpy() if labels is not None else None)
             os.remove(npy_path)
 
     if rank != 0:
         return None
     result = {
-        **summarize(per_seed),
+        **summarize_seeds(per_seed),
         "per_seed": per_seed,
         "settings": {
             "checkpoint": str(ckpt.resolve()),
@@ -200,6 +195,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "sampler": str(cfg.sampler.name),
             "steps": int(cfg.sampler.steps),
             "cfg_scale": float(cfg.cfg_scale),
+            "cfg_interval": list(cfg_interval) if cfg_interval is not None else None,
+            "cfg_interval_convention": "guidance where lo <= sigma <= hi; sigma = 1 pure noise, 0 data",
             "precision": precision,
             "seed": int(cfg.seed),
             "seeds": int(cfg.seeds),
@@ -208,18 +205,19 @@ def evaluate(cfg: DictConfig) -> dict | None:
             "class_balance": f"label = i % {num_classes}" if num_classes else "unconditional",
             "image_size": list(image_size),
             "flow": repr(flow),
-            "reference_id": reference.id,
-            "reference": reference.description,
-            "feature_network": f"clean-fid InceptionV3W ({INCEPTION_FILENAME}), 'clean' resize, IS from bias-free "
-                               f"logits, {cfg.eval.inception_splits} splits",
+            "reference_id": suite.reference.id if suite.reference is not None else None,
+            "reference": suite.reference.description if suite.reference is not None else None,
+            "feature_networks": {**suite.describe(), "inception_splits": int(cfg.eval.inception_splits)},
             "world_size": world_size,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
     }
     write_json(out_dir / "metrics.json", result)  # summarize_sweep.py must never read half a file
-    spread = f" ± {result['fid_std_over_seeds']:.3f}" if "fid_std_over_seeds" in result else ""
-    print(f"FID {result['fid']:.3f}{spread}, IS {result['is_mean']:.2f} ({cfg.seeds} x {cfg.num_samples} samples) "
-          f"-> {out_dir}/metrics.json", flush=True)
+    shown = ", ".join(f"{key} {result[key]:.4g}" + (f" ± {result[key + '_std_over_seeds']:.3g}"
+                                                      if key + "_std_over_seeds" in result else "")
+                      for key in ("fid", "is_mean", "kid", "sfid", "precision", "recall", "fd_dinov2")
+                      if result.get(key) is not None)
+    print(f"{shown} ({cfg.seeds} x {cfg.num_samples} samples) -> {out_dir}/metrics.json", flush=True)
     return result
 
 

@@ -208,13 +208,31 @@ def explain_config_error(error: Exception, overrides: list[str]) -> str:
         try:
             cfg = compose(config_name="train", overrides=rest)
             node = OmegaConf.select(cfg, parent) if parent else cfg
-            if isinstance(node, DictConfig):
+            renamed = renamed_option(cfg, parent, key.rsplit(".", 1)[-1])
+            if renamed:
+                message = f"{key} was renamed: use {parent}.{renamed}"
+            elif isinstance(node, DictConfig):
                 where = f"'{parent}'" if parent else "the top level"
                 message = (f"unknown config key '{key}'. Keys at {where}: {', '.join(str(k) for k in node.keys())}. "
                            f"(To add a new key on purpose: +{key}=...)")
         except Exception:  # the original message is still right; the key list is a bonus
             pass
     return message
+
+
+def renamed_option(cfg: DictConfig, section: str, option: str) -> str | None:
+    """What replaced `option` of a config section built by a class with ``renamed_options`` (the callbacks, the
+    attention backend), or None: the command line's old key gets the same answer as config.construct gives."""
+    from pixdit.attention import attention_class
+    from pixdit.callbacks import CALLBACKS
+
+    if section == "attention" and OmegaConf.select(cfg, "attention.name"):
+        cls = attention_class(str(cfg.attention.name))
+    elif section.startswith("callbacks."):
+        cls = CALLBACKS.get(section.split(".", 1)[1])
+    else:
+        return None
+    return getattr(cls, "renamed_options", {}).get(option)
 
 
 def main() -> None:

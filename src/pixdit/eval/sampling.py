@@ -42,6 +42,8 @@ def generate_uint8(
     image_size: Sequence[int],
     seed: int,
     steps: int,
+    sampler: str = "euler",
+    cfg_interval: Sequence[float] | None = None,
     cfg_scale: float = 1.0,
     num_classes: int = 0,
     batch_size: int = 64,
@@ -65,7 +67,8 @@ def generate_uint8(
         labels = labels.to(device) if labels is not None else None
         try:
             with autocast(device, precision):
-                images = flow.sample(model, noise, steps, y=labels, cfg_scale=cfg_scale)
+                images = flow.sample(model, noise, steps, y=labels, cfg_scale=cfg_scale, sampler=sampler,
+                                     cfg_interval=cfg_interval)
         except torch.cuda.OutOfMemoryError:
             if batch_size == 1:
                 raise

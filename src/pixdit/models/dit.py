@@ -5,12 +5,17 @@
       attention = swappable backend with RMS qk-norm and 2-D RoPE whose positions follow the tokens) --> final adaLN
       + Linear --> undo the order once --> unpatchify --> velocity [b, 3, H, W]
 
+Every block uses the configured attention backend, except the blocks listed in `attention.dense_blocks`, which keep
+full attention (a per-layer schedule, e.g. sparse attention with dense first and last blocks; see
+pixdit.attention.block_attention_configs).
+
 Conditioning: sinusoidal embedding of t = 1000 * sigma -> MLP, plus (optional) a class embedding with a null class for
 classifier-free guidance. `per_block_conditioning=True` gives each block its own timestep MLP (and class table) as the
 LLSA reference does (35,177,859 parameters for the unconditional DiT-S); the default shares one, as DiT does.
 
     >>> from pixdit.models import build_model
     >>> model = build_model("DiT-S", input_size=(128, 128), attention={"name": "llsa"})   # token_order auto: zorder
+    >>> model = build_model("DiT-S", attention={"name": "llsa", "dense_blocks": [0, 11]})  # full attention in 0 and 11
     >>> velocity = model(x_sigma, 1000 * sigma)                  # x_sigma: [b, 3, 128, 128], sigma: [b]
 
 Differences from the LLSA reference (set `per_block_conditioning=True, zero_init=False` to reproduce its model):
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pixdit.attention import build_attention
+from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.tokens import (MODEL_TOKEN_ORDERS, check_token_order, resolve_token_order, token_coordinates,
@@ -199,6 +204,7 @@ class DiT(nn.Module):
     ):
         super().__init__()
         check_token_order(token_order, MODEL_TOKEN_ORDERS)
+        block_attention = block_attention_configs(attention, depth)  # checks attention.dense_blocks against depth
         if hidden_size % num_heads:
             raise PixditError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         if not 0.0 <= class_dropout < 1.0:
@@ -217,13 +223,18 @@ class DiT(nn.Module):
         self.t_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(num_embedders))
         self.y_embedders = nn.ModuleList(LabelEmbedder(num_classes, hidden_size) for _ in range(num_embedders)) \
             if num_classes > 0 else None
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, block_attention[index])
+                                    for index in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
 
-        backend = self.blocks[0].attn.backend
-        self.token_order = resolve_token_order(token_order, backend.token_order, backend.name)
+        # The configured backend decides the token order (the dense blocks' `full` takes any order); every kind of
+        # backend in the model checks the grid.
+        backends = self.attention_backends()
+        decides = next((backend for backend in backends if backend.token_order is not None), backends[0])
+        self.token_order = resolve_token_order(token_order, decides.token_order, decides.name)
         grid_hw = self.grid_size(*self.input_size)
-        backend.check_grid(grid_hw)
+        for backend in backends:
+            backend.check_grid(grid_hw)
         # Token order and RoPE tables for the configured size, as buffers (move with .to(), seen by torch.compile);
         # other sizes are computed on the fly in `_grid_tables`.
         perm, inv, cos, sin = self._make_grid_tables(grid_hw)
@@ -261,6 +272,13 @@ class DiT(nn.Module):
         for block in self.blocks:
             block.attn.backend.reset_parameters()
 
+    def attention_backends(self) -> list[AttentionBackend]:
+        """One backend of each kind in the model (first block first): [configured] or, with dense blocks, also full."""
+        kinds: dict[str, AttentionBackend] = {}
+        for block in self.blocks:
+            kinds.setdefault(block.attn.backend.name, block.attn.backend)
+        return list(kinds.values())
+
     # ---------------------------------------------------------- grids
     def grid_size(self, height: int, width: int) -> tuple[int, int]:
         p = self.patch_size
@@ -279,7 +297,8 @@ class DiT(nn.Module):
             return self.token_perm, self.token_inv, self.rope_cos, self.rope_sin
         key = (grid_hw, str(device))
         if key not in self._grid_cache:
-            self.blocks[0].attn.backend.check_grid(grid_hw)
+            for backend in self.attention_backends():
+                backend.check_grid(grid_hw)
             self._grid_cache[key] = tuple(t.to(device) for t in self._make_grid_tables(grid_hw))
         return self._grid_cache[key]
 
