@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from pixdit.eval.sampling import auto_batch_size, sampling_model
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
 from pixdit.report import markdown_table, time_median
@@ -30,7 +31,11 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="DiT-S", choices=list(DIT_MODELS))
     parser.add_argument("--attention", nargs="+", default=["full", "llsa"], help="backends (configs/attention/)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="image sides in pixels")
-    parser.add_argument("--batch", type=int, default=None, help="images per batch (default: by size)")
+    parser.add_argument("--batch", default=None,
+                        help="images per batch: an int, or auto (what fits in free GPU memory, as evaluation does); "
+                             "default: by size")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the forward (static batch shape), as evaluation does on GPUs")
     parser.add_argument("--steps", type=int, default=20, help="Euler steps per sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -46,7 +51,11 @@ def bench(args, attention: str, side: int) -> dict:
     model = build_model(args.model, input_size=(side, side), attention={"name": attention}, **overrides)
     model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
-    batch = args.batch or DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
+    if args.batch == "auto":
+        batch = auto_batch_size(model, (side, side), device, args.precision)
+    else:
+        batch = int(args.batch) if args.batch else DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
+    model = sampling_model(model, device, args.compile)
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
     cuda = device.type == "cuda"
 
@@ -57,6 +66,7 @@ def bench(args, attention: str, side: int) -> dict:
     seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)
     result = {
         "attention": attention, "size": f"{side}x{side}", "batch": batch, "steps": args.steps,
+        "compiled": bool(args.compile and cuda),
         "batch s": seconds, "images/s": batch / seconds,
         "peak GB": peak_gb,
     }

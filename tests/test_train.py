@@ -421,11 +421,14 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
 
 
 def test_compile_option():
-    from pixdit.cli import train
+    from pixdit.runtime import resolve_compile
 
-    assert train.resolve_compile(True, "cpu") is True and train.resolve_compile(False, "gpu") is False
-    assert train.resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer
-    assert train.resolve_compile("auto", "auto") is torch.cuda.is_available()
+    assert resolve_compile(True, "cpu") is True and resolve_compile(False, "gpu") is False
+    assert resolve_compile("auto", "cpu") is False  # never compiles for a CPU trainer or device
+    assert resolve_compile("auto", "auto") is torch.cuda.is_available()
+    assert resolve_compile("auto", "cuda") is torch.cuda.is_available()
+    with pytest.raises(PixditError, match="compile='yes' is not allowed"):
+        resolve_compile("yes", "cuda")
 
 
 def test_dense_blocks_schedule_trains_and_travels_with_the_checkpoint(h, tiny_shards, tmp_path):

@@ -49,10 +49,10 @@ from pixdit.eval import (
     save_adm_npz,
     summarize_seeds,
 )
-from pixdit.eval.sampling import labels_for_indices
+from pixdit.eval.sampling import check_batch_size, labels_for_indices
 from pixdit.files import write_json
 from pixdit.flow import check_sampler
-from pixdit.runtime import rank_and_world_size, resolve_precision
+from pixdit.runtime import rank_and_world_size, resolve_compile, resolve_precision
 
 
 def setup_distributed(device_option: str) -> tuple[int, int, torch.device]:
@@ -95,10 +95,12 @@ def default_reference(ckpt: Path, resolution: int, inception_mode: str) -> str:
 def evaluate(cfg: DictConfig) -> dict | None:
     rank, world_size, device = setup_distributed(str(cfg.device))
     precision = resolve_precision(str(cfg.precision), device)
-    if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1 or cfg.batch_size < 1:
+    if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1:
         raise PixditError(f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
-                          f"sampler.steps >= 1, batch_size >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
-                          f"sampler.steps={cfg.sampler.steps}, batch_size={cfg.batch_size}")
+                          f"sampler.steps >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
+                          f"sampler.steps={cfg.sampler.steps}")
+    check_batch_size(cfg.batch_size)
+    use_compile = resolve_compile(cfg.compile, device.type)
     # Start-up checks first, cheapest first: nothing is generated before the metric names, the sampler, the weights
     # files and the reference are known to be good (build_suite, below).
     metric_names = check_metric_names(cfg.eval.metrics)
@@ -157,7 +159,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
             model, flow, suite, num_samples=cfg.num_samples, image_size=image_size,
             steps=cfg.sampler.steps, sampler=cfg.sampler.name, cfg_interval=cfg_interval, seed=cfg.seed,
             cfg_scale=cfg.cfg_scale, num_classes=num_classes, index_offset=offset, batch_size=cfg.batch_size,
-            device=device, precision=precision, inception_splits=cfg.eval.inception_splits, on_batch=on_batch,
+            device=device, precision=precision, compile=use_compile, inception_splits=cfg.eval.inception_splits,
+            on_batch=on_batch,
         )
         per_seed.append({**metrics, "sample_indices": [offset, offset + cfg.num_samples]})
         if repeat == 0 and cfg.grid_samples > 0:

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from pixdit.cli import fail
 from pixdit.config import construct, plain, register_resolvers
 from pixdit.errors import PixditError
+from pixdit.runtime import resolve_compile
 
 CONFIG_MODULE = "pixdit.configs"
 log = logging.getLogger("pixdit")
@@ -90,19 +91,6 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if not Path(ckpt_path).is_file():
         raise PixditError(f"ckpt_path={ckpt_path!r}: no such file (use a .ckpt path or ckpt_path=last)")
     return ckpt_path
-
-
-def resolve_compile(compile_option, accelerator: str) -> bool:
-    """``compile``: true / false, or auto = on when the trainer runs on a CUDA GPU. There torch.compile fuses the
-    elementwise work around the matmuls and attention kernels (qk-norm, RoPE, adaLN, GELU, layouts): 1.8x the tokens/s
-    of eager for DiT-S with LLSA (docs/benchmarks.md), after 1-2 minutes of compilation; on CPU it only costs time."""
-    import torch
-
-    if isinstance(compile_option, bool):
-        return compile_option
-    if compile_option != "auto":
-        raise PixditError(f"compile={compile_option!r} is not allowed; use true, false or auto (on for CUDA GPUs)")
-    return accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict:

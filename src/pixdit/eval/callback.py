@@ -30,8 +30,9 @@ from pixdit.errors import PixditError
 from pixdit.eval.evaluator import evaluate_generator
 from pixdit.eval.metrics import MetricSuite, build_suite, check_metric_names
 from pixdit.eval.reference import default_stats_path
+from pixdit.eval.sampling import check_batch_size
 from pixdit.flow import check_sampler
-from pixdit.runtime import resolve_precision
+from pixdit.runtime import resolve_compile, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class FIDCallback(Callback):
         cfg_interval: list[float] | None = None,
         cfg_scale: float = 1.0,
         seed: int = 0,
-        batch_size: int = 64,
+        batch_size: int | str = 64,
+        compile: bool | str = "auto",
         use_ema: bool = True,
         precision: str = "auto",
         metrics: list[str] = ("fid", "is"),
@@ -67,13 +69,14 @@ class FIDCallback(Callback):
         download: bool = False,
     ):
         key = self.config_key
-        if every_n_train_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or batch_size < 1 \
-                or inception_splits < 1:
+        if every_n_train_steps < 0 or num_samples < max(2, inception_splits) or steps < 1 or inception_splits < 1:
             raise PixditError(
                 f"{key}: every_n_train_steps must be >= 0 (0 = only at the end), inception_splits >= 1, num_samples >= "
-                f"inception_splits ({inception_splits}) and >= 2, steps >= 1, batch_size >= 1; got every_n_train_steps="
-                f"{every_n_train_steps}, num_samples={num_samples}, steps={steps}, batch_size={batch_size}"
+                f"inception_splits ({inception_splits}) and >= 2, steps >= 1; got every_n_train_steps="
+                f"{every_n_train_steps}, num_samples={num_samples}, steps={steps}"
             )
+        check_batch_size(batch_size, f"{key}.batch_size")
+        resolve_compile(compile, "cpu")   # checks the value now (auto = on CUDA, decided at each evaluation)
         resolve_precision(precision, "cpu", key=f"{key}.precision")  # checks the name now; `auto` = the trainer's
         self.metrics = check_metric_names(metrics, key)
         self.cfg_interval = check_sampler(sampler, cfg_interval, prefix=f"{key}.")
@@ -86,6 +89,7 @@ class FIDCallback(Callback):
         self.cfg_scale = cfg_scale
         self.seed = seed
         self.batch_size = batch_size
+        self.compile = compile
         self.use_ema = use_ema
         self.precision = precision
         self.inception_mode = inception_mode
@@ -173,7 +177,7 @@ class FIDCallback(Callback):
             model, pl_module.flow, self.suite,
             num_samples=self.num_samples, image_size=pl_module.image_size, steps=self.steps, sampler=self.sampler,
             cfg_interval=self.cfg_interval, seed=self.seed, cfg_scale=self.cfg_scale, num_classes=pl_module.num_classes,
-            batch_size=self.batch_size, device=device,
+            batch_size=self.batch_size, device=device, compile=resolve_compile(self.compile, device.type),
             precision=resolve_precision(self.precision, device, trainer.precision), inception_splits=self.inception_splits,
         )
         logged = {k: float(v) for k, v in metrics.items() if k != "num_samples" and v is not None}

@@ -83,9 +83,10 @@ def evaluate_generator(
     cfg_scale: float = 1.0,
     num_classes: int = 0,
     index_offset: int = 0,
-    batch_size: int = 64,
+    batch_size: int | str = 64,
     device: torch.device | str = "cpu",
     precision: str = "fp32",
+    compile: bool = False,
     inception_splits: int = 10,
     on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> dict:
@@ -116,6 +117,7 @@ def evaluate_generator(
             model, flow, rank_indices(num_samples, rank, world_size, index_offset),
             image_size=image_size, seed=seed, steps=steps, sampler=sampler, cfg_interval=cfg_interval,
             cfg_scale=cfg_scale, num_classes=num_classes, batch_size=batch_size, device=device, precision=precision,
+            compile=compile,
         ):
             if on_batch is not None:
                 on_batch(indices, images)

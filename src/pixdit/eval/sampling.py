@@ -1,4 +1,5 @@
-"""Sample generation for evaluation: per-index seeding, class balance, rank sharding, OOM-safe batching.
+"""Sample generation for evaluation: per-index seeding, class balance, rank sharding, OOM-safe batching, and the
+fast path (a compiled forward at one static batch shape; the batch sized from free GPU memory).
 
 Sample `i` is a pure function of (seed, i): its noise comes from a CPU generator seeded by (seed, i)
 (``pixdit.runtime.noise_for_indices``, the same per-index noise as the validation loss) and its class
@@ -16,8 +17,53 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from pixdit.errors import PixditError
 from pixdit.eval.inception import images_to_uint8
 from pixdit.runtime import autocast, noise_for_indices
+
+AUTO_BATCH_CAP = 256          # "auto" batches stop here: throughput is flat long before (the GPU is full at ~1M tokens)
+AUTO_BATCH_MEMORY_SHARE = 0.6  # of the free memory, for the activations of one forward (the rest: fragmentation,
+                               # the compiled graph's own buffers, Inception features)
+
+
+def check_batch_size(value, name: str = "batch_size") -> int | str:
+    """A positive int or "auto" (cheap: call before any work)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise PixditError(f"{name}={value!r} must be a positive int or auto (the largest batch that fits in free GPU memory, "
+                      f"at most {AUTO_BATCH_CAP})")
+
+
+def sampling_model(model: torch.nn.Module, device, compile: bool) -> torch.nn.Module:
+    """The model as the sampler calls it. With ``compile`` on a CUDA device it is compiled in place (once: later
+    calls, e.g. the next FID evaluation of a training run, reuse it) for static shapes; ``generate_uint8`` pads the
+    last batch so one shape serves a whole evaluation."""
+    if compile and torch.device(device).type == "cuda" and getattr(model, "_compiled_call_impl", None) is None:
+        model.compile(dynamic=False)
+    return model
+
+
+@torch.no_grad()
+def auto_batch_size(model: torch.nn.Module, image_size: Sequence[int], device, precision: str, num_classes: int = 0,
+                    channels: int = 3, probe: int = 2) -> int:
+    """The largest batch whose forward activations fit in ``AUTO_BATCH_MEMORY_SHARE`` of the free GPU memory,
+    measured with one eager forward at batch ``probe`` (a compiled forward needs less: the estimate errs on the safe
+    side), capped at ``AUTO_BATCH_CAP``. On CPU: the cap. Out-of-memory later still halves the batch."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return AUTO_BATCH_CAP
+    x = torch.randn(probe, channels, *image_size, device=device)
+    t = torch.full((probe,), 500.0, device=device)
+    y = torch.zeros(probe, dtype=torch.int64, device=device) if num_classes > 0 else None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with autocast(device, precision):
+        model.forward(x, t, y)       # .forward: the eager function even when the module is compiled in place
+    per_image = max(1, torch.cuda.max_memory_allocated(device) - base) / probe
+    # free to this process: the device's free memory plus what PyTorch's allocator holds but does not use
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(max(1, min(AUTO_BATCH_CAP, AUTO_BATCH_MEMORY_SHARE * free // per_image)))
 
 
 def labels_for_indices(indices: Sequence[int], num_classes: int) -> torch.Tensor | None:
@@ -46,25 +92,38 @@ def generate_uint8(
     cfg_interval: Sequence[float] | None = None,
     cfg_scale: float = 1.0,
     num_classes: int = 0,
-    batch_size: int = 64,
+    batch_size: int | str = 64,
     device: torch.device | str = "cpu",
     precision: str = "fp32",
     channels: int = 3,
+    compile: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (indices int64 [b], uint8 images [b, 3, H, W] on CPU) for `indices`, `batch_size` at a time.
 
-    On CUDA out-of-memory the batch is retried at half the size (results do not depend on the batch size), so an
-    evaluation inside a training run degrades to smaller batches instead of killing the run.
+    ``batch_size="auto"``: sized from free GPU memory (``auto_batch_size``). ``compile``: the model's forward is
+    compiled (CUDA only, ``sampling_model``) and every batch has the same shape (the last one is padded with copies
+    of its first noise; the copies are dropped). On CUDA out-of-memory the batch is retried at half the size (results
+    do not depend on the batch size), so an evaluation inside a training run degrades to smaller batches instead of
+    killing the run.
     """
     device = torch.device(device)
     height, width = int(image_size[0]), int(image_size[1])
     indices = list(indices)
+    check_batch_size(batch_size)
+    if batch_size == "auto":
+        batch_size = auto_batch_size(model, (height, width), device, precision, num_classes, channels)
+    batch_size = min(batch_size, max(1, len(indices)))
+    model = sampling_model(model, device, compile)
     start = 0
     while start < len(indices):
         chunk = indices[start : start + batch_size]
         noise = noise_for_indices(chunk, (channels, height, width), seed).to(device)
         labels = labels_for_indices(chunk, num_classes)
         labels = labels.to(device) if labels is not None else None
+        pad = batch_size - len(chunk) if compile else 0     # one static shape for the compiled forward
+        if pad:
+            noise = torch.cat([noise, noise[:1].expand(pad, -1, -1, -1)])
+            labels = torch.cat([labels, labels[:1].expand(pad)]) if labels is not None else None
         try:
             with autocast(device, precision):
                 images = flow.sample(model, noise, steps, y=labels, cfg_scale=cfg_scale, sampler=sampler,
@@ -76,5 +135,5 @@ def generate_uint8(
             torch.cuda.empty_cache()
             batch_size = max(1, batch_size // 2)
             continue
-        yield torch.as_tensor(chunk, dtype=torch.int64), images_to_uint8(images).cpu()
+        yield torch.as_tensor(chunk, dtype=torch.int64), images_to_uint8(images[: len(chunk)]).cpu()
         start += len(chunk)
