@@ -146,12 +146,7 @@ def test_spatial_features_are_mixed_6_conv_first_7_channels_in_tf_order(tmp_path
 
 
 def test_spatial_features_refuse_a_file_whose_blocks_do_not_chain(tmp_path):
-    class NotSequential(nn.Module):  # same block names, but its forward does not simply chain them
-        def __init__(self):
-            super().__init__()
-            self.layers = _standin_layers()
-            self.output = nn.Linear(2048, 1008)
-
+    class NotSequential(_StandinInception):  # same block names, but its forward does not simply chain them
         def forward(self, img: torch.Tensor, return_features: bool = False, use_fp16: bool = False,
                     no_output_bias: bool = False) -> torch.Tensor:
             return torch.zeros(img.shape[0], 2048)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pixdit.errors import PixditError
-from pixdit.eval.inception import download_file, option_name
+from pixdit.eval.inception import fetch_missing, option_name
 
 DINOV2_FILENAME = "dinov2_vitl14_pretrain.pth"
 DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
@@ -50,14 +50,9 @@ def resolve_dinov2_path(dinov2_path: str | None, download: bool = False, config_
         path = path / DINOV2_FILENAME
     if path.is_file():
         return path
-    if download:
-        try:
-            download_file(DINOV2_URL, path)
-            return path
-        except Exception as error:  # noqa: BLE001 - any network / disk failure becomes the message below
-            reason = f"the download failed ({type(error).__name__}: {error})"
-    else:
-        reason = f"downloading is off ({option_name(config_prefix, 'download')} not set)"
+    reason = fetch_missing(DINOV2_URL, path, download, config_prefix)
+    if reason is None:
+        return path
     raise PixditError(
         f"DINOv2 weights for fd_dinov2 not found at {path}; {reason}.\n"
         f"  The file is {DINOV2_FILENAME} from {DINOV2_URL} (timm's conversion of it works too)\n"

@@ -73,6 +73,18 @@ def download_file(url: str, destination: Path) -> None:
         shutil.copyfileobj(response, f)
 
 
+def fetch_missing(url: str, destination: Path, download: bool, config_prefix: str) -> str | None:
+    """Download a missing weights file when allowed. Returns None when it is now there, else why not (for the
+    caller's one error message, which names the file and the fix)."""
+    if not download:
+        return f"downloading is off ({option_name(config_prefix, 'download')} not set)"
+    try:
+        download_file(url, destination)
+        return None
+    except Exception as error:  # noqa: BLE001 - any network / disk failure becomes the caller's message
+        return f"the download failed ({type(error).__name__}: {error})"
+
+
 def resolve_inception_path(inception_path: str | None = None, cache_dir: str | None = None,
                            download: bool = False, config_prefix: str = "eval") -> Path:
     """Path of the Inception weights file; raise PixditError (at start-up) when it is missing.
@@ -87,14 +99,9 @@ def resolve_inception_path(inception_path: str | None = None, cache_dir: str | N
         if path.is_file():
             return path
     target = candidates[0]
-    if download:
-        try:
-            download_file(INCEPTION_URL, target)
-            return target
-        except Exception as error:  # noqa: BLE001 - any network / disk failure becomes the message below
-            reason = f"the download failed ({type(error).__name__}: {error})"
-    else:
-        reason = f"downloading is off ({option_name(config_prefix, 'download')} not set)"
+    reason = fetch_missing(INCEPTION_URL, target, download, config_prefix)
+    if reason is None:
+        return target
     raise PixditError(
         f"Inception weights for FID/IS not found: looked for {', '.join(str(p) for p in candidates)}; {reason}.\n"
         f"  The file is {INCEPTION_FILENAME} from {INCEPTION_URL}\n"
