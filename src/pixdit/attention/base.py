@@ -64,6 +64,12 @@ class AttentionBackend(nn.Module):
     def check_grid(self, grid_hw: tuple[int, int]) -> None:
         """Raise PixditError (naming the grid and the violated number) if this backend cannot handle the token grid."""
 
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Keys each query attends to, in FLOP terms: one attention layer's forward costs
+        ``4 * num_tokens * tokens_per_query * dim`` FLOPs per image (QK^T and PV; MFU counts this). Dense: all of
+        them; the sparse backends count what they compute (selected blocks, pooled levels, coarse or linear stages)."""
+        return float(num_tokens)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid_hw: tuple[int, int],
                 hidden: torch.Tensor) -> torch.Tensor:
         """q, k, v: [batch, heads, tokens, head_dim] after qk-norm and RoPE, in the model's token order.

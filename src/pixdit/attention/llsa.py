@@ -43,6 +43,11 @@ class LLSAAttention(AttentionBackend):
             raise PixditError(f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid "
                               f"({num_tokens} tokens): {error}") from None
 
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Fine keys of the K selected blocks + the pooled tokens of the enriched levels (pixdit.kernels.llsa_check)."""
+        return float(llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
+                                enrich_levels=self.enrich_levels)["tokens_per_query"])
+
     def forward(self, q, k, v, *, grid_hw, hidden):
         return llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk, num_levels=self.num_levels,
                               enrich_levels=self.enrich_levels, reference_l1_grad=self.reference_l1_grad)
