@@ -451,3 +451,29 @@ def test_dense_blocks_schedule_trains_and_travels_with_the_checkpoint(h, tiny_sh
     with pytest.raises(PixditError, match=r"attention.dense_blocks=\[0, 3\]: 3 is not a block index.*depth 3"):
         train.train(h.compose([*base, "attention.dense_blocks=[0,3]"]), tmp_path / "bad")
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_memory_check_before_the_first_step_and_out_of_memory_advice(h, tiny_shards, tmp_path, monkeypatch):
+    """train.py compares the memory estimate (pixdit.memory) with the device's free memory before any step, and turns
+    an out-of-memory error in a step into the same advice; both are one PixditError naming the knobs."""
+    import pixdit.memory
+    from pixdit.cli import train
+    from pixdit.module import DiffusionModule
+
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
+                     "trainer.max_steps=2", "callbacks.samples=null"])
+    monkeypatch.setattr(pixdit.memory, "free_memory", lambda device: 1024.0)   # a device with 1 KiB free
+    with pytest.raises(PixditError, match="does not fit") as error:
+        train.train(cfg, tmp_path / "too_big")
+    assert "data.batch_size=1 (now 4" in str(error.value) and "model.grad_checkpointing=true" in str(error.value)
+    assert not (tmp_path / "too_big" / "checkpoints").exists()   # refused before the first step
+
+    monkeypatch.undo()
+
+    def out_of_memory(self, batch, batch_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(DiffusionModule, "training_step", out_of_memory)
+    with pytest.raises(PixditError, match=r"ran out of GPU memory at step 0 \(CUDA out of memory\)") as error:
+        train.train(cfg, tmp_path / "oom")
+    assert "data.batch_size=2 (now 4" in str(error.value) and "trainer=fsdp" in str(error.value)

@@ -193,6 +193,11 @@ def explain_out_of_memory(model, estimate: MemoryEstimate | None, trainer=None):
         raise PixditError(text) from None
 
 
+def free_memory(device: torch.device) -> float | None:
+    """Free bytes on a CUDA device (what the driver reports, other processes included); None elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def check_training_memory(trainer, model, batch_size: int) -> MemoryEstimate:
     """Before ``trainer.fit``: estimate this rank's memory and, on a CUDA device, compare it with the free memory
     (PixditError naming the knobs when it cannot fit). Returns the estimate for ``explain_out_of_memory``."""
@@ -205,9 +210,9 @@ def check_training_memory(trainer, model, batch_size: int) -> MemoryEstimate:
         "ddp" if isinstance(trainer.strategy, DDPStrategy) and world_size > 1 else "single"
     estimate = estimate_training_memory(model, batch_size, str(trainer.precision), strategy, world_size)
     device = trainer.strategy.root_device
-    if device.type != "cuda":
+    free_bytes = free_memory(device)
+    if free_bytes is None:
         return estimate
-    free_bytes, _ = torch.cuda.mem_get_info(device)
     if check_fits(model, estimate, free_bytes, where=f"{device} ({free_bytes / GiB:.1f} GiB free)"):
         log.info("estimated GPU memory: %s (%.1f GiB free)", estimate.summary(), free_bytes / GiB)
     else:
