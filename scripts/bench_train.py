@@ -1,16 +1,21 @@
-"""Training throughput of the pixel DiT for several attention variants and image sizes, measured in one process.
+"""Training throughput of the pixel DiT for several models, attention variants, image sizes and grad-checkpointing
+settings, measured in one process.
 
-Per (size, variant): images/s, pixel tokens/s, ms/step, peak GPU memory, MFU and the speed-up over full attention at
-the same size, as a markdown table (stdout), and with --out DIR as bench_train.md, bench_train.json and
-bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens; one line per
-variant).
+Per (model, size, grad checkpointing, variant): images/s, pixel tokens/s, ms/step, peak GPU memory next to the
+estimate of pixdit.memory, MFU and the speed-up over full attention, as a markdown table (stdout), and with --out DIR
+as bench_train.md, bench_train.json (both rewritten after every row, so a run cut short keeps its rows) and
+bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens).
 
     # the figure of docs/benchmarks.md (H200); scripts/device_suite.sh train runs this
     python scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \\
         --sizes 64 128 256 512 --warmup 3 --steps 10 --steps-at 512:1:3 --out bench/train
+    # the model-size table (scripts/device_suite.sh grow)
+    python scripts/bench_train.py --models DiT-S DiT-B DiT-L DiT-XL --attention full llsa:num_levels=2 \\
+        --sizes 128 256 --compile --warmup 2 --steps 3 --out bench/grow
+    python scripts/bench_train.py --models DiT-XL --attention llsa:num_levels=2 --sizes 256 --tokens-per-step 524288 \\
+        --grad-checkpointing true mlp 14 --compile          # memory as a knob: one row per setting
     python scripts/bench_train.py --attention llsa --sizes 128 256             # one backend, table on stdout
     python scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --profile   # + top CUDA ops per run
-    python scripts/bench_train.py --attention full llsa --compile --grad-checkpointing
     python scripts/bench_train.py --plot-from bench/train/bench_train.json      # redraw the PNG only (no GPU needed)
     python scripts/bench_train.py --device cpu --quick --attention full llsa --out /tmp/bench   # CPU check
 
@@ -18,23 +23,32 @@ Variants (``--attention``): ``NAME`` trains with configs/attention/NAME.yaml, as
 ``NAME:KEY=VALUE,KEY=VALUE`` overrides keys of that file (values are read as YAML: 2, 0.5, [8,4], null, true). Every
 variant is built once by ``pixdit.attention.build_attention`` before anything is timed, so an unknown key stops the run
 at once with an error naming the variant and the allowed keys. Backends that need Z-order tokens (llsa, vsa, sla) get
-``model.token_order=zorder``. A variant that cannot run at a size (LLSA with L=3 needs a multiple of 16^3 tokens; too
-few tokens) becomes a "skipped" row with the model's one-line reason; a CUDA out-of-memory becomes an "OOM" row; the
-run goes on with the next (size, variant) either way.
+``model.token_order=zorder``. ``--grad-checkpointing`` takes the values of ``model.grad_checkpointing`` (false, true,
+a number of blocks, mlp, attention; no value = true), one row each.
+
+Every cell is a number or a one-line reason. A variant that cannot run at a size (LLSA with L=3 needs a multiple of
+16^3 tokens) is a "skipped" row with the model's reason. Batch: ``--tokens-per-step`` / pixels per image (262,144:
+64 at 64^2, 16 at 128^2, 4 at 256^2, 1 at 512^2). Where that cannot fit, the row runs the largest batch that does and
+says so in its note: first the estimate (pixdit.memory, against the free GPU memory: the high bound for eager runs,
+the low one with --compile, which saves less) picks the batch, then each CUDA out-of-memory error halves it; at batch
+1 the row is "OOM".
 
 Each step is what DiffusionModule.training_step + the Trainer do per optimizer step: flow-matching loss under bf16
 autocast, backward, gradient clipping at 1.0, AdamW step (fused on GPU), EMA update; on synthetic images (no data
-loader: `scripts/bench_data.py` measures that side). Default: DiT-S, 262,144 pixel tokens per step (batch 64 at 64^2,
-16 at 128^2, 4 at 256^2, 1 at 512^2), 5 warm-up steps, then the median of 20 steps timed with CUDA events
-(``--steps-at SIDE:WARMUP:STEPS`` changes the counts at one size, e.g. 512:1:3 where full attention takes ~10 s/step).
-``--profile`` runs one more step per (size, variant) under torch.profiler and prints the ops with the most self CUDA
-time (the step's phases are marked "step/forward+loss", "step/backward", "step/clip", "step/optimizer", "step/ema").
+loader: `scripts/bench_data.py` measures that side). Default: DiT-S, 5 warm-up steps, then the median of 20 steps
+timed with CUDA events (``--steps-at SIDE:WARMUP:STEPS`` changes the counts at one size, e.g. 512:1:3 where full
+attention takes ~10 s/step). ``--profile`` runs one more step per row under torch.profiler and prints the ops with
+the most self CUDA time (the step's phases are marked "step/forward+loss", "step/backward", "step/clip",
+"step/optimizer", "step/ema").
 
-Speed-up: ms/step of the first ``full`` variant of ``--attention`` at the same size divided by this variant's ms/step
-(every variant processes the same tokens per step, so it is also the tokens/s ratio); "-" when full was not measured.
-MFU counts the matmul FLOPs of a dense transformer step (3 x forward; forward per image per block: 24 N d^2 for the
-projections and MLP + 4 N^2 d for full attention; sparse backends are charged the dense attention too, so their "MFU"
-reads as a speed-up over dense) against --peak-tflops (989 = H100/H200 dense bf16).
+Speed-up: tokens/s of this row / tokens/s of the first ``full`` variant of ``--attention`` for the same model, size
+and grad checkpointing ("-" when full was not measured). MFU: model FLOPs per step / step time / --peak-tflops (989 =
+H100/H200 dense bf16). Model FLOPs, without the recomputation of grad checkpointing: 6 x the parameters that act on
+every token x tokens (forward 2 + backward 4 per parameter and token), plus per block 3 x the attention forward
+4 x tokens x keys per query x hidden, with the keys each query of the block's backend really attends to
+(``AttentionBackend.tokens_per_query``: N for full attention, ~300-500 for LLSA). The adaLN modulation and the
+timestep / class embedders run once per image, not per token, and are left out (a third of a DiT block's parameters;
+counting them per token would inflate MFU by ~1.5x).
 """
 
 from __future__ import annotations

@@ -301,3 +301,15 @@ def test_tokens_per_query_counts_what_each_backend_attends():
     assert vsa.tokens_per_query(n) == 20 * 16 + 256 ** 2 / n
     sla = build_attention({"name": "sla", "topk": None, "topk_ratio": 0.25}, dim=64, num_heads=2)
     assert sla.tokens_per_query(n) == 64 * 16 + 32
+
+
+@pytest.mark.parametrize("attention", [{"name": "llsa"}, {"name": "vsa"}, {"name": "sla"},
+                                       {"name": "full", "kernel": "triton"}])
+def test_a_head_dim_the_kernels_cannot_take_is_named_at_build(attention):
+    """DiT-XL's 1152 / 16 heads = 72 is no head dim of the Triton kernels (16, 32, 64, 128): one error at build time
+    that names the number of heads that fits (18 x 64, same parameters) instead of a ValueError in the first step."""
+    with pytest.raises(PixditError, match=r"head dim in \(16, 32, 64, 128\).*1152 / num_heads 16 = 72; use "
+                                          r"model.num_heads=18 \(head dim 64"):
+        build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention)
+    build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention, num_heads=18)
+    build_model("DiT-XL", input_size=(16, 16), depth=1, attention={"name": "full"})   # SDPA takes any head dim

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pixdit.attention.base import AttentionBackend, register_attention
 from pixdit.errors import PixditError
 from pixdit.kernels import llsa_attention, llsa_check
+from pixdit.kernels.common import HEAD_DIMS
 
 
 @register_attention("llsa")
@@ -24,6 +25,7 @@ class LLSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
                  num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):

@@ -11,7 +11,7 @@ import torch
 
 from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
 from pixdit.kernels import sla_attention
-from pixdit.kernels.common import num_blocks, resolve_topk
+from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk
 
 
 @register_attention("sla")
@@ -29,6 +29,7 @@ class SLAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
                  topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",

@@ -12,7 +12,7 @@ import torch
 from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
 from pixdit.errors import PixditError
 from pixdit.kernels import vsa_attention
-from pixdit.kernels.common import num_blocks, resolve_topk, topk_from_fraction
+from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk, topk_from_fraction
 
 
 def vsa_annealed_topk(step: int, num_tiles: int, target_topk: int, anneal_every: int, anneal_rate: float) -> int:
@@ -45,6 +45,7 @@ class VSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
     renamed_options = {"sparsity": "topk_ratio = 1 - sparsity (the share of tiles kept)"}
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
