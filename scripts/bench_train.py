@@ -68,6 +68,7 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):   # swap the kerne
     apply_from_argv(sys.argv)
 
 from pixdit.errors import PixditError  # noqa: E402
+from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.report import markdown_table, time_median  # noqa: E402
@@ -478,11 +479,11 @@ def write_tables(out: Path, command: str, settings: str, variants: list[Variant]
     """bench_train.md and bench_train.json (rewritten after every row: a run cut short keeps what it measured)."""
     out.mkdir(parents=True, exist_ok=True)
     configs = "\n".join(f"- `{v.label}`: {json.dumps(v.attention)}" for v in variants)
-    (out / "bench_train.md").write_text(f"```\n{command}\n```\n\n{settings}\n\n{markdown(rows)}\n\n"
-                                        f"Attention configs:\n\n{configs}\n")
-    record = {"command": command, "settings": settings, "torch": torch.__version__,
-              "variants": {v.label: v.attention for v in variants}, "rows": rows}
-    (out / "bench_train.json").write_text(json.dumps(record, indent=1) + "\n")
+    # Atomic writes: a run stopped by a time limit leaves the previous complete table, never half of one.
+    with atomic_write(out / "bench_train.md", "w") as f:
+        f.write(f"```\n{command}\n```\n\n{settings}\n\n{markdown(rows)}\n\nAttention configs:\n\n{configs}\n")
+    write_json(out / "bench_train.json", {"command": command, "settings": settings, "torch": torch.__version__,
+                                          "variants": {v.label: v.attention for v in variants}, "rows": rows})
 
 
 def main(argv=None) -> None:
