@@ -1,21 +1,29 @@
-"""Does DDP scale? 1 GPU with per-GPU batch 2b against 2 GPUs with per-GPU batch b (same global batch, same steps):
-loss curves, validation loss and images/s, through train.py exactly as users run it.
+"""Does DDP scale, and what does FSDP cost? 1 GPU with per-GPU batch 2b against 2 GPUs with per-GPU batch b (same
+global batch, same steps), and DDP against FSDP on 2 GPUs: loss curves, validation loss, images/s and peak memory,
+through train.py exactly as users run it.
 
     python scripts/bench_scaling.py --out bench/scaling                      # needs 2 GPUs; ~5 min on H200s
     python scripts/bench_scaling.py --out bench/scaling --noise-run          # + a 1-GPU run with another seed: the
                                                                              #   run-to-run noise to judge "matches" by
+    python scripts/bench_scaling.py --out bench/s256 --resolution 256 --per-gpu-batch 4 --noise-run \\
+        -- attention=llsa attention.num_levels=2                             # 256^2 pixels (quickstart crops at 256)
+    python scripts/bench_scaling.py --out bench/fsdp --runs 2gpu 2gpu_fsdp --resolution 256 --model dit_xl \\
+        --per-gpu-batch 8 -- attention=llsa +model.num_heads=18 model.grad_checkpointing=true   # DDP vs FSDP
     python scripts/bench_scaling.py --out /tmp/s --cpu --steps 4 --per-gpu-batch 2 -- +model.depth=1
                                                                              # plumbing check on a CPU (gloo)
 
-Runs (each a `python train.py ...` in its own directory under --out, log in <run>.log):
-  1gpu:  trainer=gpu data.batch_size=2b
-  2gpu:  trainer=ddp trainer.devices=2 data.batch_size=b
-  [1gpu_seed1: as 1gpu with seed=1]
-on --experiment (default quickstart: the bundled data, built with scripts/make_quickstart_data.py if missing) with
+Runs (``--runs``; each a `python train.py ...` in its own directory under --out, log in <run>.log):
+  1gpu:       trainer=gpu data.batch_size=2b
+  2gpu:       trainer=ddp trainer.devices=2 data.batch_size=b
+  2gpu_fsdp:  trainer=fsdp trainer.devices=2 data.batch_size=b
+  1gpu_seed1: as 1gpu with seed=1 (also added by --noise-run)
+Default: 1gpu 2gpu. On --experiment (default quickstart: the bundled data, built with scripts/make_quickstart_data.py
+if missing; with --resolution R other than 32, quickstart crops at R x R are built into data/quickstart_R) with
 --model (default dit_s at patch size 1: 1024 tokens per 32x32 image). Anything after `--` is passed to every run.
 
 Writes --out/scaling.md (table + commands), scaling.json and scaling.png (training loss, smoothed, and validation
-loss against step). images/s is the global rate (all GPUs), the median of the throughput monitor's windows.
+loss against step). images/s is the global rate (all GPUs), the median of the throughput monitor's windows; peak GB
+is rank 0's torch.cuda.max_memory_allocated (GiB).
 """
 
 from __future__ import annotations
@@ -33,26 +41,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_commands(args) -> dict[str, list[str]]:
+RUNS = ("1gpu", "2gpu", "2gpu_fsdp", "1gpu_seed1")
+
+
+def data_overrides(args) -> list[str]:
+    """The quickstart data at --resolution (built if missing); nothing for other experiments or resolution 32."""
+    if args.experiment != "quickstart" or any(o.startswith("data.root=") for o in args.extra):
+        return []
+    root = REPO / "data" / ("quickstart" if args.resolution == 32 else f"quickstart_{args.resolution}")
+    if not (root / "manifest.json").is_file():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_data.py"), "--out", str(root),
+                        "--resolution", str(args.resolution), *(["--train", "1024", "--val", "64"]
+                                                               if args.resolution > 32 else [])], check=True)
+    return [] if args.resolution == 32 else [f"data.root={root}", f"data.resolution={args.resolution}"]
+
+
+def run_commands(args, data: list[str] | None = None) -> dict[str, list[str]]:
     b = args.per_gpu_batch
-    common = [f"experiment={args.experiment}", f"model={args.model}", "model.patch_size=1",
+    common = [f"experiment={args.experiment}", f"model={args.model}", "model.patch_size=1", *(data or []),
               f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={max(1, args.steps // args.val_points)}",
               f"trainer.log_every_n_steps={min(10, args.throughput_window)}",
               f"callbacks.throughput.window={args.throughput_window}",
               "callbacks.samples=null", "callbacks.checkpoint=null", f"data.num_workers={args.num_workers}"]
-    if args.cpu:
-        single = ["trainer=cpu"]
-        double = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true"]
-    else:
-        single = ["trainer=gpu"]
-        double = ["trainer=ddp"]
+    cpu = ["trainer.accelerator=cpu", "trainer.precision=32-true"] if args.cpu else []
+    single = ["trainer=cpu"] if args.cpu else ["trainer=gpu"]
     runs = {
         "1gpu": [*common, *single, f"data.batch_size={2 * b}", "seed=0"],
-        "2gpu": [*common, *double, "trainer.devices=2", f"data.batch_size={b}", "seed=0"],
+        "2gpu": [*common, "trainer=ddp", *cpu, "trainer.devices=2", f"data.batch_size={b}", "seed=0"],
+        "2gpu_fsdp": [*common, "trainer=fsdp", *cpu, "trainer.devices=2", f"data.batch_size={b}", "seed=0"],
+        "1gpu_seed1": [*common, *single, f"data.batch_size={2 * b}", "seed=1"],
     }
-    if args.noise_run:
-        runs["1gpu_seed1"] = [*common, *single, f"data.batch_size={2 * b}", "seed=1"]
-    return {name: [*overrides, *args.extra, f"hydra.run.dir={args.out / name}"] for name, overrides in runs.items()}
+    chosen = list(dict.fromkeys([*args.runs, *(["1gpu_seed1"] if args.noise_run else [])]))
+    return {name: [*runs[name], *args.extra, f"hydra.run.dir={args.out / name}"] for name in chosen}
 
 
 def read_columns(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -126,10 +146,11 @@ def fmt(value, spec=".4g") -> str:
 
 def report(results: list[dict], commands: dict[str, list[str]], args) -> str:
     by_name = {r["run"]: r for r in results}
-    one, two = by_name["1gpu"], by_name["2gpu"]
-    lines = [f"# DDP scaling: 1 GPU x batch {2 * args.per_gpu_batch} vs 2 GPUs x batch {args.per_gpu_batch}", "",
-             f"{args.steps} steps, experiment={args.experiment}, model={args.model} (patch 1); "
-             f"{time.strftime('%Y-%m-%d %H:%M')}", "",
+    one, two, fsdp = by_name.get("1gpu"), by_name.get("2gpu"), by_name.get("2gpu_fsdp")
+    extra = f", {' '.join(args.extra)}" if args.extra else ""
+    lines = [f"# {', '.join(by_name)}: per-GPU batch {args.per_gpu_batch} on 2 GPUs, {2 * args.per_gpu_batch} on 1",
+             "", f"{args.steps} steps, experiment={args.experiment}, model={args.model} (patch 1), "
+             f"{args.resolution}x{args.resolution}{extra}; {time.strftime('%Y-%m-%d %H:%M')}", "",
              "| run | final val loss | final val loss (EMA) | train loss (last 20%) | images/s | tokens/s | peak GB | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -137,10 +158,15 @@ def report(results: list[dict], commands: dict[str, list[str]], args) -> str:
                      f"{fmt(r['train_loss_last20pct'])} | {fmt(r['images_per_s'], ',.0f')} | "
                      f"{fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['peak_mem_gb'], '.2f')} | {r['wall_s']} |")
     lines.append("")
-    if one["images_per_s"] and two["images_per_s"]:
+    if one and two and one["images_per_s"] and two["images_per_s"]:
         speedup = two["images_per_s"] / one["images_per_s"]
         lines.append(f"Speed-up 2 GPUs / 1 GPU: {speedup:.2f}x (scaling efficiency {speedup / 2:.0%}).")
-    if one["final_val_loss"] is not None and two["final_val_loss"] is not None:
+    if two and fsdp and two["images_per_s"] and fsdp["images_per_s"]:
+        memory = ""
+        if two["peak_mem_gb"] and fsdp["peak_mem_gb"]:
+            memory = f"; peak memory FSDP {fsdp['peak_mem_gb']:.1f} vs DDP {two['peak_mem_gb']:.1f} GB per GPU"
+        lines.append(f"FSDP / DDP images/s on 2 GPUs: {fsdp['images_per_s'] / two['images_per_s']:.2f}x{memory}.")
+    if one and two and one["final_val_loss"] is not None and two["final_val_loss"] is not None:
         gap = abs(two["final_val_loss"] - one["final_val_loss"])
         line = f"Validation loss gap 2 GPUs vs 1 GPU: {gap:.4f}"
         if "1gpu_seed1" in by_name and by_name["1gpu_seed1"]["final_val_loss"] is not None:
@@ -163,6 +189,8 @@ def main() -> int:
     parser.add_argument("--throughput-window", type=int, default=50)
     parser.add_argument("--num-workers", type=int, default=4)
     parser.add_argument("--noise-run", action="store_true", help="add a 1-GPU run with seed=1 (run-to-run noise)")
+    parser.add_argument("--runs", nargs="+", default=["1gpu", "2gpu"], choices=RUNS, help="which runs (see above)")
+    parser.add_argument("--resolution", type=int, default=32, help="image side of the quickstart data (built)")
     parser.add_argument("--cpu", action="store_true", help="CPU processes (gloo) instead of GPUs: a plumbing check")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
@@ -177,12 +205,7 @@ def main() -> int:
             print(f"error: needs 2 GPUs, found {torch.cuda.device_count()} (use --cpu for a plumbing check)",
                   file=sys.stderr)
             return 2
-    quickstart_data = REPO / "data" / "quickstart" / "manifest.json"
-    if args.experiment == "quickstart" and not any(o.startswith("data.root=") for o in args.extra) \
-            and not quickstart_data.is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_data.py"), "--out",
-                        str(quickstart_data.parent)], check=True)
-    commands = run_commands(args)
+    commands = run_commands(args, data_overrides(args))
     results = []
     for name, overrides in commands.items():
         print(f"[{name}] python train.py {' '.join(overrides)}", flush=True)

@@ -1,16 +1,21 @@
-"""Training throughput of the pixel DiT for several attention variants and image sizes, measured in one process.
+"""Training throughput of the pixel DiT for several models, attention variants, image sizes and grad-checkpointing
+settings, measured in one process.
 
-Per (size, variant): images/s, pixel tokens/s, ms/step, peak GPU memory, MFU and the speed-up over full attention at
-the same size, as a markdown table (stdout), and with --out DIR as bench_train.md, bench_train.json and
-bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens; one line per
-variant).
+Per (model, size, grad checkpointing, variant): images/s, pixel tokens/s, ms/step, peak GPU memory next to the
+estimate of pixdit.memory, MFU and the speed-up over full attention, as a markdown table (stdout), and with --out DIR
+as bench_train.md, bench_train.json (both rewritten after every row, so a run cut short keeps its rows) and
+bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens).
 
     # the figure of docs/benchmarks.md (H200); scripts/device_suite.sh train runs this
     python scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \\
         --sizes 64 128 256 512 --warmup 3 --steps 10 --steps-at 512:1:3 --out bench/train
+    # the model-size table (scripts/device_suite.sh grow)
+    python scripts/bench_train.py --models DiT-S DiT-B DiT-L DiT-XL --attention full llsa:num_levels=2 \\
+        --sizes 128 256 --compile --warmup 2 --steps 3 --out bench/grow
+    python scripts/bench_train.py --models DiT-XL --attention llsa:num_levels=2 --sizes 256 --tokens-per-step 524288 \\
+        --grad-checkpointing true mlp 14 --compile          # memory as a knob: one row per setting
     python scripts/bench_train.py --attention llsa --sizes 128 256             # one backend, table on stdout
     python scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --profile   # + top CUDA ops per run
-    python scripts/bench_train.py --attention full llsa --compile --grad-checkpointing
     python scripts/bench_train.py --plot-from bench/train/bench_train.json      # redraw the PNG only (no GPU needed)
     python scripts/bench_train.py --device cpu --quick --attention full llsa --out /tmp/bench   # CPU check
 
@@ -18,23 +23,32 @@ Variants (``--attention``): ``NAME`` trains with configs/attention/NAME.yaml, as
 ``NAME:KEY=VALUE,KEY=VALUE`` overrides keys of that file (values are read as YAML: 2, 0.5, [8,4], null, true). Every
 variant is built once by ``pixdit.attention.build_attention`` before anything is timed, so an unknown key stops the run
 at once with an error naming the variant and the allowed keys. Backends that need Z-order tokens (llsa, vsa, sla) get
-``model.token_order=zorder``. A variant that cannot run at a size (LLSA with L=3 needs a multiple of 16^3 tokens; too
-few tokens) becomes a "skipped" row with the model's one-line reason; a CUDA out-of-memory becomes an "OOM" row; the
-run goes on with the next (size, variant) either way.
+``model.token_order=zorder``. ``--grad-checkpointing`` takes the values of ``model.grad_checkpointing`` (false, true,
+a number of blocks, mlp, attention; no value = true), one row each.
+
+Every cell is a number or a one-line reason. A variant that cannot run at a size (LLSA with L=3 needs a multiple of
+16^3 tokens) is a "skipped" row with the model's reason. Batch: ``--tokens-per-step`` / pixels per image (262,144:
+64 at 64^2, 16 at 128^2, 4 at 256^2, 1 at 512^2). Where that cannot fit, the row runs the largest batch that does and
+says so in its note: first the estimate (pixdit.memory, against the free GPU memory: the high bound for eager runs,
+the low one with --compile, which saves less) picks the batch, then each CUDA out-of-memory error halves it; at batch
+1 the row is "OOM".
 
 Each step is what DiffusionModule.training_step + the Trainer do per optimizer step: flow-matching loss under bf16
 autocast, backward, gradient clipping at 1.0, AdamW step (fused on GPU), EMA update; on synthetic images (no data
-loader: `scripts/bench_data.py` measures that side). Default: DiT-S, 262,144 pixel tokens per step (batch 64 at 64^2,
-16 at 128^2, 4 at 256^2, 1 at 512^2), 5 warm-up steps, then the median of 20 steps timed with CUDA events
-(``--steps-at SIDE:WARMUP:STEPS`` changes the counts at one size, e.g. 512:1:3 where full attention takes ~10 s/step).
-``--profile`` runs one more step per (size, variant) under torch.profiler and prints the ops with the most self CUDA
-time (the step's phases are marked "step/forward+loss", "step/backward", "step/clip", "step/optimizer", "step/ema").
+loader: `scripts/bench_data.py` measures that side). Default: DiT-S, 5 warm-up steps, then the median of 20 steps
+timed with CUDA events (``--steps-at SIDE:WARMUP:STEPS`` changes the counts at one size, e.g. 512:1:3 where full
+attention takes ~10 s/step). ``--profile`` runs one more step per row under torch.profiler and prints the ops with
+the most self CUDA time (the step's phases are marked "step/forward+loss", "step/backward", "step/clip",
+"step/optimizer", "step/ema").
 
-Speed-up: ms/step of the first ``full`` variant of ``--attention`` at the same size divided by this variant's ms/step
-(every variant processes the same tokens per step, so it is also the tokens/s ratio); "-" when full was not measured.
-MFU counts the matmul FLOPs of a dense transformer step (3 x forward; forward per image per block: 24 N d^2 for the
-projections and MLP + 4 N^2 d for full attention; sparse backends are charged the dense attention too, so their "MFU"
-reads as a speed-up over dense) against --peak-tflops (989 = H100/H200 dense bf16).
+Speed-up: tokens/s of this row / tokens/s of the first ``full`` variant of ``--attention`` for the same model, size
+and grad checkpointing ("-" when full was not measured). MFU: model FLOPs per step / step time / --peak-tflops (989 =
+H100/H200 dense bf16). Model FLOPs, without the recomputation of grad checkpointing: 6 x the parameters that act on
+every token x tokens (forward 2 + backward 4 per parameter and token), plus per block 3 x the attention forward
+4 x tokens x keys per query x hidden, with the keys each query of the block's backend really attends to
+(``AttentionBackend.tokens_per_query``: N for full attention, ~300-500 for LLSA). The adaLN modulation and the
+timestep / class embedders run once per image, not per token, and are left out (a third of a DiT block's parameters;
+counting them per token would inflate MFU by ~1.5x).
 """
 
 from __future__ import annotations
@@ -54,20 +68,29 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):   # swap the kerne
     apply_from_argv(sys.argv)
 
 from pixdit.errors import PixditError  # noqa: E402
+from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
+from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.report import markdown_table, time_median  # noqa: E402
 
 ATTENTION_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "attention"
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
+PROBE_DIMS = dict(dim=128, num_heads=2)   # the variants' options are checked on a backend of this size
+# The model's conditioning modules: they run once per image, not per token (not in the per-token FLOP count).
+PER_IMAGE_MODULES = ("adaLN_modulation", "t_embedders", "y_embedders")
+GB = 1e9   # peak and estimated memory in the table: GB as torch.cuda.max_memory_allocated / 1e9
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--model", default="DiT-S", choices=list(DIT_MODELS))
+    parser.add_argument("--models", "--model", nargs="+", default=["DiT-S"], metavar="MODEL",
+                        help=f"models: NAME or NAME:KEY=VALUE,... (DiT arguments, e.g. DiT-XL:num_heads=18); "
+                             f"names: {', '.join(DIT_MODELS)}")
     parser.add_argument("--attention", nargs="+", default=["full"], metavar="VARIANT",
                         help="attention variants: NAME or NAME:KEY=VALUE,KEY=VALUE (configs/attention/NAME.yaml)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256], help="image sides in pixels")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="image sides in pixels (default 64 128 256; --quick: 16 32)")
     parser.add_argument("--tokens-per-step", type=int, default=262_144, help="pixel tokens per step (sets the batch)")
     parser.add_argument("--patch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
@@ -75,7 +98,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps-at", nargs="*", default=[], metavar="SIDE:WARMUP:STEPS",
                         help="other warm-up / timed step counts at one image side, e.g. 512:1:3")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (as compile=true)")
-    parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block in the backward")
+    parser.add_argument("--grad-checkpointing", nargs="*", default=None, metavar="SETTING",
+                        help="model.grad_checkpointing values, one row each: false, true, N (first N blocks), mlp, "
+                             "attention (the flag alone = true)")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step and print the top ops")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
@@ -96,6 +121,12 @@ class Variant:
     token_order: str    # what the backend needs ("zorder" for the block-sparse methods), else "raster"
 
 
+@dataclass
+class ModelSpec:
+    label: str          # as typed, e.g. "DiT-XL:num_heads=18"
+    config: dict        # the model config section: {"name": ..., overrides...}
+
+
 def split_options(text: str) -> list[str]:
     """'a=1,b=[8,4]' -> ['a=1', 'b=[8,4]']: commas inside brackets belong to a list value."""
     items, depth, start = [], 0, 0
@@ -108,24 +139,45 @@ def split_options(text: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def parse_variant(spec: str, model_name: str, quick: bool) -> Variant:
+def read_options(spec: str, what: str, example: str) -> tuple[str, dict]:
+    """``NAME[:KEY=VALUE,...]`` -> (NAME, {KEY: VALUE}) with the values read as YAML."""
+    name, _, text = spec.partition(":")
+    options = {}
+    for item in split_options(text):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise PixditError(f"{what} {spec}: '{item}' is not KEY=VALUE (e.g. {example})")
+        options[key.strip()] = yaml.safe_load(value)
+    return name, options
+
+
+def parse_variant(spec: str) -> Variant:
     """``NAME[:KEY=VALUE,...]`` -> Variant, checked by building the backend once (pixdit.attention.build_attention)."""
     from pixdit.attention import build_attention
 
-    name, _, options = spec.partition(":")
+    name, options = read_options(spec, "--attention", "llsa:num_levels=2,topk=16")
     config_file = ATTENTION_CONFIGS / f"{name}.yaml"
     attention = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {"name": name}
-    for item in split_options(options):
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip():
-            raise PixditError(f"--attention {spec}: '{item}' is not KEY=VALUE (e.g. llsa:num_levels=2,topk=16)")
-        attention[key.strip()] = yaml.safe_load(value)
-    dims = QUICK_MODEL if quick else DIT_MODELS[model_name]
+    attention.update(options)
     try:
-        backend = build_attention(attention, dim=dims["hidden_size"], num_heads=dims["num_heads"])
+        backend = build_attention(attention, **PROBE_DIMS)
     except PixditError as error:
         raise PixditError(f"--attention {spec}: {error}") from None
     return Variant(spec, attention, backend.token_order or "raster")
+
+
+def parse_model(spec: str) -> ModelSpec:
+    name, options = read_options(spec, "--models", "DiT-XL:num_heads=18")
+    if name not in DIT_MODELS:
+        raise PixditError(f"--models {spec}: unknown model {name!r}; available: {', '.join(DIT_MODELS)}")
+    return ModelSpec(spec, {"name": name, **options})
+
+
+def grad_checkpointing_settings(values: list[str] | None) -> list:
+    """--grad-checkpointing's words as model.grad_checkpointing values (absent: [False]; the bare flag: [True])."""
+    if values is None:
+        return [False]
+    return [yaml.safe_load(value) for value in values] or [True]
 
 
 def parse_steps_at(items: list[str]) -> dict[int, tuple[int, int]]:
@@ -143,24 +195,44 @@ def parse_steps_at(items: list[str]) -> dict[int, tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------------------------------------- measuring
-def step_flops(batch: int, tokens: int, hidden: int, depth: int) -> float:
-    forward = depth * (24 * tokens * hidden**2 + 4 * tokens**2 * hidden)
-    return 3.0 * forward * batch
+def training_flops_per_image(model, tokens: int) -> float:
+    """Model FLOPs of one training step per image, without recomputation (see the module docstring): 6 x per-token
+    parameters x tokens + per block 3 x 4 x tokens x keys per query x hidden."""
+    per_image = {id(p) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in PER_IMAGE_MODULES
+                 for p in module.parameters()}
+    per_token = sum(p.numel() for p in model.parameters() if id(p) not in per_image)
+    attention = sum(3 * 4 * tokens * block.attn.backend.tokens_per_query(tokens) * block.attn.backend.dim
+                    for block in model.blocks)
+    return 6.0 * per_token * tokens + attention
 
 
-def measure(args, side: int, batch: int, variant: Variant, warmup: int, steps: int) -> dict:
-    """Time the training step of one (size, variant); PixditError if the variant cannot handle this size."""
+def module_config(args, model: ModelSpec, variant: Variant, grad_checkpointing) -> dict:
+    return {"model": {**model.config, "patch_size": args.patch_size, "grad_checkpointing": grad_checkpointing,
+                      "token_order": variant.token_order, **(QUICK_MODEL if args.quick else {})},
+            "attention": variant.attention}
+
+
+def memory_estimate(args, side: int, batch: int, config: dict):
+    """pixdit.memory's estimate of this row's training step (the module built on the meta device: no memory)."""
+    from pixdit.memory import estimate_training_memory
+    from pixdit.module import DiffusionModule
+
+    with torch.device("meta"):
+        model = DiffusionModule.from_config(config, side).model
+    precision = "bf16-mixed" if args.device.startswith("cuda") else "32-true"
+    return estimate_training_memory(model, batch, precision)
+
+
+def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, steps: int) -> dict:
+    """Time the training step of one row; PixditError if the model or variant cannot handle this size."""
     from torch.profiler import record_function
 
     from pixdit.module import DiffusionModule
 
     device = torch.device(args.device)
-    model_cfg = {"name": args.model, "patch_size": args.patch_size, "grad_checkpointing": args.grad_checkpointing,
-                 "token_order": variant.token_order, **(QUICK_MODEL if args.quick else {})}
     if args.compile:
         torch._dynamo.reset()  # a fresh model per run: stale graphs would count against dynamo's recompile limit
-    module = DiffusionModule.from_config({"model": model_cfg, "attention": variant.attention}, side,
-                                         compile=args.compile).to(device)
+    module = DiffusionModule.from_config(config, side, compile=args.compile).to(device)
     model, flow, ema = module.model, module.flow, module.ema
     optimizer = module.configure_optimizers()["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -183,12 +255,11 @@ def measure(args, side: int, batch: int, variant: Variant, warmup: int, steps: i
 
     step_s, peak_gb = time_median(train_step, warmup, steps, device)  # peak_gb: nan on CPU
     if args.profile:
-        print_profile(train_step, device, f"{variant.label} at {side}x{side}, batch {batch}")
-    hidden, depth = model.blocks[0].attn.qkv.in_features, len(model.blocks)
-    tokens = module.tokens_per_image
+        print_profile(train_step, device, f"{label} at {side}x{side}, batch {batch}")
+    flops = batch * training_flops_per_image(model, module.tokens_per_image)
     return {"ms_per_step": 1000 * step_s, "images_per_s": batch / step_s,
             "tokens_per_s": batch * side * side / step_s, "peak_gb": peak_gb if device.type == "cuda" else None,
-            "mfu_percent": 100 * step_flops(batch, tokens, hidden, depth) / step_s / (args.peak_tflops * 1e12),
+            "mfu_percent": 100 * flops / step_s / (args.peak_tflops * 1e12),
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
 
 
@@ -208,59 +279,110 @@ def print_profile(train_step, device: torch.device, title: str, row_limit: int =
                                                                 max_name_column_width=60), flush=True)
 
 
-def free_memory(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     gc.collect()  # the model of a run that raised is only reachable through reference cycles of the traceback
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def run(args, variants: list[Variant]) -> list[dict]:
+def first_batch(args, side: int, requested: int, config: dict) -> tuple[int, str, dict]:
+    """The batch to try first: the requested one, or the largest that the estimate says fits the free memory (the
+    high bound for eager runs, the low one with --compile); with a note saying so, and the estimate's columns."""
+    from pixdit.memory import free_memory, largest_batch
+
+    try:
+        estimate = memory_estimate(args, side, requested, config)
+    except PixditError:
+        return requested, "", {}   # measure() reports the reason
+    digits = 1 if estimate.high >= GB else 3
+    columns = {"est_gb": f"{estimate.low / GB:.{digits}f}-{estimate.high / GB:.{digits}f}"}
+    free = free_memory(torch.device(args.device))
+    bound = "low" if args.compile else "high"
+    if free is None or (estimate.low if args.compile else estimate.high) <= free:
+        return requested, "", columns
+    fits = largest_batch(estimate, free, bound)
+    note = (f"{requested * side * side:,} tokens/step do not fit: estimated {columns['est_gb']} GB, "
+            f"{free / GB:.1f} GB free")
+    return max(1, min(requested, fits)), note, columns
+
+
+def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Variant, warmup: int,
+            steps: int) -> dict:
+    """One row: a number, or a one-line reason (skipped: the model's own; OOM: even batch 1 runs out of memory)."""
     device = torch.device(args.device)
+    config = module_config(args, model, variant, grad_checkpointing)
+    requested = max(1, args.tokens_per_step // (side * side))
+    row = {"model": model.label + (" (quick)" if args.quick else ""), "grad_ckpt": str(grad_checkpointing).lower(),
+           "side": side, "tokens_per_image": (side // args.patch_size) ** 2, "variant": variant.label,
+           "warmup": warmup, "steps": steps, "status": "ok", "note": "", "requested_batch": requested}
+    batch, note, columns = first_batch(args, side, requested, config)
+    row.update(columns)
+    notes = [note] if note else []
+    while True:
+        out_of_memory = False
+        try:
+            row.update(measure(args, side, batch, config, f"{model.label} {variant.label}", warmup, steps))
+        except PixditError as error:
+            row.update(status="skipped", note=" ".join(str(error).split()))
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        release_memory(device)  # outside the except blocks, once the traceback (and the model it holds) is gone
+        if not out_of_memory:
+            break
+        notes.append(f"OOM at batch {batch}")
+        if batch == 1:
+            row.update(status="OOM", note="CUDA out of memory at batch 1" + "".join(f"; {n}" for n in notes[:-1]))
+            break
+        batch //= 2
+    row.update(batch=batch, tokens_per_step=batch * side * side)
+    if row["status"] == "ok" and batch < requested:
+        row["note"] = f"largest batch that fits: {batch} of {requested} ({'; '.join(notes)})"
+    return row
+
+
+def run(args, models: list[ModelSpec], variants: list[Variant], settings: list, on_row=None) -> list[dict]:
     steps_at = parse_steps_at(args.steps_at)
     rows = []
-    for side in args.sizes:
-        warmup, steps = steps_at.get(side, (args.warmup, args.steps))
-        batch = max(1, args.tokens_per_step // (side * side))
-        tokens_per_image = (side // args.patch_size) ** 2
-        for variant in variants:
-            row = {"side": side, "tokens_per_image": tokens_per_image, "tokens_per_step": batch * side * side,
-                   "batch": batch, "variant": variant.label, "warmup": warmup, "steps": steps, "status": "ok",
-                   "note": ""}
-            try:
-                row.update(measure(args, side, batch, variant, warmup, steps))
-            except PixditError as error:
-                row.update(status="skipped", note=" ".join(str(error).split()))
-            except torch.OutOfMemoryError:
-                row.update(status="OOM", note="CUDA out of memory")
-            free_memory(device)  # outside the except blocks, once the traceback (and the model it holds) is gone
-            rows.append(row)
-            print(progress_line(row), file=sys.stderr, flush=True)
-    add_speedups(rows, variants)
+    for model in models:
+        for side in args.sizes:
+            warmup, steps = steps_at.get(side, (args.warmup, args.steps))
+            for grad_checkpointing in settings:
+                for variant in variants:
+                    rows.append(run_row(args, model, side, grad_checkpointing, variant, warmup, steps))
+                    add_speedups(rows, variants)
+                    print(progress_line(rows[-1]), file=sys.stderr, flush=True)
+                    if on_row is not None:
+                        on_row(rows)
     return rows
 
 
 def add_speedups(rows: list[dict], variants: list[Variant]) -> None:
-    """speedup = ms/step of the first full-attention variant at the same size / ms/step of the row."""
+    """speedup = tokens/s of the row / tokens/s of the first full-attention variant of the same model, size and grad
+    checkpointing (the same ratio as ms/step when both ran the same batch)."""
     baseline = next((v.label for v in variants if v.attention["name"] == "full"), None)
-    full_ms = {r["side"]: r["ms_per_step"] for r in rows if r["variant"] == baseline and r["status"] == "ok"}
+    full = {(r["model"], r["side"], r["grad_ckpt"]): r["tokens_per_s"] for r in rows
+            if r["variant"] == baseline and r["status"] == "ok"}
     for row in rows:
-        if row["status"] == "ok" and row["side"] in full_ms:
-            row["speedup"] = full_ms[row["side"]] / row["ms_per_step"]
+        key = (row["model"], row["side"], row["grad_ckpt"])
+        if row["status"] == "ok" and key in full:
+            row["speedup"] = row["tokens_per_s"] / full[key]
 
 
 def progress_line(row: dict) -> str:
+    what = f"{row['model']} {row['side']}x{row['side']} grad_ckpt={row['grad_ckpt']} {row['variant']}"
     if row["status"] != "ok":
-        return f"{row['side']}x{row['side']} {row['variant']}: {row['status']} ({row['note']})"
-    peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.2f} GB"
-    return (f"{row['side']}x{row['side']} {row['variant']}: {row['ms_per_step']:.1f} ms/step, "
-            f"{row['tokens_per_s'] / 1e3:.1f}k tokens/s{peak}")
+        return f"{what}: {row['status']} ({row['note']})"
+    peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.2f} GB (estimated {row.get('est_gb', '-')})"
+    return (f"{what}: batch {row['batch']}, {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s'] / 1e3:.1f}k "
+            f"tokens/s{peak}, MFU {row['mfu_percent']:.1f}%")
 
 
 # ---------------------------------------------------------------------------------------------------------- reporting
 # table header -> JSON row key
-COLUMNS = {"size": "side", "tokens/img": "tokens_per_image", "tokens/step": "tokens_per_step", "batch": "batch",
-           "variant": "variant", "images/s": "images_per_s", "tokens/s": "tokens_per_s", "ms/step": "ms_per_step",
-           "peak GB": "peak_gb", "MFU %": "mfu_percent", "speed-up": "speedup", "note": "note"}
+COLUMNS = {"model": "model", "params M": "params_m", "grad ckpt": "grad_ckpt", "size": "side",
+           "tokens/img": "tokens_per_image", "tokens/step": "tokens_per_step", "batch": "batch", "variant": "variant",
+           "images/s": "images_per_s", "tokens/s": "tokens_per_s", "ms/step": "ms_per_step", "peak GB": "peak_gb",
+           "est. GB": "est_gb", "MFU %": "mfu_percent", "speed-up": "speedup", "note": "note"}
 
 
 def format_cell(column: str, value) -> str:
@@ -274,6 +396,8 @@ def format_cell(column: str, value) -> str:
         return f"{value / 1e3:,.1f}k"
     if column == "speed-up":
         return f"{value:.2f}x"
+    if column == "params M":
+        return f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}" if column.startswith("tokens") else str(value)
     return f"{value:,.2f}" if isinstance(value, float) else str(value)
@@ -288,16 +412,18 @@ def markdown(rows: list[dict]) -> str:
     return markdown_table(table_rows, list(COLUMNS), cell=format_cell)
 
 
-def settings_line(args) -> str:
+def settings_line(args, models: list[ModelSpec], settings: list) -> str:
     cuda = args.device.startswith("cuda")
     device = torch.cuda.get_device_name(args.device) if cuda else "CPU"
     precision = "bf16 autocast" if cuda else "float32 (autocast is off on CPU)"
-    model = f"{args.model} (--quick: {QUICK_MODEL})" if args.quick else args.model
+    names = ", ".join(m.label for m in models)
+    model = f"{names} (--quick: {QUICK_MODEL})" if args.quick else names
     steps = f"median of {args.steps} steps after {args.warmup} warm-up"
     steps += "".join(f"; at {side}^2: {n} after {w}" for side, (w, n) in parse_steps_at(args.steps_at).items())
-    return (f"{model}, patch {args.patch_size}, {args.tokens_per_step:,} pixel tokens per step, {precision}, "
-            f"AdamW + clip + EMA, compile={args.compile}, grad_checkpointing={args.grad_checkpointing}, {device}, "
-            f"torch {torch.__version__}; {steps}")
+    grad_ckpt = ", ".join(str(s).lower() for s in settings)
+    return (f"{model}, patch {args.patch_size}, {args.tokens_per_step:,} pixel tokens per step where they fit, "
+            f"{precision}, AdamW + clip + EMA, compile={args.compile}, grad_checkpointing={grad_ckpt}, {device}, "
+            f"torch {torch.__version__}; {steps}; MFU against {args.peak_tflops:g} TFLOP/s")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -311,10 +437,16 @@ def plot(rows: list[dict], path: Path) -> None:
         print(f"matplotlib is missing: no {path.name} (redraw elsewhere with --plot-from bench_train.json)")
         return
     ok = [r for r in rows if r["status"] == "ok"]
+
+    def line(row):   # one line per variant, or per (model, grad checkpointing, variant) when those vary
+        model = f"{row.get('model', '')} " if len({r.get("model") for r in ok}) > 1 else ""
+        ckpt = f"ckpt={row.get('grad_ckpt')} " if len({r.get("grad_ckpt") for r in ok}) > 1 else ""
+        return f"{model}{ckpt}{row['variant']}"
+
     fig, (ax_speedup, ax_tokens) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for index, label in enumerate(dict.fromkeys(r["variant"] for r in ok)):
-        style = dict(marker="o", label=label, color=f"C{index % 10}")  # one colour per variant in both panels
-        mine = sorted((r for r in ok if r["variant"] == label), key=lambda r: r["tokens_per_image"])
+    for index, label in enumerate(dict.fromkeys(line(r) for r in ok)):
+        style = dict(marker="o", label=label, color=f"C{index % 10}")  # one colour per line in both panels
+        mine = sorted((r for r in ok if line(r) == label), key=lambda r: r["tokens_per_image"])
         with_speedup = [r for r in mine if r.get("speedup") is not None]
         if with_speedup:
             ax_speedup.plot([r["tokens_per_image"] for r in with_speedup], [r["speedup"] for r in with_speedup],
@@ -343,16 +475,15 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def write_outputs(out: Path, command: str, settings: str, variants: list[Variant], rows: list[dict]) -> None:
+def write_tables(out: Path, command: str, settings: str, variants: list[Variant], rows: list[dict]) -> None:
+    """bench_train.md and bench_train.json (rewritten after every row: a run cut short keeps what it measured)."""
     out.mkdir(parents=True, exist_ok=True)
     configs = "\n".join(f"- `{v.label}`: {json.dumps(v.attention)}" for v in variants)
-    (out / "bench_train.md").write_text(f"```\n{command}\n```\n\n{settings}\n\n{markdown(rows)}\n\n"
-                                        f"Attention configs:\n\n{configs}\n")
-    record = {"command": command, "settings": settings, "torch": torch.__version__,
-              "variants": {v.label: v.attention for v in variants}, "rows": rows}
-    (out / "bench_train.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out / 'bench_train.md'} and {out / 'bench_train.json'}")
-    plot(rows, out / "bench_train.png")
+    # Atomic writes: a run stopped by a time limit leaves the previous complete table, never half of one.
+    with atomic_write(out / "bench_train.md", "w") as f:
+        f.write(f"```\n{command}\n```\n\n{settings}\n\n{markdown(rows)}\n\nAttention configs:\n\n{configs}\n")
+    write_json(out / "bench_train.json", {"command": command, "settings": settings, "torch": torch.__version__,
+                                          "variants": {v.label: v.attention for v in variants}, "rows": rows})
 
 
 def main(argv=None) -> None:
@@ -362,11 +493,18 @@ def main(argv=None) -> None:
         plot(json.loads(source.read_text())["rows"], Path(args.out or source.parent) / "bench_train.png")
         return
     if args.quick:
-        args.sizes, args.tokens_per_step, args.warmup, args.steps = [16, 32], 2048, 1, 3
+        args.tokens_per_step, args.warmup, args.steps = 2048, 1, 3
+    args.sizes = args.sizes or ([16, 32] if args.quick else [64, 128, 256])
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
     try:
-        variants = [parse_variant(spec, args.model, args.quick) for spec in args.attention]
+        models = [parse_model(spec) for spec in args.models]
+        variants = [parse_variant(spec) for spec in args.attention]
+        settings = grad_checkpointing_settings(args.grad_checkpointing)
+        for model in models:   # every setting must suit every model (a number of blocks up to its depth)
+            depth = {**DIT_MODELS[model.config["name"]], **model.config, **(QUICK_MODEL if args.quick else {})}["depth"]
+            for setting in settings:
+                grad_checkpointing_plan(setting, depth)
         parse_steps_at(args.steps_at)
         if args.warmup < 0 or args.steps < 1:
             raise PixditError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
@@ -374,12 +512,15 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
     torch.backends.cudnn.allow_tf32 = True
-    rows = run(args, variants)
     command = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    settings = settings_line(args)
-    print(f"\n{settings}\n\n{markdown(rows)}\n\ncommand: {command}")
-    if args.out:
-        write_outputs(Path(args.out), command, settings, variants, rows)
+    settings_text = settings_line(args, models, settings)
+    out = Path(args.out) if args.out else None
+    rows = run(args, models, variants, settings,
+               on_row=(lambda rows: write_tables(out, command, settings_text, variants, rows)) if out else None)
+    print(f"\n{settings_text}\n\n{markdown(rows)}\n\ncommand: {command}")
+    if out:
+        print(f"wrote {out / 'bench_train.md'} and {out / 'bench_train.json'}")
+        plot(rows, out / "bench_train.png")
 
 
 if __name__ == "__main__":

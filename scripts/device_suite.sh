@@ -9,10 +9,12 @@
 #   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, eager and compiled
 #   bash scripts/device_suite.sh sampling   # sample-generation images/s, full vs LLSA, 128 and 256 px
 #   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
+#   bash scripts/device_suite.sh grow       # model-size table DiT-S/B/L/XL x 128/256 x full/LLSA, compiled; memory knobs
+#   bash scripts/device_suite.sh fsdp2 [xl|s|b|all]   # 2 GPUs: DDP vs FSDP (DiT-XL); DDP 1 vs 2 GPUs (DiT-S, DiT-B)
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|train|train-compiled|profile|sampling|scaling}
+stage=${1:?usage: device_suite.sh tests|attention|train|train-compiled|profile|sampling|scaling|grow|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -47,6 +49,57 @@ case "$stage" in
       | tee -a "$OUT/bench_sampling.log" ;;
   scaling)
     $PY scripts/bench_scaling.py --out "$OUT/scaling" 2>&1 | tee "$OUT/bench_scaling.log" ;;
+  grow)
+    # One H200. (1) Memory as a knob: DiT-XL at 256^2 with LLSA and 8 images per step (524,288 tokens) under
+    # model.grad_checkpointing=true and =mlp. (2) The model-size table: DiT-S/B/L/XL x 128^2/256^2 x LLSA L=2 / full,
+    # compiled, 262,144 tokens per step where they fit, else the largest batch that does (said in the row's note).
+    # DiT-XL runs with 18 heads of 64 (the Triton kernels take head dims 16/32/64/128; 16 x 72 has the same
+    # parameters). Compilation (~30-60 s per row, not measured for L/XL) dominates: rows are written as they finish
+    # and all tables are printed at the end, also when the budget (GROW_BUDGET_S, default 540 s) cuts the table short.
+    # To split it over two calls: SIZES=128 ... grow, then SIZES=256 ... grow (MODELS=... picks models).
+    budget=${GROW_BUDGET_S:-540}; start=$SECONDS
+    MODELS=${MODELS:-DiT-S DiT-B DiT-L DiT-XL:num_heads=18}
+    SIZES=${SIZES:-128 256}
+    common=(--compile --warmup 2 --steps 3)
+    timeout 170 $PY scripts/bench_train.py --models DiT-XL:num_heads=18 --attention llsa:num_levels=2 --sizes 256 \
+      --tokens-per-step 524288 --grad-checkpointing true mlp "${common[@]}" --out "$OUT/grow_knobs" 2>&1 \
+      | tee "$OUT/grow.log"
+    left=$(( budget - (SECONDS - start) ))
+    if (( left > 30 )); then
+      timeout $left $PY scripts/bench_train.py --models $MODELS --attention llsa:num_levels=2 full --sizes $SIZES \
+        "${common[@]}" --out "$OUT/grow" 2>&1 | tee -a "$OUT/grow.log"
+    fi
+    for table in "$OUT/grow/bench_train.md" "$OUT/grow_knobs/bench_train.md"; do
+      [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
+    done ;;
+  fsdp2)
+    # Two GPUs of one host (nvidia-h200-x2), train.py as users run it, compiled (compile=auto), on quickstart crops
+    # at 256^2 (built into data/quickstart_256 on first use), LLSA L=2. Parts (second argument; each should fit one
+    # 10-minute call, none measured yet; `all` runs the three in a row, ~20 min):
+    #   xl: DDP vs FSDP on 2 GPUs, DiT-XL (18 heads of 64), grad checkpointing, 8 images per GPU: images/s, peak GB
+    #   s:  DDP 1 vs 2 GPUs, DiT-S, global batch 8 (1 x 8 vs 2 x 4), 150 steps, + a seed-1 1-GPU run (the noise)
+    #   b:  the same for DiT-B, global batch 4 (1 x 4 vs 2 x 2; 8 images of DiT-B do not fit one H200), 80 steps
+    part=${2:-all}
+    llsa=(attention=llsa attention.num_levels=2)
+    if [[ $part == xl || $part == all ]]; then
+      $PY scripts/bench_scaling.py --out "$OUT/fsdp2_xl" --runs 2gpu 2gpu_fsdp --resolution 256 --model dit_xl \
+        --per-gpu-batch 8 --steps 16 --val-points 1 --throughput-window 4 --timeout 540 \
+        -- "${llsa[@]}" +model.num_heads=18 model.grad_checkpointing=true 2>&1 | tee "$OUT/fsdp2_xl.log"
+    fi
+    if [[ $part == s || $part == all ]]; then
+      $PY scripts/bench_scaling.py --out "$OUT/fsdp2_s" --runs 1gpu 2gpu --noise-run --resolution 256 --model dit_s \
+        --per-gpu-batch 4 --steps 150 --val-points 3 --throughput-window 25 --timeout 540 \
+        -- "${llsa[@]}" 2>&1 | tee "$OUT/fsdp2_s.log"
+    fi
+    if [[ $part == b || $part == all ]]; then
+      $PY scripts/bench_scaling.py --out "$OUT/fsdp2_b" --runs 1gpu 2gpu --noise-run --resolution 256 --model dit_b \
+        --per-gpu-batch 2 --steps 80 --val-points 2 --throughput-window 20 --timeout 540 \
+        -- "${llsa[@]}" 2>&1 | tee "$OUT/fsdp2_b.log"
+    fi
+    for table in "$OUT"/fsdp2_xl/scaling.md "$OUT"/fsdp2_s/scaling.md "$OUT"/fsdp2_b/scaling.md; do
+      [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
+    done ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, train, train-compiled, profile, sampling or scaling" >&2; exit 2 ;;
+    echo "unknown stage '$stage': use tests, attention, train, train-compiled, profile, sampling, scaling, grow or fsdp2" >&2
+    exit 2 ;;
 esac

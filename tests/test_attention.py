@@ -288,3 +288,28 @@ def test_dense_blocks_is_not_a_backend_option():
     assert backend.name == "llsa"
     for name in ("full", "llsa", "vsa", "sla"):
         assert list(OmegaConf.load(CONFIGS / f"attention/{name}.yaml").dense_blocks) == []  # shown in every config
+
+
+def test_tokens_per_query_counts_what_each_backend_attends():
+    """The attention FLOPs that MFU counts (scripts/bench_train.py): dense = every token; LLSA = llsa_check's count;
+    VSA = K tiles + the coarse T x T stage; SLA = K blocks + the linear branch (head_dim)."""
+    n = 64 * 64   # 4096 tokens, 256 tiles of 16
+    assert build_attention({"name": "full"}, dim=64, num_heads=2).tokens_per_query(n) == n
+    llsa = build_attention({"name": "llsa", "num_levels": 2, "topk": 8}, dim=64, num_heads=2)
+    assert llsa.tokens_per_query(n) == 8 * 16 + 8 * 16 + n // 256   # fine + level-1 candidates + 16 coarsest tokens
+    vsa = build_attention({"name": "vsa", "topk": 20}, dim=64, num_heads=2)
+    assert vsa.tokens_per_query(n) == 20 * 16 + 256 ** 2 / n
+    sla = build_attention({"name": "sla", "topk": None, "topk_ratio": 0.25}, dim=64, num_heads=2)
+    assert sla.tokens_per_query(n) == 64 * 16 + 32
+
+
+@pytest.mark.parametrize("attention", [{"name": "llsa"}, {"name": "vsa"}, {"name": "sla"},
+                                       {"name": "full", "kernel": "triton"}])
+def test_a_head_dim_the_kernels_cannot_take_is_named_at_build(attention):
+    """DiT-XL's 1152 / 16 heads = 72 is no head dim of the Triton kernels (16, 32, 64, 128): one error at build time
+    that names the number of heads that fits (18 x 64, same parameters) instead of a ValueError in the first step."""
+    with pytest.raises(PixditError, match=r"head dim in \(16, 32, 64, 128\).*1152 / num_heads 16 = 72; use "
+                                          r"model.num_heads=18 \(head dim 64"):
+        build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention)
+    build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention, num_heads=18)
+    build_model("DiT-XL", input_size=(16, 16), depth=1, attention={"name": "full"})   # SDPA takes any head dim

@@ -241,3 +241,16 @@ def test_sample_grid_uses_the_configured_sampler(tmp_path):
     module.flow.sample = recording
     fit.fit(module, train_dataloaders=loader())
     assert calls == ["heun"] and grid.last_path.is_file()
+
+
+def test_raw_weights_under_fsdp_are_refused_at_setup(files):
+    """Under trainer=fsdp only the EMA copy is whole on every rank: FID of the raw (sharded) weights would hang."""
+    from types import SimpleNamespace
+
+    from pixdit.fsdp import FSDPStrategy
+
+    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=2, use_ema=False,
+                           inception_path=str(files["weights"]), **FID_OPTIONS)
+    fsdp = SimpleNamespace(strategy=FSDPStrategy(), fast_dev_run=False, datamodule=None)
+    with pytest.raises(PixditError, match="use_ema=false cannot run under trainer=fsdp"):
+        callback.setup(fsdp, tiny_module(), "fit")

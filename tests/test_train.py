@@ -253,9 +253,10 @@ def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
     bench["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa", "llsa:num_levels=3", "--profile",
                    "--out", str(out_dir)])
     out = capsys.readouterr().out
-    assert "| size | tokens/img | tokens/step | batch | variant |" in out and "| speed-up | note |" in out
+    assert "| model | params M | grad ckpt | size | tokens/img | tokens/step | batch | variant |" in out
+    assert "| peak GB | est. GB | MFU % | speed-up | note |" in out
     assert "| 16x16 | 256 | 2,048 | 8 | full |" in out and "| 32x32 | 1,024 | 2,048 | 2 | llsa |" in out
-    assert "## profile: one training step of llsa at 32x32, batch 2" in out and "step/backward" in out
+    assert "## profile: one training step of DiT-S llsa at 32x32, batch 2" in out and "step/backward" in out
     assert (out_dir / "bench_train.md").read_text().count("| 32x32 |") == 3
     assert (out_dir / "bench_train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -276,8 +277,62 @@ def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
     # an option the backend does not take stops the run before anything is timed, naming the variant and the key
     with pytest.raises(SystemExit, match="--attention llsa:topk=4,blocksize=8: unknown key.*blocksize"):
         bench["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa:topk=4,blocksize=8"])
-    # 3 x forward FLOPs of a 1-block, width-1 model on 2 tokens: 3 * (24*2*1 + 4*4*1) = 192 per image
-    assert bench["step_flops"](batch=1, tokens=2, hidden=1, depth=1) == 192
+
+
+def load_bench_train(h, monkeypatch):
+    """scripts/bench_train.py as a module whose functions a test can replace."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train", h.root / "scripts" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_train", bench)   # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_train_flops_count_the_attended_tokens(h, monkeypatch):
+    """MFU's model FLOPs: 6 x the per-token parameters (not the adaLN / embedders, which run once per image) x tokens
+    + 3 x 4 x tokens x keys per query x hidden per block, with the backend's own keys per query: a sparse backend is
+    not charged dense attention."""
+    from pixdit.models import build_model
+
+    bench = load_bench_train(h, monkeypatch)
+    n, d = 64 * 64, 64
+    for attention, keys in (({"name": "full"}, n), ({"name": "llsa", "num_levels": 2, "topk": 8}, 272)):
+        model = build_model("DiT-T", input_size=64, depth=2, hidden_size=d, num_heads=2, num_classes=10,
+                            attention=attention)
+        per_token = sum(p.numel() for block in model.blocks for part in (block.attn, block.mlp)
+                        for p in part.parameters())
+        per_token += sum(p.numel() for p in [*model.x_embedder.parameters(), *model.final_layer.linear.parameters()])
+        expected = 6 * per_token * n + 2 * 12 * n * keys * d
+        assert bench.training_flops_per_image(model, n) == expected
+
+
+def test_bench_train_table_mode_and_the_largest_batch_that_fits(h, capsys, tmp_path, monkeypatch):
+    """--models and --grad-checkpointing give one row each; a row whose batch runs out of memory halves it until it
+    fits and says so, and at batch 1 is an OOM row; settings are checked against every model first."""
+    import json
+
+    bench = load_bench_train(h, monkeypatch)
+    measure = bench.measure
+
+    def out_of_memory_above_2(args, side, batch, config, label, warmup, steps):
+        if batch > 2 and config["model"]["name"] == "DiT-B" or config["model"]["grad_checkpointing"] == "mlp":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return measure(args, side, batch, config, label, warmup, steps)
+
+    monkeypatch.setattr(bench, "measure", out_of_memory_above_2)
+    bench.main(["--device", "cpu", "--quick", "--models", "DiT-S", "DiT-B", "--attention", "full",
+                "--grad-checkpointing", "true", "mlp", "--sizes", "16", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_train.json").read_text())["rows"]
+    assert [(r["model"], r["grad_ckpt"], r["status"], r["batch"]) for r in rows] == [
+        ("DiT-S (quick)", "true", "ok", 8), ("DiT-S (quick)", "mlp", "OOM", 1),
+        ("DiT-B (quick)", "true", "ok", 2), ("DiT-B (quick)", "mlp", "OOM", 1)]
+    assert rows[2]["note"] == "largest batch that fits: 2 of 8 (OOM at batch 8; OOM at batch 4)"
+    assert rows[1]["note"].startswith("CUDA out of memory at batch 1; OOM at batch 8; OOM at batch 4; OOM at batch 2")
+    assert rows[0]["mfu_percent"] > 0 and rows[0]["est_gb"]
+    with pytest.raises(SystemExit, match="model.grad_checkpointing=5 is out of range"):
+        bench.main(["--device", "cpu", "--quick", "--grad-checkpointing", "5"])   # the quick model has 2 blocks
 
 
 def test_loggers(h, tmp_path):
@@ -454,3 +509,29 @@ def test_dense_blocks_schedule_trains_and_travels_with_the_checkpoint(h, tiny_sh
     with pytest.raises(PixditError, match=r"attention.dense_blocks=\[0, 3\]: 3 is not a block index.*depth 3"):
         train.train(h.compose([*base, "attention.dense_blocks=[0,3]"]), tmp_path / "bad")
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_memory_check_before_the_first_step_and_out_of_memory_advice(h, tiny_shards, tmp_path, monkeypatch):
+    """train.py compares the memory estimate (pixdit.memory) with the device's free memory before any step, and turns
+    an out-of-memory error in a step into the same advice; both are one PixditError naming the knobs."""
+    import pixdit.memory
+    from pixdit.cli import train
+    from pixdit.module import DiffusionModule
+
+    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
+                     "trainer.max_steps=2", "callbacks.samples=null"])
+    monkeypatch.setattr(pixdit.memory, "free_memory", lambda device: 1024.0)   # a device with 1 KiB free
+    with pytest.raises(PixditError, match="does not fit") as error:
+        train.train(cfg, tmp_path / "too_big")
+    assert "data.batch_size=1 (now 4" in str(error.value) and "model.grad_checkpointing=true" in str(error.value)
+    assert not (tmp_path / "too_big" / "checkpoints").exists()   # refused before the first step
+
+    monkeypatch.undo()
+
+    def out_of_memory(self, batch, batch_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(DiffusionModule, "training_step", out_of_memory)
+    with pytest.raises(PixditError, match=r"ran out of GPU memory at step 0 \(CUDA out of memory\)") as error:
+        train.train(cfg, tmp_path / "oom")
+    assert "data.batch_size=2 (now 4" in str(error.value) and "trainer=fsdp" in str(error.value)

@@ -11,6 +11,9 @@ weights and update count are part of the owner's ``state_dict`` (checkpoints sav
     ema = EMA(model)            # once, before training
     ema.update(model)           # after every optimizer step
     images = flow.sample(ema.model, noise, steps=20)
+
+Under FSDP (trainer=fsdp) the model's parameters are shards; ``update`` gathers each one whole first, so every GPU
+holds the same full EMA.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def whole(parameter: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a parameter that FSDP (trainer=fsdp) shards over the GPUs (an all-gather: every rank must
+    call it), else the parameter itself. The EMA is kept whole on every GPU (pixdit.fsdp says why)."""
+    return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
 
 
 class EMA(nn.Module):
@@ -45,7 +55,7 @@ class EMA(nn.Module):
         self.num_updates.fill_(self._count)
         decay = self.decay(self._count)
         ema_params = list(self.model.parameters())
-        params = [p.detach().to(torch.float32) for p in model.parameters()]
+        params = [whole(p).detach().to(torch.float32) for p in model.parameters()]
         if len(ema_params) != len(params):
             raise RuntimeError(f"EMA holds {len(ema_params)} parameters but the model has {len(params)}")
         torch._foreach_lerp_(ema_params, params, 1.0 - decay)
@@ -58,7 +68,7 @@ class EMA(nn.Module):
     def reset(self, model: nn.Module) -> None:
         """Start the average again from ``model``'s weights (update count 0), e.g. after ``init_from``."""
         for ema_param, param in zip(self.model.parameters(), model.parameters()):
-            ema_param.copy_(param)
+            ema_param.copy_(whole(param))
         for ema_buffer, buffer in zip(self.model.buffers(), model.buffers()):
             ema_buffer.copy_(buffer)
         self.num_updates.zero_()

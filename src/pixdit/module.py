@@ -42,6 +42,7 @@ from pixdit.config import construct, plain
 from pixdit.ema import EMA
 from pixdit.errors import PixditError
 from pixdit.flow import RectifiedFlow
+from pixdit.fsdp import FSDPStrategy, shard_model
 from pixdit.models import build_model
 from pixdit.runtime import mixed_seed, noise_for_indices
 
@@ -148,6 +149,12 @@ class DiffusionModule(L.LightningModule):
         (on the meta device) and scripts/bench_train.py."""
         sections = {key: cfg.get(key) for key in CONFIG_SECTIONS if cfg.get(key) is not None}
         return cls(**sections, image_size=image_size, compile=compile)
+
+    def configure_model(self) -> None:
+        """Lightning calls this on every rank before building the optimizer: under trainer=fsdp the model is sharded
+        (pixdit.fsdp; the EMA copy stays whole); with any other strategy nothing happens."""
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            shard_model(self.model, self.trainer.strategy.device_mesh)
 
     # ------------------------------------------------------------------ sizes
     @property

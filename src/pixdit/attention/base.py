@@ -47,6 +47,7 @@ class AttentionBackend(nn.Module):
     name: str = ""
     token_order: str | None = None
     renamed_options: dict[str, str] = {}
+    head_dims: tuple[int, ...] | None = None   # the head dims the backend's kernels take (None: any)
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -55,6 +56,8 @@ class AttentionBackend(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
+        if self.head_dims is not None:
+            check_head_dim(self.name, dim, num_heads, self.head_dims)
 
     def reset_parameters(self) -> None:
         """Initialise the backend's own parameters (VSA's gates, SLA's projection). Subclasses with parameters call it
@@ -63,6 +66,12 @@ class AttentionBackend(nn.Module):
 
     def check_grid(self, grid_hw: tuple[int, int]) -> None:
         """Raise PixditError (naming the grid and the violated number) if this backend cannot handle the token grid."""
+
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Keys each query attends to, in FLOP terms: one attention layer's forward costs
+        ``4 * num_tokens * tokens_per_query * dim`` FLOPs per image (QK^T and PV; MFU counts this). Dense: all of
+        them; the sparse backends count what they compute (selected blocks, pooled levels, coarse or linear stages)."""
+        return float(num_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid_hw: tuple[int, int],
                 hidden: torch.Tensor) -> torch.Tensor:
@@ -156,6 +165,22 @@ def build_attention(cfg: Mapping[str, Any] | str | None, dim: int, num_heads: in
     per-layer schedule ``dense_blocks`` is not one of them and is not read here)."""
     name, options = attention_options(cfg)
     return construct(attention_class(name), options, "attention", dim=dim, num_heads=num_heads)
+
+
+def check_head_dim(backend_name: str, dim: int, num_heads: int, allowed: tuple[int, ...]) -> None:
+    """PixditError at build time when hidden size / heads is not a head dim the backend's kernels take, naming the
+    number of heads that would fit (the parameters do not depend on it: qkv is hidden x 3 hidden either way)."""
+    head_dim = dim // num_heads
+    if head_dim in allowed:
+        return
+    fitting = [d for d in allowed if dim % d == 0]
+    if fitting:
+        nearest = min(fitting, key=lambda d: abs(d - head_dim))
+        fix = f"model.num_heads={dim // nearest} (head dim {nearest}, the same parameters)"
+    else:
+        fix = "a hidden size that is a multiple of one of them"
+    raise PixditError(f"attention={backend_name} needs a head dim in {allowed} (its Triton kernels), but hidden size "
+                      f"{dim} / num_heads {num_heads} = {head_dim}; use {fix}, or attention=full")
 
 
 def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Callable[[torch.Tensor], Any]) -> None:

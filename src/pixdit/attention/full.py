@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from pixdit.attention.base import AttentionBackend, register_attention
+from pixdit.attention.base import AttentionBackend, check_head_dim, register_attention
 from pixdit.errors import PixditError
 from pixdit.kernels import flash_attention
+from pixdit.kernels.common import HEAD_DIMS
 
 FULL_ATTENTION_KERNELS = ("sdpa", "triton")
 
@@ -31,6 +32,8 @@ class FullAttention(AttentionBackend):
             raise PixditError(f"attention.kernel={kernel!r} is not known; "
                               f"allowed values: {', '.join(FULL_ATTENTION_KERNELS)}")
         self.kernel = kernel
+        if kernel == "triton":
+            check_head_dim("full attention.kernel=triton", dim, num_heads, HEAD_DIMS)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         if self.kernel == "triton":

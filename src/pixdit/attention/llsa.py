@@ -10,6 +10,7 @@ from __future__ import annotations
 from pixdit.attention.base import AttentionBackend, register_attention
 from pixdit.errors import PixditError
 from pixdit.kernels import llsa_attention, llsa_check
+from pixdit.kernels.common import HEAD_DIMS
 
 
 @register_attention("llsa")
@@ -24,6 +25,7 @@ class LLSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
                  num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):
@@ -42,6 +44,11 @@ class LLSAAttention(AttentionBackend):
         except (ValueError, TypeError) as error:
             raise PixditError(f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid "
                               f"({num_tokens} tokens): {error}") from None
+
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Fine keys of the K selected blocks + the pooled tokens of the enriched levels (pixdit.kernels.llsa_check)."""
+        return float(llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
+                                enrich_levels=self.enrich_levels)["tokens_per_query"])
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         return llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk, num_levels=self.num_levels,

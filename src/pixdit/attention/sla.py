@@ -11,6 +11,7 @@ import torch
 
 from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
 from pixdit.kernels import sla_attention
+from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk
 
 
 @register_attention("sla")
@@ -28,6 +29,7 @@ class SLAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
                  topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",
@@ -44,6 +46,13 @@ class SLAAttention(AttentionBackend):
         with torch.no_grad():
             self.proj_linear.weight.zero_()
             self.proj_linear.bias.zero_()
+
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Sparse branch: the K critical blocks' tokens; linear branch: phi(K)^T V and phi(Q) (KV), 4 N d^2 FLOPs per
+        head = head_dim keys per query in the dense formula."""
+        num_tiles = num_blocks(num_tokens, self.options["block_size"])
+        topk = resolve_topk(num_tiles, self.options["topk"], self.options["topk_ratio"])
+        return float(topk * self.options["block_size"] + self.head_dim)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         o_sparse, o_linear = sla_attention(q, k, v, **self.options)

@@ -12,7 +12,7 @@ import torch
 from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
 from pixdit.errors import PixditError
 from pixdit.kernels import vsa_attention
-from pixdit.kernels.common import num_blocks, topk_from_fraction
+from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk, topk_from_fraction
 
 
 def vsa_annealed_topk(step: int, num_tiles: int, target_topk: int, anneal_every: int, anneal_rate: float) -> int:
@@ -45,6 +45,7 @@ class VSAAttention(AttentionBackend):
     """
 
     token_order = "zorder"
+    head_dims = HEAD_DIMS
     renamed_options = {"sparsity": "topk_ratio = 1 - sparsity (the share of tiles kept)"}
 
     def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
@@ -92,6 +93,12 @@ class VSAAttention(AttentionBackend):
         if not self.anneal_every:
             return target  # without annealing, do not read the step buffer (a GPU sync in every layer's forward)
         return vsa_annealed_topk(int(self.training_step), num_tiles, target, self.anneal_every, self.anneal_rate)
+
+    def tokens_per_query(self, num_tokens: int) -> float:
+        """Fine stage: the target K tiles' tokens; coarse stage: T pooled queries x T pooled keys (T tiles), i.e.
+        T^2 / N per token."""
+        num_tiles = num_blocks(num_tokens, self.block_size)
+        return float(resolve_topk(num_tiles, self.topk, self.topk_ratio) * self.block_size + num_tiles ** 2 / num_tokens)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         b, h, n, d = q.shape

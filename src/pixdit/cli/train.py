@@ -100,6 +100,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
     from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
     from pixdit.data.datamodule import ShardDataModule
+    from pixdit.memory import check_training_memory, explain_out_of_memory
     from pixdit.module import DiffusionModule, check_seed
 
     run_dir = Path(run_dir)
@@ -131,7 +132,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=loggers,
                         plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
     log.info("run directory: %s", run_dir.resolve())
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # Before the first step: a configuration that cannot fit the GPU is one message naming the knobs to turn, and so is
+    # an out-of-memory error during training (pixdit.memory).
+    memory = check_training_memory(trainer, module.model, datamodule.batch_size)
+    with explain_out_of_memory(module.model, memory, trainer):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # Lightning validates every val_check_interval steps; when that does not divide max_steps the run would end with
     # an earlier step's validation loss, which sweep summaries report as the final one: validate the last step too.
     if not trainer.interrupted and trainer.limit_val_batches and module.validated_at_step != trainer.global_step:

@@ -32,6 +32,7 @@ from pixdit.eval.metrics import MetricSuite, build_suite, check_metric_names
 from pixdit.eval.reference import default_stats_path
 from pixdit.eval.sampling import check_batch_size
 from pixdit.flow import check_sampler
+from pixdit.fsdp import FSDPStrategy
 from pixdit.runtime import resolve_compile, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,11 @@ class FIDCallback(Callback):
             self.enabled = False
             return
         key = self.config_key
+        if not self.use_ema and isinstance(trainer.strategy, FSDPStrategy):
+            # The sharded model gathers its weights from every rank at each forward, but the ranks sample different
+            # numbers of batches: the run would hang. The EMA copy is whole on every rank (pixdit.fsdp).
+            raise PixditError(f"{key}.use_ema=false cannot run under trainer=fsdp (the sharded raw weights would need "
+                              f"every rank in each forward); use {key}.use_ema=true (the default) or trainer=ddp")
         resolution = int(pl_module.image_size[0])
         reference = self.reference_name
         data_root = getattr(trainer.datamodule, "root", None) if trainer.datamodule is not None else None

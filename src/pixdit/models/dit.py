@@ -34,11 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
+from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (MODEL_TOKEN_ORDERS, check_token_order, resolve_token_order, token_coordinates,
                            token_permutation)
 
@@ -199,7 +198,7 @@ class DiT(nn.Module):
         token_order: str = "auto",
         attention: Mapping[str, Any] | str | None = None,
         per_block_conditioning: bool = False,
-        grad_checkpointing: bool = False,
+        grad_checkpointing: bool | int | str | None = None,  # None = false (a bool default would refuse "mlp")
         zero_init: bool = True,
     ):
         super().__init__()
@@ -215,7 +214,9 @@ class DiT(nn.Module):
         self.num_heads = num_heads
         self.num_classes = num_classes
         self.class_dropout = class_dropout
-        self.grad_checkpointing = grad_checkpointing
+        # Which blocks (or parts of blocks) recompute their activations in the backward pass; checked before any
+        # block is built, applied after (pixdit.models.checkpointing).
+        self.grad_checkpointing_plan = grad_checkpointing_plan(grad_checkpointing, depth)
         self.per_block_conditioning = per_block_conditioning
 
         self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
@@ -245,6 +246,7 @@ class DiT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         if zero_init:
             self.initialize_weights()
+        apply_grad_checkpointing(self.blocks, self.grad_checkpointing_plan)
 
     # ---------------------------------------------------------- init
     def initialize_weights(self) -> None:
@@ -333,10 +335,7 @@ class DiT(nn.Module):
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, inv, perm)  # sequence position s holds raster token inv[s]
         for block, c in zip(self.blocks, conds):
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, c, cos, sin, grid_hw, use_reentrant=False)
-            else:
-                x = block(x, c, cos, sin, grid_hw)
+            x = block(x, c, cos, sin, grid_hw)
         x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, perm, inv)  # back to raster order

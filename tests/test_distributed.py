@@ -1,8 +1,10 @@
-"""`trainer=ddp` on the CPU: two processes (gloo) train a few steps through train.py's own `train()`; afterwards both
-ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint samples. Resuming a DDP run from
-its last checkpoint continues exactly: same weights on every rank as the run that never stopped, same samples.
+"""`trainer=ddp` and `trainer=fsdp` on the CPU: two processes (gloo) train a few steps through train.py's own
+`train()`; afterwards both ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint
+samples. Resuming from the last checkpoint continues exactly: same weights on every rank as the run that never
+stopped, same samples. FSDP (weights, gradients and AdamW sharded over the two processes, pixdit.fsdp) ends with the
+weights DDP ends with, up to float rounding, with gradient clipping active (a wrong global gradient norm would show).
 
-The test runs this file as a script (``python tests/test_ddp.py OUT_DIR OVERRIDES...``). Lightning's DDP launcher
+The test runs this file as a script (``python tests/test_distributed.py OUT_DIR OVERRIDES...``). Lightning's launcher
 re-runs the same command for rank 1, so the script is the whole program of both ranks: it composes configs/train.yaml
 with the overrides, adds an observer callback (``RankProbe``: it records what each rank saw and ended with), and calls
 train.py's ``train``. Without gradient all-reduce, ranks that see different samples end with different weights, so the
@@ -22,8 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 4
 CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=0"]
+DDP, FSDP = ["trainer=ddp"], ["trainer=fsdp"]
 OVERRIDES = [
-    "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
+    "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.gradient_clip_val=0.05",
     "trainer.val_check_interval=1000", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
     "model=dit_t", "+model.depth=1", "+model.hidden_size=32", "+model.num_heads=2", "model.patch_size=2",
     f"data.batch_size={BATCH}", "data.num_workers=0", "data.val_images=8", "data.flip=false",
@@ -53,10 +56,16 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
             self.seen += [image_digest(image) for image in batch["image"].cpu()]
 
         def on_train_end(self, trainer, pl_module):
+            from torch.distributed.tensor import DTensor
+
+            def whole(tensor):   # FSDP's shards, gathered (every rank takes part)
+                return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
             state = {"rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step,
                      "strategy": type(trainer.strategy).__name__, "seen": self.seen,
-                     "weights": {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()},
-                     "ema": {k: v.detach().clone() for k, v in pl_module.ema.model.state_dict().items()}}
+                     "weights": {k: whole(v) for k, v in pl_module.model.state_dict().items()},
+                     "ema": {k: whole(v) for k, v in pl_module.ema.model.state_dict().items()},
+                     "sharded": any(isinstance(p, DTensor) for p in pl_module.model.parameters())}
             torch.save(state, out_dir / f"rank{trainer.global_rank}.pt")
 
     build_callbacks = pixdit.callbacks.build_callbacks
@@ -66,13 +75,14 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
         cfg = compose(config_name="train", overrides=overrides)
     train_script.train(cfg, out_dir / "run")
     # A process group left open aborts some exits (gloo threads at interpreter teardown, status -6): train() closes it.
-    assert not torch.distributed.is_initialized(), "train() left the DDP process group open"
+    assert not torch.distributed.is_initialized(), "train() left the process group open"
 
 
-def run_ddp(out_dir: Path, data_root: Path, *overrides: str) -> list[dict]:
-    """Run this file as a 2-process DDP training into ``out_dir``; the two ranks' end states."""
+def run_two(strategy: list[str], out_dir: Path, data_root: Path, *overrides: str) -> list[dict]:
+    """Run this file as a 2-process training (``strategy``: DDP or FSDP) into ``out_dir``; the two ranks' end
+    states."""
     command = [sys.executable, str(Path(__file__).resolve()), str(out_dir), f"data.root={data_root}",
-               "data.resolution=16", *OVERRIDES, *overrides]
+               "data.resolution=16", *strategy, *OVERRIDES, *overrides]
     result = subprocess.run(command, cwd=out_dir.parent, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -96,9 +106,16 @@ def data_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_root):
-    """STEPS steps without a stop: the two ranks' end states (and the run directory)."""
+    """STEPS steps of DDP without a stop: the two ranks' end states (and the run directory)."""
     out_dir = tmp_path_factory.mktemp("ddp") / "straight"
-    return run_ddp(out_dir, data_root, f"trainer.max_steps={STEPS}", *CHECKPOINT_EVERY_2), out_dir
+    return run_two(DDP, out_dir, data_root, f"trainer.max_steps={STEPS}", *CHECKPOINT_EVERY_2), out_dir
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp(tmp_path_factory, data_root):
+    """The same with trainer=fsdp."""
+    out_dir = tmp_path_factory.mktemp("fsdp") / "straight"
+    return run_two(FSDP, out_dir, data_root, f"trainer.max_steps={STEPS}", *CHECKPOINT_EVERY_2), out_dir
 
 
 def test_ddp_two_cpu_processes_agree_on_weights(straight):
@@ -120,13 +137,50 @@ def test_ddp_two_cpu_processes_agree_on_weights(straight):
 def test_ddp_resume_is_exact(tmp_path, data_root, straight):
     """Half the steps, stop, resume from last.ckpt for the rest == straight through, on both ranks (model, EMA, data)."""
     half = STEPS // 2
-    run_ddp(tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
-    resumed = run_ddp(tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
+    run_two(DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
+    resumed = run_two(DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
                       *CHECKPOINT_EVERY_2)
     for r in (0, 1):
         assert resumed[r]["step"] == STEPS
         assert resumed[r]["seen"] == straight[0][r]["seen"][half * BATCH:]  # the data picks up where it stopped
         assert_same_weights(straight[0][r], resumed[r], f"rank {r}, straight vs resumed")
+
+
+def test_fsdp_trains_like_ddp(straight, straight_fsdp):
+    """trainer=fsdp: the model really is sharded, both ranks end with the same weights and the same full EMA, the
+    ranks saw the samples DDP's saw, and the weights are DDP's up to float rounding; it writes a checkpoint (full
+    state dict) and its EMA artifact, which load like DDP's."""
+    from pixdit.checkpoint import load_weights
+
+    ranks, out_dir = straight_fsdp
+    for r, state in enumerate(ranks):
+        assert (state["rank"], state["world_size"], state["step"], state["strategy"]) == (r, 2, STEPS, "FSDPStrategy")
+        assert state["sharded"]
+        assert state["seen"] == straight[0][r]["seen"]
+    assert_same_weights(ranks[0], ranks[1], "FSDP rank 0 vs rank 1")
+    for key in ("weights", "ema"):
+        for name, value in straight[0][0][key].items():
+            torch.testing.assert_close(ranks[0][key][name], value, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+    last = out_dir / "run" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["state_dict"].keys() == torch.load(straight[1] / "run" / "checkpoints" / "last.ckpt",
+                                                         weights_only=True)["state_dict"].keys()
+    ema = load_weights(last).state_dict   # from the EMA artifact next to the checkpoint
+    for name, value in ranks[0]["ema"].items():
+        assert torch.equal(ema[name], value), name
+
+
+def test_fsdp_resume_is_exact(tmp_path, data_root, straight_fsdp):
+    """trainer=fsdp: half the steps, stop, resume from last.ckpt (a full state dict loaded into the shards, with
+    AdamW's state) == straight through, bit for bit, on both ranks (model, EMA, data)."""
+    half = STEPS // 2
+    run_two(FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
+    resumed = run_two(FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
+                      *CHECKPOINT_EVERY_2)
+    for r in (0, 1):
+        assert resumed[r]["step"] == STEPS
+        assert resumed[r]["seen"] == straight_fsdp[0][r]["seen"][half * BATCH:]
+        assert_same_weights(straight_fsdp[0][r], resumed[r], f"FSDP rank {r}, straight vs resumed")
 
 
 if __name__ == "__main__":
