@@ -101,6 +101,9 @@ def summarize(per_seed: list[dict]) -> dict:
 
 
 def evaluate(cfg: DictConfig) -> dict | None:
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise PixditError("ckpt= is required: a run directory (RUN/checkpoints/last.ckpt is read), a .ckpt file or "
+                          "its EMA artifact .ema.pt, e.g. ckpt=outputs/quickstart/<time>")
     rank, world_size, device = setup_distributed(str(cfg.device))
     precision = resolve_precision(str(cfg.precision), device)
     if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1 or cfg.batch_size < 1:
@@ -109,8 +112,8 @@ def evaluate(cfg: DictConfig) -> dict | None:
                           f"sampler.steps={cfg.sampler.steps}, batch_size={cfg.batch_size}")
     if cfg.sampler.name != "euler":
         raise PixditError(f"sampler.name={cfg.sampler.name!r}; allowed: euler")
-    # Start-up checks first: nothing is generated before the weights file and the reference are known to be there.
-    inception_weights = resolve_inception_path(cfg.eval.inception_path, cfg.eval.cache_dir, cfg.eval.download)
+    # Start-up checks first: nothing is generated before the checkpoint, the reference and the Inception weights are
+    # known to be there, and the cheap checks come before the look-up (or download) of the weights.
     ckpt = resolve_checkpoint(str(cfg.ckpt))
 
     from pixdit.module import load_generator
@@ -122,6 +125,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
     resolution = int(image_size[0])
     reference = load_reference(cfg.eval.reference or default_reference(ckpt, resolution), resolution=resolution,
                                cleanfid_dir=cfg.eval.cleanfid_stats_dir, download=cfg.eval.download)
+    inception_weights = resolve_inception_path(cfg.eval.inception_path, cfg.eval.cache_dir, cfg.eval.download)
     extractor = InceptionFeatureExtractor(inception_weights, device=device)
 
     name = ckpt.name.removesuffix(".ckpt").removesuffix(EMA_SUFFIX)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,11 +133,17 @@ def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: 
             f"{option_name(config_prefix, 'reference')}={reference}: file not found. Make it with: python scripts/make_fid_stats.py "
             f"--shards DIR --resolution {resolution or 'R'} --out {reference}"
         )
-    with np.load(path, allow_pickle=False) as data:
-        mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
-        count = int(data["count"]) if "count" in data else None
-        description = json.loads(str(data["description"])) if "description" in data else {}
-        features = data["features"] if "features" in data else None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
+            count = int(data["count"]) if "count" in data else None
+            description = json.loads(str(data["description"])) if "description" in data else {}
+            features = data["features"] if "features" in data else None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # cut short, not an .npz, no mu
+        raise PixditError(
+            f"{option_name(config_prefix, 'reference')}={reference}: not readable FID statistics ({type(error).__name__}: "
+            f"{error}); make them again with: python scripts/make_fid_stats.py --shards DIR --resolution "
+            f"{resolution or 'R'} --out {reference}") from None
     stored_resolution = description.get("resolution")
     if resolution and stored_resolution and int(stored_resolution) != int(resolution):
         raise PixditError(
