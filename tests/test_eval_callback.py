@@ -172,9 +172,10 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     with pytest.raises(PixditError, match="holds only the EMA weights.*last.ckpt"):
         evaluate_cli.evaluate(cfg)
 
-    # A missing weights file stops the script before anything is loaded, naming the config key.
+    # A missing weights file stops the script before anything is generated, naming the config key.
     with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
-        cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}"])
+        cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}",
+                                             f"eval.reference={files['reference']}"])
     with pytest.raises(PixditError, match=r"(?s)missing.pt.*nvlabs-fi-cdn.*eval.inception_path"):
         evaluate_cli.evaluate(cfg)
 

@@ -195,3 +195,12 @@ def test_image_size_is_read_from_the_shards_when_the_config_leaves_it_null(tiny_
 
     assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": None}})) == 16
     assert image_size_of(OmegaConf.create({"data": {"root": str(tiny_data), "resolution": 24}})) == 24
+
+
+def test_a_key_nothing_reads_is_an_invalid_run():
+    """`+foo=1` was accepted silently (nothing reads it); the pre-launch check reports it like pixdit-train does."""
+    base = ["model=dit_t", "data.resolution=32"]
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
+        invalid = find_invalid_runs([["+foo=1"], ["seed=1"]], lambda job: compose(config_name="train",
+                                                                                 overrides=base + job))
+    assert [job for job, _ in invalid] == [["+foo=1"]] and "unknown config key(s) foo" in invalid[0][1]

@@ -87,3 +87,17 @@ def test_summary_table_and_plot(tmp_path):
 def test_summary_rejects_a_directory_without_runs(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "no Hydra job directories" in result.stderr
+
+
+def test_steps_are_the_optimizer_steps_the_run_recorded(tmp_path):
+    """Lightning logs optimizer step n's metrics at step n - 1, but the final validation after fit at step n: the
+    largest logged step + 1 was one too many. pixdit-train records the steps in status.json."""
+    sweep = tmp_path / "multirun"
+    rows = [{"epoch": 0, "step": step, "train/loss": 1.0} for step in range(5)] + [{"epoch": 0, "step": 5,
+                                                                                    "val/loss": 0.5}]
+    make_job(sweep, 0, ["trainer.max_steps=5", "seed=0"], rows, {"status": "ok", "global_step": 5})
+    make_job(sweep, 1, ["trainer.max_steps=5", "seed=1"], rows[:3], None)  # killed: estimated from the metrics
+    result = subprocess.run([sys.executable, str(SCRIPT), str(sweep)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(sweep / "summary.csv", newline="") as f:
+        assert [(r["steps"], r["status"]) for r in csv.DictReader(f)] == [("5", "ok"), ("3", "incomplete")]

@@ -122,13 +122,16 @@ def _finite(weights: Weights, key: str) -> Weights:
     return weights
 
 
-def _unreadable(path: Path, key: str, error: BaseException, named: Path | None = None) -> PixditError:
+ANOTHER_CHECKPOINT = "give another checkpoint of the run (<run dir>/checkpoints/step=N.ckpt)"
+
+
+def _unreadable(path: Path, key: str, error: BaseException, named: Path | None = None,
+                fix: str = ANOTHER_CHECKPOINT) -> PixditError:
     reason = (str(error).strip().splitlines() or [""])[0].split(". ")[0][:120]  # torch's first sentence
     named = named or path
     where = "" if named == path else f" ({path} next to it)"
     return PixditError(f"{key}={str(named)!r}: cannot read the checkpoint{where}: it is cut short, damaged or not a "
-                       f"checkpoint ({type(error).__name__}: {reason}); give another checkpoint of the run "
-                       f"(<run dir>/checkpoints/step=N.ckpt)")
+                       f"checkpoint ({type(error).__name__}: {reason}){'; ' + fix if fix else ''}")
 
 
 def _load(path: Path, key: str, named: Path | None = None):
@@ -176,7 +179,7 @@ def read_checkpoint(path: str | os.PathLike, key: str = "ckpt_path") -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 - see _load
-        raise _unreadable(path, key, error) from None
+        raise _unreadable(path, key, error, fix="") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "global_step" not in checkpoint:
         raise PixditError(f"{key}={str(path)!r} is not a training checkpoint of pixdit-train (no state_dict / "
                           f"global_step); resume from <run dir>/checkpoints/last.ckpt or step=N.ckpt")

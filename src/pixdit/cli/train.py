@@ -123,7 +123,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
                         path, reason, fallback[0], fallback[1])
             return str(fallback[0])
         if problem is not None:
-            raise PixditError(f"{problem}; the run has no other intact checkpoint in {path.parent}")
+            raise PixditError(f"{problem}; the run has no other intact checkpoint in {path.parent}: restore the file "
+                              f"from a copy, or start a new run (another hydra.run.dir, init_from=<checkpoint>)")
         siblings = [p for p in run_dir.parent.glob("*/checkpoints/last.ckpt") if p.parent.parent != run_dir]
         newest = max(siblings, key=lambda p: p.stat().st_mtime).parent.parent if siblings else None
         hint = (f"; the newest run of this name with one is {newest}: add hydra.run.dir={newest}") if newest else ""
@@ -136,10 +137,9 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         read_checkpoint(path)
     except PixditError as error:
         fallback = newest_intact_checkpoint(path.parent, exclude=(path,))
-        if fallback is None:
-            raise
-        raise PixditError(f"{error}. The newest intact checkpoint next to it is {fallback[0]} (step {fallback[1]}): "
-                          f"ckpt_path={fallback[0]}") from None
+        hint = (f"the newest intact checkpoint next to it is {fallback[0]} (step {fallback[1]}): ckpt_path="
+                f"{fallback[0]}") if fallback else "give another checkpoint of the run (or ckpt_path=last)"
+        raise PixditError(f"{error}; {hint}") from None
     return ckpt_path
 
 
