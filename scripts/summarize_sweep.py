@@ -23,9 +23,10 @@ Per run it reads:
   (``fid_best``) with its step (``fid_best_step``);
 * ``metrics.json`` below the run directory (written by scripts/evaluate.py), whose ``fid`` / ``is_mean`` keys take
   precedence over logged values (several files: the last in path order wins);
-* ``status.json`` in the run directory, written by ``pixdit.sweep.SweepCallback`` when the job ends: ``ok`` or
-  ``failed`` plus the error. A run without it is ``incomplete`` (still running, or killed before Hydra could record
-  the end: out of memory, time limit).
+* ``status.json`` in the run directory, written by pixdit-train when the run ends (``pixdit.rundir.write_status``):
+  ``ok``, ``failed`` (plus the error), ``preempted`` or ``interrupted``, and the optimizer steps done (the ``steps``
+  column). A run without it is ``incomplete`` (still running, or killed before it could record the end: out of
+  memory, time limit).
 """
 
 from __future__ import annotations
@@ -157,13 +158,17 @@ def summarize_run(run: Path) -> dict:
         column = pick(logged, patterns)
         if column is not None:
             row[name] = reduce_metric(logged[column], how)
-    if "step" in logged:
-        row["steps"] = int(max(logged["step"])) + 1
     curve = read_curve(run, "fid")
     if curve:
         best_step, best = min(curve, key=lambda point: (point[1], point[0]))
         row["fid_best"], row["fid_best_step"] = best, best_step
     status = read_json(run / "status.json")
+    if isinstance(status.get("global_step"), int):
+        row["steps"] = status["global_step"]  # optimizer steps done, recorded by pixdit-train when the run ended
+    elif "step" in logged:
+        # A run without that record (still running, killed): Lightning logs the metrics of optimizer step n (1-based)
+        # at step n - 1, so the largest logged step + 1 (an estimate: the final validation is logged at step n).
+        row["steps"] = int(max(logged["step"])) + 1
     row["status"] = status.get("status", "incomplete")
     if status.get("error"):
         row["error"] = " ".join(str(status["error"]).split())[:200]

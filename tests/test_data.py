@@ -450,3 +450,9 @@ def test_epoch_and_batch_settings_below_one_are_errors_not_silent_defaults(tmp_p
                         ("shuffle_block", 0)):
         with pytest.raises(PixditError, match=rf"data\.{name} must be >= 1, got {value}"):
             ShardDataModule(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["ffhq", "folder", "imagenet", "quickstart"])
+def test_every_data_config_states_the_bad_shard_allowance(train_helpers, name):
+    """configs/data/*.yaml show data.max_bad_fraction (docs/reliability.md) with its default."""
+    assert train_helpers.compose([f"data={name}"]).data.max_bad_fraction == 0.01

@@ -209,3 +209,12 @@ def test_dense_blocks_are_sweepable_and_a_bad_index_is_reported_before_launch():
     assert [list(cfg.attention.dense_blocks) for cfg in composed] == [[], [0, 3], [0, 4]]
     assert [job for job, _ in invalid] == [jobs[2]]
     assert "attention.dense_blocks=[0, 4]" in invalid[0][1] and "depth 4" in invalid[0][1]
+
+
+def test_a_key_nothing_reads_is_an_invalid_run():
+    """`+foo=1` was accepted silently (nothing reads it); the pre-launch check reports it like pixdit-train does."""
+    base = ["model=dit_t", "data.resolution=32"]
+    with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
+        invalid = find_invalid_runs([["+foo=1"], ["seed=1"]], lambda job: compose(config_name="train",
+                                                                                 overrides=base + job))
+    assert [job for job, _ in invalid] == [["+foo=1"]] and "unknown config key(s) foo" in invalid[0][1]

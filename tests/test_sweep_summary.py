@@ -114,3 +114,17 @@ def test_fid_over_training_curves_and_best(tmp_path):
     png = (sweep / "fid_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "fid_curves.png" in result.stdout
+
+
+def test_steps_are_the_optimizer_steps_the_run_recorded(tmp_path):
+    """Lightning logs optimizer step n's metrics at step n - 1, but the final validation after fit at step n: the
+    largest logged step + 1 was one too many. pixdit-train records the steps in status.json."""
+    sweep = tmp_path / "multirun"
+    rows = [{"epoch": 0, "step": step, "train/loss": 1.0} for step in range(5)] + [{"epoch": 0, "step": 5,
+                                                                                    "val/loss": 0.5}]
+    make_job(sweep, 0, ["trainer.max_steps=5", "seed=0"], rows, {"status": "ok", "global_step": 5})
+    make_job(sweep, 1, ["trainer.max_steps=5", "seed=1"], rows[:3], None)  # killed: estimated from the metrics
+    result = subprocess.run([sys.executable, str(SCRIPT), str(sweep)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(sweep / "summary.csv", newline="") as f:
+        assert [(r["steps"], r["status"]) for r in csv.DictReader(f)] == [("5", "ok"), ("3", "incomplete")]

@@ -100,6 +100,17 @@ def test_renamed_callback_key_names_the_new_one(capsys, tmp_path, name):
     (["model.num_classes=10"], r"model.num_classes=10 .* no class labels"),       # unlabelled data
     (["flow.noise_scale=auto", "+flow.noise_scal=2"], r"noise_scal.*flow"),
     (["compile=fast"], "compile='fast'.*true, false or auto"),
+    # settings that ended in a traceback (Lightning's or AdamW's), some of them mid-run, or that ran forever
+    (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a whole number >= 1.*forever"),
+    (["trainer.max_steps=0"], r"trainer.max_steps=0 must be a whole number >= 1"),
+    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 must be a whole number >= 1"),
+    (["trainer.val_check_interval=0"], r"trainer.val_check_interval=0 must be a number of optimizer steps >= 1"),
+    (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\] must be two numbers in \[0, 1\)"),
+    (["optimizer.lr=-0.1"], r"optimizer.lr=-0.1 must be a number >= 0"),
+    (["optimizer.skip_nonfinite_steps=-1"], r"optimizer.skip_nonfinite_steps=-1 must be a whole number >= 0"),
+    (["+foo=1"], r"unknown config key\(s\) foo \(added with \+KEY=...\).*Top-level keys: attention"),
+    pytest.param(["trainer=gpu"], r"trainer.accelerator=gpu .* no CUDA GPU.*trainer=cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")),
 ])
 def test_bad_setting_is_one_named_error(h, tiny_shards, tmp_path, overrides, message):
     """train() turns a bad setting into a PixditError naming the key and what is allowed (train.py prints it)."""

@@ -8,9 +8,13 @@
 * ``AtomicCheckpointIO``: checkpoints are written to a temporary file in the same directory, fsync'ed and renamed over
   the target with ``os.replace`` (``pixdit.checkpoint``); a kill during a write leaves the previous checkpoint intact.
   Next to each checkpoint ``X.ckpt`` it writes the EMA artifact ``X.ema.pt`` (EMA weights + model config: what
-  pixdit-evaluate and ``init_from`` read) and removes it with the checkpoint.
+  pixdit-evaluate and ``init_from`` read) and removes it with the checkpoint. Weights that hold NaN or inf are never
+  written (``pixdit.checkpoint.nonfinite_tensors``): the good checkpoint under the name stays.
 * ``StepCheckpoint``: Lightning's ``ModelCheckpoint`` (``<run>/checkpoints/step=N.ckpt`` and ``last.ckpt``) that also
-  saves the final step when ``every_n_train_steps`` does not divide ``max_steps``.
+  saves the final step when ``every_n_train_steps`` does not divide ``max_steps``, and the current step when the run
+  gets SIGTERM (preemption, ``kill``), after which the run stops (pixdit-train exits with status 143). It overwrites
+  its own files (no ``last-v1.ckpt``), so a resumed run, also one whose directory was moved or copied, goes on
+  writing ``last.ckpt``.
 * ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these, the progress bar and
   ``pixdit.eval.callback.FIDCallback``, through the name -> class table ``CALLBACKS``.
 """
@@ -26,8 +30,9 @@ import torchvision.utils
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path
+from pixdit.checkpoint import atomic_torch_save, ema_artifact, ema_path, nonfinite_tensors
 from pixdit.config import check_renamed, construct, plain
 from pixdit.errors import PixditError
 from pixdit.eval.callback import FIDCallback
@@ -43,6 +48,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
+        bad = nonfinite_tensors(checkpoint.get("state_dict") or {})
+        if bad:
+            raise PixditError(f"not writing the checkpoint {path}: its weights hold NaN or inf ({', '.join(bad[:3])}"
+                              f"{', ...' if len(bad) > 3 else ''}); the checkpoints written before are kept")
         artifact = ema_artifact(checkpoint)
         if artifact is not None:
             atomic_torch_save(artifact, ema_path(path))
@@ -54,16 +63,44 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` that also saves the final step: ``every_n_train_steps`` need not divide
-    ``trainer.max_steps`` (43,750 steps saved every 5,000 would otherwise end with last.ckpt at step 40,000 and the
-    last 3,750 steps lost). The final save is an ordinary step checkpoint (``step=N.ckpt`` + ``last.ckpt``)."""
+    """Lightning's ``ModelCheckpoint`` that also saves
+
+    * the final step: ``every_n_train_steps`` need not divide ``trainer.max_steps`` (43,750 steps saved every 5,000
+      would otherwise end with last.ckpt at step 40,000 and the last 3,750 steps lost);
+    * the current step when the process got SIGTERM (Lightning's handler records it): at the end of that step, then
+      the run stops with Lightning's ``SIGTERMException``. A SIGTERM during a validation pass ends it early (that is
+      Lightning's); the step is then saved when the exception passes (single-process runs; a multi-GPU run resumes
+      from its previous checkpoint, as its ranks may stop at different validation batches).
+
+    Both are ordinary step checkpoints (``step=N.ckpt`` + ``last.ckpt``), so they resume exactly like the others.
+    Existing files are overwritten (``enable_version_counter=False``: Lightning would write ``last-v1.ckpt`` next to a
+    ``last.ckpt`` it did not write itself in this process, e.g. after a resume from a moved directory)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("enable_version_counter", False)
+        super().__init__(*args, **kwargs)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        preempted = trainer.received_sigterm
+        if trainer.world_size > 1:  # one decision for all ranks: saving is collective
+            preempted = trainer.strategy.reduce_boolean_decision(preempted, all=False)
+        if (preempted or 0 < trainer.max_steps <= trainer.global_step) and \
+                not self._should_skip_saving_checkpoint(trainer):
+            self._save_step(trainer)
+        if preempted:
+            raise SIGTERMException()
+
+    def on_exception(self, trainer: Trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        if isinstance(exception, SIGTERMException) and trainer.world_size == 1 and \
+                not self._should_skip_saving_checkpoint(trainer):
+            self._save_step(trainer)
+
+    def _save_step(self, trainer: Trainer) -> None:
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
 
 
 class SampleGrid(Callback):

@@ -5,12 +5,17 @@
   listing the allowed keys (instead of a bare ``TypeError`` deep inside a library), and so does a word given where
   the default is a number or a flag (``data.batch_size=abc``), and so does an old name of a renamed option (a class's
   ``renamed_options``: old key -> its replacement), naming the new key.
+* ``check_top_level_keys(cfg)``: a run's config may hold only the top-level keys of configs/train.yaml (and its
+  config groups); one added on the command line (``+foo=1``) would be silently ignored, so it is an error. (Keys
+  inside a section are checked by ``construct`` when that section is built.)
 * ``register_resolvers()`` adds ``${auto_precision:}`` for configs: ``bf16-mixed`` when a CUDA GPU is present,
   ``32-true`` otherwise (configs/trainer/auto.yaml uses it so ``experiment=quickstart`` runs on either).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import inspect
 from typing import Any
 
@@ -63,6 +68,25 @@ def construct(cls, options, where: str, **fixed):
             kind = "true/false" if isinstance(default, bool) else type(default).__name__
             raise PixditError(f"{where}.{key}={value!r} must be {kind} (default: {default!r})")
     return cls(**options, **fixed)
+
+
+@functools.cache
+def top_level_keys() -> frozenset[str]:
+    """The top-level keys of pixdit-train's config: configs/train.yaml's own keys and its config groups (``experiment``
+    is a group of overrides, not a key)."""
+    root = OmegaConf.create(importlib.resources.files("pixdit.configs").joinpath("train.yaml").read_text())
+    groups = {next(iter(entry)) for entry in root.defaults if isinstance(entry, DictConfig)}
+    return frozenset((set(root) | groups) - {"defaults", "hydra", "experiment"})
+
+
+def check_top_level_keys(cfg) -> None:
+    """PixditError for a top-level key that pixdit-train does not read (see the module doc)."""
+    known = top_level_keys()
+    unknown = sorted(set(cfg) - known - {"hydra"})
+    if unknown:
+        raise PixditError(f"unknown config key(s) {', '.join(unknown)} (added with +KEY=...): nothing reads them. "
+                          f"Top-level keys: {', '.join(sorted(known))}; a section's own keys are listed when one is "
+                          f"unknown (e.g. +model.depth=2)")
 
 
 def auto_precision() -> str:

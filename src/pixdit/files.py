@@ -9,7 +9,9 @@ shards, manifests, FID statistics, metrics, sweep status files, downloaded weigh
 The bytes go to a temporary file in the same directory (same file system, so the rename is atomic); the file is
 fsync'ed, renamed over ``path`` with ``os.replace``, and the directory is fsync'ed so the rename survives a power loss.
 A kill at any moment leaves either the old file or the new one at ``path``, never part of one; an exception inside
-the ``with`` block removes the temporary file and leaves ``path`` untouched.
+the ``with`` block removes the temporary file and leaves ``path`` untouched. A process killed mid-write (kill -9,
+power loss) leaves its temporary file (``.NAME.tmp-PID-XXXXXXXX``) behind; ``remove_stale_temporaries(directory)``
+deletes those once nothing else writes there (pixdit-train does it for its checkpoints when a run starts).
 
 A folder that one process at a time may write (a prepare_data ``--out``) is guarded with ``exclusive_lock``:
 
@@ -25,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import uuid
@@ -36,6 +39,7 @@ from typing import IO, Any
 from pixdit.errors import PixditError
 
 MODES = ("wb", "w")
+TEMPORARY_NAME = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # atomic_write's temporary files (see below)
 
 
 @contextlib.contextmanager
@@ -58,6 +62,18 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             os.unlink(tmp)
         raise
     _fsync_directory(path.parent)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that writers killed mid-write left in ``directory``; returns them. Call it only
+    while no other process writes into ``directory`` (a run directory's lock, pixdit.rundir), or a write in progress
+    would lose its file."""
+    directory = Path(directory)
+    stale = sorted(p for p in directory.glob(".*.tmp-*") if TEMPORARY_NAME.fullmatch(p.name)) \
+        if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def commit_file(tmp: str | os.PathLike, path: str | os.PathLike) -> None:

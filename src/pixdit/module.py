@@ -12,6 +12,10 @@ for every key):
   (Lightning's AMP plugin refuses it there);
 * an fp32 EMA of the weights (``pixdit.ema``; decay ``min(0.9999, 1 - n^-3/4)``), updated after every optimizer step,
   saved in checkpoints and used for samples and ``val/loss_ema``;
+* the divergence guard: before every optimizer update the gradient norm is computed (logged as ``train/grad_norm``)
+  and, with the loss, checked in one host sync; a NaN / inf stops the run with a PixditError (step, which quantity,
+  the last good checkpoint, what to try) before the update touches the weights, so no checkpoint ever holds them.
+  ``optimizer.skip_nonfinite_steps=N`` drops up to N such updates (weights and EMA unchanged) before stopping;
 * the **validation loss at fixed noise and fixed timesteps**: held-out image number ``i`` always gets the same noise
   (a generator seeded with ``(validation.seed, i)``) and the same ``sigma`` (a low-discrepancy sequence in ``i``), so
   ``val/loss`` is identical across runs, attention backends, batch sizes and devices (up to numerics) and is directly
@@ -36,8 +40,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
-from pixdit.checkpoint import Weights, load_weights
+from pixdit.checkpoint import Weights, load_weights, newest_intact_checkpoint, read_checkpoint
 from pixdit.config import construct, plain
 from pixdit.ema import EMA
 from pixdit.errors import PixditError
@@ -64,11 +69,27 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
 
 
 def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
-                  eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None) -> dict:
+                  eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None,
+                  skip_nonfinite_steps: int = 0) -> dict:
     """The ``optimizer`` section: AdamW's arguments (defaults: the paper's recipe, docs/algorithms.md "Flow matching
-    with noise rescaling") plus the linear LR warm-up. Built through ``pixdit.config.construct``, so an unknown key or
-    a word for a number is a clear error."""
-    return dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused)
+    with noise rescaling"), the linear LR warm-up and the divergence guard's allowance. Built through ``pixdit.config.construct``, so an unknown key or a word for a
+    number is a clear error; values AdamW would refuse only at the first step are refused here."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
+        raise PixditError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
+        if not number(value) or value < 0:
+            raise PixditError(f"optimizer.{name}={value!r} must be a number >= 0")
+    for name, value in (("warmup_steps", warmup_steps), ("skip_nonfinite_steps", skip_nonfinite_steps)):
+        if not count(value):
+            raise PixditError(f"optimizer.{name}={value!r} must be a whole number >= 0")
+    return dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused,
+                skip_nonfinite_steps=skip_nonfinite_steps)
 
 
 def validation_options(seed: int = 0) -> dict:
@@ -141,6 +162,11 @@ class DiffusionModule(L.LightningModule):
             self.model.compile()
         self._val_seen = 0
         self.validated_at_step = -1   # optimizer step of the last validation (train.py validates the final step)
+        # divergence guard (on_before_optimizer_step): the micro-batch losses of the step being accumulated, and the
+        # updates dropped so far in the run (checkpointed)
+        self._step_losses: list[torch.Tensor] = []
+        self._drop_update = False
+        self.nonfinite_steps_skipped = 0
 
     @classmethod
     def from_config(cls, cfg, image_size: int | tuple[int, int], compile: bool = False) -> DiffusionModule:
@@ -197,19 +223,72 @@ class DiffusionModule(L.LightningModule):
         images = batch["image"]
         with self._step_rng(batch_idx):
             loss = self.flow.loss(self.model, images, y=self._labels(batch))
+        self._step_losses.append(loss.detach())
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=images.shape[0])
         return loss
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """The divergence guard, after the step's backward pass(es) and before clipping and the update (see the module
+        doc). With fp16's GradScaler an inf gradient is the scaler's business (it skips that update and lowers its
+        scale), so only the loss is checked there."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        losses = torch.stack(self._step_losses) if self._step_losses else torch.zeros(1, device=self.device)
+        self._step_losses = []
+        bad_loss, bad_norm = torch.stack([~torch.isfinite(losses).all(), ~torch.isfinite(norm)]).tolist()  # one sync
+        bad_norm = bad_norm and not self._has_grad_scaler()
+        bad = bad_loss or bad_norm
+        if self.trainer.world_size > 1:  # the ranks' losses differ: every rank must take the same decision
+            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)
+        self._drop_update = bad
+        if not bad:
+            return
+        what = "the loss" if bad_loss else "the gradient norm" if bad_norm else "the loss on another rank"
+        values = f"loss {', '.join(f'{v:g}' for v in losses.float().cpu().tolist())}, gradient norm {float(norm):g}"
+        step = self.trainer.global_step
+        allowed = self.optimizer_options["skip_nonfinite_steps"]
+        if self.nonfinite_steps_skipped < allowed:
+            self.nonfinite_steps_skipped += 1
+            optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
+            rank_zero_warn(f"step {step}: {what} of the next update is NaN or inf ({values}); the update was dropped "
+                           f"({self.nonfinite_steps_skipped} of optimizer.skip_nonfinite_steps={allowed})")
+            return
+        raise PixditError(self._divergence_message(step, what, values, allowed))
+
+    def _divergence_message(self, step: int, what: str, values: str, allowed: int) -> str:
+        trainer = self.trainer
+        callback = trainer.checkpoint_callback
+        candidates = [newest_intact_checkpoint(callback.dirpath) if callback is not None and callback.dirpath else None]
+        if trainer.ckpt_path is not None:  # the checkpoint this run resumed from
+            candidates.append((Path(trainer.ckpt_path), int(read_checkpoint(trainer.ckpt_path)["global_step"])))
+        found = max((c for c in candidates if c is not None), key=lambda c: c[1], default=None)
+        kept = (f"The last good checkpoint is {found[0]} (step {found[1]}): resume from it with ckpt_path={found[0]}"
+                if found else "No checkpoint had been written yet: start again")
+        options = self.optimizer_options
+        fp32 = "" if str(trainer.precision) == "32-true" else f", or trainer.precision=32-true (now {trainer.precision})"
+        return (f"training diverged at step {step}: {what} of the next update is NaN or inf ({values}). The weights "
+                f"were not updated with it and no checkpoint was written after it. {kept} after changing what made "
+                f"it diverge: a smaller optimizer.lr (now {options['lr']:g}), a longer optimizer.warmup_steps (now "
+                f"{options['warmup_steps']}), gradient clipping (trainer.gradient_clip_val, now "
+                f"{trainer.gradient_clip_val}){fp32}. optimizer.skip_nonfinite_steps=N drops up to N such updates "
+                f"instead of stopping (now {allowed}).")
+
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        # After every optimizer step (not every micro-batch), as the recipe does.
-        self.ema.update(self.model)
+        # After every optimizer step (not every micro-batch), as the recipe does; not after a dropped update.
+        if not self._drop_update:
+            self.ema.update(self.model)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
             self.log("train/ema_decay", self.ema.decay(max(1, self.ema.update_count)), on_step=True,
                      on_epoch=False)
+            skipped = getattr(self.trainer.datamodule, "skipped_samples", None)
+            if skipped is not None:  # unreadable images left out so far (ShardDataModule), summed over the ranks
+                self.log("data/skipped_images", float(skipped), on_step=True, on_epoch=False, reduce_fx="sum",
+                         sync_dist=True)
 
     def configure_optimizers(self):
         options = dict(self.optimizer_options)
@@ -293,6 +372,7 @@ class DiffusionModule(L.LightningModule):
         # Stored as tensors / plain Python values so the checkpoint loads with torch.load(weights_only=True).
         kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
         version, python_state, gauss_next = random.getstate()
+        checkpoint["nonfinite_steps_skipped"] = self.nonfinite_steps_skipped
         checkpoint["rng_states"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -301,6 +381,7 @@ class DiffusionModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.nonfinite_steps_skipped = int(checkpoint.get("nonfinite_steps_skipped", 0))
         states = checkpoint.get("rng_states")
         if states is None:
             return

@@ -3,7 +3,8 @@
 * seeds: ``mixed_seed(*numbers)`` turns a tuple such as (seed, rank, step) or (seed, sample index) into one
   well-mixed generator seed; ``noise_for_indices`` draws the noise of numbered samples from it, so sample ``i`` gets
   the same noise whatever the batch size, rank or device (the validation loss, FID samples);
-* ``rank_and_world_size()`` of the default process group ((0, 1) without one);
+* ``rank_and_world_size()`` of the default process group ((0, 1) without one); ``is_rank_zero()``: whether this
+  process is the first of its job, from the launchers' environment (before any process group exists);
 * precision names: ``PRECISIONS`` (fp32 / bf16 / fp16 -> the autocast dtype), ``resolve_precision`` (``auto`` and
   Lightning's trainer precision -> one of them) and ``autocast(device, precision)``.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,6 +43,14 @@ def rank_and_world_size() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")  # set by Lightning / torchrun / srun
+
+
+def is_rank_zero() -> bool:
+    """True in the first process of a job (and in a job of one process): what writes a run's shared files."""
+    return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
 
 
 # ----------------------------------------------------------------------------------------------- precision

@@ -1,5 +1,4 @@
-"""Sweeps (Hydra multirun) over attention settings: check every run before any starts, record how each run ended,
-run one job per GPU.
+"""Sweeps (Hydra multirun) over attention settings: check every run before any starts, run one job per GPU.
 
     python train.py -m experiment=ffhq128_llsa attention.topk=4,8,16 attention.block_size=16,32 \\
         hydra/launcher=local_gpus                                # all local GPUs, one job per GPU at a time
@@ -16,9 +15,9 @@ Everything that runs the jobs is Hydra's and submitit's; this module adds three 
       options, ``check_grid`` / the kernels' ``llsa_check``: B a power of two >= 16, B^L divides the token count...).
       It also checks that the launcher starts every process a run needs (``check_launch_layout``). If any job
       would fail there, nothing is launched and one message lists every bad combination.
-    - ``on_job_end``: writes ``<run dir>/status.json`` = {"status": "ok" | "failed", "error": ...}. Hydra catches a
-      failing job's exception, runs the remaining jobs, and reports the first failure when all are done; the
-      summary marks failed runs.
+    - ``on_job_end``: logs a failed run. Hydra catches a failing job's exception, runs the remaining jobs, and
+      reports the first failure when all are done; each run records how it ended in ``<run dir>/status.json``
+      (``pixdit.rundir.write_status``, written by pixdit-train) and the summary marks failed runs.
 * ``LocalGPUPool``: hydra-submitit-launcher's local launcher, except that at most one job runs per GPU (or per
   ``gpus_per_job`` GPUs, one process each): submitit's local executor alone would start every job at once on the same
   GPUs. Hydra only instantiates launchers from the ``hydra_plugins`` namespace package, so the registered class is the
@@ -33,7 +32,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -43,12 +41,11 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import DictConfig, OmegaConf
 
 from pixdit.errors import PixditError
-from pixdit.files import write_json
+from pixdit.runtime import is_rank_zero
 
 log = logging.getLogger(__name__)
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")  # set by Lightning / torchrun / srun
 
 
 # ----------------------------------------------------------------------------------------------- the grid
@@ -83,12 +80,15 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
 
 
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise PixditError if this run's model cannot be built: ``DiffusionModule.from_config`` as in pixdit-train,
-    on the ``meta`` device, so every check the model, attention backend and kernels make runs, in ~0.1-1 s."""
+    """Raise PixditError if this run's config has a key nothing reads (``+foo=1``) or its model cannot be built:
+    ``DiffusionModule.from_config`` as in pixdit-train, on the ``meta`` device, so every check the model, attention
+    backend and kernels make runs, in ~0.1-1 s."""
     import torch
 
+    from pixdit.config import check_top_level_keys
     from pixdit.module import DiffusionModule
 
+    check_top_level_keys(cfg)
     with torch.device("meta"):
         # compile is lazy anyway; the compiled graph is not what we check
         DiffusionModule.from_config(cfg, image_size_of(cfg), compile=False)
@@ -164,27 +164,11 @@ def format_invalid_runs(jobs: Sequence[Sequence[str]], invalid: list[tuple[list[
 
 
 # ----------------------------------------------------------------------------------------------- Hydra callback
-def is_rank_zero() -> bool:
-    return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
-
-
-def write_status(run_dir: str | Path, status: str, error: BaseException | None = None, **extra: Any) -> Path:
-    """``<run_dir>/status.json``, written atomically (read by scripts/summarize_sweep.py)."""
-    record = {"status": status, **extra}
-    if error is not None:
-        record["error"] = f"{type(error).__name__}: {error}"
-        record["traceback"] = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
-    path = Path(run_dir) / "status.json"
-    write_json(path, record, indent=2)
-    return path
-
-
 class SweepCallback(Callback):
-    """Checks a multirun before launching it; records every run's end in ``status.json`` (see module doc)."""
+    """Checks a multirun before launching it; logs the runs that failed (see module doc)."""
 
     def __init__(self, check_before_launch: bool = True):
         self.check_before_launch = check_before_launch
-        self._job_start = time.time()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.check_before_launch:
@@ -208,22 +192,12 @@ class SweepCallback(Callback):
             print(f"error: {format_invalid_runs(jobs, invalid)}", file=sys.stderr)
             sys.exit(2)
 
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._job_start = time.time()
-
     def on_job_end(self, config: DictConfig, job_return, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
-        if not is_rank_zero() or config.hydra.runtime.output_dir is None:
-            return
-        ok = job_return.status == JobStatus.COMPLETED
-        error = None if ok else job_return._return_value  # the exception; `.return_value` would raise it
-        overrides = list(job_return.overrides or [])
-        write_status(config.hydra.runtime.output_dir, "ok" if ok else "failed", error if isinstance(
-            error, BaseException) else None, overrides=overrides, seconds=round(time.time() - self._job_start, 1),
-                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if not ok and config.hydra.mode == RunMode.MULTIRUN:
-            log.error("run %s failed (%s); the sweep goes on", " ".join(overrides), error)
+        if job_return.status != JobStatus.COMPLETED and config.hydra.mode == RunMode.MULTIRUN and is_rank_zero():
+            error = job_return._return_value  # the exception; `.return_value` would raise it
+            log.error("run %s failed (%s); the sweep goes on", " ".join(job_return.overrides or []), error)
 
 
 # ----------------------------------------------------------------------------------------------- GPU pool

@@ -93,6 +93,9 @@ def default_reference(ckpt: Path, resolution: int, inception_mode: str) -> str:
 
 
 def evaluate(cfg: DictConfig) -> dict | None:
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise PixditError("ckpt= is required: a run directory (RUN/checkpoints/last.ckpt is read), a .ckpt file or "
+                          "its EMA artifact .ema.pt, e.g. ckpt=outputs/quickstart/<time>")
     rank, world_size, device = setup_distributed(str(cfg.device))
     precision = resolve_precision(str(cfg.precision), device)
     if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1:

@@ -15,8 +15,15 @@ The configs are the package ``pixdit.configs`` (configs/ in the repository), loa
 
 A run writes into its directory (default outputs/<name>/<time>, or hydra.run.dir=...): .hydra/ (the config),
 metrics.csv, checkpoints/{step=N,last}.ckpt (+ {step=N,last}.ema.pt: the EMA weights and model config alone, what
-pixdit-evaluate and init_from read), samples/step_N.png. User mistakes (unknown option or key, missing data,
-a size the attention cannot handle) print one message and exit with status 2.
+pixdit-evaluate and init_from read), samples/step_N.png, status.json (how the run ended: ok, failed, preempted,
+interrupted; scripts/summarize_sweep.py reads it). User mistakes (unknown option or key, missing data, a size the
+attention cannot handle, a damaged checkpoint) print one message and exit with status 2.
+
+A run directory belongs to one run (pixdit.rundir): a second pixdit-train into it while the first runs is refused,
+naming the first; a new run (no ckpt_path) into a directory that holds a run is refused unless overwrite=true.
+Faults while training (docs/reliability.md): a NaN / inf loss or gradient norm stops the run with one message naming
+the last good checkpoint (exit 2, nothing written after it); SIGTERM (preemption, `kill`) saves the current step and
+exits with status 143 (resume it with ckpt_path=last); Ctrl-C stops at once (exit 1, status "interrupted").
 
 Resuming (`ckpt_path=last` or a .ckpt path) restores exactly: the model, the EMA (weights and update count), AdamW's
 state, the LR schedule, the step / epoch / batch counters, the data position (ShardDataModule.state_dict: same
@@ -24,7 +31,8 @@ samples in the same order when world size, workers and batch size are unchanged;
 with a warning), and randomness: the training noise, timesteps and label dropout are drawn from a stream keyed by
 (seed, rank, step), and the global torch / CUDA / numpy / python RNG states are saved and restored (rank 0's).
 Not restored: a validation or sampling pass that was interrupted (it simply runs again at its next step), the
-perf monitor's timing window, torch.compile's caches (it recompiles). Metrics after a resume go to
+perf monitor's timing window, torch.compile's caches (it recompiles). A damaged last.ckpt (a copy cut short) is
+passed over for the run's newest intact checkpoint, with a warning. Metrics after a resume go to
 <run dir>/resumed_N/metrics.csv (Lightning's CSV logger would otherwise delete the earlier metrics.csv).
 """
 
@@ -32,20 +40,35 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from pixdit.checkpoint import check_same_model, newest_intact_checkpoint, read_checkpoint
 from pixdit.cli import fail
-from pixdit.config import construct, plain, register_resolvers
+from pixdit.config import check_top_level_keys, construct, plain, register_resolvers
 from pixdit.errors import PixditError
-from pixdit.runtime import resolve_compile
+from pixdit.files import remove_stale_temporaries
+from pixdit.runtime import is_rank_zero, resolve_compile
 
 CONFIG_MODULE = "pixdit.configs"
+PREEMPTED_EXIT_STATUS = 128 + 15  # what a shell reports for a process ended by SIGTERM: schedulers read it so
 log = logging.getLogger("pixdit")
+
+
+class Preempted(Exception):
+    """``train`` stopped on SIGTERM after saving the current step (pixdit-train then exits with status 143)."""
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        self.step, self.checkpoint = step, checkpoint
+        saved = f"saved {checkpoint}" if checkpoint else "no checkpoint (callbacks.checkpoint is off)"
+        super().__init__(f"stopped by SIGTERM at step {step}: {saved}; resume with ckpt_path=last and the same "
+                         f"hydra.run.dir")
 
 
 def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
@@ -76,21 +99,81 @@ def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """``last`` -> <run dir>/checkpoints/last.ckpt; any other value must be an existing file."""
+    """The checkpoint to resume from, checked to be whole and readable (``pixdit.checkpoint.read_checkpoint``).
+
+    ``last`` -> <run dir>/checkpoints/last.ckpt; when that file is missing or damaged, the run's newest intact
+    checkpoint, with a warning. Any other value must be a readable checkpoint file; for a damaged one the message
+    names the newest intact checkpoint next to it."""
     if ckpt_path is None:
         return None
+    run_dir = Path(run_dir)
     if ckpt_path == "last":
         path = run_dir / "checkpoints" / "last.ckpt"
-        if not path.is_file():
-            earlier = sorted(run_dir.parent.glob("*/checkpoints/last.ckpt"))
-            hint = (f"; the latest run of this name with one is {earlier[-1].parent.parent}: add "
-                    f"hydra.run.dir={earlier[-1].parent.parent}") if earlier else ""
-            raise PixditError(f"ckpt_path=last: no checkpoint at {path} (resume a run by passing its directory as "
-                              f"hydra.run.dir=<run dir>){hint}")
-        return str(path)
-    if not Path(ckpt_path).is_file():
+        problem = None
+        if path.is_file():
+            try:
+                read_checkpoint(path)
+                return str(path)
+            except PixditError as error:
+                problem = error
+        fallback = newest_intact_checkpoint(path.parent, exclude=(path,))
+        if fallback is not None:
+            reason = "cannot be read" if problem else "does not exist"
+            log.warning("ckpt_path=last: %s %s; resuming from the newest intact checkpoint of the run, %s (step %d)",
+                        path, reason, fallback[0], fallback[1])
+            return str(fallback[0])
+        if problem is not None:
+            raise PixditError(f"{problem}; the run has no other intact checkpoint in {path.parent}: restore the file "
+                              f"from a copy, or start a new run (another hydra.run.dir, init_from=<checkpoint>)")
+        siblings = [p for p in run_dir.parent.glob("*/checkpoints/last.ckpt") if p.parent.parent != run_dir]
+        newest = max(siblings, key=lambda p: p.stat().st_mtime).parent.parent if siblings else None
+        hint = (f"; the newest run of this name with one is {newest}: add hydra.run.dir={newest}") if newest else ""
+        raise PixditError(f"ckpt_path=last: no checkpoint at {path} (resume a run by passing its directory as "
+                          f"hydra.run.dir=<run dir>){hint}")
+    path = Path(ckpt_path)
+    if not path.is_file():
         raise PixditError(f"ckpt_path={ckpt_path!r}: no such file (use a .ckpt path or ckpt_path=last)")
+    try:
+        read_checkpoint(path)
+    except PixditError as error:
+        fallback = newest_intact_checkpoint(path.parent, exclude=(path,))
+        hint = (f"the newest intact checkpoint next to it is {fallback[0]} (step {fallback[1]}): ckpt_path="
+                f"{fallback[0]}") if fallback else "give another checkpoint of the run (or ckpt_path=last)"
+        raise PixditError(f"{error}; {hint}") from None
     return ckpt_path
+
+
+def check_trainer_settings(options: dict) -> None:
+    """The ``trainer`` settings that Lightning accepts but a pixdit run cannot use, or reports only mid-run with a
+    traceback (a ZeroDivisionError for accumulate_grad_batches=0): one PixditError each, before anything is built."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    max_steps = options.get("max_steps")
+    if not whole(max_steps) or max_steps < 1:
+        raise PixditError(f"trainer.max_steps={max_steps!r} must be a whole number >= 1: a pixdit run ends after that "
+                          f"many optimizer steps (Lightning's -1 would train forever)")
+    for name in ("accumulate_grad_batches", "log_every_n_steps"):
+        value = options.get(name, 1)
+        if not whole(value) or value < 1:
+            raise PixditError(f"trainer.{name}={value!r} must be a whole number >= 1")
+    interval = options.get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and \
+            not (interval >= 1 if whole(interval) else 0 < interval <= 1):
+        raise PixditError(f"trainer.val_check_interval={interval!r} must be a number of optimizer steps >= 1 (or a "
+                          f"fraction of an epoch in (0, 1]); to validate only at the end use a number >= "
+                          f"trainer.max_steps, to never validate trainer.limit_val_batches=0")
+
+
+def check_accelerator(options: dict) -> None:
+    """trainer=gpu / ddp on a machine without a CUDA GPU: one message (Lightning: "No supported gpu backend")."""
+    import torch
+
+    accelerator = str(options.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise PixditError(f"trainer.accelerator={accelerator} (trainer=gpu / ddp) but PyTorch sees no CUDA GPU here; "
+                          f"use trainer=cpu, or trainer=auto (the GPU when there is one), or check the driver and "
+                          f"CUDA_VISIBLE_DEVICES")
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict:
@@ -103,12 +186,23 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     from pixdit.memory import check_training_memory, explain_out_of_memory
     from pixdit.module import DiffusionModule, check_seed
 
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # Lightning warnings that are wrong for pixdit: the EMA copy is in eval mode on purpose, and the data module
-    # restores the exact data position itself (ShardDataModule.state_dict), so mid-epoch checkpoints do resume exactly.
+    # Lightning warnings that are wrong for pixdit: the EMA copy is in eval mode on purpose; the data module restores
+    # the exact data position itself (ShardDataModule.state_dict), so mid-epoch checkpoints do resume exactly; the CSV
+    # logger's log directory is the run directory, which holds .hydra/ but never an earlier metrics.csv (a resumed run
+    # logs into resumed_N/, a new one only runs in a directory without an earlier run: pixdit.rundir); the checkpoint
+    # directory of a moved or copied run differs from the one stored in its checkpoints, which only matters to
+    # Lightning's record of earlier files for save_top_k.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    check_top_level_keys(cfg)
+    check_trainer_settings(plain(cfg.trainer))
     L.seed_everything(check_seed(cfg.seed), workers=True, verbose=False)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
     torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
@@ -121,6 +215,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
                           f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "
                           f"use labelled data with as many classes, or model.num_classes=0")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if ckpt_path is not None:
+        differ = check_same_model(ckpt_path, read_checkpoint(ckpt_path), module.state_dict(), dict(module.hparams))
+        if differ:
+            log.warning("resuming %s with settings that differ from its run's: %s", ckpt_path, ", ".join(differ))
     if cfg.init_from is not None:
         if ckpt_path is not None:
             log.info("init_from=%s is ignored: resuming from %s restores everything", cfg.init_from, ckpt_path)
@@ -129,18 +227,30 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
     callbacks = build_callbacks(cfg.callbacks, run_dir)
     loggers = build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None)
-    trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=loggers,
-                        plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
+    check_accelerator(plain(cfg.trainer))
+    try:
+        trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=loggers,
+                            plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
+    except MisconfigurationException as error:
+        raise PixditError(f"trainer: {error}") from None
+    if is_rank_zero():
+        # writes of a killed process (their files are never read); this process owns the run directory now
+        for path in remove_stale_temporaries(run_dir / "checkpoints"):
+            log.info("removed %s, left by an interrupted checkpoint write", path)
     log.info("run directory: %s", run_dir.resolve())
     # Before the first step: a configuration that cannot fit the GPU is one message naming the knobs to turn, and so is
     # an out-of-memory error during training (pixdit.memory).
     memory = check_training_memory(trainer, module.model, datamodule.batch_size)
-    with explain_out_of_memory(module.model, memory, trainer):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    # Lightning validates every val_check_interval steps; when that does not divide max_steps the run would end with
-    # an earlier step's validation loss, which sweep summaries report as the final one: validate the last step too.
-    if not trainer.interrupted and trainer.limit_val_batches and module.validated_at_step != trainer.global_step:
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+    try:
+        with explain_out_of_memory(module.model, memory, trainer):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # Lightning validates every val_check_interval steps; when that does not divide max_steps the run would end
+        # with an earlier step's validation loss, which sweep summaries report as the final one: validate it too.
+        if not trainer.interrupted and trainer.limit_val_batches and module.validated_at_step != trainer.global_step:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    except SIGTERMException:  # StepCheckpoint saved the current step (or Lightning stopped without one)
+        found = newest_intact_checkpoint(run_dir / "checkpoints")
+        raise Preempted(trainer.global_step, found[0] if found else None) from None
 
     result = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     result["global_step"] = trainer.global_step
@@ -161,16 +271,41 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="train", version_base="1.3")
 def run(cfg: DictConfig) -> None:
-    """One Hydra job (a run, or one run of a ``-m`` sweep): train into Hydra's output directory."""
+    """One Hydra job (a run, or one run of a ``-m`` sweep): train into Hydra's output directory, and record how it
+    ended in <run dir>/status.json (pixdit.rundir.write_status; the first process of a multi-GPU run writes it)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from pixdit.rundir import write_status
+
+    hydra_config = HydraConfig.get()
+    run_dir = hydra_config.runtime.output_dir
+    started = time.time()
+
+    def record(status: str, error: BaseException | None = None, **extra) -> None:
+        if is_rank_zero():
+            write_status(run_dir, status, error, overrides=list(hydra_config.overrides.task),
+                         seconds=round(time.time() - started, 1),
+                         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), **extra)
+
     try:
-        train(cfg, HydraConfig.get().runtime.output_dir)
+        result = train(cfg, run_dir)
+    except Preempted as stop:
+        record("preempted", global_step=stop.step, checkpoint=str(stop.checkpoint) if stop.checkpoint else None)
+        print(f"pixdit-train: {stop}", file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT_STATUS)
     except PixditError as error:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # a sweep goes on: Hydra records this run as failed (status.json, pixdit.sweep) and runs the rest
+        record("failed", error)
+        if hydra_config.mode == RunMode.MULTIRUN:
+            raise  # a sweep goes on: Hydra records this run as failed and runs the rest
         fail(str(error))
+    except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C: Lightning stops the fit and exits with status 1
+        record("interrupted", exit_status=getattr(stop, "code", None))
+        raise
+    except BaseException as error:  # a bug: its traceback is kept
+        record("failed", error)
+        raise
+    record("ok", global_step=result["global_step"], checkpoint=result["checkpoint"])
 
 
 def check_overrides(overrides: list[str]) -> None:

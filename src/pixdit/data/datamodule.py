@@ -26,6 +26,10 @@ first image's size). Bad shards are left out of the stream with one warning sayi
 than `max_bad_fraction` of a split is one PixditError instead. Samples that still fail while training (undecodable,
 wrong size, a shard damaged since) are warned about, skipped and counted: `skipped_samples`, over all workers of the
 rank.
+
+Signals: loader workers ignore SIGTERM. A `kill` of the whole process group (what a scheduler or `kill -TERM -PGID`
+sends) then reaches the main process alone, which saves a checkpoint and stops (pixdit.callbacks.StepCheckpoint) and
+shuts its workers down itself, instead of failing with "DataLoader worker ... is killed by signal: Terminated".
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -52,6 +57,11 @@ _BLOCK_SEED, _FLIP_SEED = 1, 2  # stream tags, so block-shuffle and flip random 
 # A train batch carries, from its loader worker to the main process, the images the worker skipped since its previous
 # batch; the main process adds them to ShardDataModule.skipped_samples and takes the key off.
 SKIPPED_KEY = "skipped"
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """worker_init_fn of every loader: the main process handles SIGTERM (see the module doc)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _worker_slot() -> tuple[int, int]:
@@ -492,7 +502,8 @@ class ShardDataModule(L.LightningDataModule):
             batch_size=self.batch_size, batches_per_epoch=self.batches_per_epoch(), rank=rank, world_size=world_size,
             seed=self.seed, flip=self.flip, shuffle_block=self.shuffle_block, labelled=self.labelled)
         return _TrainLoader(self._train_dataset, self, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory and torch.cuda.is_available(), persistent_workers=False)
+                            pin_memory=self.pin_memory and torch.cuda.is_available(), persistent_workers=False,
+                            worker_init_fn=_ignore_sigterm)
 
     def val_dataloader(self) -> DataLoader:
         split = self.val_manifest["splits"][self.val_split]
@@ -506,7 +517,7 @@ class ShardDataModule(L.LightningDataModule):
                                  batch_size=self.val_batch_size, num_images=num_images, rank=rank,
                                  world_size=world_size, labelled=self.labelled, skip=self.val_skip)
         return DataLoader(dataset, batch_size=None, num_workers=min(self.num_workers, len(dataset)),
-                          pin_memory=self.pin_memory and torch.cuda.is_available())
+                          pin_memory=self.pin_memory and torch.cuda.is_available(), worker_init_fn=_ignore_sigterm)
 
     # ---- exact resume -------------------------------------------------------------------------------------------
     def _start_epoch(self) -> tuple[int, int]:

@@ -5,8 +5,9 @@
                         inception_mode="legacy_tensorflow")
     metrics = evaluate_generator(model, flow, suite, num_samples=50_000, ...)      # pixdit.eval.evaluator
 
-`build_suite` does every check that can fail before a sample is generated, cheapest first: metric names, weights
-files, the reference (resolution, which statistics it holds, in which Inception pipeline), then loads the networks
+`build_suite` does every check that can fail before a sample is generated, cheapest first: metric names, the
+reference (resolution, which statistics it holds, in which Inception pipeline), the weights files (a look-up that may
+download), then loads the networks
 and computes what the reference lacks from its images (an ADM batch's arr_0), as the ADM evaluator does.
 
 Metrics (names for `eval.metrics` / `callbacks.fid.metrics`; keys in metrics.json):
@@ -185,13 +186,13 @@ def build_suite(metrics: Sequence[str], reference: str | None, *, resolution: in
         raise PixditError(f"{option_name(prefix, 'inception_mode')}={inception_mode!r}; allowed: "
                           f"{', '.join(INCEPTION_MODES)}")
     uses_inception = bool(INCEPTION_METRICS & set(names))
-    inception_weights = resolve_inception_path(inception_path, cache_dir, download, prefix) if uses_inception else None
-    dinov2_weights = resolve_dinov2_path(dinov2_path, download, prefix) if "fd_dinov2" in names else None
     reference_stats = None
-    if reference:
+    if reference:  # before the weights: a bad reference file is found without looking up (or downloading) a network
         reference_stats = load_reference(reference, resolution=resolution, cleanfid_dir=cleanfid_stats_dir,
                                          download=download, config_prefix=prefix)
     check_reference(reference_stats, names, inception_mode, prefix)
+    inception_weights = resolve_inception_path(inception_path, cache_dir, download, prefix) if uses_inception else None
+    dinov2_weights = resolve_dinov2_path(dinov2_path, download, prefix) if "fd_dinov2" in names else None
     inception = InceptionFeatureExtractor(inception_weights, device=device, config_prefix=prefix, mode=inception_mode,
                                           spatial="sfid" in names) if uses_inception else None
     dinov2 = DINOv2FeatureExtractor(dinov2_weights, device=device, config_prefix=prefix) if dinov2_weights else None

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,15 +157,21 @@ def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: 
             f"{option_name(config_prefix, 'reference')}={reference}: file not found. Make it with: python scripts/make_fid_stats.py "
             f"--shards DIR --resolution {resolution or 'R'} --out {reference}, or give an ADM reference batch (.npz)"
         )
-    with np.load(path, allow_pickle=False) as data:
-        keys = set(data.files)
-        if "description" in keys:
-            reference_stats = _read_pixdit_npz(data, path)
-        elif "arr_0" in keys or "mu" in keys:
-            reference_stats = _read_adm_npz(data, path)
-        else:
-            raise PixditError(f"{option_name(config_prefix, 'reference')}={reference}: an .npz with neither statistics "
-                              f"(mu, sigma) nor images (arr_0); keys: {sorted(keys)}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            keys = set(data.files)
+            if "description" in keys:
+                reference_stats = _read_pixdit_npz(data, path)
+            elif "arr_0" in keys or "mu" in keys:
+                reference_stats = _read_adm_npz(data, path)
+            else:
+                raise PixditError(f"{option_name(config_prefix, 'reference')}={reference}: an .npz with neither "
+                                  f"statistics (mu, sigma) nor images (arr_0); keys: {sorted(keys)}")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # cut short, not an .npz, no mu
+        raise PixditError(
+            f"{option_name(config_prefix, 'reference')}={reference}: not readable FID statistics ({type(error).__name__}: "
+            f"{error}); make them again with: python scripts/make_fid_stats.py --shards DIR --resolution "
+            f"{resolution or 'R'} --out {reference}") from None
     stored = reference_stats.resolution
     if resolution and stored and int(stored) != int(resolution):
         raise PixditError(
