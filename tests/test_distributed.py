@@ -2,7 +2,8 @@
 `train()`; afterwards both ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint
 samples. Resuming from the last checkpoint continues exactly: same weights on every rank as the run that never
 stopped, same samples. FSDP (weights, gradients and AdamW sharded over the two processes, pixdit.fsdp) ends with the
-weights DDP ends with, up to float rounding, with gradient clipping active (a wrong global gradient norm would show).
+weights DDP ends with, up to float rounding, with gradient clipping active (a wrong global gradient norm would show)
+and every block recomputed in the backward (model.grad_checkpointing=true inside the FSDP units).
 
 The test runs this file as a script (``python tests/test_distributed.py OUT_DIR OVERRIDES...``). Lightning's launcher
 re-runs the same command for rank 1, so the script is the whole program of both ranks: it composes configs/train.yaml
@@ -24,7 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 4
 CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=0"]
-DDP, FSDP = ["trainer=ddp"], ["trainer=fsdp"]
+DDP = ["trainer=ddp"]
+FSDP = ["trainer=fsdp", "model.grad_checkpointing=true"]   # + recomputation inside the FSDP units
 OVERRIDES = [
     "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.gradient_clip_val=0.05",
     "trainer.val_check_interval=1000", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
