@@ -1,13 +1,13 @@
 # pixdit — two commands on a fresh machine (Python >= 3.10 and pip):
 #   make train   # set up .venv on first use, build the bundled demo dataset, train experiment=quickstart
-#   make test    # set up .venv on first use, run the CPU test suite
+#   make test    # set up .venv on first use, lint (ruff), run the CPU test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pixdit-installed
 QUICKSTART_DATA := data/quickstart/manifest.json
 
-.PHONY: install train test test-gpu quickstart-data clean
+.PHONY: install train test test-gpu format quickstart-data clean
 
 install: $(STAMP)
 
@@ -27,8 +27,15 @@ quickstart-data: $(QUICKSTART_DATA)
 train: $(STAMP) $(QUICKSTART_DATA)
 	$(PY) train.py experiment=quickstart $(ARGS)
 
+# Lint and format check first (ruff, configured in pyproject.toml): `make format` fixes what it can.
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests $(ARGS)
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 # On a CUDA machine: kernel tests at real sizes (they are skipped on CPU).
 test-gpu: $(STAMP)

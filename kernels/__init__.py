@@ -7,9 +7,27 @@ torch.compile: the public functions are wrapped in ``torch.compiler.disable``, s
 eagerly (one graph break) and compiles what surrounds it (qk-norm, RoPE, layout changes). Traced instead, Dynamo hands
 the Triton kernels to Inductor, which types their float arguments as fp64 and fails to build them (torch 2.11).
 """
+
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, csr_to_csc, topk_desc
 from .llsa import llsa_attention, llsa_check, llsa_num_levels, llsa_select
-from .qk_norm_rope import qk_norm_rope  # noqa: F401  (the attention prologue: qk-norm + RoPE + head layout)
-from .sla import sla_attention, sla_select  # noqa: F401  (SLA: top-K sparse + linear attention)
-from .vsa import vsa_attention, vsa_select  # noqa: F401  (VSA: coarse + top-K block-sparse fine attention)
+from .qk_norm_rope import qk_norm_rope  # the attention prologue: qk-norm + RoPE + head layout
+from .sla import sla_attention, sla_select  # SLA: top-K sparse + linear attention
+from .vsa import vsa_attention, vsa_select  # VSA: coarse + top-K block-sparse fine attention
+
+__all__ = [
+    "block_sparse_attention",
+    "flash_attention",
+    "block_mean",
+    "csr_to_csc",
+    "topk_desc",
+    "llsa_attention",
+    "llsa_check",
+    "llsa_num_levels",
+    "llsa_select",
+    "qk_norm_rope",
+    "sla_attention",
+    "sla_select",
+    "vsa_attention",
+    "vsa_select",
+]

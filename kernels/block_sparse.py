@@ -26,6 +26,7 @@ with 64-wide dots.
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,12 +76,38 @@ def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
-                stride_qb, stride_qn, stride_kb, stride_kn, stride_ob, stride_on, stride_lb, stride_lt,
-                n_q, n_k, list_len, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-                HAS_LOGW: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                N_SUB: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    LIST,
+    LOGW,
+    O_INIT,
+    LSE_INIT,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_ob,
+    stride_on,
+    stride_lb,
+    stride_lt,
+    n_q,
+    n_k,
+    list_len,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    HAS_LOGW: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    N_SUB: tl.constexpr,
+):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,8 +117,9 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
     if HAS_INIT:  # continue a partial softmax: m = previous LSE, l = 1, acc = previous (normalized) output
         m_i = tl.load(LSE_INIT + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
-        acc = tl.load(O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :],
-                      mask=row_ok[:, None], other=0.0)
+        acc = tl.load(
+            O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0
+        )
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -99,7 +127,7 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    if PER_ITER == 1:   # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
+    if PER_ITER == 1:  # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
         # and an empty slot (-1) is a scalar -inf bias, not a per-element mask; a block of > 64 keys is walked in
         # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
@@ -111,7 +139,7 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
-            if EVEN_K:      # Nk is a multiple of KEY_BLOCK: no row of a listed block is out of range
+            if EVEN_K:  # Nk is a multiple of KEY_BLOCK: no row of a listed block is out of range
                 s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
                 v = tl.load(v_ptrs)
             else:
@@ -120,7 +148,7 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
                 s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + bias, float("-inf"))
                 v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
-    else:               # PER_ITER small blocks gathered per step (>= 64 keys per dot)
+    else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
             kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
@@ -134,18 +162,49 @@ def _fwd_kernel(Q, K, V, O, LSE, LIST, LOGW, O_INIT, LSE_INIT,
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-    tl.store(O + bh * stride_ob + rows[:, None] * stride_on + dims[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        O + bh * stride_ob + rows[:, None] * stride_on + dims[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None]
+    )
     tl.store(LSE + bh * n_q + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
-               stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_lb, stride_lt,
-               n_q, n_k, list_len, qk_scale, sm_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr,
-               HAS_LOGW: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE_DELTA: tl.constexpr, PREC: tl.constexpr,
-               EVEN_K: tl.constexpr, N_SUB: tl.constexpr):
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    O,
+    LSE,
+    DELTA,
+    DQ_IN,
+    DQ,
+    LIST,
+    LOGW,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_db,
+    stride_dn,
+    stride_lb,
+    stride_lt,
+    n_q,
+    n_k,
+    list_len,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    HAS_LOGW: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    N_SUB: tl.constexpr,
+):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,7 +214,7 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
     do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
     do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    if COMPUTE_DELTA:   # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
+    if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
         o = tl.load(O + do_offs, mask=row_ok[:, None], other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + bh * n_q + rows, delta, mask=row_ok)
@@ -165,7 +224,7 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    if PER_ITER == 1:   # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
+    if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
             blk = tl.load(list_base + j // N_SUB)
@@ -203,25 +262,61 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ_IN, DQ, LIST, LOGW,
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-    if ACCUMULATE:   # add an earlier pass's fp32 dq (other keys of the same queries)
+    if ACCUMULATE:  # add an earlier pass's fp32 dq (other keys of the same queries)
         dq += tl.load(DQ_IN + dq_offs, mask=row_ok[:, None], other=0.0)
     tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, ADD_V,
-                 stride_qb, stride_qn, stride_kb, stride_kn, stride_db, stride_dn, stride_ob, stride_rb,
-                 n_q, n_k, blk_lo, csc_lo, csc_step, out_row0, out_rows, qk_scale, sm_scale,
-                 HEAD_DIM: tl.constexpr, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr,
-                 GROUP: tl.constexpr, PER_ITER: tl.constexpr, N_SPLIT: tl.constexpr,
-                 HAS_LOGW: tl.constexpr, HAS_ADD: tl.constexpr, PREC: tl.constexpr, EVEN_Q: tl.constexpr,
-                 N_SUB: tl.constexpr):
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    OFFSETS,
+    ROWS,
+    LOGW,
+    ADD_K,
+    ADD_V,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_db,
+    stride_dn,
+    stride_ob,
+    stride_rb,
+    n_q,
+    n_k,
+    blk_lo,
+    csc_lo,
+    csc_step,
+    out_row0,
+    out_rows,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    QUERY_BLOCK: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    HAS_LOGW: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    N_SUB: tl.constexpr,
+):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
     g = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     KEY_ROWS: tl.constexpr = KEY_BLOCK * GROUP
-    QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER // N_SUB   # query rows per step (a tile > 64 rows: N_SUB steps)
+    QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER // N_SUB  # query rows per step (a tile > 64 rows: N_SUB steps)
     first_blk = blk_lo + g * GROUP
     krow = first_blk.to(tl.int64) * KEY_BLOCK + tl.arange(0, KEY_ROWS)
     k_ok = krow < n_k
@@ -231,7 +326,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
     v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
     if HAS_LOGW:
         w = tl.load(LOGW + krow // KEY_BLOCK, mask=k_ok, other=0.0) * 1.4426950408889634
-    csc_idx = csc_lo + g * csc_step   # = first_blk for a per-block CSC; csc_step 0: one list shared by all
+    csc_idx = csc_lo + g * csc_step  # = first_blk for a per-block CSC; csc_step 0: one list shared by all
     start = tl.load(OFFSETS + bh * stride_ob + csc_idx)
     end = tl.load(OFFSETS + bh * stride_ob + csc_idx + 1)
     chunk = tl.cdiv(end - start, N_SPLIT)
@@ -243,7 +338,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
     slot = roff // QUERY_BLOCK
     rows_base = ROWS + bh * stride_rb
     for j in range(s0 * N_SUB, s1 * N_SUB, PER_ITER):
-        if PER_ITER == 1:   # query tiles of >= 64 rows: a scalar tile id, contiguous rows, steps of 64 rows
+        if PER_ITER == 1:  # query tiles of >= 64 rows: a scalar tile id, contiguous rows, steps of 64 rows
             t = tl.load(rows_base + j // N_SUB)
             rows = t.to(tl.int64) * QUERY_BLOCK + (j % N_SUB) * QROWS + roff
         else:
@@ -252,7 +347,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
             rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
         q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
         do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
-        if PER_ITER == 1 and EVEN_Q:   # every row exists; key rows >= Nk are never stored, so no mask at all
+        if PER_ITER == 1 and EVEN_Q:  # every row exists; key rows >= Nk are never stored, so no mask at all
             q = tl.load(Q + q_offs)
             do = tl.load(DO + do_offs)
             lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
@@ -276,7 +371,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, OFFSETS, ROWS, LOGW, ADD_K, AD
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     dk = dk * sm_scale
-    if HAS_ADD:   # mean-pool adjoint: + (gradient of the pooled token that contains this key) / KEY_BLOCK
+    if HAS_ADD:  # mean-pool adjoint: + (gradient of the pooled token that contains this key) / KEY_BLOCK
         a_offs = bh * tl.cdiv(n_k, KEY_BLOCK) * HEAD_DIM + (krow // KEY_BLOCK)[:, None] * HEAD_DIM + dims[None, :]
         dk += tl.load(ADD_K + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
         dv += tl.load(ADD_V + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
@@ -299,10 +394,12 @@ def _tuned(kernel, key):
 
 
 _fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC", "EVEN_K"])
-_dq = _tuned(_dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC",
-                          "EVEN_K"])
-_dkdv = _tuned(_dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD",
-                              "PREC", "EVEN_Q"])
+_dq = _tuned(
+    _dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC", "EVEN_K"]
+)
+_dkdv = _tuned(
+    _dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD", "PREC", "EVEN_Q"]
+)
 _LAUNCH = {} if _AUTOTUNE else {"num_warps": 4, "num_stages": 2}
 
 
@@ -352,17 +449,57 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
     per_iter = _per_iter(key_block)
     o_init, lse_init = init if init is not None else (o, lse)
     _fwd[(n_tiles, BH)](
-        q, k, v, o, lse, lists, log_weights if log_weights is not None else lse, o_init, lse_init,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), _bstride(lists), lists.stride(1),
-        n_q, n_k, lists.shape[2], scale * LOG2E,
-        HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
-        HAS_LOGW=log_weights is not None, HAS_INIT=init is not None, PREC=_prec(q.dtype),
-        EVEN_K=n_k % key_block == 0, N_SUB=_n_sub(key_block), **_LAUNCH)
+        q,
+        k,
+        v,
+        o,
+        lse,
+        lists,
+        log_weights if log_weights is not None else lse,
+        o_init,
+        lse_init,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        o.stride(0),
+        o.stride(1),
+        _bstride(lists),
+        lists.stride(1),
+        n_q,
+        n_k,
+        lists.shape[2],
+        scale * LOG2E,
+        HEAD_DIM=d,
+        BLOCK_M=query_block,
+        KEY_BLOCK=key_block,
+        PER_ITER=per_iter,
+        HAS_LOGW=log_weights is not None,
+        HAS_INIT=init is not None,
+        PREC=_prec(q.dtype),
+        EVEN_K=n_k % key_block == 0,
+        N_SUB=_n_sub(key_block),
+        **_LAUNCH,
+    )
     return o, lse
 
 
-def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, log_weights=None, dq=None, o=None,
-                    out_dtype=torch.float32):
+def bsa_backward_dq(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    lists,
+    query_block,
+    key_block,
+    scale,
+    log_weights=None,
+    dq=None,
+    o=None,
+    out_dtype=torch.float32,
+):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
     With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq])."""
     BH, n_q, d = q.shape
@@ -372,18 +509,66 @@ def bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scal
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = _per_iter(key_block)
     _dq[(n_tiles, BH)](
-        q, k, v, do, o if o is not None else do, lse, delta, dq_in if accumulate else dq, dq, lists, log_weights if log_weights is not None else lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(lists), lists.stride(1),
-        q.shape[1], k.shape[1], lists.shape[2], scale * LOG2E, scale,
-        HEAD_DIM=d, BLOCK_M=query_block, KEY_BLOCK=key_block, PER_ITER=per_iter,
-        HAS_LOGW=log_weights is not None, ACCUMULATE=accumulate, COMPUTE_DELTA=o is not None, PREC=_prec(q.dtype),
-        EVEN_K=k.shape[1] % key_block == 0, N_SUB=_n_sub(key_block), **_LAUNCH)
+        q,
+        k,
+        v,
+        do,
+        o if o is not None else do,
+        lse,
+        delta,
+        dq_in if accumulate else dq,
+        dq,
+        lists,
+        log_weights if log_weights is not None else lse,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        do.stride(0),
+        do.stride(1),
+        _bstride(lists),
+        lists.stride(1),
+        q.shape[1],
+        k.shape[1],
+        lists.shape[2],
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=d,
+        BLOCK_M=query_block,
+        KEY_BLOCK=key_block,
+        PER_ITER=per_iter,
+        HAS_LOGW=log_weights is not None,
+        ACCUMULATE=accumulate,
+        COMPUTE_DELTA=o is not None,
+        PREC=_prec(q.dtype),
+        EVEN_K=k.shape[1] % key_block == 0,
+        N_SUB=_n_sub(key_block),
+        **_LAUNCH,
+    )
     return dq
 
 
-def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scale, log_weights=None,
-                      blk_range=None, group=1, n_split=1, dk=None, dv=None, shared_list=False, pooled_add=None,
-                      out_dtype=torch.float32):
+def bsa_backward_dkdv(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    csc,
+    query_block,
+    key_block,
+    scale,
+    log_weights=None,
+    blk_range=None,
+    group=1,
+    n_split=1,
+    dk=None,
+    dv=None,
+    shared_list=False,
+    pooled_add=None,
+    out_dtype=torch.float32,
+):
     """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` (default: all), key-major over the CSC
     lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``. ``group`` consecutive blocks per program
     (only valid when they share one list, e.g. a global level); ``n_split`` programs per group split its list and
@@ -395,7 +580,7 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
     n_k = k.shape[1]
     n_blocks = triton.cdiv(n_k, key_block)
     lo, hi = blk_range if blk_range is not None else (0, n_blocks)
-    if dk is None:   # every row of the range is written (zeros for blocks nobody attends)
+    if dk is None:  # every row of the range is written (zeros for blocks nobody attends)
         alloc = torch.empty if (lo, hi) == (0, n_blocks) else torch.zeros
         dk = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
         dv = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
@@ -406,7 +591,7 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
     n_groups = triton.cdiv(hi - lo, group)
     per_iter = _per_iter(query_block)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
-    if n_split > 1:   # every split writes all rows of the range (zeros when its part of the list is empty)
+    if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)
         tgt_v = torch.empty_like(tgt_k)
         out_row0, out_rows = r0, r1 - r0
@@ -414,14 +599,48 @@ def bsa_backward_dkdv(q, k, v, do, lse, delta, csc, query_block, key_block, scal
         tgt_k, tgt_v = dk, dv
         out_row0, out_rows = 0, n_k
     _dkdv[(n_groups, BH, n_split)](
-        q, k, v, do, lse, delta, tgt_k, tgt_v, offsets, rows, log_weights if log_weights is not None else lse,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        tgt_k,
+        tgt_v,
+        offsets,
+        rows,
+        log_weights if log_weights is not None else lse,
         *(pooled_add if pooled_add is not None else (lse, lse)),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), _bstride(offsets),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        do.stride(0),
+        do.stride(1),
+        _bstride(offsets),
         _bstride(rows),
-        n_q, n_k, lo, 0 if shared_list else lo, 0 if shared_list else group, out_row0, out_rows, scale * LOG2E, scale,
-        HEAD_DIM=d, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter,
-        N_SPLIT=n_split, HAS_LOGW=log_weights is not None, HAS_ADD=pooled_add is not None, PREC=_prec(q.dtype),
-        EVEN_Q=n_q % query_block == 0, N_SUB=_n_sub(query_block), **_LAUNCH)
+        n_q,
+        n_k,
+        lo,
+        0 if shared_list else lo,
+        0 if shared_list else group,
+        out_row0,
+        out_rows,
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=d,
+        QUERY_BLOCK=query_block,
+        KEY_BLOCK=key_block,
+        GROUP=group,
+        PER_ITER=per_iter,
+        N_SPLIT=n_split,
+        HAS_LOGW=log_weights is not None,
+        HAS_ADD=pooled_add is not None,
+        PREC=_prec(q.dtype),
+        EVEN_Q=n_q % query_block == 0,
+        N_SUB=_n_sub(query_block),
+        **_LAUNCH,
+    )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
         dv[:, r0:r1] = tgt_v.sum(0)
@@ -470,23 +689,47 @@ class _BlockSparseFn(torch.autograd.Function):
         n_blocks = triton.cdiv(kf.shape[1], key_block)
         shared = ctx.csc is not None
         csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)
-        dq = bsa_backward_dq(qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights,
-                             out_dtype=qf.dtype)
+        dq = bsa_backward_dq(
+            qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights, out_dtype=qf.dtype
+        )
         n_split = split_count(qf.shape[0] * n_blocks, lf.shape[1])
-        dk, dv = bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csc, query_block, key_block, scale, log_weights,
-                                   n_split=n_split, shared_list=shared,
-                                   out_dtype=kf.dtype if n_split == 1 else torch.float32)
-        return (dq.view(q_shape), dk.view(k_shape).to(kf.dtype), dv.view(k_shape).to(vf.dtype),
-                None, None, None, None, None, None)
+        dk, dv = bsa_backward_dkdv(
+            qf,
+            kf,
+            vf,
+            do,
+            lse,
+            delta,
+            csc,
+            query_block,
+            key_block,
+            scale,
+            log_weights,
+            n_split=n_split,
+            shared_list=shared,
+            out_dtype=kf.dtype if n_split == 1 else torch.float32,
+        )
+        return (
+            dq.view(q_shape),
+            dk.view(k_shape).to(kf.dtype),
+            dv.view(k_shape).to(vf.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, scale=None, block_log_weights=None,
-                                 return_lse=False):
+def block_sparse_attention_torch(
+    q, k, v, block_lists, query_block, key_block, scale=None, block_log_weights=None, return_lse=False
+):
     """Exact gather-form PyTorch version of ``block_sparse_attention`` (fp32 math, autograd; memory
     O(Nq * len * key_block * d))."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     n_tiles = block_lists.shape[-2]
     pad_q = n_tiles * query_block - n_q
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad_q)).view(b, h, n_tiles, query_block, d)
@@ -498,9 +741,9 @@ def block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, s
     idx = rows.view(b, h, -1, 1).expand(-1, -1, -1, d)
     kg = torch.gather(k.float(), 2, idx).view(b, h, n_tiles, -1, d)
     vg = torch.gather(v.float(), 2, idx).view(b, h, n_tiles, -1, d)
-    s = (qf @ kg.transpose(-1, -2)) * scale                                  # [b, h, tiles, qb, len*kb]
+    s = (qf @ kg.transpose(-1, -2)) * scale  # [b, h, tiles, qb, len*kb]
     if block_log_weights is not None:
-        w = block_log_weights.float()[lists.clamp(min=0)]                    # [b, h, tiles, len]
+        w = block_log_weights.float()[lists.clamp(min=0)]  # [b, h, tiles, len]
         s = s + w.repeat_interleave(key_block, -1)[..., None, :]
     s = s.masked_fill(~ok[..., None, :], float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -510,9 +753,19 @@ def block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, s
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block: int, scale: float | None = None,
-                           block_log_weights: torch.Tensor | None = None, return_lse: bool = False,
-                           impl: str = "auto"):
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    block_lists,
+    *,
+    query_block: int,
+    key_block: int,
+    scale: float | None = None,
+    block_log_weights: torch.Tensor | None = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+):
     """Block-sparse softmax attention, differentiable in q, k, v (also through the returned LSE).
 
     Args:
@@ -540,13 +793,17 @@ def block_sparse_attention(q, k, v, block_lists, *, query_block: int, key_block:
         raise ValueError(f"block_sparse_attention: key_block must be a power of two >= 16, got {key_block}")
     n_tiles = triton.cdiv(q.shape[2], query_block)
     if block_lists.dim() != 4 or block_lists.shape[-2] != n_tiles:
-        raise ValueError(f"block_sparse_attention: block_lists must be [b, h, {n_tiles}, len] for Nq={q.shape[2]} "
-                         f"and query_block={query_block}, got {tuple(block_lists.shape)}")
+        raise ValueError(
+            f"block_sparse_attention: block_lists must be [b, h, {n_tiles}, len] for Nq={q.shape[2]} "
+            f"and query_block={query_block}, got {tuple(block_lists.shape)}"
+        )
     if not triton_path:
-        return block_sparse_attention_torch(q, k, v, block_lists, query_block, key_block, scale, block_log_weights,
-                                            return_lse)
-    o, lse = _BlockSparseFn.apply(q, k, v, _flat_lists(block_lists, q), query_block, key_block, scale,
-                                  _log_weights(block_log_weights), None)
+        return block_sparse_attention_torch(
+            q, k, v, block_lists, query_block, key_block, scale, block_log_weights, return_lse
+        )
+    o, lse = _BlockSparseFn.apply(
+        q, k, v, _flat_lists(block_lists, q), query_block, key_block, scale, _log_weights(block_log_weights), None
+    )
     return (o, lse) if return_lse else o
 
 

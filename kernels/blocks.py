@@ -10,6 +10,7 @@ Everything here is plain PyTorch, runs on CPU and CUDA, and is deterministic:
 
 The Triton block-sparse attention that consumes these tables lives in ``block_sparse.py``.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -41,7 +42,7 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """
     n, d = x.shape[-2], x.shape[-1]
     full = n // block_size
-    if full * block_size == n:   # one reduction, fp32 accumulation without an fp32 copy of x
+    if full * block_size == n:  # one reduction, fp32 accumulation without an fp32 copy of x
         return x.reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
     out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
     tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True, dtype=torch.float32)

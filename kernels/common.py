@@ -10,6 +10,7 @@ Both paths accept the same inputs (fp16, bf16 or fp32; head dims 16, 32, 64, 128
 runs on the GPU too. The conventions behind them are in docs/algorithms.md ("Conventions shared by the three sparse
 methods").
 """
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,26 @@ import torch
 
 from . import topk as shared_topk
 
-__all__ = ["HEAD_DIMS", "DTYPES", "BLOCK_SIZES", "INTERPRET", "use_triton", "autocast_inputs", "check_qkv",
-           "check_block_size", "check_selection", "num_blocks", "pad_to_blocks", "topk_from_fraction", "resolve_topk",
-           "select_topk_blocks"]
+__all__ = [
+    "HEAD_DIMS",
+    "DTYPES",
+    "BLOCK_SIZES",
+    "INTERPRET",
+    "use_triton",
+    "autocast_inputs",
+    "check_qkv",
+    "check_block_size",
+    "check_selection",
+    "num_blocks",
+    "pad_to_blocks",
+    "topk_from_fraction",
+    "resolve_topk",
+    "select_topk_blocks",
+]
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_SIZES = (16, 32, 64)   # VSA's and SLA's block sizes
+BLOCK_SIZES = (16, 32, 64)  # VSA's and SLA's block sizes
 IMPLS = ("auto", "triton", "torch")
 # The Triton interpreter runs the kernels on CPU tensors (tests); TRITON_INTERPRET=1 must be set before pixdit.kernels
 # is imported (the @triton.jit functions are created then).
@@ -40,8 +54,10 @@ def use_triton(x: torch.Tensor, impl: str) -> bool:
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     triton_path = impl == "triton" or (impl == "auto" and x.is_cuda)
     if triton_path and not x.is_cuda and not INTERPRET:
-        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
-                         "pixdit.kernels is imported (or use impl='torch' / 'auto')")
+        raise ValueError(
+            "impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
+            "pixdit.kernels is imported (or use impl='torch' / 'auto')"
+        )
     return triton_path
 
 
@@ -72,12 +88,14 @@ def check_qkv(q, k, v, *, name: str, self_attention: bool = True, scale=None) ->
         raise TypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    same = q.shape == k.shape == v.shape if self_attention else (
-        k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[-1] == k.shape[-1])
+    same = (
+        q.shape == k.shape == v.shape
+        if self_attention
+        else (k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[-1] == k.shape[-1])
+    )
     if not same:
         what = "the same shape (self-attention)" if self_attention else "matching batch, heads and head_dim"
-        raise ValueError(f"{name}: q, k, v must have {what}, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"{name}: q, k, v must have {what}, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] < 1 or k.shape[2] < 1:
         raise ValueError(f"{name}: the token dimension of q, k, v is empty")
     if q.shape[-1] not in HEAD_DIMS:
@@ -96,11 +114,18 @@ def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
     """A precomputed block selection must be an int tensor ``[b, h, T, K]`` of ids in ``[0, T)`` on q's device."""
     b, h, n, _ = q.shape
     t = num_blocks(n, block_size)
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 4 \
-            or tuple(idx.shape[:3]) != (b, h, t) or idx.device != q.device:
-        raise ValueError(f"{name} must be an int32/int64 tensor [{b}, {h}, {t}, K] on {q.device} "
-                         f"(as returned by the matching *_select), got "
-                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+    if (
+        not isinstance(idx, torch.Tensor)
+        or idx.dtype not in (torch.int32, torch.int64)
+        or idx.dim() != 4
+        or tuple(idx.shape[:3]) != (b, h, t)
+        or idx.device != q.device
+    ):
+        raise ValueError(
+            f"{name} must be an int32/int64 tensor [{b}, {h}, {t}, K] on {q.device} "
+            f"(as returned by the matching *_select), got "
+            f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ block layout
@@ -129,8 +154,10 @@ def resolve_topk(num_tiles: int, topk, topk_ratio) -> int:
     """The number of selected blocks from exactly one of ``topk`` (an int >= 1, clamped to the number of blocks) or
     ``topk_ratio`` (the share of blocks kept, in [0, 1]); K >= 1 always."""
     if (topk is None) == (topk_ratio is None):
-        raise ValueError(f"give exactly one of topk (int >= 1) or topk_ratio (float in [0, 1]); "
-                         f"got topk={topk!r}, topk_ratio={topk_ratio!r}")
+        raise ValueError(
+            f"give exactly one of topk (int >= 1) or topk_ratio (float in [0, 1]); "
+            f"got topk={topk!r}, topk_ratio={topk_ratio!r}"
+        )
     if topk is not None:
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
             raise ValueError(f"topk must be an int >= 1 (it is clamped to the number of blocks), got {topk!r}")
@@ -140,8 +167,9 @@ def resolve_topk(num_tiles: int, topk, topk_ratio) -> int:
     return topk_from_fraction(topk_ratio, num_tiles)
 
 
-def select_topk_blocks(q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, scale: float = 1.0,
-                       use_triton_topk: bool = False) -> torch.Tensor:
+def select_topk_blocks(
+    q_pool: torch.Tensor, k_pool: torch.Tensor, topk: int, scale: float = 1.0, use_triton_topk: bool = False
+) -> torch.Tensor:
     """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32, TF32 off): int32
     ``[b, h, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc`` semantics). No grad.
 

@@ -89,7 +89,7 @@ def _global_sums(phi_k: torch.Tensor, v: torch.Tensor, chunk: int = 1024):
     b, h, n, d = phi_k.shape
     chunk = min(n, chunk)
     a, c = phi_k.float(), v.float()
-    if n % chunk:                                                   # zero rows add nothing to the sums
+    if n % chunk:  # zero rows add nothing to the sums
         a, c = F.pad(a, (0, 0, 0, chunk - n % chunk)), F.pad(c, (0, 0, 0, chunk - n % chunk))
     a, c = a.reshape(b, h, -1, chunk, d), c.reshape(b, h, -1, chunk, c.shape[-1])
     return (a.transpose(-1, -2) @ c).sum(2), phi_k.sum(2, dtype=torch.float32)
@@ -106,15 +106,15 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
     if excluded_idx is None:
         kv_total, z_total = _global_sums(phi_k, v)
         return (phi_q @ kv_total) / (phi_q @ z_total[..., None] + ALL_SCOPE_EPS)
-    phi_q_blocks = pad_to_blocks(phi_q, block_size)                                 # [B, H, T, C, D]
-    phi_k_blocks = pad_to_blocks(phi_k, block_size)                                 # padded keys are 0 after phi
+    phi_q_blocks = pad_to_blocks(phi_q, block_size)  # [B, H, T, C, D]
+    phi_k_blocks = pad_to_blocks(phi_k, block_size)  # padded keys are 0 after phi
     t = phi_q_blocks.shape[2]
     kv_blocks = (phi_k_blocks.transpose(-1, -2) @ pad_to_blocks(v.float(), block_size)).reshape(b, h, t, d * d)
     kept = torch.ones(b, h, t, t, dtype=torch.bool, device=q.device)
     kept.scatter_(-1, excluded_idx.long(), False)
-    kept = kept.float()                                                             # [B, H, T, T] block mask
-    numerator = phi_q_blocks @ (kept @ kv_blocks).reshape(b, h, t, d, d)            # phi(q) . H_i
-    denominator = phi_q_blocks @ (kept @ phi_k_blocks.sum(3))[..., None]            # phi(q) . Z_i
+    kept = kept.float()  # [B, H, T, T] block mask
+    numerator = phi_q_blocks @ (kept @ kv_blocks).reshape(b, h, t, d, d)  # phi(q) . H_i
+    denominator = phi_q_blocks @ (kept @ phi_k_blocks.sum(3))[..., None]  # phi(q) . Z_i
     out = safe_divide(numerator, denominator, denominator != 0)
     return out.reshape(b, h, t * block_size, d)[:, :, :n]
 
@@ -132,7 +132,7 @@ def _phi(x, row_ok, FEATURE: tl.constexpr):
         e = tl.exp(x - tl.max(x, 1)[:, None])
         a = e / tl.sum(e, 1)[:, None]
     elif FEATURE == "elu":
-        a = tl.where(x > 0, x + 1.0, tl.exp(x))                   # elu(x) + 1 = exp(x) for x <= 0
+        a = tl.where(x > 0, x + 1.0, tl.exp(x))  # elu(x) + 1 = exp(x) for x <= 0
     else:
         a = tl.maximum(x, 0.0)
     return tl.where(row_ok[:, None], a, 0.0)
@@ -151,9 +151,22 @@ def _phi_backward(x, a, da, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _feature_sums_kernel(X, Y, PHI, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
-                         HEAD_DIM: tl.constexpr, TILE: tl.constexpr, FEATURE: tl.constexpr,
-                         BACKWARD: tl.constexpr, PREC: tl.constexpr):
+def _feature_sums_kernel(
+    X,
+    Y,
+    PHI,
+    INV_DEN,
+    DELTA,
+    OUTER,
+    TOTAL,
+    n,
+    chunk,
+    HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr,
+    FEATURE: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # One partial sum per (chunk of rows, batch*head); the caller adds the partials (fixed order: deterministic).
     #   forward  (X = k, Y = v): PHI = phi(k) in the input dtype (read by the list walks),
     #                            OUTER = sum_u phi(k_u)^T v_u,  TOTAL = sum_u phi(k_u)
@@ -180,7 +193,7 @@ def _feature_sums_kernel(X, Y, PHI, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
             total += tl.sum(at * (-delta * inv_den)[None, :], 1)
         else:
             x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-            a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)             # one rounding, stored for the walks
+            a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)  # one rounding, stored for the walks
             tl.store(PHI + base + rows[:, None] * HEAD_DIM + dims[None, :], a, mask=ok[:, None])
             outer += tl.dot(tl.trans(a), y, input_precision=PREC)
             total += tl.sum(a.to(tl.float32), 0)
@@ -190,10 +203,29 @@ def _feature_sums_kernel(X, Y, PHI, INV_DEN, DELTA, OUTER, TOTAL, n, chunk,
 
 
 @triton.jit
-def _fwd_kernel(Q, PHI_K, V, KV_TOTAL, Z_TOTAL, PHI_Q, O, INV_DEN, LIST, stride_lb, stride_lt, n, list_len,
-                all_scope_eps, empty_row_rel_eps,
-                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
-                EXCLUDE: tl.constexpr, PREC: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    PHI_K,
+    V,
+    KV_TOTAL,
+    Z_TOTAL,
+    PHI_Q,
+    O,
+    INV_DEN,
+    LIST,
+    stride_lb,
+    stride_lt,
+    n,
+    list_len,
+    all_scope_eps,
+    empty_row_rel_eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -202,14 +234,14 @@ def _fwd_kernel(Q, PHI_K, V, KV_TOTAL, Z_TOTAL, PHI_Q, O, INV_DEN, LIST, stride_
     base = bh * n * HEAD_DIM
     tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
     x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
-    a = _phi(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)    # phi(q) in the input dtype (one rounding)
-    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])     # for the key-major backward walk
+    a = _phi(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)  # phi(q) in the input dtype (one rounding)
+    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])  # for the key-major backward walk
     af = a.to(tl.float32)
     kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
     z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    num = tl.dot(af, kv_total, input_precision=PREC)            # phi(q) . sum_u phi(k_u) v_u^T
-    den = tl.sum(af * z_total[None, :], 1)                      # exact fp32: the empty-row test below needs it
-    if EXCLUDE:                                                 # minus sum_{u in E(i)} w_tu (v_u, 1)
+    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
+    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
+    if EXCLUDE:  # minus sum_{u in E(i)} w_tu (v_u, 1)
         num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         den_excluded = tl.zeros([BLOCK], tl.float32)
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
@@ -217,7 +249,7 @@ def _fwd_kernel(Q, PHI_K, V, KV_TOTAL, Z_TOTAL, PHI_Q, O, INV_DEN, LIST, stride_
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            w = tl.dot(a, tl.trans(b), input_precision=PREC)                    # [BLOCK, BLOCK * PER_ITER]
+            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
             den_excluded += tl.sum(w, 1)
             num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
         num -= num_excluded
@@ -233,9 +265,29 @@ def _fwd_kernel(Q, PHI_K, V, KV_TOTAL, Z_TOTAL, PHI_Q, O, INV_DEN, LIST, stride_
 
 
 @triton.jit
-def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, stride_lb, stride_lt, n, list_len,
-               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
-               EXCLUDE: tl.constexpr, PREC: tl.constexpr):
+def _dq_kernel(
+    Q,
+    PHI_K,
+    V,
+    O,
+    DO,
+    KV_TOTAL,
+    Z_TOTAL,
+    INV_DEN,
+    DELTA,
+    DQ,
+    LIST,
+    stride_lb,
+    stride_lt,
+    n,
+    list_len,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # with delta_t = dO_t . o_t and L(t) the linear set of row t:
     #   dphi(q_t) = (sum_{u in L(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
     #             = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
@@ -261,7 +313,7 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]   # [BLOCK, BLOCK * PER_ITER]
+            dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]  # [BLOCK, BLOCK * PER_ITER]
             # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
             dw = tl.where(k_ok[None, :], dw, 0.0)
             excluded += tl.dot(dw.to(b.dtype), b, input_precision=PREC)
@@ -273,10 +325,31 @@ def _dq_kernel(Q, PHI_K, V, O, DO, KV_TOTAL, Z_TOTAL, INV_DEN, DELTA, DQ, LIST, 
 
 
 @triton.jit
-def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL, DK, DV, OFFSETS, ROWS,
-                  stride_ob, stride_rb, n,
-                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PER_ITER: tl.constexpr, FEATURE: tl.constexpr,
-                  EXCLUDE: tl.constexpr, PREC: tl.constexpr, SCALED_DTYPE: tl.constexpr):
+def _dk_dv_kernel(
+    PHI_Q,
+    K,
+    PHI_K,
+    V,
+    DO,
+    INV_DEN,
+    DELTA,
+    D_KV_TOTAL,
+    D_Z_TOTAL,
+    DK,
+    DV,
+    OFFSETS,
+    ROWS,
+    stride_ob,
+    stride_rb,
+    n,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+    SCALED_DTYPE: tl.constexpr,
+):
     # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
     # list holds key block j (CSC transpose), the excluded part:
     #   dphi(k_u) = d_KV v_u + d_Z - sum_t (dO_t . v_u - delta_t) / den_t phi(q_t)
@@ -295,7 +368,7 @@ def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL,
     d_kv_base = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
     d_kv = tl.load(d_kv_base + dims[:, None] * HEAD_DIM + dims[None, :])
     d_kv_t = tl.load(d_kv_base + dims[None, :] * HEAD_DIM + dims[:, None])  # transposed by the load: no tl.trans of
-    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)                          # a 32-bit dot operand
+    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)  # a 32-bit dot operand
     dphi = tl.dot(v.to(tl.float32), d_kv_t, input_precision=PREC) + d_z[None, :]
     dv = tl.dot(b.to(tl.float32), d_kv, input_precision=PREC)
     if EXCLUDE:
@@ -311,20 +384,20 @@ def _dk_dv_kernel(PHI_Q, K, PHI_K, V, DO, INV_DEN, DELTA, D_KV_TOTAL, D_Z_TOTAL,
             query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
             a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
             do = tl.load(DO + query_offsets, mask=r_ok[:, None], other=0.0)
-            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)     # 0 on missing rows
+            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)  # 0 on missing rows
             delta = tl.load(DELTA + bh * n + rows, mask=r_ok, other=0.0)
-            wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]              # [BLOCK, QROWS]
+            wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]  # [BLOCK, QROWS]
             dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
             # the 1/den-scaled weights can leave fp16's range: bf16 operands for bf16 inputs, else fp32 (tf32)
             dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)
             dv -= tl.dot(wt.to(SCALED_DTYPE), do.to(SCALED_DTYPE), input_precision=PREC)
     xk = xk.to(tl.float32)
-    dk = _phi_backward(xk, _phi(xk, k_ok, FEATURE), dphi, FEATURE)     # Jacobian at the unrounded phi(k)
+    dk = _phi_backward(xk, _phi(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at the unrounded phi(k)
     tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
-SUM_CHUNK = 1024      # rows per partial of the global sums: N / 1024 programs per head instead of one
+SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per head instead of one
 SUM_TILE = 64
 
 
@@ -339,15 +412,28 @@ def _feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
     total = torch.empty(bh, chunks, d, device=x.device, dtype=torch.float32)
     backward = inv_den is not None
     phi = None if backward else torch.empty_like(x)
-    _feature_sums_kernel[(chunks, bh)](x, y, x if backward else phi, inv_den if backward else x,
-                                       delta if backward else x, outer, total, n, chunk, HEAD_DIM=d, TILE=SUM_TILE,
-                                       FEATURE=feature_map_name, BACKWARD=backward, PREC=prec,
-                                       num_warps=_num_warps(d))
+    _feature_sums_kernel[(chunks, bh)](
+        x,
+        y,
+        x if backward else phi,
+        inv_den if backward else x,
+        delta if backward else x,
+        outer,
+        total,
+        n,
+        chunk,
+        HEAD_DIM=d,
+        TILE=SUM_TILE,
+        FEATURE=feature_map_name,
+        BACKWARD=backward,
+        PREC=prec,
+        num_warps=_num_warps(d),
+    )
     return phi, outer.sum(1), total.sum(1)
 
 
 def _num_warps(head_dim: int) -> int:
-    return 4 if head_dim <= 64 else 8          # D x D fp32 tiles in registers
+    return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
 class _LinearAttention(torch.autograd.Function):
@@ -366,10 +452,26 @@ class _LinearAttention(torch.autograd.Function):
         phi_q, o = torch.empty_like(q), torch.empty_like(q)
         inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _fwd_kernel[(t, bh)](q, phi_k, v, kv_total, z_total, phi_q, o, inv_den, *list_args, ALL_SCOPE_EPS,
-                             EMPTY_ROW_REL_EPS,
-                             HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name,
-                             EXCLUDE=exclude, PREC=prec, num_warps=_num_warps(d))
+        _fwd_kernel[(t, bh)](
+            q,
+            phi_k,
+            v,
+            kv_total,
+            z_total,
+            phi_q,
+            o,
+            inv_den,
+            *list_args,
+            ALL_SCOPE_EPS,
+            EMPTY_ROW_REL_EPS,
+            HEAD_DIM=d,
+            BLOCK=block_size,
+            PER_ITER=per_iter,
+            FEATURE=feature_map_name,
+            EXCLUDE=exclude,
+            PREC=prec,
+            num_warps=_num_warps(d),
+        )
         ctx.save_for_backward(q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists)
         ctx.config = (block_size, feature_map_name)
         return o
@@ -383,8 +485,15 @@ class _LinearAttention(torch.autograd.Function):
         per_iter, prec = _launch_cfg(block_size, q.dtype)
         exclude = lists is not None
         do = do.to(q.dtype).contiguous()
-        common = dict(HEAD_DIM=d, BLOCK=block_size, PER_ITER=per_iter, FEATURE=feature_map_name, EXCLUDE=exclude,
-                      PREC=prec, num_warps=_num_warps(d))
+        common = dict(
+            HEAD_DIM=d,
+            BLOCK=block_size,
+            PER_ITER=per_iter,
+            FEATURE=feature_map_name,
+            EXCLUDE=exclude,
+            PREC=prec,
+            num_warps=_num_warps(d),
+        )
         dq = torch.empty_like(q)
         delta = torch.empty_like(inv_den)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
@@ -397,13 +506,27 @@ class _LinearAttention(torch.autograd.Function):
             csc_args = (inv_den, inv_den, 0, 0, n)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         scaled_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
-        _dk_dv_kernel[(t, bh)](phi_q, k, phi_k, v, do, inv_den, delta, d_kv_total, d_z_total, dk, dv, *csc_args,
-                               SCALED_DTYPE=scaled_dtype, **common)
+        _dk_dv_kernel[(t, bh)](
+            phi_q,
+            k,
+            phi_k,
+            v,
+            do,
+            inv_den,
+            delta,
+            d_kv_total,
+            d_z_total,
+            dk,
+            dv,
+            *csc_args,
+            SCALED_DTYPE=scaled_dtype,
+            **common,
+        )
         return dq, dk, dv, None, None, None
 
 
 def _launch_cfg(block_size: int, dtype: torch.dtype):
-    per_iter = max(1, 64 // block_size)                          # >= 64-wide dots for the tensor cores
+    per_iter = max(1, 64 // block_size)  # >= 64-wide dots for the tensor cores
     return per_iter, ("ieee" if dtype == torch.float32 else "tf32")
 
 

@@ -17,11 +17,12 @@ the level-(l+1) ancestor, and B^2 >= 64 rows share it); the second pass continue
 backward is dq query-major, dk/dv key-major over the CSC transpose, then the mean-pool adjoint. CPU tensors run the
 exact gather form in fp32 with autograd.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
 
-COARSE_TILE = 64          # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
+COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
 
 
 # ------------------------------------------------------------------------------------------------- configuration
@@ -52,8 +53,13 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size!r}")
 
 
-def llsa_check(num_tokens: int, block_size: int = 16, num_levels: int | None = None,
-               topk: int | Sequence[int] = 8, enrich_levels: int | None = None) -> dict:
+def llsa_check(
+    num_tokens: int,
+    block_size: int = 16,
+    num_levels: int | None = None,
+    topk: int | Sequence[int] = 8,
+    enrich_levels: int | None = None,
+) -> dict:
     """Validate an LLSA setting for a sequence of ``num_tokens`` and return the effective one.
 
     Raises ValueError naming the parameter and the allowed values. Returns ``{"num_levels": L, "topk": [K_1..K_L],
@@ -66,26 +72,28 @@ def llsa_check(num_tokens: int, block_size: int = 16, num_levels: int | None = N
     L = llsa_num_levels(num_tokens, block_size) if num_levels is None else num_levels
     if not isinstance(L, int) or L < 1:
         raise ValueError(f"num_levels must be an int >= 1 (or None for the default), got {num_levels!r}")
-    group = block_size ** L
+    group = block_size**L
     if num_tokens % group:
         raise ValueError(
             f"LLSA with block_size={block_size} and num_levels={L} needs the number of tokens to be a multiple of "
             f"block_size**num_levels = {group}, got {num_tokens} tokens ({num_tokens} / {group} = "
             f"{num_tokens / group:.3g}); use fewer levels, a smaller block_size or an image whose token count is a "
-            f"multiple of {group}")
+            f"multiple of {group}"
+        )
     if isinstance(topk, int):
         ks = [topk] * L
     else:
         ks = list(topk)
         if len(ks) != L:
-            raise ValueError(f"topk must be an int or a list of num_levels={L} ints [K_1, ..., K_L] (finest first), "
-                             f"got {topk!r}")
+            raise ValueError(
+                f"topk must be an int or a list of num_levels={L} ints [K_1, ..., K_L] (finest first), got {topk!r}"
+            )
     if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in ks):
         raise ValueError(f"topk must be >= 1 at every level (blocks kept per query block), got {topk!r}")
     Le = L if enrich_levels is None else enrich_levels
     if not isinstance(Le, int) or not 0 <= Le <= L:
         raise ValueError(f"enrich_levels must be an int in [0, num_levels={L}] (or None = all), got {enrich_levels!r}")
-    sizes = [num_tokens // block_size ** lvl for lvl in range(L + 1)]
+    sizes = [num_tokens // block_size**lvl for lvl in range(L + 1)]
     eff = list(ks)
     eff[L - 1] = min(eff[L - 1], sizes[L])
     for lvl in range(L - 1, 0, -1):  # 1-based level lvl has index lvl - 1
@@ -112,14 +120,21 @@ def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> li
     L = len(ks)
     index = [pooled_topk(qp[L - 1], kp[L - 1], ks[L - 1], impl=impl)]
     for lvl in range(L - 1, 0, -1):
-        index.insert(0, pooled_topk(qp[lvl - 1], kp[lvl - 1], ks[lvl - 1], parents=index[0], child_block=block_size,
-                                    impl=impl))
+        index.insert(
+            0, pooled_topk(qp[lvl - 1], kp[lvl - 1], ks[lvl - 1], parents=index[0], child_block=block_size, impl=impl)
+        )
     return index
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def llsa_select(q: torch.Tensor, k: torch.Tensor, block_size: int = 16, topk: int | Sequence[int] = 8,
-                num_levels: int | None = None, impl: str = "auto") -> list[torch.Tensor]:
+def llsa_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_size: int = 16,
+    topk: int | Sequence[int] = 8,
+    num_levels: int | None = None,
+    impl: str = "auto",
+) -> list[torch.Tensor]:
     """Hierarchical top-k selection: ``[I^(1), ..., I^(L)]``, ``I^(l)`` int32 ``[b, h, N_l, K_l]``.
 
     Row r of I^(l) lists, in descending score order (ties -> smaller id), the level-l key tokens (= level-(l-1)
@@ -161,16 +176,16 @@ def _llsa_torch(q, k, v, index, block_size, enrich_levels, scale, reference_l1_g
             kl, vl = block_mean(kl, B), block_mean(vl, B)
             if reference_l1_grad and L == 1:
                 kl, vl = _ScaleGrad.apply(kl, 1.0 / B), _ScaleGrad.apply(vl, 1.0 / B)
-        if lvl == L:          # every coarsest token (not gathered: one shared [N_L, d] matrix)
-            s = qb @ kl[:, :, None].transpose(-1, -2)                                 # [b, h, nq, B, N_L]
+        if lvl == L:  # every coarsest token (not gathered: one shared [N_L, d] matrix)
+            s = qb @ kl[:, :, None].transpose(-1, -2)  # [b, h, nq, B, N_L]
             values.append(vl[:, :, None])
-        else:                 # the blocks listed by I^(lvl+1) for this query block's level-(lvl+1) ancestor
-            sel = index[lvl][:, :, torch.arange(nq, device=q.device) // B ** lvl].long()  # [b, h, nq, K]
-            rows = (sel[..., None] * B + torch.arange(B, device=q.device)).flatten(-2)     # [b, h, nq, K*B]
+        else:  # the blocks listed by I^(lvl+1) for this query block's level-(lvl+1) ancestor
+            sel = index[lvl][:, :, torch.arange(nq, device=q.device) // B**lvl].long()  # [b, h, nq, K]
+            rows = (sel[..., None] * B + torch.arange(B, device=q.device)).flatten(-2)  # [b, h, nq, K*B]
             idx = rows.view(b, h, -1, 1).expand(-1, -1, -1, d)
             kg = torch.gather(kl, 2, idx).view(b, h, nq, -1, d)
             values.append(torch.gather(vl, 2, idx).view(b, h, nq, -1, d))
-            s = qb @ kg.transpose(-1, -2)                                             # [b, h, nq, B, K*B]
+            s = qb @ kg.transpose(-1, -2)  # [b, h, nq, B, K*B]
         logits.append(s * scale + lvl * math.log(B))
     p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out = 0
@@ -185,7 +200,7 @@ def _bank_layout(N, B, L, Le):
     offsets, total = [], 0
     for lvl in range(1, min(Le, L) + 1):
         offsets.append(total)
-        total += N // B ** lvl
+        total += N // B**lvl
     return offsets, total
 
 
@@ -195,10 +210,10 @@ def _coarse_lists(index, N, B, L, Le, device):
     offsets, total = _bank_layout(N, B, L, Le)
     n_tiles = triton.cdiv(N, COARSE_TILE)
     parts = []
-    for lvl in range(1, min(Le, L - 1) + 1):        # candidates: children of the level-(lvl+1) ancestor's selection
+    for lvl in range(1, min(Le, L - 1) + 1):  # candidates: children of the level-(lvl+1) ancestor's selection
         tiles_per_ancestor = B ** (lvl + 1) // COARSE_TILE
         parts.append(index[lvl].repeat_interleave(tiles_per_ancestor, dim=2) + offsets[lvl - 1] // B)
-    if Le >= L:                                     # every coarsest token, partial last block masked by the kernel
+    if Le >= L:  # every coarsest token, partial last block masked by the kernel
         top = torch.arange(offsets[L - 1] // B, triton.cdiv(total, B), device=device, dtype=torch.int32)
         parts.append(top.expand(b, h, n_tiles, -1))
     lists = torch.cat(parts, dim=-1).to(torch.int32)
@@ -218,20 +233,33 @@ def _bank_log_weights(N, B, L, Le, device):
 
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bank_k, bank_v, fine_lists, coarse_lists, block_size, num_levels, enrich_levels,
-                scale, reference_l1_grad):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        bank_k,
+        bank_v,
+        fine_lists,
+        coarse_lists,
+        block_size,
+        num_levels,
+        enrich_levels,
+        scale,
+        reference_l1_grad,
+    ):
         # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
         qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
         has_coarse = Le >= 1
-        o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale,
-                                out_dtype=torch.float32 if has_coarse else None)
+        o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_dtype=torch.float32 if has_coarse else None)
         logw = None
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
-            o, lse = bs.bsa_forward(qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw,
-                                    init=(o, lse), out_dtype=q.dtype)
+            o, lse = bs.bsa_forward(
+                qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw, init=(o, lse), out_dtype=q.dtype
+            )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape)
         return o.view(b, h, N, d)
@@ -247,22 +275,33 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw,
-                                    o=o)
-            pooled_k, pooled_v = _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw,
-                                                    B, L, Le, scale, reference_l1_grad)
+            dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o)
+            pooled_k, pooled_v = _pooled_bank_grads(
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, reference_l1_grad
+            )
         # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
         # adjoint of the pooled gradients; writes the input dtype directly
-        dq = bs.bsa_backward_dq(qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq,
-                                o=o if dq is None else None, out_dtype=dt)
-        dk, dv = bs.bsa_backward_dkdv(qf, kf, vf, do, lse, delta, csr_to_csc(fine_lists, N // B), B, B, scale,
-                                      pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
-                                      out_dtype=dt)
+        dq = bs.bsa_backward_dq(
+            qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
+        )
+        dk, dv = bs.bsa_backward_dkdv(
+            qf,
+            kf,
+            vf,
+            do,
+            lse,
+            delta,
+            csr_to_csc(fine_lists, N // B),
+            B,
+            B,
+            scale,
+            pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
+            out_dtype=dt,
+        )
         return (dq.view(shape), dk.view(shape), dv.view(shape), None, None, None, None, None, None, None, None, None)
 
 
-def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale,
-                       reference_l1_grad):
+def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, reference_l1_grad):
     """Key-major dK/dV of the pooled bank, then pushed down the pyramid to level 1: returns fp32
     ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
     BH, N, d = qf.shape
@@ -273,22 +312,52 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
     dbv = torch.empty_like(dbk)
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
     n_cand = coarse_lists.shape[-1] - (n_bank_blocks - top_lo)
-    if top_lo > 0:   # candidate levels: one CSC list per bank block
+    if top_lo > 0:  # candidate levels: one CSC list per bank block
         csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
-        bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, csc, COARSE_TILE, B, scale, logw,
-                             blk_range=(0, top_lo), n_split=bs.split_count(BH * top_lo, n_cand * n_tiles // top_lo),
-                             dk=dbk, dv=dbv)
-    if top_lo < n_bank_blocks:   # coarsest level: every tile lists every block -> one shared list,
+        bs.bsa_backward_dkdv(
+            qf,
+            bank_k,
+            bank_v,
+            do,
+            lse,
+            delta,
+            csc,
+            COARSE_TILE,
+            B,
+            scale,
+            logw,
+            blk_range=(0, top_lo),
+            n_split=bs.split_count(BH * top_lo, n_cand * n_tiles // top_lo),
+            dk=dbk,
+            dv=dbv,
+        )
+    if top_lo < n_bank_blocks:  # coarsest level: every tile lists every block -> one shared list,
         group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
         n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
-        bs.bsa_backward_dkdv(qf, bank_k, bank_v, do, lse, delta, bs.shared_csc(n_tiles, qf.device), COARSE_TILE, B,
-                             scale, logw, blk_range=(top_lo, n_bank_blocks), group=group,
-                             n_split=bs.split_count(BH * n_groups, n_tiles), dk=dbk, dv=dbv, shared_list=True)
-    if reference_l1_grad and L == 1:   # the authors' l1 kernel: pooled-path gradient B times too small
+        bs.bsa_backward_dkdv(
+            qf,
+            bank_k,
+            bank_v,
+            do,
+            lse,
+            delta,
+            bs.shared_csc(n_tiles, qf.device),
+            COARSE_TILE,
+            B,
+            scale,
+            logw,
+            blk_range=(top_lo, n_bank_blocks),
+            group=group,
+            n_split=bs.split_count(BH * n_groups, n_tiles),
+            dk=dbk,
+            dv=dbv,
+            shared_list=True,
+        )
+    if reference_l1_grad and L == 1:  # the authors' l1 kernel: pooled-path gradient B times too small
         dbk, dbv = dbk / B, dbv / B
     gk = gv = None
-    for lvl in range(min(Le, L), 0, -1):   # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
-        lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B ** lvl
+    for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
+        lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B**lvl
         if gk is not None:
             gk = dbk[:, lo:hi] + (gk / B).repeat_interleave(B, dim=1)
             gv = dbv[:, lo:hi] + (gv / B).repeat_interleave(B, dim=1)
@@ -299,10 +368,20 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
 
 # ------------------------------------------------------------------------------------------------------ public API
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 16,
-                   topk: int | Sequence[int] = 8, num_levels: int | None = None, enrich_levels: int | None = None,
-                   scale: float | None = None, *, index: Sequence[torch.Tensor] | None = None,
-                   reference_l1_grad: bool = False, impl: str = "auto") -> torch.Tensor:
+def llsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int = 16,
+    topk: int | Sequence[int] = 8,
+    num_levels: int | None = None,
+    enrich_levels: int | None = None,
+    scale: float | None = None,
+    *,
+    index: Sequence[torch.Tensor] | None = None,
+    reference_l1_grad: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
     """Log-linear sparse attention, differentiable in q, k, v.
 
     Args:
@@ -329,7 +408,7 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     b, h, N, d = q.shape
     cfg = llsa_check(N, block_size, num_levels, topk, enrich_levels)
     L, Le = cfg["num_levels"], cfg["enrich_levels"]
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     if index is not None:
         index = [t.to(device=q.device, dtype=torch.int32) for t in index]
         if len(index) != L:
@@ -339,7 +418,7 @@ def llsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
             index = llsa_select(q, k, block_size, cfg["topk"], L, impl="torch")
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
     B, n_bank = block_size, min(Le, L)
-    with torch.no_grad():   # one fp32 pyramid of k serves selection and the bank
+    with torch.no_grad():  # one fp32 pyramid of k serves selection and the bank
         kp = _pyramid(k.detach(), B, L if index is None else n_bank)
         if index is None:
             index = _select_from_pooled(_pyramid(q.detach(), B, L), kp, B, cfg["topk"], impl="triton")

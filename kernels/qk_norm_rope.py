@@ -20,6 +20,7 @@ are per-program partial sums added in a fixed order: deterministic, no atomics.
 
 CPU tensors (and ``impl="torch"``) run ``qk_norm_rope_torch``, the plain PyTorch composition.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ from .common import use_triton
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
-ROWS_PER_PROGRAM = 64   # tokens per program; one (tokens, head) tile of q, k or v per program
+ROWS_PER_PROGRAM = 64  # tokens per program; one (tokens, head) tile of q, k or v per program
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,9 +88,22 @@ def _rotation(COS, SIN, rows, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(QKV, W, COS, SIN, OUT, n, num_heads, stride_b, stride_n, eps,
-                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
-    tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # part: 0 = q, 1 = k, 2 = v
+def _forward_kernel(
+    QKV,
+    W,
+    COS,
+    SIN,
+    OUT,
+    n,
+    num_heads,
+    stride_b,
+    stride_n,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # part: 0 = q, 1 = k, 2 = v
     rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
     x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
@@ -99,18 +113,37 @@ def _forward_kernel(QKV, W, COS, SIN, OUT, n, num_heads, stride_b, stride_n, eps
         even, odd = _pairs(x, ROWS, DIM_PAD)
         cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
         x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
-    out = OUT + (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM    # q, k, v stacked: [3, b, heads, n, d]
+    out = OUT + (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
     tl.store(out + out_offset, x.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _backward_kernel(QKV, W, COS, SIN, DQ, DK, DV, DQKV, DW_PARTIAL, n, num_heads, stride_b, stride_n,
-                     stride_db, stride_dn, eps, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
+def _backward_kernel(
+    QKV,
+    W,
+    COS,
+    SIN,
+    DQ,
+    DK,
+    DV,
+    DQKV,
+    DW_PARTIAL,
+    n,
+    num_heads,
+    stride_b,
+    stride_n,
+    stride_db,
+    stride_dn,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
-    d_offset = batch * stride_db + rows[:, None] * stride_dn + channels     # d(qkv): its own strides
-    if part == 2:   # v: only the layout changes
+    d_offset = batch * stride_db + rows[:, None] * stride_dn + channels  # d(qkv): its own strides
+    if part == 2:  # v: only the layout changes
         dv = tl.load(DV + out_offset, mask=mask, other=0.0)
         tl.store(DQKV + d_offset, dv.to(DQKV.dtype.element_ty), mask=mask)
     else:
@@ -147,9 +180,21 @@ class _QKNormRope(torch.autograd.Function):
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
-        _forward_kernel[_grid(b, n, num_heads)](qkv, weights, cos, sin, out, n, num_heads, qkv.stride(0),
-                                                 qkv.stride(1), eps, HEAD_DIM=head_dim,
-                                                 DIM_PAD=triton.next_power_of_2(head_dim), ROWS=ROWS_PER_PROGRAM)
+        _forward_kernel[_grid(b, n, num_heads)](
+            qkv,
+            weights,
+            cos,
+            sin,
+            out,
+            n,
+            num_heads,
+            qkv.stride(0),
+            qkv.stride(1),
+            eps,
+            HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim),
+            ROWS=ROWS_PER_PROGRAM,
+        )
         ctx.save_for_backward(qkv, weights, cos, sin)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
         return out[0], out[1], out[2]
@@ -163,25 +208,52 @@ class _QKNormRope(torch.autograd.Function):
         grid = _grid(b, n, num_heads)
         zeros = None
         grads = []
-        for g in (dq, dk, dv):   # a q/k/v that did not reach the loss has no gradient
+        for g in (dq, dk, dv):  # a q/k/v that did not reach the loss has no gradient
             if g is None:
-                zeros = zeros if zeros is not None else torch.zeros(b, num_heads, n, head_dim, device=qkv.device,
-                                                                    dtype=qkv.dtype)
+                zeros = (
+                    zeros
+                    if zeros is not None
+                    else torch.zeros(b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
+                )
                 g = zeros
             grads.append(g.contiguous())
         dqkv = torch.empty(b, n, width, device=qkv.device, dtype=qkv.dtype)
         dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
-        _backward_kernel[grid](qkv, weights, cos, sin, *grads, dqkv, dw_partial, n, num_heads, qkv.stride(0),
-                               qkv.stride(1), dqkv.stride(0), dqkv.stride(1), ctx.eps, HEAD_DIM=head_dim,
-                               DIM_PAD=triton.next_power_of_2(head_dim), ROWS=ROWS_PER_PROGRAM)
-        dw = dw_partial.sum(dim=(1, 2))   # fixed reduction order: deterministic
+        _backward_kernel[grid](
+            qkv,
+            weights,
+            cos,
+            sin,
+            *grads,
+            dqkv,
+            dw_partial,
+            n,
+            num_heads,
+            qkv.stride(0),
+            qkv.stride(1),
+            dqkv.stride(0),
+            dqkv.stride(1),
+            ctx.eps,
+            HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim),
+            ROWS=ROWS_PER_PROGRAM,
+        )
+        dw = dw_partial.sum(dim=(1, 2))  # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
         return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def qk_norm_rope(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-5, impl: str = "auto"):
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-5,
+    impl: str = "auto",
+):
     """RMS qk-norm with per-channel weights, 2-D RoPE on q and k, and the head split, differentiable in qkv and
     both weights.
 
@@ -196,18 +268,23 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, q_weight: torch.Tensor, k_we
         q, k, v: ``[batch, num_heads, tokens, head_dim]`` in qkv's dtype (contiguous on the Triton path).
     """
     if qkv.ndim != 3 or num_heads < 1 or qkv.shape[-1] % (3 * num_heads):
-        raise ValueError(f"qk_norm_rope: qkv must be [batch, tokens, 3 * num_heads * head_dim] with "
-                         f"num_heads={num_heads}, got shape {tuple(qkv.shape)}")
+        raise ValueError(
+            f"qk_norm_rope: qkv must be [batch, tokens, 3 * num_heads * head_dim] with "
+            f"num_heads={num_heads}, got shape {tuple(qkv.shape)}"
+        )
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (head_dim,):
-            raise ValueError(f"qk_norm_rope: {name} must have shape ({head_dim},) (head_dim), "
-                             f"got {tuple(weight.shape)}")
+            raise ValueError(
+                f"qk_norm_rope: {name} must have shape ({head_dim},) (head_dim), got {tuple(weight.shape)}"
+            )
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) != (n, head_dim // 2):
-            raise ValueError(f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
-                             f"got {tuple(table.shape)}")
+            raise ValueError(
+                f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
+                f"got {tuple(table.shape)}"
+            )
     if not use_triton(qkv, impl):
         return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps)
     if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):

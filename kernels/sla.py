@@ -42,9 +42,16 @@ import torch
 
 from .block_sparse import block_sparse_attention
 from .blocks import block_mean, exact_fp32_matmul, topk_desc
+from .common import (
+    check_block_size,
+    check_qkv,
+    check_selection,
+    num_blocks,
+    resolve_topk,
+    select_topk_blocks,
+    use_triton,
+)
 from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
-from .common import (check_block_size, check_qkv, check_selection, num_blocks, resolve_topk, select_topk_blocks,
-                     use_triton)
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
@@ -71,17 +78,23 @@ def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
         raise ValueError(f"linear_scope must be one of {LINEAR_SCOPES}, got {linear_scope!r}")
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
-    if isinstance(negligible_ratio, bool) or not isinstance(negligible_ratio, (int, float)) \
-            or not 0.0 <= negligible_ratio < 1.0:
+    if (
+        isinstance(negligible_ratio, bool)
+        or not isinstance(negligible_ratio, (int, float))
+        or not 0.0 <= negligible_ratio < 1.0
+    ):
         raise ValueError(f"negligible_ratio must be a float in [0, 1), got {negligible_ratio!r}")
     if negligible_ratio > 0 and linear_scope != "marginal":
-        raise ValueError(f"negligible_ratio={negligible_ratio} only applies to linear_scope='marginal' "
-                         f"(got linear_scope={linear_scope!r}); set it to 0")
+        raise ValueError(
+            f"negligible_ratio={negligible_ratio} only applies to linear_scope='marginal' "
+            f"(got linear_scope={linear_scope!r}); set it to 0"
+        )
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0,
-               impl: str = "auto"):
+def sla_select(
+    q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0, impl: str = "auto"
+):
     """Block classification: ``(critical, negligible)`` int32 ``[B, H, T, K]`` and ``[B, H, T, K_neg]``.
 
     ``critical`` is best first; ``negligible`` lists the lowest-scoring blocks (used by ``linear_scope="marginal"``),
@@ -97,7 +110,7 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
         return critical, critical[..., :0]
-    with torch.no_grad(), exact_fp32_matmul():      # paper mode only: the full [T, T] scores for the bottom k_neg
+    with torch.no_grad(), exact_fp32_matmul():  # paper mode only: the full [T, T] scores for the bottom k_neg
         scores = q_pool @ k_pool.transpose(-1, -2)
     # the k_neg lowest scores, ties toward the larger id: top-k of the negated scores under reversed ids
     reversed_ids = (t - 1 - torch.arange(t, device=q.device)).expand(scores.shape)
@@ -106,9 +119,20 @@ def sla_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, negligibl
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, linear_scope: str = "noncritical",
-                  feature_map: str = "softmax", negligible_ratio: float = 0.0, scale=None, impl: str = "auto",
-                  selection=None):
+def sla_attention(
+    q,
+    k,
+    v,
+    block_size: int = 16,
+    topk=None,
+    topk_ratio=None,
+    linear_scope: str = "noncritical",
+    feature_map: str = "softmax",
+    negligible_ratio: float = 0.0,
+    scale=None,
+    impl: str = "auto",
+    selection=None,
+):
     """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]`` in the input dtype; see the module
     docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch".
     ``selection``: optional precomputed ``(critical, negligible)`` from ``sla_select`` (then ``topk``/``topk_ratio``/
@@ -129,8 +153,9 @@ def sla_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, lin
     if triton_path:
         o_sparse = block_sparse_attention(q, k, v, critical, query_block=c, key_block=c, scale=scale, impl="triton")
         o_linear = linear_attention_triton(q, k, v, c, feature_map, excluded)
-    else:   # exact fp32
-        o_sparse = block_sparse_attention(q.float(), k.float(), v.float(), critical, query_block=c, key_block=c,
-                                          scale=scale, impl="torch")
+    else:  # exact fp32
+        o_sparse = block_sparse_attention(
+            q.float(), k.float(), v.float(), critical, query_block=c, key_block=c, scale=scale, impl="torch"
+        )
         o_linear = linear_attention_torch(q, k, v, c, feature_map, excluded)
     return o_sparse.to(q.dtype), o_linear.to(q.dtype)

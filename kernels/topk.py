@@ -23,6 +23,7 @@ Three paths, one result:
 Summation order differs between the paths, so on near-ties (differences ~1e-7 relative) they may pick different
 ids; each is an exact fp32 selection. Tests: ``tests/kernels/test_topk.py``, ``tests/kernels/test_block_sparse.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,21 +35,36 @@ from .blocks import exact_fp32_matmul, topk_desc
 __all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES", "STREAM_MAX_K"]
 
 MAX_CANDIDATES = 1024
-_MAX_CAND_X_DIM = 32768   # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
+_MAX_CAND_X_DIM = 32768  # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
 _ROWS = 16
 # Streaming kernel: each row keeps its best SLOTS (16, 32 or 64: the power of two >= k) scores and ids in registers;
 # k > 64 takes the PyTorch path (at those k the [T, T] scores no longer dominate).
 STREAM_MAX_K = 64
 _STREAM_MIN_SLOTS = 16
-_STREAM_ROWS = 32         # query rows per program: each loaded key chunk serves 32 rows
-_STREAM_CHUNK = 128       # candidates scored per step
-_TORCH_MAX_SCORES = 1 << 26   # fp32 scores alive at once in the PyTorch path (256 MiB)
+_STREAM_ROWS = 32  # query rows per program: each loaded key chunk serves 32 rows
+_STREAM_CHUNK = 128  # candidates scored per step
+_TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch path (256 MiB)
 
 
-@triton.jit(do_not_specialize=["k"])     # k only bounds a loop: one compiled kernel serves every k
-def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, k, stride_qb, stride_kb, stride_pb, stride_ob,
-                        HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, CAND: tl.constexpr, CHILD: tl.constexpr,
-                        N_PARENTS: tl.constexpr):
+@triton.jit(do_not_specialize=["k"])  # k only bounds a loop: one compiled kernel serves every k
+def _pooled_topk_kernel(
+    QP,
+    KP,
+    PAR,
+    OUT,
+    n_rows,
+    n_cand,
+    k,
+    stride_qb,
+    stride_kb,
+    stride_pb,
+    stride_ob,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAND: tl.constexpr,
+    CHILD: tl.constexpr,
+    N_PARENTS: tl.constexpr,
+):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -56,7 +72,7 @@ def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, k, stride_qb, stride_k
     dims = tl.arange(0, HEAD_DIM)
     qp = tl.load(QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     c = tl.arange(0, CAND)
-    if CHILD > 0:   # the ROWS rows lie in one parent group (ROWS divides CHILD): shared candidate set
+    if CHILD > 0:  # the ROWS rows lie in one parent group (ROWS divides CHILD): shared candidate set
         grp = (pid * ROWS) // CHILD
         par = tl.load(PAR + bh * stride_pb + grp * N_PARENTS + c // CHILD, mask=c < N_PARENTS * CHILD, other=-1)
         ids = par * CHILD + c % CHILD
@@ -64,8 +80,9 @@ def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, k, stride_qb, stride_k
     else:
         ids = c
         ok = c < n_cand
-    kt = tl.load(KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :],
-                 other=0.0)
+    kt = tl.load(
+        KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :], other=0.0
+    )
     s = tl.dot(qp, kt, input_precision="ieee")
     s = tl.where(ok[None, :], s, float("-inf"))
     big = 2147483647
@@ -77,9 +94,22 @@ def _pooled_topk_kernel(QP, KP, PAR, OUT, n_rows, n_cand, k, stride_qb, stride_k
         s = tl.where(ids[None, :] == sel[:, None], float("-inf"), s)
 
 
-@triton.jit(do_not_specialize=["k"])     # k is a run-time value: one compiled kernel per SLOTS bucket
-def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, k, stride_qb, stride_kb, stride_ob,
-                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr):
+@triton.jit(do_not_specialize=["k"])  # k is a run-time value: one compiled kernel per SLOTS bucket
+def _streaming_topk_kernel(
+    QP,
+    KP,
+    OUT,
+    n_rows,
+    n_cand,
+    k,
+    stride_qb,
+    stride_kb,
+    stride_ob,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -97,8 +127,9 @@ def _streaming_topk_kernel(QP, KP, OUT, n_rows, n_cand, k, stride_qb, stride_kb,
     for c0 in range(0, n_cand, CHUNK):
         ids = c0 + c
         ok = ids < n_cand
-        kt = tl.load(KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :],
-                     other=0.0)
+        kt = tl.load(
+            KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :], other=0.0
+        )
         s = tl.dot(qp, kt, input_precision="ieee")
         s = tl.where(ok[None, :], s, float("-inf"))
         # newcomers have larger ids than every kept entry: only a strictly better score enters
@@ -128,8 +159,21 @@ def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
     (``rows_per_program`` is a knob for scripts/bench_topk.py)."""
     BH, R, d = qf.shape
     _streaming_topk_kernel[(triton.cdiv(R, rows_per_program), BH)](
-        qf, kf, out, R, kf.shape[1], k, qf.stride(0), kf.stride(0), out.stride(0), HEAD_DIM=d, ROWS=rows_per_program,
-        CHUNK=_STREAM_CHUNK, SLOTS=max(_STREAM_MIN_SLOTS, triton.next_power_of_2(k)), num_warps=4)
+        qf,
+        kf,
+        out,
+        R,
+        kf.shape[1],
+        k,
+        qf.stride(0),
+        kf.stride(0),
+        out.stride(0),
+        HEAD_DIM=d,
+        ROWS=rows_per_program,
+        CHUNK=_STREAM_CHUNK,
+        SLOTS=max(_STREAM_MIN_SLOTS, triton.next_power_of_2(k)),
+        num_warps=4,
+    )
     return out
 
 
@@ -140,11 +184,17 @@ def _route(n_cand: int, d: int, k: int, child_block: int | None) -> str:
         return "one_shot" if child_block is not None or k < n_cand else "torch"
     if child_block is None and k <= STREAM_MAX_K and k < n_cand:
         return "streaming"
-    return "torch"      # includes k = n_cand without parents: every candidate selected, only their order is left
+    return "torch"  # includes k = n_cand without parents: every candidate selected, only their order is left
 
 
-def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents: torch.Tensor | None = None,
-                child_block: int | None = None, impl: str = "auto") -> torch.Tensor:
+def pooled_topk(
+    q_pooled: torch.Tensor,
+    k_pooled: torch.Tensor,
+    k: int,
+    parents: torch.Tensor | None = None,
+    child_block: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """Top-k candidate key ids per pooled query row (see module doc).
 
     q_pooled: fp32 ``[..., R, d]``; k_pooled: fp32 ``[..., C, d]``. Without ``parents`` every key row is a
@@ -170,9 +220,24 @@ def pooled_topk(q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents:
         cand = max(16, triton.next_power_of_2(n_cand))
         par = parents.reshape(BH, -1).to(torch.int32).contiguous() if parents is not None else out
         _pooled_topk_kernel[(triton.cdiv(R, _ROWS), BH)](
-            qf, kf, par, out, R, n_cand, k, qf.stride(0), kf.stride(0), par.stride(0), out.stride(0),
-            HEAD_DIM=d, ROWS=_ROWS, CAND=cand, CHILD=child_block or 0,
-            N_PARENTS=parents.shape[-1] if parents is not None else 1, num_warps=4 if cand <= 256 else 8)
+            qf,
+            kf,
+            par,
+            out,
+            R,
+            n_cand,
+            k,
+            qf.stride(0),
+            kf.stride(0),
+            par.stride(0),
+            out.stride(0),
+            HEAD_DIM=d,
+            ROWS=_ROWS,
+            CAND=cand,
+            CHILD=child_block or 0,
+            N_PARENTS=parents.shape[-1] if parents is not None else 1,
+            num_warps=4 if cand <= 256 else 8,
+        )
     else:
         _streaming_topk(qf, kf, k, out)
     return out.view(*lead, R, k)
@@ -187,9 +252,9 @@ def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     n = scores.shape[-1]
     values, ids = torch.topk(scores, min(k + 1, n), dim=-1, sorted=True)
-    order = topk_desc(values[..., :k], k, ids[..., :k])           # exact order of the k winners (ids distinct)
+    order = topk_desc(values[..., :k], k, ids[..., :k])  # exact order of the k winners (ids distinct)
     if k < n:
-        ambiguous = values[..., k] == values[..., k - 1]           # [rows] (-0.0 == +0.0 counts as a tie)
+        ambiguous = values[..., k] == values[..., k - 1]  # [rows] (-0.0 == +0.0 counts as a tie)
         if ambiguous.any():
             order[ambiguous] = topk_desc(scores[ambiguous], k)
     return order
@@ -211,16 +276,17 @@ def _all_candidates_torch(qf, kf, k):
     q_rows, k_rows = qf.reshape(-1, R, d), kf.reshape(-1, kf.shape[-2], d)
     n = k_rows.shape[1]
     out = torch.empty(q_rows.shape[0], R, k, dtype=torch.int32, device=qf.device)
-    slices_per_chunk = _TORCH_MAX_SCORES // (R * n)                 # whole (batch*head) slices per chunk
+    slices_per_chunk = _TORCH_MAX_SCORES // (R * n)  # whole (batch*head) slices per chunk
     if slices_per_chunk >= 1:
         for i in range(0, q_rows.shape[0], slices_per_chunk):
-            out[i:i + slices_per_chunk] = topk_desc_fast(
-                q_rows[i:i + slices_per_chunk] @ k_rows[i:i + slices_per_chunk].transpose(-1, -2), k)
-    else:                                                           # split the rows of each slice too
+            out[i : i + slices_per_chunk] = topk_desc_fast(
+                q_rows[i : i + slices_per_chunk] @ k_rows[i : i + slices_per_chunk].transpose(-1, -2), k
+            )
+    else:  # split the rows of each slice too
         rows_per_chunk = max(1, _TORCH_MAX_SCORES // n)
         for i in range(q_rows.shape[0]):
             for r in range(0, R, rows_per_chunk):
-                out[i, r:r + rows_per_chunk] = topk_desc_fast(q_rows[i, r:r + rows_per_chunk] @ k_rows[i].T, k)
+                out[i, r : r + rows_per_chunk] = topk_desc_fast(q_rows[i, r : r + rows_per_chunk] @ k_rows[i].T, k)
     return out.view(*lead, R, k)
 
 
@@ -229,9 +295,9 @@ def _children_torch(qf, kf, k, parents, child_block):
     lead = parents.shape[:-2]
     groups, n_par = parents.shape[-2:]
     d = kf.shape[-1]
-    cand = (parents.long()[..., None] * B + torch.arange(B, device=parents.device)).flatten(-2)   # [.., G, P*B]
+    cand = (parents.long()[..., None] * B + torch.arange(B, device=parents.device)).flatten(-2)  # [.., G, P*B]
     kc = torch.gather(kf.reshape(-1, kf.shape[-2], d), 1, cand.reshape(-1, groups * n_par * B, 1).expand(-1, -1, d))
     kc = kc.view(*lead, groups, n_par * B, d)
-    scores = qf.view(*lead, groups, B, d) @ kc.transpose(-1, -2)                                  # [.., G, B, P*B]
+    scores = qf.view(*lead, groups, B, d) @ kc.transpose(-1, -2)  # [.., G, B, P*B]
     sel = topk_desc(scores, k, ids=cand[..., None, :].expand_as(scores))
     return sel.reshape(*lead, groups * B, k)

@@ -35,25 +35,43 @@ import torch
 
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean
-from .common import (check_block_size, check_qkv, check_selection, num_blocks, resolve_topk, select_topk_blocks,
-                     use_triton)
+from .common import (
+    check_block_size,
+    check_qkv,
+    check_selection,
+    num_blocks,
+    resolve_topk,
+    select_topk_blocks,
+    use_triton,
+)
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def vsa_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=None,
-               impl: str = "auto") -> torch.Tensor:
+def vsa_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=None, impl: str = "auto") -> torch.Tensor:
     """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
     check_qkv(q, k, k, name="vsa_select", scale=scale)
     check_block_size(block_size)
     kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, topk_ratio)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return select_topk_blocks(block_mean(q, block_size), block_mean(k, block_size), kk, scale,
-                              use_triton_topk=use_triton(q, impl))
+    return select_topk_blocks(
+        block_mean(q, block_size), block_mean(k, block_size), kk, scale, use_triton_topk=use_triton(q, impl)
+    )
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
-def vsa_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, gate=None, scale=None,
-                  impl: str = "auto", tile_idx=None, gate_fine=None) -> torch.Tensor:
+def vsa_attention(
+    q,
+    k,
+    v,
+    block_size: int = 16,
+    topk=None,
+    topk_ratio=None,
+    gate=None,
+    scale=None,
+    impl: str = "auto",
+    tile_idx=None,
+    gate_fine=None,
+) -> torch.Tensor:
     """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring.
 
     ``tile_idx``: optional precomputed selection from ``vsa_select`` (then ``topk``/``topk_ratio`` are not needed),
@@ -63,8 +81,10 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, gat
     check_block_size(block_size)
     for name, x in (("gate", gate), ("gate_fine", gate_fine)):
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape != q.shape):
-            raise ValueError(f"{name} must be None or a tensor shaped like q {tuple(q.shape)}, "
-                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"{name} must be None or a tensor shaped like q {tuple(q.shape)}, "
+                f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
     triton_path = use_triton(q, impl)
     if tile_idx is None:
         kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, topk_ratio)
@@ -74,13 +94,14 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, gat
     n, c = q.shape[2], block_size
 
     # coarse stage (differentiable through the fp32 pooling)
-    q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))                 # [B, H, T, D] fp32
+    q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))  # [B, H, T, D] fp32
     if tile_idx is None:
         tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=triton_path)
-    if triton_path:   # our deterministic FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
-        out_coarse = flash_attention(q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype), scale=scale,
-                                     impl="triton")
-    else:             # exact fp32
+    if triton_path:  # our deterministic FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
+        out_coarse = flash_attention(
+            q_pool.to(q.dtype), k_pool.to(q.dtype), v_pool.to(q.dtype), scale=scale, impl="triton"
+        )
+    else:  # exact fp32
         out_coarse = torch.softmax(scale * q_pool @ k_pool.transpose(-1, -2), -1) @ v_pool
     b, h, t, d = out_coarse.shape
     out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]
@@ -91,8 +112,9 @@ def vsa_attention(q, k, v, block_size: int = 16, topk=None, topk_ratio=None, gat
         if gate_fine is not None:
             out_fine = out_fine * gate_fine
         return out_fine + (out_coarse if gate is None else out_coarse * gate)
-    out_fine = block_sparse_attention(q.float(), k.float(), v.float(), tile_idx, query_block=c, key_block=c,
-                                      scale=scale, impl="torch")
+    out_fine = block_sparse_attention(
+        q.float(), k.float(), v.float(), tile_idx, query_block=c, key_block=c, scale=scale, impl="torch"
+    )
     if gate_fine is not None:
         out_fine = out_fine * gate_fine.float()
     return (out_fine + (out_coarse if gate is None else out_coarse * gate.float())).to(q.dtype)

@@ -17,6 +17,7 @@ included; tok/query counts the fine/sparse keys ``K * block``). ``bsa`` / ``flex
 (``--bsa-cases``), so their ratio is measured in one run. Add a backend: write a
 ``make_<name>(args, q, k, v) -> list[(label, fn, tokens_per_query)]`` function and list it in BACKENDS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,17 +37,19 @@ def make_sdpa(args, q, k, v):
 
 def make_flash(args, q, k, v):
     from pixdit.kernels import flash_attention
+
     return [("flash (ours, dense)", lambda: flash_attention(q, k, v), q.shape[2])]
 
 
 def make_llsa(args, q, k, v):
     from pixdit.kernels import llsa_attention, llsa_check
+
     out, N, B = [], q.shape[2], args.block_size
     for L in args.levels:
-        if N % B ** L or N // B ** L < B:     # valid: B^L divides N and the coarsest level has >= B tokens
+        if N % B**L or N // B**L < B:  # valid: B^L divides N and the coarsest level has >= B tokens
             continue
         T = llsa_check(N, B, L, args.topk)["tokens_per_query"]
-        fn = (lambda L=L: llsa_attention(q, k, v, block_size=B, topk=args.topk, num_levels=L))
+        fn = lambda L=L: llsa_attention(q, k, v, block_size=B, topk=args.topk, num_levels=L)
         out.append((f"llsa L={L}", fn, T))
     return out
 
@@ -54,21 +57,27 @@ def make_llsa(args, q, k, v):
 def _baseline_topk(args, N):
     """K of the VSA/SLA rows for this image side (``--baseline-topk side:K,...``; LLSA paper: 20 at 128², 32 at 256²)."""
     table = dict(tuple(int(x) for x in item.split(":")) for item in args.baseline_topk.split(","))
-    return table.get(int(round(N ** 0.5)), max(table.values()))
+    return table.get(int(round(N**0.5)), max(table.values()))
 
 
 def make_vsa(args, q, k, v):
     from pixdit.kernels import vsa_attention
-    K, gate = _baseline_topk(args, q.shape[2]), torch.randn_like(q)   # gate: the layer's G_c projection output
-    return [(f"vsa C={C} K={K}", (lambda C=C: vsa_attention(q, k, v, block_size=C, topk=K, gate=gate)), K * C)
-            for C in args.vsa_block_sizes]
+
+    K, gate = _baseline_topk(args, q.shape[2]), torch.randn_like(q)  # gate: the layer's G_c projection output
+    return [
+        (f"vsa C={C} K={K}", (lambda C=C: vsa_attention(q, k, v, block_size=C, topk=K, gate=gate)), K * C)
+        for C in args.vsa_block_sizes
+    ]
 
 
 def make_sla(args, q, k, v):
     from pixdit.kernels import sla_attention
+
     K = _baseline_topk(args, q.shape[2])
-    return [(f"sla C={C} K={K}", (lambda C=C: sum(sla_attention(q, k, v, block_size=C, topk=K))), K * C)
-            for C in args.sla_block_sizes]
+    return [
+        (f"sla C={C} K={K}", (lambda C=C: sum(sla_attention(q, k, v, block_size=C, topk=K))), K * C)
+        for C in args.sla_block_sizes
+    ]
 
 
 def _random_lists(q, block, K, seed=0):
@@ -88,10 +97,11 @@ def _bsa_cases(args, q):
 def make_bsa(args, q, k, v):
     """``block_sparse_attention`` on random lists (the same lists as the ``flex`` rows)."""
     from pixdit.kernels import block_sparse_attention
+
     rows = []
     for blk, K in _bsa_cases(args, q):
         lists = _random_lists(q, blk, K)[..., :K].contiguous()
-        fn = (lambda lists=lists, blk=blk: block_sparse_attention(q, k, v, lists, query_block=blk, key_block=blk))
+        fn = lambda lists=lists, blk=blk: block_sparse_attention(q, k, v, lists, query_block=blk, key_block=blk)
         rows.append((f"block_sparse {blk} K={K}", fn, K * blk))
     return rows
 
@@ -100,6 +110,7 @@ def make_flex(args, q, k, v):
     """PyTorch FlexAttention (compiled) with a BlockMask built from the very same lists as ``bsa`` (all listed
     blocks marked full, so no mask_mod runs: Flex's fastest form). Flex takes only blocks its tiles divide."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
     flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for blk, K in _bsa_cases(args, q):
@@ -109,11 +120,12 @@ def make_flex(args, q, k, v):
         try:
             mask = BlockMask.from_kv_blocks(torch.zeros_like(counts), perm, counts, perm, BLOCK_SIZE=blk)
             o_flex = flex(q, k, v, block_mask=mask)
-        except Exception as err:   # e.g. "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"
+        except Exception as err:  # e.g. "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"
             print(f"flex {blk} K={K}: not run ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
             continue
         # same function as ours? (only the compiled Flex honours the block mask; eager Flex runs dense)
         from pixdit.kernels import block_sparse_attention
+
         o_ours = block_sparse_attention(q, k, v, perm[..., :K].contiguous(), query_block=blk, key_block=blk)
         err = ((o_flex.float() - o_ours.float()).norm() / o_ours.float().norm()).item()
         print(f"flex {blk} K={K}: relative difference to block_sparse_attention {err:.1e}")
@@ -121,8 +133,15 @@ def make_flex(args, q, k, v):
     return rows
 
 
-BACKENDS = {"sdpa": make_sdpa, "flash": make_flash, "llsa": make_llsa, "vsa": make_vsa, "sla": make_sla,
-            "bsa": make_bsa, "flex": make_flex}
+BACKENDS = {
+    "sdpa": make_sdpa,
+    "flash": make_flash,
+    "llsa": make_llsa,
+    "vsa": make_vsa,
+    "sla": make_sla,
+    "bsa": make_bsa,
+    "flex": make_flex,
+}
 
 
 def cuda_graph(fn):
@@ -152,25 +171,27 @@ def bench_one(fn, q, k, v, quick, graph=False):
     with torch.no_grad():
         t_fwd = 1000 * time_median(fn, warm, rep, q.device)[0]
     t_fb = 1000 * time_median(fwd_bwd, warm, rep, q.device)[0]
-    if graph:   # the same calls replayed from a CUDA graph: eager minus graph = host and launch overhead
+    if graph:  # the same calls replayed from a CUDA graph: eager minus graph = host and launch overhead
         try:
             with torch.no_grad():
                 g_fwd = 1000 * time_median(cuda_graph(fn), warm, rep, q.device)[0]
             print(f"  cuda graph: fwd {g_fwd:.3f} ms (eager {t_fwd:.3f})")
-        except Exception as err:   # capture needs no host syncs; say why it failed instead of stopping the run
+        except Exception as err:  # capture needs no host syncs; say why it failed instead of stopping the run
             print(f"  cuda graph: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:150]})")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     return t_fwd, t_fb, peak
 
 
 def profile(fn, q, k, v, label):
     """Per-kernel CUDA time of one forward+backward (torch.profiler), to see where the time goes."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     o = fn()
     do = torch.randn_like(o)
     for _ in range(3):
@@ -190,8 +211,10 @@ def run(args):
         N = side * side
         batch = max(1, args.tokens_total // N)
         torch.manual_seed(0)
-        q, k, v = (torch.randn(batch, args.heads, N, args.head_dim, device="cuda", dtype=dtype, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(batch, args.heads, N, args.head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
         sdpa_ms = None
         for name in args.backends:
             for label, fn, T in BACKENDS[name](args, q, k, v):
@@ -205,11 +228,20 @@ def run(args):
                 flops = 4.0 * N * T * args.head_dim * batch * args.heads
                 if args.label:
                     label = f"{label} ({args.label})"
-                row = dict(side=side, tokens=N, batch=batch, backend=label, tokens_per_query=T, fwd_ms=t_fwd,
-                           fwdbwd_ms=t_fb, peak_mib=peak, fwd_tflops=flops / t_fwd * 1e-9,
-                           fwdbwd_tflops=3.5 * flops / t_fb * 1e-9,
-                           speedup_fwd=sdpa_ms[0] / t_fwd if sdpa_ms else None,
-                           speedup_fwdbwd=sdpa_ms[1] / t_fb if sdpa_ms else None)
+                row = dict(
+                    side=side,
+                    tokens=N,
+                    batch=batch,
+                    backend=label,
+                    tokens_per_query=T,
+                    fwd_ms=t_fwd,
+                    fwdbwd_ms=t_fb,
+                    peak_mib=peak,
+                    fwd_tflops=flops / t_fwd * 1e-9,
+                    fwdbwd_tflops=3.5 * flops / t_fb * 1e-9,
+                    speedup_fwd=sdpa_ms[0] / t_fwd if sdpa_ms else None,
+                    speedup_fwdbwd=sdpa_ms[1] / t_fb if sdpa_ms else None,
+                )
                 rows.append(row)
                 print(format_row(row), flush=True)
         del q, k, v
@@ -217,20 +249,25 @@ def run(args):
     return rows
 
 
-HEADER = ("| tokens | batch | backend | tok/query | fwd ms | fwd+bwd ms | speed-up fwd | speed-up fwd+bwd | "
-          "peak MiB | TFLOP/s fwd | TFLOP/s fwd+bwd |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| tokens | batch | backend | tok/query | fwd ms | fwd+bwd ms | speed-up fwd | speed-up fwd+bwd | "
+    "peak MiB | TFLOP/s fwd | TFLOP/s fwd+bwd |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def format_row(r):
     sp = lambda x: "-" if x is None else f"{x:.1f}x"  # noqa: E731
-    return (f"| {r['tokens']:,} ({r['side']}²) | {r['batch']} | {r['backend']} | {r['tokens_per_query']:,} | "
-            f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {sp(r['speedup_fwd'])} | {sp(r['speedup_fwdbwd'])} | "
-            f"{r['peak_mib']:.0f} | {r['fwd_tflops']:.0f} | {r['fwdbwd_tflops']:.0f} |")
+    return (
+        f"| {r['tokens']:,} ({r['side']}²) | {r['batch']} | {r['backend']} | {r['tokens_per_query']:,} | "
+        f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {sp(r['speedup_fwd'])} | {sp(r['speedup_fwdbwd'])} | "
+        f"{r['peak_mib']:.0f} | {r['fwd_tflops']:.0f} | {r['fwdbwd_tflops']:.0f} |"
+    )
 
 
 def plot(rows, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -263,8 +300,11 @@ def main(argv=None):
     p.add_argument("--baseline-topk", default="64:8,128:20,256:32,512:32", help="VSA/SLA K per image side")
     p.add_argument("--vsa-block-sizes", default="16,64", help="VSA tile sizes to time")
     p.add_argument("--sla-block-sizes", default="16", help="SLA block sizes to time")
-    p.add_argument("--bsa-cases", default="128:16,128:64,64:32,64:128",
-                   help="block:K pairs of the bsa / flex rows (random lists, identical for both)")
+    p.add_argument(
+        "--bsa-cases",
+        default="128:16,128:64,64:32,64:128",
+        help="block:K pairs of the bsa / flex rows (random lists, identical for both)",
+    )
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
@@ -272,21 +312,34 @@ def main(argv=None):
     p.add_argument("--max-dense-ours", type=int, default=65536, help="skip our dense kernel above this many tokens")
     p.add_argument("--quick", action="store_true", help="64^2 and 128^2 only, fewer timed calls")
     p.add_argument("--out", default="outputs/bench_attention")
-    p.add_argument("--kernels-from", default=None, metavar="DIR",
-                   help="time the kernel library in DIR (another commit's kernels/) instead of the installed one")
+    p.add_argument(
+        "--kernels-from",
+        default=None,
+        metavar="DIR",
+        help="time the kernel library in DIR (another commit's kernels/) instead of the installed one",
+    )
     p.add_argument("--label", default="", help="suffix for every row's backend name (e.g. 'base' in an A/B run)")
-    p.add_argument("--graph", action="store_true",
-                   help="also time each row's forward replayed from a CUDA graph (what is left is GPU time, not host overhead)")
-    p.add_argument("--llsa-coarse-tile", type=int, default=None,
-                   help="query rows per program of LLSA's pooled-level pass (a tuning experiment; default: the library's)")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time each row's forward replayed from a CUDA graph (what is left is GPU time, not host overhead)",
+    )
+    p.add_argument(
+        "--llsa-coarse-tile",
+        type=int,
+        default=None,
+        help="query rows per program of LLSA's pooled-level pass (a tuning experiment; default: the library's)",
+    )
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
     args = p.parse_args(argv)
     if args.kernels_from:
         from kernel_ab import use_kernels_from
-        use_kernels_from(args.kernels_from)   # before the backends import pixdit.kernels
+
+        use_kernels_from(args.kernels_from)  # before the backends import pixdit.kernels
     if args.llsa_coarse_tile:
         import pixdit.kernels.llsa as llsa_module
+
         llsa_module.COARSE_TILE = args.llsa_coarse_tile
     os.makedirs(args.out, exist_ok=True)
     if args.plot_from:
@@ -302,15 +355,19 @@ def main(argv=None):
     args.levels = [int(x) for x in args.levels.split(",")]
     args.vsa_block_sizes = [int(x) for x in args.vsa_block_sizes.split(",")]
     args.sla_block_sizes = [int(x) for x in args.sla_block_sizes.split(",")]
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {args.dtype} heads {args.heads} "
-          f"head_dim {args.head_dim} B={args.block_size} K={args.topk}")
+    print(
+        f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {args.dtype} heads {args.heads} "
+        f"head_dim {args.head_dim} B={args.block_size} K={args.topk}"
+    )
     print(HEADER)
     rows = run(args)
     cmd = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = os.path.join(args.out, "bench_attention.md")
     with open(md, "w") as f:
-        f.write(f"`{cmd}` on {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
-                f"heads {args.heads}, head_dim {args.head_dim}, B={args.block_size}, K={args.topk}\n\n")
+        f.write(
+            f"`{cmd}` on {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+            f"heads {args.heads}, head_dim {args.head_dim}, B={args.block_size}, K={args.topk}\n\n"
+        )
         f.write(HEADER + "\n" + "\n".join(format_row(r) for r in rows) + "\n")
     json.dump({"command": cmd, "rows": rows}, open(os.path.join(args.out, "bench_attention.json"), "w"), indent=1)
     print(f"wrote {md}")

@@ -42,14 +42,25 @@ def build_shards(root: Path, resolution: int, count: int, image_format: str) -> 
             data = encode_image(synthetic_photo(rng, resolution), image_format, quality=95)
             total_bytes += len(data)
             writer.write(f"{i:08d}", data, image_format)
-    write_manifest(root, resolution=resolution, image_format=image_format, splits={"train": writer.split_info()},
-                   source="bench_data.py synthetic")
+    write_manifest(
+        root,
+        resolution=resolution,
+        image_format=image_format,
+        splits={"train": writer.split_info()},
+        source="bench_data.py synthetic",
+    )
     return total_bytes / count
 
 
 def images_per_second(root: Path, num_workers: int, batch_size: int, epoch_images: int) -> float:
-    dm = ShardDataModule(root, batch_size=batch_size, num_workers=num_workers, epoch_images=epoch_images,
-                         shuffle_block=256, pin_memory=False)
+    dm = ShardDataModule(
+        root,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        epoch_images=epoch_images,
+        shuffle_block=256,
+        pin_memory=False,
+    )
     loader = dm.train_dataloader()
     iterator = iter(loader)
     first = next(iterator)  # exclude worker start-up
@@ -65,14 +76,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resolutions", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts to time")
-    parser.add_argument("--images", type=int, default=None,
-                        help="images per resolution (default: 2^25 / side^2, at least 128: a few seconds each)")
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help="images per resolution (default: 2^25 / side^2, at least 128: a few seconds each)",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--format", choices=["png", "jpg"], default="png")
     args = parser.parse_args()
 
-    print(f"| side | format | bytes/image | " + " | ".join(
-        "1 worker (main process) img/s" if w == 0 else f"{w} workers img/s (per worker)" for w in args.workers) + " |")
+    print(
+        "| side | format | bytes/image | "
+        + " | ".join(
+            "1 worker (main process) img/s" if w == 0 else f"{w} workers img/s (per worker)" for w in args.workers
+        )
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(args.workers))
     for resolution in args.resolutions:
         count = args.images or max(128, (1 << 25) // (resolution * resolution))
@@ -83,8 +103,10 @@ def main() -> None:
             for workers in args.workers:
                 rate = images_per_second(root, workers, args.batch_size, count)
                 cells.append(f"{rate:,.0f}" if workers == 0 else f"{rate:,.0f} ({rate / workers:,.0f})")
-            print(f"| {resolution} | {args.format} | {mean_bytes / 1024:,.0f} KiB | " + " | ".join(cells) + " |",
-                  flush=True)
+            print(
+                f"| {resolution} | {args.format} | {mean_bytes / 1024:,.0f} KiB | " + " | ".join(cells) + " |",
+                flush=True,
+            )
         finally:
             shutil.rmtree(root)
 

@@ -31,11 +31,16 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="DiT-S", choices=list(DIT_MODELS))
     parser.add_argument("--attention", nargs="+", default=["full", "llsa"], help="backends (configs/attention/)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="image sides in pixels")
-    parser.add_argument("--batch", default=None,
-                        help="images per batch: an int, or auto (what fits in free GPU memory, as evaluation does); "
-                             "default: by size")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the forward (static batch shape), as evaluation does on GPUs")
+    parser.add_argument(
+        "--batch",
+        default=None,
+        help="images per batch: an int, or auto (what fits in free GPU memory, as evaluation does); default: by size",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the forward (static batch shape), as evaluation does on GPUs",
+    )
     parser.add_argument("--steps", type=int, default=20, help="Euler steps per sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -59,18 +64,22 @@ def bench(args, attention: str, side: int) -> dict:
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
     cuda = device.type == "cuda"
 
-    def sample():
+    def sample(model=model, noise=noise):  # bound here, so `del` below frees them between sizes
         with autocast(device, args.precision):
             return flow.sample(model, noise, args.steps)
 
     seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)
     result = {
-        "attention": attention, "size": f"{side}x{side}", "batch": batch, "steps": args.steps,
+        "attention": attention,
+        "size": f"{side}x{side}",
+        "batch": batch,
+        "steps": args.steps,
         "compiled": bool(args.compile and cuda),
-        "batch s": seconds, "images/s": batch / seconds,
+        "batch s": seconds,
+        "images/s": batch / seconds,
         "peak GB": peak_gb,
     }
-    del model, noise
+    del sample, model, noise
     if cuda:
         torch.cuda.empty_cache()
     return result
@@ -96,15 +105,21 @@ def main(argv=None) -> list[dict]:
                 torch.cuda.empty_cache()
             print(rows[-1], file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"\n{args.model}, {args.steps} Euler steps, {args.precision} autocast, eval mode, {device}, "
-          f"torch {torch.__version__}; median of {args.repeats} batches after {args.warmup} warm-up\n")
+    print(
+        f"\n{args.model}, {args.steps} Euler steps, {args.precision} autocast, eval mode, {device}, "
+        f"torch {torch.__version__}; median of {args.repeats} batches after {args.warmup} warm-up\n"
+    )
     done = [r for r in rows if "images/s" in r]
     print(markdown(done) if done else "every setting ran out of memory")
     for side in args.sizes:
         speed = {r["attention"]: r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
         if "full" in speed:
-            print(f"{side}x{side}: " + ", ".join(f"{name} {value / speed['full']:.2f}x full"
-                                                  for name, value in speed.items() if name != "full"))
+            print(
+                f"{side}x{side}: "
+                + ", ".join(
+                    f"{name} {value / speed['full']:.2f}x full" for name, value in speed.items() if name != "full"
+                )
+            )
     print(f"\ncommand: python scripts/bench_sampling.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     return rows
 

@@ -50,19 +50,36 @@ def data_overrides(args) -> list[str]:
         return []
     root = REPO / "data" / ("quickstart" if args.resolution == 32 else f"quickstart_{args.resolution}")
     if not (root / "manifest.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_quickstart_data.py"), "--out", str(root),
-                        "--resolution", str(args.resolution), *(["--train", "1024", "--val", "64"]
-                                                               if args.resolution > 32 else [])], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_quickstart_data.py"),
+                "--out",
+                str(root),
+                "--resolution",
+                str(args.resolution),
+                *(["--train", "1024", "--val", "64"] if args.resolution > 32 else []),
+            ],
+            check=True,
+        )
     return [] if args.resolution == 32 else [f"data.root={root}", f"data.resolution={args.resolution}"]
 
 
 def run_commands(args, data: list[str] | None = None) -> dict[str, list[str]]:
     b = args.per_gpu_batch
-    common = [f"experiment={args.experiment}", f"model={args.model}", "model.patch_size=1", *(data or []),
-              f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={max(1, args.steps // args.val_points)}",
-              f"trainer.log_every_n_steps={min(10, args.throughput_window)}",
-              f"callbacks.throughput.window={args.throughput_window}",
-              "callbacks.samples=null", "callbacks.checkpoint=null", f"data.num_workers={args.num_workers}"]
+    common = [
+        f"experiment={args.experiment}",
+        f"model={args.model}",
+        "model.patch_size=1",
+        *(data or []),
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={max(1, args.steps // args.val_points)}",
+        f"trainer.log_every_n_steps={min(10, args.throughput_window)}",
+        f"callbacks.throughput.window={args.throughput_window}",
+        "callbacks.samples=null",
+        "callbacks.checkpoint=null",
+        f"data.num_workers={args.num_workers}",
+    ]
     cpu = ["trainer.accelerator=cpu", "trainer.precision=32-true"] if args.cpu else []
     single = ["trainer=cpu"] if args.cpu else ["trainer=gpu"]
     runs = {
@@ -104,7 +121,7 @@ def steady_median(points: list[tuple[int, float]]) -> float | None:
 def summarize(name: str, run_dir: Path, seconds: float) -> dict:
     columns = read_columns(run_dir / "metrics.csv")
     train = columns.get("train/loss", [])
-    tail = [v for _, v in train[-max(1, len(train) // 5):]]
+    tail = [v for _, v in train[-max(1, len(train) // 5) :]]
     return {
         "run": name,
         "final_val_loss": columns["val/loss"][-1][1] if "val/loss" in columns else None,
@@ -148,15 +165,21 @@ def report(results: list[dict], commands: dict[str, list[str]], args) -> str:
     by_name = {r["run"]: r for r in results}
     one, two, fsdp = by_name.get("1gpu"), by_name.get("2gpu"), by_name.get("2gpu_fsdp")
     extra = f", {' '.join(args.extra)}" if args.extra else ""
-    lines = [f"# {', '.join(by_name)}: per-GPU batch {args.per_gpu_batch} on 2 GPUs, {2 * args.per_gpu_batch} on 1",
-             "", f"{args.steps} steps, experiment={args.experiment}, model={args.model} (patch 1), "
-             f"{args.resolution}x{args.resolution}{extra}; {time.strftime('%Y-%m-%d %H:%M')}", "",
-             "| run | final val loss | final val loss (EMA) | train loss (last 20%) | images/s | tokens/s | peak GB | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {', '.join(by_name)}: per-GPU batch {args.per_gpu_batch} on 2 GPUs, {2 * args.per_gpu_batch} on 1",
+        "",
+        f"{args.steps} steps, experiment={args.experiment}, model={args.model} (patch 1), "
+        f"{args.resolution}x{args.resolution}{extra}; {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "| run | final val loss | final val loss (EMA) | train loss (last 20%) | images/s | tokens/s | peak GB | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['run']} | {fmt(r['final_val_loss'])} | {fmt(r['final_val_loss_ema'])} | "
-                     f"{fmt(r['train_loss_last20pct'])} | {fmt(r['images_per_s'], ',.0f')} | "
-                     f"{fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['peak_mem_gb'], '.2f')} | {r['wall_s']} |")
+        lines.append(
+            f"| {r['run']} | {fmt(r['final_val_loss'])} | {fmt(r['final_val_loss_ema'])} | "
+            f"{fmt(r['train_loss_last20pct'])} | {fmt(r['images_per_s'], ',.0f')} | "
+            f"{fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['peak_mem_gb'], '.2f')} | {r['wall_s']} |"
+        )
     lines.append("")
     if one and two and one["images_per_s"] and two["images_per_s"]:
         speedup = two["images_per_s"] / one["images_per_s"]
@@ -202,8 +225,10 @@ def main() -> int:
         import torch
 
         if torch.cuda.device_count() < 2:
-            print(f"error: needs 2 GPUs, found {torch.cuda.device_count()} (use --cpu for a plumbing check)",
-                  file=sys.stderr)
+            print(
+                f"error: needs 2 GPUs, found {torch.cuda.device_count()} (use --cpu for a plumbing check)",
+                file=sys.stderr,
+            )
             return 2
     commands = run_commands(args, data_overrides(args))
     results = []
@@ -211,16 +236,24 @@ def main() -> int:
         print(f"[{name}] python train.py {' '.join(overrides)}", flush=True)
         start = time.perf_counter()
         with open(args.out / f"{name}.log", "w") as log:
-            proc = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=args.timeout,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.run(
+                [sys.executable, str(REPO / "train.py"), *overrides],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             print(f"error: run {name} failed (exit {proc.returncode}); see {args.out / f'{name}.log'}", file=sys.stderr)
             return 1
         results.append(summarize(name, args.out / name, seconds))
-        print(f"[{name}] done in {seconds:.0f} s: val loss {fmt(results[-1]['final_val_loss'])}, "
-              f"{fmt(results[-1]['images_per_s'], ',.0f')} images/s", flush=True)
+        print(
+            f"[{name}] done in {seconds:.0f} s: val loss {fmt(results[-1]['final_val_loss'])}, "
+            f"{fmt(results[-1]['images_per_s'], ',.0f')} images/s",
+            flush=True,
+        )
 
     markdown = report(results, commands, args)
     (args.out / "scaling.md").write_text(markdown)

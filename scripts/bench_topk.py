@@ -29,9 +29,14 @@ from pixdit.report import markdown_table, time_median
 
 # (label, batch*heads, blocks, k): VSA/SLA at 128^2 (K=20) and 256^2 (K=16 / 32 / 64: the three streaming buckets),
 # block 16, 6 heads; LLSA's coarsest level at 512^2 with L=2 (1,024 tokens, K=8)
-SHAPES = [("128² VSA/SLA", 48, 1024, 20), ("256² VSA/SLA", 12, 4096, 16), ("256² VSA/SLA", 12, 4096, 32),
-          ("256² VSA/SLA", 12, 4096, 64), ("512² LLSA L=2 top", 6, 1024, 8)]
-SWEEP_SHAPE = (2, 2, 4096, 64)          # [batch, heads, tokens, head_dim]: 256 tiles of 16 tokens
+SHAPES = [
+    ("128² VSA/SLA", 48, 1024, 20),
+    ("256² VSA/SLA", 12, 4096, 16),
+    ("256² VSA/SLA", 12, 4096, 32),
+    ("256² VSA/SLA", 12, 4096, 64),
+    ("512² LLSA L=2 top", 6, 1024, 8),
+]
+SWEEP_SHAPE = (2, 2, 4096, 64)  # [batch, heads, tokens, head_dim]: 256 tiles of 16 tokens
 
 
 def load_module(path: str):
@@ -49,12 +54,15 @@ def selection_table(baseline, head_dim: int) -> list[dict]:
         q = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
         kp = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
         out = torch.empty(bh, blocks, k, device="cuda", dtype=torch.int32)
-        variants = {"torch": lambda: topk.pooled_topk(q, kp, k, impl="torch"),
-                    "triton": lambda: topk.pooled_topk(q, kp, k, impl="triton")}
+        variants = {
+            "torch": lambda: topk.pooled_topk(q, kp, k, impl="torch"),
+            "triton": lambda: topk.pooled_topk(q, kp, k, impl="triton"),
+        }
         if topk._route(blocks, head_dim, k, None) == "streaming":
             for rows_per_program in (16, 32):
-                variants[f"streaming rows={rows_per_program}"] = (
-                    lambda r=rows_per_program: topk._streaming_topk(q, kp, k, out, r))
+                variants[f"streaming rows={rows_per_program}"] = lambda r=rows_per_program: topk._streaming_topk(
+                    q, kp, k, out, r
+                )
         if baseline is not None:
             variants["baseline"] = lambda: baseline.pooled_topk(q, kp, k, impl="triton")
         reference = variants["torch"]().clone()
@@ -63,8 +71,16 @@ def selection_table(baseline, head_dim: int) -> list[dict]:
             mismatched_rows = int((fn() != reference).any(-1).sum())
             ms = 1000 * time_median(fn, 25, 100, q.device)[0]
             torch_ms = torch_ms or ms
-            rows.append({"shape": label, "bh x blocks, k": f"{bh} x {blocks}, {k}", "variant": name,
-                         "ms": f"{ms:.3f}", "x torch": f"{torch_ms / ms:.1f}x", "rows differing": mismatched_rows})
+            rows.append(
+                {
+                    "shape": label,
+                    "bh x blocks, k": f"{bh} x {blocks}, {k}",
+                    "variant": name,
+                    "ms": f"{ms:.3f}",
+                    "x torch": f"{torch_ms / ms:.1f}x",
+                    "rows differing": mismatched_rows,
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -73,15 +89,19 @@ def sweep_table() -> tuple[list[dict], float]:
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, up = (torch.randn(*SWEEP_SHAPE, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    methods = {"vsa": lambda kk: vsa_attention(q, k, v, block_size=16, topk=kk),
-               "sla": lambda kk: sum(sla_attention(q, k, v, block_size=16, topk=kk))}
+    methods = {
+        "vsa": lambda kk: vsa_attention(q, k, v, block_size=16, topk=kk),
+        "sla": lambda kk: sum(sla_attention(q, k, v, block_size=16, topk=kk)),
+    }
     n_tiles = SWEEP_SHAPE[2] // 16
     rows, t_start = [], time.perf_counter()
     for kk in range(4, n_tiles + 1, 4):
         row = {"K": kk, "selection": topk._route(n_tiles, SWEEP_SHAPE[3], kk, None)}
         for name, method in methods.items():
+
             def step(method=method):
                 torch.autograd.grad(method(kk), (q, k, v), up)
+
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step()

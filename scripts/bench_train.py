@@ -63,8 +63,9 @@ from pathlib import Path
 import torch
 import yaml
 
-if any(arg.startswith("--kernels-from") for arg in sys.argv):   # swap the kernel library before pixdit imports it
+if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel library before pixdit imports it
     from kernel_ab import apply_from_argv
+
     apply_from_argv(sys.argv)
 
 from pixdit.errors import PixditError  # noqa: E402
@@ -75,40 +76,71 @@ from pixdit.report import markdown_table, time_median  # noqa: E402
 
 ATTENTION_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "attention"
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
-PROBE_DIMS = dict(dim=128, num_heads=2)   # the variants' options are checked on a backend of this size
+PROBE_DIMS = dict(dim=128, num_heads=2)  # the variants' options are checked on a backend of this size
 # The model's conditioning modules: they run once per image, not per token (not in the per-token FLOP count).
 PER_IMAGE_MODULES = ("adaLN_modulation", "t_embedders", "y_embedders")
-GB = 1e9   # peak and estimated memory in the table: GB as torch.cuda.max_memory_allocated / 1e9
+GB = 1e9  # peak and estimated memory in the table: GB as torch.cuda.max_memory_allocated / 1e9
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--models", "--model", nargs="+", default=["DiT-S"], metavar="MODEL",
-                        help=f"models: NAME or NAME:KEY=VALUE,... (DiT arguments, e.g. DiT-XL:num_heads=18); "
-                             f"names: {', '.join(DIT_MODELS)}")
-    parser.add_argument("--attention", nargs="+", default=["full"], metavar="VARIANT",
-                        help="attention variants: NAME or NAME:KEY=VALUE,KEY=VALUE (configs/attention/NAME.yaml)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None,
-                        help="image sides in pixels (default 64 128 256; --quick: 16 32)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "--models",
+        "--model",
+        nargs="+",
+        default=["DiT-S"],
+        metavar="MODEL",
+        help=f"models: NAME or NAME:KEY=VALUE,... (DiT arguments, e.g. DiT-XL:num_heads=18); "
+        f"names: {', '.join(DIT_MODELS)}",
+    )
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["full"],
+        metavar="VARIANT",
+        help="attention variants: NAME or NAME:KEY=VALUE,KEY=VALUE (configs/attention/NAME.yaml)",
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="image sides in pixels (default 64 128 256; --quick: 16 32)"
+    )
     parser.add_argument("--tokens-per-step", type=int, default=262_144, help="pixel tokens per step (sets the batch)")
     parser.add_argument("--patch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--steps-at", nargs="*", default=[], metavar="SIDE:WARMUP:STEPS",
-                        help="other warm-up / timed step counts at one image side, e.g. 512:1:3")
+    parser.add_argument(
+        "--steps-at",
+        nargs="*",
+        default=[],
+        metavar="SIDE:WARMUP:STEPS",
+        help="other warm-up / timed step counts at one image side, e.g. 512:1:3",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (as compile=true)")
-    parser.add_argument("--grad-checkpointing", nargs="*", default=None, metavar="SETTING",
-                        help="model.grad_checkpointing values, one row each: false, true, N (first N blocks), mlp, "
-                             "attention (the flag alone = true)")
+    parser.add_argument(
+        "--grad-checkpointing",
+        nargs="*",
+        default=None,
+        metavar="SETTING",
+        help="model.grad_checkpointing values, one row each: false, true, N (first N blocks), mlp, "
+        "attention (the flag alone = true)",
+    )
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step and print the top ops")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", default=None, help="directory for bench_train.md / .json / .png")
-    parser.add_argument("--kernels-from", default=None, metavar="DIR",
-                        help="time the kernel library in DIR (another commit's kernels/) instead of the installed one")
-    parser.add_argument("--plot-from", default=None, metavar="JSON",
-                        help="bench_train.json of an earlier run: only redraw its PNG (into --out, else next to it)")
+    parser.add_argument(
+        "--kernels-from",
+        default=None,
+        metavar="DIR",
+        help="time the kernel library in DIR (another commit's kernels/) instead of the installed one",
+    )
+    parser.add_argument(
+        "--plot-from",
+        default=None,
+        metavar="JSON",
+        help="bench_train.json of an earlier run: only redraw its PNG (into --out, else next to it)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and step counts (CPU check)")
     return parser.parse_args(argv)
 
@@ -116,15 +148,15 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------- variants
 @dataclass
 class Variant:
-    label: str          # as typed on the command line, e.g. "llsa:num_levels=2"
-    attention: dict     # the attention config section: {"name": ..., options...}
-    token_order: str    # what the backend needs ("zorder" for the block-sparse methods), else "raster"
+    label: str  # as typed on the command line, e.g. "llsa:num_levels=2"
+    attention: dict  # the attention config section: {"name": ..., options...}
+    token_order: str  # what the backend needs ("zorder" for the block-sparse methods), else "raster"
 
 
 @dataclass
 class ModelSpec:
-    label: str          # as typed, e.g. "DiT-XL:num_heads=18"
-    config: dict        # the model config section: {"name": ..., overrides...}
+    label: str  # as typed, e.g. "DiT-XL:num_heads=18"
+    config: dict  # the model config section: {"name": ..., overrides...}
 
 
 def split_options(text: str) -> list[str]:
@@ -188,8 +220,9 @@ def parse_steps_at(items: list[str]) -> dict[int, tuple[int, int]]:
         except ValueError:
             raise PixditError(f"--steps-at {item!r} must be SIDE:WARMUP:STEPS, e.g. 512:1:3") from None
         if warmup < 0 or steps < 1:
-            raise PixditError(f"--steps-at {item!r}: WARMUP must be >= 0 and STEPS >= 1 (leave the size out of --sizes "
-                              f"to skip it)")
+            raise PixditError(
+                f"--steps-at {item!r}: WARMUP must be >= 0 and STEPS >= 1 (leave the size out of --sizes to skip it)"
+            )
         steps_at[side] = (warmup, steps)
     return steps_at
 
@@ -198,18 +231,30 @@ def parse_steps_at(items: list[str]) -> dict[int, tuple[int, int]]:
 def training_flops_per_image(model, tokens: int) -> float:
     """Model FLOPs of one training step per image, without recomputation (see the module docstring): 6 x per-token
     parameters x tokens + per block 3 x 4 x tokens x keys per query x hidden."""
-    per_image = {id(p) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in PER_IMAGE_MODULES
-                 for p in module.parameters()}
+    per_image = {
+        id(p)
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in PER_IMAGE_MODULES
+        for p in module.parameters()
+    }
     per_token = sum(p.numel() for p in model.parameters() if id(p) not in per_image)
-    attention = sum(3 * 4 * tokens * block.attn.backend.tokens_per_query(tokens) * block.attn.backend.dim
-                    for block in model.blocks)
+    attention = sum(
+        3 * 4 * tokens * block.attn.backend.tokens_per_query(tokens) * block.attn.backend.dim for block in model.blocks
+    )
     return 6.0 * per_token * tokens + attention
 
 
 def module_config(args, model: ModelSpec, variant: Variant, grad_checkpointing) -> dict:
-    return {"model": {**model.config, "patch_size": args.patch_size, "grad_checkpointing": grad_checkpointing,
-                      "token_order": variant.token_order, **(QUICK_MODEL if args.quick else {})},
-            "attention": variant.attention}
+    return {
+        "model": {
+            **model.config,
+            "patch_size": args.patch_size,
+            "grad_checkpointing": grad_checkpointing,
+            "token_order": variant.token_order,
+            **(QUICK_MODEL if args.quick else {}),
+        },
+        "attention": variant.attention,
+    }
 
 
 def memory_estimate(args, side: int, batch: int, config: dict):
@@ -257,10 +302,14 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
     if args.profile:
         print_profile(train_step, device, f"{label} at {side}x{side}, batch {batch}")
     flops = batch * training_flops_per_image(model, module.tokens_per_image)
-    return {"ms_per_step": 1000 * step_s, "images_per_s": batch / step_s,
-            "tokens_per_s": batch * side * side / step_s, "peak_gb": peak_gb if device.type == "cuda" else None,
-            "mfu_percent": 100 * flops / step_s / (args.peak_tflops * 1e12),
-            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    return {
+        "ms_per_step": 1000 * step_s,
+        "images_per_s": batch / step_s,
+        "tokens_per_s": batch * side * side / step_s,
+        "peak_gb": peak_gb if device.type == "cuda" else None,
+        "mfu_percent": 100 * flops / step_s / (args.peak_tflops * 1e12),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
 
 
 def print_profile(train_step, device: torch.device, title: str, row_limit: int = 25) -> None:
@@ -275,8 +324,12 @@ def print_profile(train_step, device: torch.device, title: str, row_limit: int =
             torch.cuda.synchronize(device)
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\n## profile: one training step of {title} (top {row_limit} ops by {sort_by})")
-    print(prof.key_averages(group_by_input_shape=False).table(sort_by=sort_by, row_limit=row_limit,
-                                                                max_name_column_width=60), flush=True)
+    print(
+        prof.key_averages(group_by_input_shape=False).table(
+            sort_by=sort_by, row_limit=row_limit, max_name_column_width=60
+        ),
+        flush=True,
+    )
 
 
 def release_memory(device: torch.device) -> None:
@@ -293,7 +346,7 @@ def first_batch(args, side: int, requested: int, config: dict) -> tuple[int, str
     try:
         estimate = memory_estimate(args, side, requested, config)
     except PixditError:
-        return requested, "", {}   # measure() reports the reason
+        return requested, "", {}  # measure() reports the reason
     digits = 1 if estimate.high >= GB else 3
     columns = {"est_gb": f"{estimate.low / GB:.{digits}f}-{estimate.high / GB:.{digits}f}"}
     free = free_memory(torch.device(args.device))
@@ -301,20 +354,29 @@ def first_batch(args, side: int, requested: int, config: dict) -> tuple[int, str
     if free is None or (estimate.low if args.compile else estimate.high) <= free:
         return requested, "", columns
     fits = largest_batch(estimate, free, bound)
-    note = (f"{requested * side * side:,} tokens/step do not fit: estimated {columns['est_gb']} GB, "
-            f"{free / GB:.1f} GB free")
+    note = (
+        f"{requested * side * side:,} tokens/step do not fit: estimated {columns['est_gb']} GB, {free / GB:.1f} GB free"
+    )
     return max(1, min(requested, fits)), note, columns
 
 
-def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Variant, warmup: int,
-            steps: int) -> dict:
+def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Variant, warmup: int, steps: int) -> dict:
     """One row: a number, or a one-line reason (skipped: the model's own; OOM: even batch 1 runs out of memory)."""
     device = torch.device(args.device)
     config = module_config(args, model, variant, grad_checkpointing)
     requested = max(1, args.tokens_per_step // (side * side))
-    row = {"model": model.label + (" (quick)" if args.quick else ""), "grad_ckpt": str(grad_checkpointing).lower(),
-           "side": side, "tokens_per_image": (side // args.patch_size) ** 2, "variant": variant.label,
-           "warmup": warmup, "steps": steps, "status": "ok", "note": "", "requested_batch": requested}
+    row = {
+        "model": model.label + (" (quick)" if args.quick else ""),
+        "grad_ckpt": str(grad_checkpointing).lower(),
+        "side": side,
+        "tokens_per_image": (side // args.patch_size) ** 2,
+        "variant": variant.label,
+        "warmup": warmup,
+        "steps": steps,
+        "status": "ok",
+        "note": "",
+        "requested_batch": requested,
+    }
     batch, note, columns = first_batch(args, side, requested, config)
     row.update(columns)
     notes = [note] if note else []
@@ -360,8 +422,11 @@ def add_speedups(rows: list[dict], variants: list[Variant]) -> None:
     """speedup = tokens/s of the row / tokens/s of the first full-attention variant of the same model, size and grad
     checkpointing (the same ratio as ms/step when both ran the same batch)."""
     baseline = next((v.label for v in variants if v.attention["name"] == "full"), None)
-    full = {(r["model"], r["side"], r["grad_ckpt"]): r["tokens_per_s"] for r in rows
-            if r["variant"] == baseline and r["status"] == "ok"}
+    full = {
+        (r["model"], r["side"], r["grad_ckpt"]): r["tokens_per_s"]
+        for r in rows
+        if r["variant"] == baseline and r["status"] == "ok"
+    }
     for row in rows:
         key = (row["model"], row["side"], row["grad_ckpt"])
         if row["status"] == "ok" and key in full:
@@ -373,16 +438,32 @@ def progress_line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{what}: {row['status']} ({row['note']})"
     peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.2f} GB (estimated {row.get('est_gb', '-')})"
-    return (f"{what}: batch {row['batch']}, {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s'] / 1e3:.1f}k "
-            f"tokens/s{peak}, MFU {row['mfu_percent']:.1f}%")
+    return (
+        f"{what}: batch {row['batch']}, {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s'] / 1e3:.1f}k "
+        f"tokens/s{peak}, MFU {row['mfu_percent']:.1f}%"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- reporting
 # table header -> JSON row key
-COLUMNS = {"model": "model", "params M": "params_m", "grad ckpt": "grad_ckpt", "size": "side",
-           "tokens/img": "tokens_per_image", "tokens/step": "tokens_per_step", "batch": "batch", "variant": "variant",
-           "images/s": "images_per_s", "tokens/s": "tokens_per_s", "ms/step": "ms_per_step", "peak GB": "peak_gb",
-           "est. GB": "est_gb", "MFU %": "mfu_percent", "speed-up": "speedup", "note": "note"}
+COLUMNS = {
+    "model": "model",
+    "params M": "params_m",
+    "grad ckpt": "grad_ckpt",
+    "size": "side",
+    "tokens/img": "tokens_per_image",
+    "tokens/step": "tokens_per_step",
+    "batch": "batch",
+    "variant": "variant",
+    "images/s": "images_per_s",
+    "tokens/s": "tokens_per_s",
+    "ms/step": "ms_per_step",
+    "peak GB": "peak_gb",
+    "est. GB": "est_gb",
+    "MFU %": "mfu_percent",
+    "speed-up": "speedup",
+    "note": "note",
+}
 
 
 def format_cell(column: str, value) -> str:
@@ -407,8 +488,9 @@ def markdown(rows: list[dict]) -> str:
     def note(row):
         return row["note"] if row["status"] == "ok" else f"{row['status']}: {row['note']}"
 
-    table_rows = [{header: (note(row) if key == "note" else row.get(key)) for header, key in COLUMNS.items()}
-                  for row in rows]
+    table_rows = [
+        {header: (note(row) if key == "note" else row.get(key)) for header, key in COLUMNS.items()} for row in rows
+    ]
     return markdown_table(table_rows, list(COLUMNS), cell=format_cell)
 
 
@@ -421,15 +503,18 @@ def settings_line(args, models: list[ModelSpec], settings: list) -> str:
     steps = f"median of {args.steps} steps after {args.warmup} warm-up"
     steps += "".join(f"; at {side}^2: {n} after {w}" for side, (w, n) in parse_steps_at(args.steps_at).items())
     grad_ckpt = ", ".join(str(s).lower() for s in settings)
-    return (f"{model}, patch {args.patch_size}, {args.tokens_per_step:,} pixel tokens per step where they fit, "
-            f"{precision}, AdamW + clip + EMA, compile={args.compile}, grad_checkpointing={grad_ckpt}, {device}, "
-            f"torch {torch.__version__}; {steps}; MFU against {args.peak_tflops:g} TFLOP/s")
+    return (
+        f"{model}, patch {args.patch_size}, {args.tokens_per_step:,} pixel tokens per step where they fit, "
+        f"{precision}, AdamW + clip + EMA, compile={args.compile}, grad_checkpointing={grad_ckpt}, {device}, "
+        f"torch {torch.__version__}; {steps}; MFU against {args.peak_tflops:g} TFLOP/s"
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
     """Left: speed-up over full attention vs tokens per image (the LLSA paper's Fig. 3); right: tokens/s."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         import matplotlib.ticker
@@ -438,7 +523,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     ok = [r for r in rows if r["status"] == "ok"]
 
-    def line(row):   # one line per variant, or per (model, grad checkpointing, variant) when those vary
+    def line(row):  # one line per variant, or per (model, grad checkpointing, variant) when those vary
         model = f"{row.get('model', '')} " if len({r.get("model") for r in ok}) > 1 else ""
         ckpt = f"ckpt={row.get('grad_ckpt')} " if len({r.get("grad_ckpt") for r in ok}) > 1 else ""
         return f"{model}{ckpt}{row['variant']}"
@@ -449,8 +534,9 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = sorted((r for r in ok if line(r) == label), key=lambda r: r["tokens_per_image"])
         with_speedup = [r for r in mine if r.get("speedup") is not None]
         if with_speedup:
-            ax_speedup.plot([r["tokens_per_image"] for r in with_speedup], [r["speedup"] for r in with_speedup],
-                            **style)
+            ax_speedup.plot(
+                [r["tokens_per_image"] for r in with_speedup], [r["speedup"] for r in with_speedup], **style
+            )
         ax_tokens.plot([r["tokens_per_image"] for r in mine], [r["tokens_per_s"] for r in mine], **style)
     ticks = {r["tokens_per_image"]: f"{r['tokens_per_image']:,}\n({r['side']}²)" for r in ok}
     ax_speedup.set_ylabel("training speed-up over full attention")
@@ -482,8 +568,16 @@ def write_tables(out: Path, command: str, settings: str, variants: list[Variant]
     # Atomic writes: a run stopped by a time limit leaves the previous complete table, never half of one.
     with atomic_write(out / "bench_train.md", "w") as f:
         f.write(f"```\n{command}\n```\n\n{settings}\n\n{markdown(rows)}\n\nAttention configs:\n\n{configs}\n")
-    write_json(out / "bench_train.json", {"command": command, "settings": settings, "torch": torch.__version__,
-                                          "variants": {v.label: v.attention for v in variants}, "rows": rows})
+    write_json(
+        out / "bench_train.json",
+        {
+            "command": command,
+            "settings": settings,
+            "torch": torch.__version__,
+            "variants": {v.label: v.attention for v in variants},
+            "rows": rows,
+        },
+    )
 
 
 def main(argv=None) -> None:
@@ -501,7 +595,7 @@ def main(argv=None) -> None:
         models = [parse_model(spec) for spec in args.models]
         variants = [parse_variant(spec) for spec in args.attention]
         settings = grad_checkpointing_settings(args.grad_checkpointing)
-        for model in models:   # every setting must suit every model (a number of blocks up to its depth)
+        for model in models:  # every setting must suit every model (a number of blocks up to its depth)
             depth = {**DIT_MODELS[model.config["name"]], **model.config, **(QUICK_MODEL if args.quick else {})}["depth"]
             for setting in settings:
                 grad_checkpointing_plan(setting, depth)
@@ -515,8 +609,13 @@ def main(argv=None) -> None:
     command = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
     settings_text = settings_line(args, models, settings)
     out = Path(args.out) if args.out else None
-    rows = run(args, models, variants, settings,
-               on_row=(lambda rows: write_tables(out, command, settings_text, variants, rows)) if out else None)
+    rows = run(
+        args,
+        models,
+        variants,
+        settings,
+        on_row=(lambda rows: write_tables(out, command, settings_text, variants, rows)) if out else None,
+    )
     print(f"\n{settings_text}\n\n{markdown(rows)}\n\ncommand: {command}")
     if out:
         print(f"wrote {out / 'bench_train.md'} and {out / 'bench_train.json'}")

@@ -1,6 +1,7 @@
 """A/B of kernel versions in one GPU session: ``--kernels-from DIR`` in the bench scripts runs them with the kernel
 library in DIR (a copy of another commit's ``kernels/``, e.g. ``git archive HEAD~1 kernels | tar -x -C /tmp/base``)
 in place of the installed ``pixdit.kernels``. Must run before anything imports ``pixdit.kernels``."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,6 +16,7 @@ def use_kernels_from(directory: str) -> None:
     if "pixdit.kernels" in sys.modules:
         sys.exit("--kernels-from must be applied before pixdit.kernels is imported")
     import pixdit  # noqa: F401  (the parent package must exist first)
+
     spec = importlib.util.spec_from_file_location("pixdit.kernels", init, submodule_search_locations=[directory])
     module = importlib.util.module_from_spec(spec)
     sys.modules["pixdit.kernels"] = module

@@ -14,6 +14,7 @@ Writes ``recall.md`` (table) and ``recall.png`` under ``--out``. Random inputs: 
 noise blurred over the 2-D grid (nearby pixels look alike, as in images) then put in Z-order; ``iid`` = white noise
 (no locality: the hard case for any block routing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,13 @@ def random_qk(args, device, layer):
     x = torch.randn(shape, generator=g)
     if args.inputs == "smooth":
         width = args.blur
-        kernel = torch.exp(-(torch.arange(-2 * width, 2 * width + 1).float() / width) ** 2 / 2)
+        kernel = torch.exp(-((torch.arange(-2 * width, 2 * width + 1).float() / width) ** 2) / 2)
         kernel = (kernel / kernel.sum()).view(1, 1, 1, -1)
         flat = x.reshape(-1, 1, args.size, args.size)
         flat = F.conv2d(F.pad(flat, (2 * width, 2 * width, 0, 0), mode="circular"), kernel)
         flat = F.conv2d(F.pad(flat, (0, 0, 2 * width, 2 * width), mode="circular"), kernel.transpose(-1, -2))
         x = flat.view(shape) / flat.std() + 0.5 * torch.randn(shape, generator=g)
-    x = x.flatten(2)[:, :, zorder_inverse(args.size, "cpu")].transpose(1, 2)       # [b*h*2, N, d], Z-order
+    x = x.flatten(2)[:, :, zorder_inverse(args.size, "cpu")].transpose(1, 2)  # [b*h*2, N, d], Z-order
     x = x.reshape(2, args.batch, args.heads, args.size * args.size, args.head_dim).to(device)
     return x[0], x[1]
 
@@ -57,10 +58,13 @@ def captured_qk(args, device):
     # The EMA model, uncompiled: the hooks below must see the eager modules
     model = load_generator(args.checkpoint)[0].to(device)
     captured = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append((inp[0].detach(), inp[1].detach())))
-             for m in model.modules() if isinstance(m, AttentionBackend)]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: captured.append((inp[0].detach(), inp[1].detach())))
+        for m in model.modules()
+        if isinstance(m, AttentionBackend)
+    ]
     side = args.size
-    x = torch.rand(args.images, 3, side, side, device=device) * 2 - 1     # replace with real images if at hand
+    x = torch.rand(args.images, 3, side, side, device=device) * 2 - 1  # replace with real images if at hand
     t = torch.full((args.images,), 500.0, device=device)
     with torch.no_grad():
         model(x, t)
@@ -79,8 +83,13 @@ def layer_stats(q, k, args):
     qp, kp = qf, kf
     for lvl in range(1, L + 1):
         qp, kp = block_mean(qp, B), block_mean(kp, B)
-        exact = torch.cat([topk_desc(qp[:, :, r:r + 1024] @ kp.transpose(-1, -2), ks[lvl - 1])
-                           for r in range(0, qp.shape[2], 1024)], dim=2)
+        exact = torch.cat(
+            [
+                topk_desc(qp[:, :, r : r + 1024] @ kp.transpose(-1, -2), ks[lvl - 1])
+                for r in range(0, qp.shape[2], 1024)
+            ],
+            dim=2,
+        )
         hits = (index[lvl - 1].long()[..., :, None] == exact.long()[..., None, :]).any(-1).float().mean()
         rows[f"recall L{lvl}"] = hits.item()
         if lvl == 1:
@@ -89,8 +98,8 @@ def layer_stats(q, k, args):
     N, d = q.shape[2], q.shape[3]
     mass = {"hier": 0.0, "exact": 0.0, "best": 0.0}
     for r0 in range(0, N, 1024):
-        p = torch.softmax(qf[:, :, r0:r0 + 1024] @ kf.transpose(-1, -2) * d ** -0.5, -1)
-        blk = p.view(*p.shape[:-1], N // B, B).sum(-1)                      # [b, h, rows, N/B]
+        p = torch.softmax(qf[:, :, r0 : r0 + 1024] @ kf.transpose(-1, -2) * d**-0.5, -1)
+        blk = p.view(*p.shape[:-1], N // B, B).sum(-1)  # [b, h, rows, N/B]
         qblk = torch.arange(r0, min(N, r0 + 1024), device=q.device) // B
         for name, sel in (("hier", index[0]), ("exact", exact1)):
             mass[name] += blk.gather(-1, sel[:, :, qblk].long()).sum(-1).sum().item()
@@ -131,16 +140,22 @@ def main(argv=None):
         print(f"layer {i}: " + "  ".join(f"{key} {val:.3f}" for key, val in stats.items()), flush=True)
     keys = list(results[0])
     src = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random {args.inputs} inputs"
-    md = [f"LLSA routing recall, {src}, {args.size}x{args.size} tokens, B={args.block_size}, K={args.topk}, L={L}",
-          "", "| layer | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    md = [
+        f"LLSA routing recall, {src}, {args.size}x{args.size} tokens, B={args.block_size}, K={args.topk}, L={L}",
+        "",
+        "| layer | " + " | ".join(keys) + " |",
+        "|---" * (len(keys) + 1) + "|",
+    ]
     md += [f"| {i} | " + " | ".join(f"{r[key]:.3f}" for key in keys) + " |" for i, r in enumerate(results)]
     with open(os.path.join(args.out, "recall.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for key in keys:
             ax.plot(range(len(results)), [r[key] for r in results], marker="o", label=key)

@@ -25,8 +25,9 @@ def main() -> None:
     args = parser.parse_args()
     start = time.time()
     try:
-        manifest = make_quickstart_dataset(args.out, train_count=args.train, val_count=args.val,
-                                           resolution=args.resolution, seed=args.seed)
+        manifest = make_quickstart_dataset(
+            args.out, train_count=args.train, val_count=args.val, resolution=args.resolution, seed=args.seed
+        )
     except PixditError as error:
         sys.exit(f"error: {error}")
     counts = ", ".join(f"{split} {count}" for split, count in manifest["counts"].items())

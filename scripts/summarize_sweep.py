@@ -237,8 +237,7 @@ def plot(path: Path, swept: list[str], metric_columns: list[str], rows: list[dic
     params = swept or ["run"]
     if not metrics:
         return False
-    fig, axes = plt.subplots(len(metrics), len(params), figsize=(4.5 * len(params), 3.2 * len(metrics)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(metrics), len(params), figsize=(4.5 * len(params), 3.2 * len(metrics)), squeeze=False)
     for j, param in enumerate(params):
         values = list(dict.fromkeys(r[param] for r in ok_rows))
         numeric = all(as_number(v) is not None for v in values)
@@ -300,8 +299,12 @@ def plot_fid_curves(path: Path, multirun_dir: Path, swept: list[str], rows: list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("multirun_dir", type=Path, help="the sweep directory (hydra.sweep.dir), e.g. multirun/DATE/TIME")
-    parser.add_argument("--out", type=Path, default=None, help="where to write summary.{md,csv,png} (default: multirun_dir)")
+    parser.add_argument(
+        "multirun_dir", type=Path, help="the sweep directory (hydra.sweep.dir), e.g. multirun/DATE/TIME"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where to write summary.{md,csv,png} (default: multirun_dir)"
+    )
     args = parser.parse_args(argv)
     if not args.multirun_dir.is_dir():
         raise SystemExit(f"error: multirun_dir {args.multirun_dir} is not a directory")
@@ -317,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     curves = plot_fid_curves(out / "fid_curves.png", args.multirun_dir, swept, rows)
     print(markdown)
     failed = sum(r["status"] != "ok" for r in rows)
-    print(f"{len(rows)} runs ({failed} not ok); wrote {out / 'summary.md'}, {out / 'summary.csv'}"
-          + (f", {out / 'summary.png'}" if plotted else " (no metrics to plot)")
-          + (f", {out / 'fid_curves.png'}" if curves else ""))
+    print(
+        f"{len(rows)} runs ({failed} not ok); wrote {out / 'summary.md'}, {out / 'summary.csv'}"
+        + (f", {out / 'summary.png'}" if plotted else " (no metrics to plot)")
+        + (f", {out / 'fid_curves.png'}" if curves else "")
+    )
     return 0
 
 

@@ -35,15 +35,22 @@ TINY_MODEL = ["model=dit_t", "+model.hidden_size=32", "+model.depth=1", "+model.
 
 
 def tiny_data_overrides(root: Path, batch_size: int = 2) -> list[str]:
-    return [f"data.root={root}", "data.resolution=null", "data.num_workers=0", f"data.batch_size={batch_size}",
-            "data.val_images=4", "data.epoch_images=null"]
+    return [
+        f"data.root={root}",
+        "data.resolution=null",
+        "data.num_workers=0",
+        f"data.batch_size={batch_size}",
+        "data.val_images=4",
+        "data.epoch_images=null",
+    ]
 
 
 @pytest.fixture(scope="session")
 def train_helpers() -> SimpleNamespace:
     """root, config_dir, compose(overrides), tiny_model (overrides), tiny_data(root, batch_size) (overrides)."""
-    return SimpleNamespace(root=ROOT, config_dir=CONFIG_DIR, compose=compose_config, tiny_model=TINY_MODEL,
-                           tiny_data=tiny_data_overrides)
+    return SimpleNamespace(
+        root=ROOT, config_dir=CONFIG_DIR, compose=compose_config, tiny_model=TINY_MODEL, tiny_data=tiny_data_overrides
+    )
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +78,12 @@ def tiny_labelled_shards(tmp_path_factory) -> Path:
                 pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
                 writer.write(f"{i:08d}", encode_image(pixels, "png"), "png", label=int(rng.integers(0, 1000)))
         splits[split] = writer.split_info()
-    write_manifest(out, resolution=32, image_format="png", splits=splits, source="random test images",
-                   classes=[f"n{i:08d}" for i in range(1000)])
+    write_manifest(
+        out,
+        resolution=32,
+        image_format="png",
+        splits=splits,
+        source="random test images",
+        classes=[f"n{i:08d}" for i in range(1000)],
+    )
     return out

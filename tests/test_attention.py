@@ -53,8 +53,9 @@ def test_config_errors_list_the_choices():
         build_attention({"name": "llsa", "topk": "many"}, dim=64, num_heads=2)
 
 
-@pytest.mark.parametrize("name,old,new", [("full", "impl", "attention.kernel"),
-                                          ("vsa", "sparsity", "attention.topk_ratio = 1 - sparsity")])
+@pytest.mark.parametrize(
+    "name,old,new", [("full", "impl", "attention.kernel"), ("vsa", "sparsity", "attention.topk_ratio = 1 - sparsity")]
+)
 def test_renamed_options_name_their_replacement(name, old, new):
     with pytest.raises(PixditError, match=f"attention.{old} .*was renamed: use {new}"):
         build_attention({"name": name, old: 0.5}, dim=64, num_heads=2)
@@ -71,8 +72,9 @@ def test_accepts_omegaconf_and_shipped_configs():
 def test_full_triton_kernel_matches_softmax_oracle():
     q, k, v = qkv(n=64, d=16)
     backend = build_attention({"name": "full", "kernel": "triton"}, dim=48, num_heads=3)
-    torch.testing.assert_close(backend(q, k, v, grid_hw=(8, 8), hidden=None), softmax_attention(q, k, v),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        backend(q, k, v, grid_hw=(8, 8), hidden=None), softmax_attention(q, k, v), atol=1e-4, rtol=1e-4
+    )
 
 
 @register_attention("test_needs_zorder")
@@ -119,8 +121,7 @@ def test_llsa_model_trains_on_cpu_and_matches_full_attention_when_dense():
     torch.manual_seed(0)
     options = dict(input_size=(8, 16), depth=2, hidden_size=64, num_heads=2, zero_init=False)
     full = build_model("DiT-T", **options)
-    llsa = build_model("DiT-T", **options,
-                       attention={"name": "llsa", "block_size": 16, "topk": 8, "enrich_levels": 0})
+    llsa = build_model("DiT-T", **options, attention={"name": "llsa", "block_size": 16, "topk": 8, "enrich_levels": 0})
     llsa.load_state_dict(full.state_dict())
     x, t = torch.randn(2, 3, 8, 16), 1000 * torch.rand(2)
     out = llsa(x, t)
@@ -147,8 +148,9 @@ def test_llsa_bad_grid_fails_at_build_with_both_numbers():
 def test_model_under_bf16_autocast(attention):
     """q, k, v reach the backend in one dtype under autocast (the kernels require it); bf16 output near fp32."""
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=8, depth=2, hidden_size=64, num_heads=2, attention=attention,
-                        zero_init=False)
+    model = build_model(
+        "DiT-T", input_size=8, depth=2, hidden_size=64, num_heads=2, attention=attention, zero_init=False
+    )
     x, t = torch.randn(2, 3, 8, 8), 1000 * torch.rand(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x, t)
@@ -232,8 +234,9 @@ for name in sys.argv[1:]:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_every_module_imports_first_without_a_cycle():
     assert "pixdit.attention.base" in MODULES and "pixdit.kernels.common" in MODULES
-    result = subprocess.run([sys.executable, "-c", IMPORT_EACH_IN_A_CHILD, *MODULES], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_IN_A_CHILD, *MODULES], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
 
 
@@ -251,26 +254,34 @@ def test_dense_blocks_keep_full_attention_in_the_listed_blocks():
     # full attention, not the sparse backend under another name.
     x, t = torch.randn(2, 3, 16, 16), 1000 * torch.rand(2)
     torch.manual_seed(0)
-    all_dense = build_model("DiT-T", input_size=16, zero_init=False,
-                            attention={"name": "llsa", "dense_blocks": [0, 1, 2, 3]})
+    all_dense = build_model(
+        "DiT-T", input_size=16, zero_init=False, attention={"name": "llsa", "dense_blocks": [0, 1, 2, 3]}
+    )
     torch.manual_seed(0)
     full = build_model("DiT-T", input_size=16, zero_init=False, attention={"name": "full"})
     assert all_dense.token_order == full.token_order == "raster"
     torch.testing.assert_close(all_dense(x, t), full(x, t), rtol=0, atol=0)
     # An empty list, null, or a bare backend name: the configured backend everywhere.
     for attention in ({"name": "llsa", "dense_blocks": []}, {"name": "llsa", "dense_blocks": None}, "llsa"):
-        assert {block.attn.backend.name for block in build_model("DiT-T", input_size=16,
-                                                                 attention=attention).blocks} == {"llsa"}
+        assert {
+            block.attn.backend.name for block in build_model("DiT-T", input_size=16, attention=attention).blocks
+        } == {"llsa"}
 
 
-@pytest.mark.parametrize("dense_blocks, message", [
-    ([0, 4], r"attention.dense_blocks=\[0, 4\]: 4 is not a block index; allowed: .*from 0 to 3 \(the model has depth 4\)"),
-    ([-1], r"-1 is not a block index.*depth 4"),
-    (["0", 1.0], r"'0', 1.0 are not block indices.*depth 4"),
-    ([True], r"True is not a block index"),
-    (3, r"attention.dense_blocks=3 must be a list of block indices.*depth 4"),
-    ([1, 1], r"lists a block twice.*depth 4"),
-])
+@pytest.mark.parametrize(
+    "dense_blocks, message",
+    [
+        (
+            [0, 4],
+            r"attention.dense_blocks=\[0, 4\]: 4 is not a block index; allowed: .*from 0 to 3 \(the model has depth 4\)",
+        ),
+        ([-1], r"-1 is not a block index.*depth 4"),
+        (["0", 1.0], r"'0', 1.0 are not block indices.*depth 4"),
+        ([True], r"True is not a block index"),
+        (3, r"attention.dense_blocks=3 must be a list of block indices.*depth 4"),
+        ([1, 1], r"lists a block twice.*depth 4"),
+    ],
+)
 def test_bad_dense_blocks_are_one_named_error_before_any_block_is_built(dense_blocks, message, monkeypatch):
     from pixdit.models import dit
 
@@ -293,23 +304,27 @@ def test_dense_blocks_is_not_a_backend_option():
 def test_tokens_per_query_counts_what_each_backend_attends():
     """The attention FLOPs that MFU counts (scripts/bench_train.py): dense = every token; LLSA = llsa_check's count;
     VSA = K tiles + the coarse T x T stage; SLA = K blocks + the linear branch (head_dim)."""
-    n = 64 * 64   # 4096 tokens, 256 tiles of 16
+    n = 64 * 64  # 4096 tokens, 256 tiles of 16
     assert build_attention({"name": "full"}, dim=64, num_heads=2).tokens_per_query(n) == n
     llsa = build_attention({"name": "llsa", "num_levels": 2, "topk": 8}, dim=64, num_heads=2)
-    assert llsa.tokens_per_query(n) == 8 * 16 + 8 * 16 + n // 256   # fine + level-1 candidates + 16 coarsest tokens
+    assert llsa.tokens_per_query(n) == 8 * 16 + 8 * 16 + n // 256  # fine + level-1 candidates + 16 coarsest tokens
     vsa = build_attention({"name": "vsa", "topk": 20}, dim=64, num_heads=2)
-    assert vsa.tokens_per_query(n) == 20 * 16 + 256 ** 2 / n
+    assert vsa.tokens_per_query(n) == 20 * 16 + 256**2 / n
     sla = build_attention({"name": "sla", "topk": None, "topk_ratio": 0.25}, dim=64, num_heads=2)
     assert sla.tokens_per_query(n) == 64 * 16 + 32
 
 
-@pytest.mark.parametrize("attention", [{"name": "llsa"}, {"name": "vsa"}, {"name": "sla"},
-                                       {"name": "full", "kernel": "triton"}])
+@pytest.mark.parametrize(
+    "attention", [{"name": "llsa"}, {"name": "vsa"}, {"name": "sla"}, {"name": "full", "kernel": "triton"}]
+)
 def test_a_head_dim_the_kernels_cannot_take_is_named_at_build(attention):
     """DiT-XL's 1152 / 16 heads = 72 is no head dim of the Triton kernels (16, 32, 64, 128): one error at build time
     that names the number of heads that fits (18 x 64, same parameters) instead of a ValueError in the first step."""
-    with pytest.raises(PixditError, match=r"head dim in \(16, 32, 64, 128\).*1152 / num_heads 16 = 72; use "
-                                          r"model.num_heads=18 \(head dim 64"):
+    with pytest.raises(
+        PixditError,
+        match=r"head dim in \(16, 32, 64, 128\).*1152 / num_heads 16 = 72; use "
+        r"model.num_heads=18 \(head dim 64",
+    ):
         build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention)
     build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention, num_heads=18)
-    build_model("DiT-XL", input_size=(16, 16), depth=1, attention={"name": "full"})   # SDPA takes any head dim
+    build_model("DiT-XL", input_size=(16, 16), depth=1, attention={"name": "full"})  # SDPA takes any head dim

@@ -15,9 +15,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = {"pixdit-train": "pixdit.cli.train:main", "pixdit-evaluate": "pixdit.cli.evaluate:main",
-            "pixdit-prepare-data": "pixdit.cli.prepare_data:main",
-            "pixdit-make-fid-stats": "pixdit.cli.make_fid_stats:main"}
+COMMANDS = {
+    "pixdit-train": "pixdit.cli.train:main",
+    "pixdit-evaluate": "pixdit.cli.evaluate:main",
+    "pixdit-prepare-data": "pixdit.cli.prepare_data:main",
+    "pixdit-make-fid-stats": "pixdit.cli.make_fid_stats:main",
+}
 
 
 def test_console_scripts_are_installed_and_load():
@@ -37,9 +40,13 @@ def test_configs_are_package_data():
 def test_pixdit_train_composes_from_another_directory(tmp_path):
     command = shutil.which("pixdit-train", path=str(Path(sys.executable).parent))
     assert command, "pixdit-train is not installed next to this Python"
-    result = subprocess.run([command, "experiment=quickstart", "trainer.max_steps=7", "--cfg", "job"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [command, "experiment=quickstart", "trainer.max_steps=7", "--cfg", "job"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "name: quickstart" in result.stdout and "max_steps: 7" in result.stdout
     assert not any(tmp_path.iterdir())  # --cfg job runs nothing
-

@@ -30,8 +30,9 @@ def live_model(attention: dict, side: int, device: str) -> torch.nn.Module:
     """DiT-T whose every parameter matters: the reference init (no adaLN-Zero) plus noise on all weights, so that the
     zero-initialised gates of VSA / SLA and the attention outputs reach the loss."""
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=side, attention=attention, zero_init=False,
-                        num_classes=10, class_dropout=0.0)  # no label dropout: no random draw to differ
+    model = build_model(
+        "DiT-T", input_size=side, attention=attention, zero_init=False, num_classes=10, class_dropout=0.0
+    )  # no label dropout: no random draw to differ
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)

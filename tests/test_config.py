@@ -18,8 +18,9 @@ def test_a_key_pixdit_sets_itself_is_named_as_such():
 
 
 def test_unknown_key_and_word_for_number_are_named():
-    with pytest.raises(PixditError,
-                       match=r"unknown key\(s\) \['every_n_train_step'\] in section; .*every_n_train_steps, name"):
+    with pytest.raises(
+        PixditError, match=r"unknown key\(s\) \['every_n_train_step'\] in section; .*every_n_train_steps, name"
+    ):
         construct(make, {"every_n_train_step": 3}, "section", dirpath="/run")
     with pytest.raises(PixditError, match=r"section.every_n_train_steps='abc' must be int"):
         construct(make, {"every_n_train_steps": "abc"}, "section", dirpath="/run")

@@ -14,8 +14,14 @@ import torch
 from pixdit.data.datamodule import ShardDataModule
 from pixdit.data.imageops import encode_image
 from pixdit.data.quickstart import make_quickstart_dataset
-from pixdit.data.shards import (ShardWriter, read_manifest, sha256_of_file, shard_problem, verify_checksums,
-                                write_manifest)
+from pixdit.data.shards import (
+    ShardWriter,
+    read_manifest,
+    sha256_of_file,
+    shard_problem,
+    verify_checksums,
+    write_manifest,
+)
 from pixdit.errors import PixditError
 
 RES = 8
@@ -45,10 +51,20 @@ def make_dataset(root, counts_per_shard, val=0, labels=False):
                     index += 1
             shards += writer.shards
         if counts:
-            splits[split] = {"count": sum(s["count"] for s in shards), "shards": shards, "skipped_count": 0,
-                             "skipped": []}
-    write_manifest(root, resolution=RES, image_format="png", splits=splits, source="test",
-                   classes=["a", "b", "c"] if labels else None)
+            splits[split] = {
+                "count": sum(s["count"] for s in shards),
+                "shards": shards,
+                "skipped_count": 0,
+                "skipped": [],
+            }
+    write_manifest(
+        root,
+        resolution=RES,
+        image_format="png",
+        splits=splits,
+        source="test",
+        classes=["a", "b", "c"] if labels else None,
+    )
     return root
 
 
@@ -61,7 +77,10 @@ def test_writer_manifest_checksums_and_atomic_names(tmp_path):
     manifest = read_manifest(tmp_path)
     assert manifest["counts"] == {"train": 12, "val": 3}
     assert [s["name"] for s in manifest["splits"]["train"]["shards"]] == [
-        "train-000000.tar", "train-000001.tar", "train-000002.tar"]
+        "train-000000.tar",
+        "train-000001.tar",
+        "train-000002.tar",
+    ]
     assert [s["count"] for s in manifest["splits"]["train"]["shards"]] == [5, 5, 2]
     assert not list(tmp_path.glob("*.tmp"))
     assert verify_checksums(tmp_path) == []
@@ -96,8 +115,14 @@ def test_loader_pixels_exact_and_epoch_covers_dataset(tmp_path):
             pixels = rng.integers(0, 256, (RES, RES, 3), dtype=np.uint8)
             originals[i] = pixels
             writer.write(f"{i:08d}", encode_image(pixels), "png", label=i % 5)
-    write_manifest(tmp_path, resolution=RES, image_format="png", splits={"train": writer.split_info()},
-                   source="t", classes=[str(c) for c in range(5)])
+    write_manifest(
+        tmp_path,
+        resolution=RES,
+        image_format="png",
+        splits={"train": writer.split_info()},
+        source="t",
+        classes=[str(c) for c in range(5)],
+    )
     dm = ShardDataModule(tmp_path, resolution=RES, batch_size=3, num_workers=0, flip=False, labelled=True)
     assert (dm.resolution, dm.num_classes) == (RES, 5)
     found = []
@@ -124,7 +149,7 @@ def test_flip_is_horizontal_and_unlabelled_batches_have_no_label(tmp_path):
     assert "label" not in batch
     left_white = (batch["image"][:, 0, 0, 0] > 0).sum().item()
     assert 16 < left_white < 48  # about half flipped
-    assert torch.equal(batch["image"][:, :, :, : RES // 2].flip(-1).abs(), batch["image"][:, :, :, RES // 2:].abs())
+    assert torch.equal(batch["image"][:, :, :, : RES // 2].flip(-1).abs(), batch["image"][:, :, :, RES // 2 :].abs())
 
 
 @pytest.mark.parametrize("counts", [[6] * 8, [48], [16, 16, 16]], ids=["8shards", "1shard", "3shards"])
@@ -144,8 +169,7 @@ def test_more_slots_than_samples_per_shard_no_hang(tmp_path):
     make_dataset(tmp_path, [3])  # one shard, 3 samples, 2 ranks x 2 workers = 4 slots
     lengths = []
     for rank in range(2):
-        dm = ShardDataModule(tmp_path, batch_size=2, num_workers=2, flip=False, rank=rank, world_size=2,
-                             epoch_images=8)
+        dm = ShardDataModule(tmp_path, batch_size=2, num_workers=2, flip=False, rank=rank, world_size=2, epoch_images=8)
         lengths.append(len(list(dm.train_dataloader())))
     assert lengths == [2, 2]
 
@@ -155,8 +179,9 @@ def test_stream_resume_is_exact(tmp_path, num_workers):
     make_dataset(tmp_path, [7, 7, 7, 5])  # uneven shards, shuffle blocks smaller than an epoch
 
     def new_dm():
-        return ShardDataModule(tmp_path, batch_size=3, num_workers=num_workers, flip=True, shuffle_block=5,
-                               epoch_images=21, seed=3)
+        return ShardDataModule(
+            tmp_path, batch_size=3, num_workers=num_workers, flip=True, shuffle_block=5, epoch_images=21, seed=3
+        )
 
     dm = new_dm()
     straight = []
@@ -227,9 +252,18 @@ def test_validation_is_fixed_split_across_ranks(tmp_path):
     assert torch.equal(batches[0]["index"], torch.tensor([0, 1, 2]))
     assert batches[0]["label"].tolist() == [8 % 3, 9 % 3, 10 % 3]
     assert [identities(b) for b in dm.val_dataloader()] == [identities(b) for b in batches]
-    per_rank = [sum((identities(b) for b in ShardDataModule(tmp_path, batch_size=2, num_workers=0, val_images=9,
-                                                            rank=r, world_size=2).val_dataloader()), [])
-                for r in range(2)]
+    per_rank = [
+        sum(
+            (
+                identities(b)
+                for b in ShardDataModule(
+                    tmp_path, batch_size=2, num_workers=0, val_images=9, rank=r, world_size=2
+                ).val_dataloader()
+            ),
+            [],
+        )
+        for r in range(2)
+    ]
     assert per_rank == [[8, 10, 12, 14], [9, 11, 13, 15]]  # 9 -> 8 images: same count on every rank
 
 
@@ -291,14 +325,23 @@ def test_lightning_resume_continues_the_stream(tmp_path, num_workers, accumulate
     data = make_dataset(tmp_path / "data", [5] * 6)
 
     def fit(max_steps, ckpt_dir, ckpt_path=None):
-        dm = ShardDataModule(data, batch_size=2, num_workers=num_workers, flip=False, shuffle_block=4,
-                             epoch_images=12)  # 6 batches per epoch
+        dm = ShardDataModule(
+            data, batch_size=2, num_workers=num_workers, flip=False, shuffle_block=4, epoch_images=12
+        )  # 6 batches per epoch
         module = _RecordingModule.make()
         trainer = L.Trainer(
-            max_steps=max_steps, accelerator="cpu", devices=1, accumulate_grad_batches=accumulate,
-            use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, default_root_dir=ckpt_dir,
-            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True)])
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            accumulate_grad_batches=accumulate,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=ckpt_dir,
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True)],
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
@@ -361,7 +404,9 @@ def damage(shard, how):
             for i in range(4):
                 writer.write(f"{i:08d}", encode_image(np.zeros((2 * RES, 2 * RES, 3), np.uint8)), "png")
         other = (shard.parent / "other" / "train-000000.tar").read_bytes()
-        shard.write_bytes(other[:size - 1024] + bytes(1024) if len(other) >= size else other + bytes(size - len(other)))
+        shard.write_bytes(
+            other[: size - 1024] + bytes(1024) if len(other) >= size else other + bytes(size - len(other))
+        )
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated", "resolution"])
@@ -383,16 +428,23 @@ def test_too_many_bad_shards_is_one_error_before_training(tmp_path):
     damage(tmp_path / "train-000001.tar", "empty")
     damage(tmp_path / "val-000000.tar", "truncated")
     command = "python scripts/prepare_data.py --source SRC --out DATA --resolution 8"
-    with pytest.raises(PixditError, match=r"(?s)1 of 4 shards of the train split.*4 of 16 images \(25.0%\) lost"
-                                          r".*train-000001.tar: empty.*max_bad_fraction=0.01"
-                                          r".*prepare_data.py --source"):
+    with pytest.raises(
+        PixditError,
+        match=r"(?s)1 of 4 shards of the train split.*4 of 16 images \(25.0%\) lost"
+        r".*train-000001.tar: empty.*max_bad_fraction=0.01"
+        r".*prepare_data.py --source",
+    ):
         ShardDataModule(tmp_path, prepare_command=command)  # default threshold: 1% of the images
-    with pytest.raises(PixditError, match=r"(?s)val split.*val-000000.tar: 1536 bytes, the manifest says .*"
-                                          r"prepare_data.py --source"):
+    with pytest.raises(
+        PixditError,
+        match=r"(?s)val split.*val-000000.tar: 1536 bytes, the manifest says .*"
+        r"prepare_data.py --source",
+    ):
         ShardDataModule(tmp_path, max_bad_fraction=0.5, prepare_command=command)  # the val split is checked too
     # manifests of older versions record no shard sizes: a cut-short tar is told by its end, an intact one passes
     assert shard_problem(tmp_path / "val-000000.tar", {"name": "val-000000.tar", "count": 4}, RES).startswith(
-        "truncated")
+        "truncated"
+    )
     assert shard_problem(tmp_path / "train-000000.tar", {"name": "train-000000.tar", "count": 4}, RES) is None
     with pytest.raises(PixditError, match=r"data\.max_bad_fraction must be in \[0, 1\].*got 2"):
         ShardDataModule(tmp_path, max_bad_fraction=2)
@@ -433,10 +485,13 @@ def test_damaged_manifest_is_one_error(tmp_path):
     make_dataset(tmp_path, [4])
     manifest = tmp_path / "manifest.json"
     text = manifest.read_text()
-    for damaged, expected in ((text[: len(text) // 2], "not valid JSON"), (b"\xff\xfe\x00garbage", "not valid JSON"),
-                              (text.replace('"resolution": 8', '"resolution": "8"'), "resolution='8'"),
-                              (text.replace('"shards"', '"shard"'), "lacks a 'count' or a 'shards' list"),
-                              ("[1, 2]", "not a pixdit shard manifest")):
+    for damaged, expected in (
+        (text[: len(text) // 2], "not valid JSON"),
+        (b"\xff\xfe\x00garbage", "not valid JSON"),
+        (text.replace('"resolution": 8', '"resolution": "8"'), "resolution='8'"),
+        (text.replace('"shards"', '"shard"'), "lacks a 'count' or a 'shards' list"),
+        ("[1, 2]", "not a pixdit shard manifest"),
+    ):
         manifest.write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
         with pytest.raises(PixditError, match=expected):
             ShardDataModule(tmp_path, prepare_command="python scripts/prepare_data.py --out X")
@@ -446,8 +501,13 @@ def test_epoch_and_batch_settings_below_one_are_errors_not_silent_defaults(tmp_p
     make_dataset(tmp_path, [4])
     # epoch_images=0 used to mean the split size, a negative one one batch per epoch; val_batch_size=0 meant
     # batch_size and a negative one broke the validation batches; shuffle_block <= 0 became 1
-    for name, value in (("epoch_images", 0), ("epoch_images", -8), ("val_batch_size", 0), ("val_batch_size", -2),
-                        ("shuffle_block", 0)):
+    for name, value in (
+        ("epoch_images", 0),
+        ("epoch_images", -8),
+        ("val_batch_size", 0),
+        ("val_batch_size", -2),
+        ("shuffle_block", 0),
+    ):
         with pytest.raises(PixditError, match=rf"data\.{name} must be >= 1, got {value}"):
             ShardDataModule(tmp_path, **{name: value})
 

@@ -26,13 +26,26 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 4
 CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=0"]
 DDP = ["trainer=ddp"]
-FSDP = ["trainer=fsdp", "model.grad_checkpointing=true"]   # + recomputation inside the FSDP units
+FSDP = ["trainer=fsdp", "model.grad_checkpointing=true"]  # + recomputation inside the FSDP units
 OVERRIDES = [
-    "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.gradient_clip_val=0.05",
-    "trainer.val_check_interval=1000", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
-    "model=dit_t", "+model.depth=1", "+model.hidden_size=32", "+model.num_heads=2", "model.patch_size=2",
-    f"data.batch_size={BATCH}", "data.num_workers=0", "data.val_images=8", "data.flip=false",
-    "callbacks.samples=null", "callbacks.progress_bar=null",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "trainer.gradient_clip_val=0.05",
+    "trainer.val_check_interval=1000",
+    "trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1",
+    "model=dit_t",
+    "+model.depth=1",
+    "+model.hidden_size=32",
+    "+model.num_heads=2",
+    "model.patch_size=2",
+    f"data.batch_size={BATCH}",
+    "data.num_workers=0",
+    "data.val_images=8",
+    "data.flip=false",
+    "callbacks.samples=null",
+    "callbacks.progress_bar=null",
     "callbacks.throughput.window=1",
 ]
 
@@ -60,14 +73,19 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
         def on_train_end(self, trainer, pl_module):
             from torch.distributed.tensor import DTensor
 
-            def whole(tensor):   # FSDP's shards, gathered (every rank takes part)
+            def whole(tensor):  # FSDP's shards, gathered (every rank takes part)
                 return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
-            state = {"rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step,
-                     "strategy": type(trainer.strategy).__name__, "seen": self.seen,
-                     "weights": {k: whole(v) for k, v in pl_module.model.state_dict().items()},
-                     "ema": {k: whole(v) for k, v in pl_module.ema.model.state_dict().items()},
-                     "sharded": any(isinstance(p, DTensor) for p in pl_module.model.parameters())}
+            state = {
+                "rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "step": trainer.global_step,
+                "strategy": type(trainer.strategy).__name__,
+                "seen": self.seen,
+                "weights": {k: whole(v) for k, v in pl_module.model.state_dict().items()},
+                "ema": {k: whole(v) for k, v in pl_module.ema.model.state_dict().items()},
+                "sharded": any(isinstance(p, DTensor) for p in pl_module.model.parameters()),
+            }
             torch.save(state, out_dir / f"rank{trainer.global_rank}.pt")
 
     build_callbacks = pixdit.callbacks.build_callbacks
@@ -83,8 +101,16 @@ def run_rank(out_dir: Path, overrides: list[str]) -> None:
 def run_two(strategy: list[str], out_dir: Path, data_root: Path, *overrides: str) -> list[dict]:
     """Run this file as a 2-process training (``strategy``: DDP or FSDP) into ``out_dir``; the two ranks' end
     states."""
-    command = [sys.executable, str(Path(__file__).resolve()), str(out_dir), f"data.root={data_root}",
-               "data.resolution=16", *strategy, *OVERRIDES, *overrides]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        str(out_dir),
+        f"data.root={data_root}",
+        "data.resolution=16",
+        *strategy,
+        *OVERRIDES,
+        *overrides,
+    ]
     result = subprocess.run(command, cwd=out_dir.parent, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -140,11 +166,12 @@ def test_ddp_resume_is_exact(tmp_path, data_root, straight):
     """Half the steps, stop, resume from last.ckpt for the rest == straight through, on both ranks (model, EMA, data)."""
     half = STEPS // 2
     run_two(DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
-    resumed = run_two(DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
-                      *CHECKPOINT_EVERY_2)
+    resumed = run_two(
+        DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last", *CHECKPOINT_EVERY_2
+    )
     for r in (0, 1):
         assert resumed[r]["step"] == STEPS
-        assert resumed[r]["seen"] == straight[0][r]["seen"][half * BATCH:]  # the data picks up where it stopped
+        assert resumed[r]["seen"] == straight[0][r]["seen"][half * BATCH :]  # the data picks up where it stopped
         assert_same_weights(straight[0][r], resumed[r], f"rank {r}, straight vs resumed")
 
 
@@ -165,9 +192,11 @@ def test_fsdp_trains_like_ddp(straight, straight_fsdp):
             torch.testing.assert_close(ranks[0][key][name], value, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
     last = out_dir / "run" / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=True)
-    assert checkpoint["state_dict"].keys() == torch.load(straight[1] / "run" / "checkpoints" / "last.ckpt",
-                                                         weights_only=True)["state_dict"].keys()
-    ema = load_weights(last).state_dict   # from the EMA artifact next to the checkpoint
+    assert (
+        checkpoint["state_dict"].keys()
+        == torch.load(straight[1] / "run" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"].keys()
+    )
+    ema = load_weights(last).state_dict  # from the EMA artifact next to the checkpoint
     for name, value in ranks[0]["ema"].items():
         assert torch.equal(ema[name], value), name
 
@@ -177,11 +206,12 @@ def test_fsdp_resume_is_exact(tmp_path, data_root, straight_fsdp):
     AdamW's state) == straight through, bit for bit, on both ranks (model, EMA, data)."""
     half = STEPS // 2
     run_two(FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
-    resumed = run_two(FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last",
-                      *CHECKPOINT_EVERY_2)
+    resumed = run_two(
+        FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last", *CHECKPOINT_EVERY_2
+    )
     for r in (0, 1):
         assert resumed[r]["step"] == STEPS
-        assert resumed[r]["seen"] == straight_fsdp[0][r]["seen"][half * BATCH:]
+        assert resumed[r]["seen"] == straight_fsdp[0][r]["seen"][half * BATCH :]
         assert_same_weights(straight_fsdp[0][r], resumed[r], f"FSDP rank {r}, straight vs resumed")
 
 

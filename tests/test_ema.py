@@ -15,7 +15,7 @@ def test_ema_matches_recipe_recurrence():
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        decay = min(0.9999, 1.0 - n ** -0.75)
+        decay = min(0.9999, 1.0 - n**-0.75)
         for e, p in zip(expected, model.parameters()):
             e.sub_((1.0 - decay) * (e - p.detach().double()))
         used = ema.update(model)
@@ -33,7 +33,7 @@ def test_first_update_copies_weights_and_decay_caps():
     assert ema.update(model) == 0.0  # 1 - 1^(-3/4) = 0: the first update is a copy
     assert torch.equal(ema.model.weight, model.weight)
     assert ema.decay(10**9) == 0.9999  # capped
-    assert abs(ema.decay(44_000) - (1 - 44_000 ** -0.75)) < 1e-12  # ~0.9997 after 44k updates
+    assert abs(ema.decay(44_000) - (1 - 44_000**-0.75)) < 1e-12  # ~0.9997 after 44k updates
 
 
 def test_ema_is_fp32_frozen_saved_and_restored():

@@ -31,8 +31,9 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_e2e")
     weights = write_standin_inception(root / "inception")
     write_tiny_shards(root / "shards")
-    reference = make_reference_stats(root / "shards", InceptionFeatureExtractor(weights), batch_size=16,
-                                     progress=lambda message: None)
+    reference = make_reference_stats(
+        root / "shards", InceptionFeatureExtractor(weights), batch_size=16, progress=lambda message: None
+    )
     return {"root": root, "weights": weights, "reference": reference}
 
 
@@ -52,13 +53,27 @@ def loader():
 
 
 def trainer(tmp_path, callback, **options):
-    return L.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="log"), callbacks=[callback],
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="log"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
 
 
 def test_callback_logs_fid_of_the_ema_model_every_n_train_steps_and_at_the_end(tmp_path, files):
-    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=2, at_end=True, sampler="heun",
-                           inception_path=str(files["weights"]), **FID_OPTIONS)
+    callback = FIDCallback(
+        reference=str(files["reference"]),
+        every_n_train_steps=2,
+        at_end=True,
+        sampler="heun",
+        inception_path=str(files["weights"]),
+        **FID_OPTIONS,
+    )
     module = tiny_module()
     samplers_used, original = [], module.flow.sample
 
@@ -78,8 +93,9 @@ def test_callback_logs_fid_of_the_ema_model_every_n_train_steps_and_at_the_end(t
     assert all(float(r["is_mean"]) >= 1.0 and r["is_std"] != "" for r in fid_rows)
     assert float(fit.callback_metrics["fid"]) == pytest.approx(float(fid_rows[-1]["fid"]))
     # Independent re-computation from the trained module's EMA weights gives the logged end-of-training value.
-    direct = evaluate_generator(module.ema.model, module.flow, suite(files), image_size=(8, 8), sampler="heun",
-                                **FID_OPTIONS)
+    direct = evaluate_generator(
+        module.ema.model, module.flow, suite(files), image_size=(8, 8), sampler="heun", **FID_OPTIONS
+    )
     assert direct["fid"] == pytest.approx(float(fid_rows[-1]["fid"]), rel=1e-4)
     assert samplers_used and set(samplers_used) == {"heun"}  # the setting reached the generation
     assert direct["is_mean"] == pytest.approx(float(fid_rows[-1]["is_mean"]), rel=1e-4)
@@ -91,8 +107,13 @@ def test_callback_does_not_evaluate_the_checkpoint_step_again_after_a_resume(tmp
             evaluated.append(trainer.global_step)
             return super().evaluate(trainer, pl_module)
 
-    options = dict(reference=str(files["reference"]), every_n_train_steps=1, at_end=False,
-                   inception_path=str(files["weights"]), **FID_OPTIONS)
+    options = dict(
+        reference=str(files["reference"]),
+        every_n_train_steps=1,
+        at_end=False,
+        inception_path=str(files["weights"]),
+        **FID_OPTIONS,
+    )
     evaluated = []
     first = trainer(tmp_path, Recording(**options), max_steps=1, accumulate_grad_batches=2)
     first.fit(tiny_module(), train_dataloaders=loader())
@@ -106,8 +127,9 @@ def test_callback_does_not_evaluate_the_checkpoint_step_again_after_a_resume(tmp
 
 def test_callback_fails_at_start_up_without_weights_and_is_off_in_fast_dev_run(tmp_path, files):
     missing = tmp_path / "none" / "inception-2015-12-05.pt"
-    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=1, inception_path=str(missing),
-                           **FID_OPTIONS)
+    callback = FIDCallback(
+        reference=str(files["reference"]), every_n_train_steps=1, inception_path=str(missing), **FID_OPTIONS
+    )
     module = tiny_module()
     fit = trainer(tmp_path, callback, max_steps=2)
     with pytest.raises(PixditError, match="callbacks.fid.inception_path"):
@@ -137,12 +159,29 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     run_dir = tmp_path / "run"
     fit.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     out_dir = tmp_path / "eval"
-    overrides = [f"ckpt={run_dir}", "num_samples=12", "seeds=2", "seed=3", "sampler.steps=2", "sampler.name=heun",
-                 "cfg_interval=[0.0,0.5]", "batch_size=5",
-                 "device=cpu", "grid_samples=4", "save_npz=true", f"out_dir={out_dir}",
-                 f"eval.inception_path={files['weights']}", f"eval.reference={files['reference']}"]
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), *overrides], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    overrides = [
+        f"ckpt={run_dir}",
+        "num_samples=12",
+        "seeds=2",
+        "seed=3",
+        "sampler.steps=2",
+        "sampler.name=heun",
+        "cfg_interval=[0.0,0.5]",
+        "batch_size=5",
+        "device=cpu",
+        "grid_samples=4",
+        "save_npz=true",
+        f"out_dir={out_dir}",
+        f"eval.inception_path={files['weights']}",
+        f"eval.reference={files['reference']}",
+    ]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "evaluate.py"), *overrides],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out_dir / "metrics.json").read_text())
     assert [m["sample_indices"] for m in metrics["per_seed"]] == [[0, 12], [12, 24]]  # disjoint seed ranges
@@ -160,15 +199,26 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     assert settings["weights_file"] == str((run_dir / "checkpoints" / "last.ckpt").resolve())
     assert settings["reference_id"] == load_reference(str(files["reference"])).id
     # Same numbers as the in-process evaluation of the EMA model (the first seed range).
-    direct = evaluate_generator(module.ema.model, module.flow, suite(files), image_size=(8, 8), sampler="heun",
-                                **FID_OPTIONS)
+    direct = evaluate_generator(
+        module.ema.model, module.flow, suite(files), image_size=(8, 8), sampler="heun", **FID_OPTIONS
+    )
     assert metrics["per_seed"][0]["fid"] == pytest.approx(direct["fid"], rel=1e-4)
     # samples.npz (ADM format): uint8 NHWC, sample i at row i.
     with np.load(out_dir / "samples.npz") as samples:
         images = samples["arr_0"]
     assert images.dtype == np.uint8 and images.shape == (12, 8, 8, 3)
-    expected = torch.cat([b for _, b in generate_uint8(module.ema.model, module.flow, range(12), image_size=(8, 8),
-                                                       seed=3, steps=2, sampler="heun")]).permute(0, 2, 3, 1).numpy()
+    expected = (
+        torch.cat(
+            [
+                b
+                for _, b in generate_uint8(
+                    module.ema.model, module.flow, range(12), image_size=(8, 8), seed=3, steps=2, sampler="heun"
+                )
+            ]
+        )
+        .permute(0, 2, 3, 1)
+        .numpy()
+    )
     assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
     assert (out_dir / "grid.png").is_file() and not (out_dir / "samples_uint8.npy").exists()
 
@@ -185,15 +235,22 @@ def test_evaluate_script_end_to_end(tmp_path, files):
     assert from_artifact["fid"] == pytest.approx(metrics["per_seed"][0]["fid"], rel=1e-6)
     # The artifact has no raw weights: use_ema=false on it says where they are.
     with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
-        cfg = compose("evaluate", overrides=[*overrides, f"ckpt={run_dir / 'checkpoints' / 'last.ema.pt'}",
-                                             "use_ema=false"])
+        cfg = compose(
+            "evaluate", overrides=[*overrides, f"ckpt={run_dir / 'checkpoints' / 'last.ema.pt'}", "use_ema=false"]
+        )
     with pytest.raises(PixditError, match="holds only the EMA weights.*last.ckpt"):
         evaluate_cli.evaluate(cfg)
 
     # A missing weights file stops the script before any sample is generated, naming the config key.
     with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
-        cfg = compose("evaluate", overrides=[*overrides[:-2], f"eval.inception_path={tmp_path / 'missing.pt'}",
-                                             f"eval.reference={files['reference']}"])
+        cfg = compose(
+            "evaluate",
+            overrides=[
+                *overrides[:-2],
+                f"eval.inception_path={tmp_path / 'missing.pt'}",
+                f"eval.reference={files['reference']}",
+            ],
+        )
     with pytest.raises(PixditError, match=r"(?s)missing.pt.*nvlabs-fi-cdn.*eval.inception_path"):
         evaluate_cli.evaluate(cfg)
 
@@ -249,8 +306,13 @@ def test_raw_weights_under_fsdp_are_refused_at_setup(files):
 
     from pixdit.fsdp import FSDPStrategy
 
-    callback = FIDCallback(reference=str(files["reference"]), every_n_train_steps=2, use_ema=False,
-                           inception_path=str(files["weights"]), **FID_OPTIONS)
+    callback = FIDCallback(
+        reference=str(files["reference"]),
+        every_n_train_steps=2,
+        use_ema=False,
+        inception_path=str(files["weights"]),
+        **FID_OPTIONS,
+    )
     fsdp = SimpleNamespace(strategy=FSDPStrategy(), fast_dev_run=False, datamodule=None)
     with pytest.raises(PixditError, match="use_ema=false cannot run under trainer=fsdp"):
         callback.setup(fsdp, tiny_module(), "fit")

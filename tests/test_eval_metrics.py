@@ -56,8 +56,18 @@ def dinov2_file(tmp_path_factory):
 
 def generated_adm_npz(path, steps=2, sampler="euler"):
     """The tiny model's samples 0..15 written in the ADM suite's format."""
-    batches = list(generate_uint8(tiny_model(), RectifiedFlow(image_size=SIZE), range(16), image_size=SIZE, seed=5,
-                                  steps=steps, sampler=sampler, num_classes=3))
+    batches = list(
+        generate_uint8(
+            tiny_model(),
+            RectifiedFlow(image_size=SIZE),
+            range(16),
+            image_size=SIZE,
+            seed=5,
+            steps=steps,
+            sampler=sampler,
+            num_classes=3,
+        )
+    )
     images = torch.cat([b for _, b in batches]).permute(0, 2, 3, 1).numpy()
     return save_adm_npz(path, images, np.arange(16) % 3), images
 
@@ -77,16 +87,18 @@ def test_adm_sample_batch_round_trips_as_a_reference(tmp_path, weights, dinov2_f
     reference = complete_reference(reference, metrics, inception, dinov2)
     assert reference.mu_s.shape == (2023,) and reference.features.shape == (16, 2048)
     assert reference.description["computed_from_images"] == ["dinov2", "features", "pool", "spatial"]
-    result = evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE),
-                                MetricSuite(metrics, inception, reference, dinov2), **GENERATION)
+    result = evaluate_generator(
+        tiny_model(), RectifiedFlow(image_size=SIZE), MetricSuite(metrics, inception, reference, dinov2), **GENERATION
+    )
     assert result["fid"] == pytest.approx(0, abs=1e-6) and result["sfid"] == pytest.approx(0, abs=1e-6)
     assert result["fd_dinov2"] == pytest.approx(0, abs=1e-6)
     assert result["precision"] == 1.0 and result["recall"] == 1.0
     # Another sampler's images differ: every distance becomes positive.
     other, _ = generated_adm_npz(tmp_path / "heun.npz", steps=3, sampler="heun")
     reference = complete_reference(load_reference(str(other)), metrics, inception, dinov2)
-    result = evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE),
-                                MetricSuite(metrics, inception, reference, dinov2), **GENERATION)
+    result = evaluate_generator(
+        tiny_model(), RectifiedFlow(image_size=SIZE), MetricSuite(metrics, inception, reference, dinov2), **GENERATION
+    )
     assert result["fid"] > 0 and result["sfid"] > 0 and result["fd_dinov2"] > 0
 
 
@@ -94,8 +106,9 @@ def test_reference_statistics_from_shards_with_sfid_and_dinov2(tmp_path, weights
     write_tiny_shards(tmp_path / "shards", count=20)
     inception = InceptionFeatureExtractor(weights, spatial=True)
     dinov2 = DINOv2FeatureExtractor(dinov2_file, **TINY_DINOV2)
-    path = make_reference_stats(tmp_path / "shards", inception, batch_size=8, dinov2=dinov2, kid=True,
-                                progress=lambda message: None)
+    path = make_reference_stats(
+        tmp_path / "shards", inception, batch_size=8, dinov2=dinov2, kid=True, progress=lambda message: None
+    )
     reference = load_reference(str(path), resolution=8)
     # Independent: all 20 images in one batch, numpy mean / covariance.
     rng = np.random.default_rng(0)
@@ -125,7 +138,8 @@ def test_dinov2_extractor_is_the_edm2_pipeline(dinov2_file):
     images = torch.randint(0, 256, (3, 3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     x = torch.nn.functional.interpolate(images.float(), size=(224, 224), mode="bicubic", antialias=True) / 255
     x = (x - torch.tensor([0.485, 0.456, 0.406]).reshape(1, 3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).reshape(
-        1, 3, 1, 1)
+        1, 3, 1, 1
+    )
     expected = extractor.model.forward_features(x)[:, 0]  # timm: tokens after the final norm; 0 = class token
     torch.testing.assert_close(extractor(images), expected)
     assert resample_pos_embed_like_dinov2(state["pos_embed"], 37) is state["pos_embed"]
@@ -173,16 +187,24 @@ def test_reference_of_the_wrong_kind_is_refused(tmp_path, weights):
     options = dict(resolution=8, inception_path=str(weights))
     with pytest.raises(PixditError, match="(?s)fid: .*'legacy_tensorflow'.*eval.inception_mode=legacy_tensorflow"):
         build_suite(["fid", "precision_recall"], str(tmp_path / "VIRTUAL_ref.npz"), **options)
-    suite = build_suite(["fid", "sfid", "precision_recall"], str(tmp_path / "VIRTUAL_ref.npz"),
-                        inception_mode="legacy_tensorflow", **options)
+    suite = build_suite(
+        ["fid", "sfid", "precision_recall"],
+        str(tmp_path / "VIRTUAL_ref.npz"),
+        inception_mode="legacy_tensorflow",
+        **options,
+    )
     np.testing.assert_array_equal(suite.reference.mu, stats["mu"])  # the file's statistics are used as they are
     assert suite.reference.features.shape == (12, 2048)  # precision/recall: computed from arr_0
     # Our statistics without the spatial part cannot serve sFID; the message names the flag that adds it.
     write_tiny_shards(tmp_path / "shards", count=12)
-    ours = make_reference_stats(tmp_path / "shards", InceptionFeatureExtractor(weights), batch_size=8,
-                                progress=lambda message: None)
-    with pytest.raises(PixditError, match=r"(?s)sfid: the reference has no spatial statistics.*--sfid.*"
-                                          r"precision_recall: .*--kid"):
+    ours = make_reference_stats(
+        tmp_path / "shards", InceptionFeatureExtractor(weights), batch_size=8, progress=lambda message: None
+    )
+    with pytest.raises(
+        PixditError,
+        match=r"(?s)sfid: the reference has no spatial statistics.*--sfid.*"
+        r"precision_recall: .*--kid",
+    ):
         build_suite(["fid", "sfid", "precision_recall"], str(ours), **options)
     np.savez(tmp_path / "nothing.npz", labels=np.arange(3))
     with pytest.raises(PixditError, match="neither statistics"):
@@ -190,9 +212,11 @@ def test_reference_of_the_wrong_kind_is_refused(tmp_path, weights):
 
 
 def test_summary_over_seed_sets_has_mean_std_and_best():
-    per_seed = [{"fid": 3.0, "is_mean": 10.0, "precision": 0.7, "recall": 0.5, "kid": None},
-                {"fid": 2.0, "is_mean": 12.0, "precision": 0.6, "recall": 0.55, "kid": None},
-                {"fid": 4.0, "is_mean": 11.0, "precision": 0.8, "recall": 0.52, "kid": None}]
+    per_seed = [
+        {"fid": 3.0, "is_mean": 10.0, "precision": 0.7, "recall": 0.5, "kid": None},
+        {"fid": 2.0, "is_mean": 12.0, "precision": 0.6, "recall": 0.55, "kid": None},
+        {"fid": 4.0, "is_mean": 11.0, "precision": 0.8, "recall": 0.52, "kid": None},
+    ]
     summary = summarize_seeds(per_seed)
     assert summary["fid"] == pytest.approx(3.0) and summary["fid_std_over_seeds"] == pytest.approx(1.0)
     assert summary["best"] == {"fid": 2.0, "is_mean": 12.0, "precision": 0.8, "recall": 0.55}

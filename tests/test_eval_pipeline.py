@@ -47,8 +47,14 @@ def run_evaluation(weights, reference, batch_size, rank_images=None):
     def keep(indices, batch):
         images.update({int(i): im for i, im in zip(indices, batch)})
 
-    metrics = evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), MetricSuite(METRICS, extractor, reference),
-                                 batch_size=batch_size, on_batch=keep, **SETTINGS)
+    metrics = evaluate_generator(
+        tiny_model(),
+        RectifiedFlow(image_size=SIZE),
+        MetricSuite(METRICS, extractor, reference),
+        batch_size=batch_size,
+        on_batch=keep,
+        **SETTINGS,
+    )
     return metrics, images
 
 
@@ -64,16 +70,23 @@ def _rank_main(rank, world_size, init_file, weights, reference_path, out_dir):
 def _failing_rank_main(rank, world_size, init_file, weights, out_dir):
     import datetime
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))  # without the fix rank 0 waits for this long
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )  # without the fix rank 0 waits for this long
     try:
+
         def fail_on_rank1(indices, images):
             if rank == 1:
                 raise PixditError("rank 1 failed")
 
         suite = MetricSuite(("fid", "is"), InceptionFeatureExtractor(weights), None)
-        evaluate_generator(tiny_model(), RectifiedFlow(image_size=SIZE), suite, batch_size=4, on_batch=fail_on_rank1,
-                           **SETTINGS)
+        evaluate_generator(
+            tiny_model(), RectifiedFlow(image_size=SIZE), suite, batch_size=4, on_batch=fail_on_rank1, **SETTINGS
+        )
         outcome = "returned"
     except Exception as error:  # noqa: BLE001
         outcome = f"{type(error).__name__}: {error}"
@@ -89,8 +102,9 @@ def write_tiny_shards(folder, count=40, resolution=8):
         for i in range(count):
             pixels = rng.integers(0, 256, (resolution, resolution, 3), dtype=np.uint8)
             writer.write(key=f"{i:08d}", image_bytes=encode_image(pixels), image_format="png")
-    write_manifest(folder, resolution=resolution, image_format="png", splits={"train": writer.split_info()},
-                   source="test")
+    write_manifest(
+        folder, resolution=resolution, image_format="png", splits={"train": writer.split_info()}, source="test"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +116,9 @@ def weights(tmp_path_factory):
 def reference_path(tmp_path_factory, weights):
     shards = tmp_path_factory.mktemp("shards")
     write_tiny_shards(shards)
-    return make_reference_stats(shards, InceptionFeatureExtractor(weights), batch_size=16, kid=True,
-                                progress=lambda message: None)
+    return make_reference_stats(
+        shards, InceptionFeatureExtractor(weights), batch_size=16, kid=True, progress=lambda message: None
+    )
 
 
 def test_noise_depends_only_on_seed_and_index():
@@ -160,8 +175,10 @@ def test_reference_statistics_report_a_corrupt_sample_instead_of_crashing(tmp_pa
             writer.write(key=f"{i:08d}", image_bytes=data[:40] if i == 5 else data, image_format="png")
     write_manifest(tmp_path, resolution=8, image_format="png", splits={"train": writer.split_info()}, source="test")
     extractor = InceptionFeatureExtractor(weights)
-    with pytest.warns(UserWarning, match="00000005"), \
-            pytest.raises(PixditError, match=r"(?s)lists 12 train images but only 11.*00000005 in .*train-000000.tar"):
+    with (
+        pytest.warns(UserWarning, match="00000005"),
+        pytest.raises(PixditError, match=r"(?s)lists 12 train images but only 11.*00000005 in .*train-000000.tar"),
+    ):
         make_reference_stats(tmp_path, extractor, batch_size=4, progress=lambda message: None)
     # the first 5 images are all readable: a --max-images run over them works
     make_reference_stats(tmp_path, extractor, batch_size=4, max_images=5, progress=lambda message: None)
@@ -181,8 +198,12 @@ def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, wei
 
     # Two ranks (gloo): rank r generates indices r, r + 2, ...; features are gathered back in index order.
     # spawn, not fork: a forked child deadlocks on the parent's thread pools.
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "pg"), str(weights), str(reference_path), str(tmp_path)),
-             nprocs=2, join=True)
+    mp.spawn(
+        _rank_main,
+        args=(2, str(tmp_path / "pg"), str(weights), str(reference_path), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert sorted(rank0["images"]) == list(range(0, 22, 2)) and sorted(rank1["images"]) == list(range(1, 22, 2))
     for i, image in {**rank0["images"], **rank1["images"]}.items():
@@ -195,8 +216,10 @@ def test_same_images_and_metrics_for_any_batch_size_and_world_size(tmp_path, wei
 def test_a_failing_rank_stops_every_rank_instead_of_hanging_the_others(tmp_path, weights):
     mp.spawn(_failing_rank_main, args=(2, str(tmp_path / "pg"), str(weights), str(tmp_path)), nprocs=2, join=True)
     outcomes = [(tmp_path / f"outcome{r}.txt").read_text() for r in (0, 1)]
-    assert outcomes == ["PixditError: the evaluation failed on another rank (its log has the error)",
-                        "PixditError: rank 1 failed"]
+    assert outcomes == [
+        "PixditError: the evaluation failed on another rank (its log has the error)",
+        "PixditError: rank 1 failed",
+    ]
 
 
 def test_fid_against_own_statistics_is_zero(weights):
@@ -207,8 +230,9 @@ def test_fid_against_own_statistics_is_zero(weights):
     def accumulate(indices, images):
         stats.update(extractor(images)[0])
 
-    metrics = evaluate_generator(model, flow, MetricSuite(("fid", "is"), extractor, None), batch_size=8,
-                                 on_batch=accumulate, **SETTINGS)
+    metrics = evaluate_generator(
+        model, flow, MetricSuite(("fid", "is"), extractor, None), batch_size=8, on_batch=accumulate, **SETTINGS
+    )
     assert metrics["fid"] is None and metrics["is_mean"] >= 1.0
     mu, sigma = stats.mean_and_covariance()
     assert frechet_distance(mu, sigma, mu, sigma) == pytest.approx(0.0, abs=1e-6 * np.trace(sigma))
@@ -237,8 +261,9 @@ def test_missing_reference_statistics_messages(tmp_path):
         load_reference("cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path))
     # in training the keys live under callbacks.fid: the message must name those, not evaluate.py's eval.*
     with pytest.raises(PixditError, match=r"(?s)callbacks\.fid\.cleanfid_stats_dir.*callbacks\.fid\.download=true"):
-        load_reference("cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path),
-                       config_prefix="callbacks.fid")
+        load_reference(
+            "cleanfid:ffhq_trainval70k", resolution=256, cleanfid_dir=str(tmp_path), config_prefix="callbacks.fid"
+        )
     with pytest.raises(PixditError, match="only at resolutions"):
         load_reference("cleanfid:ffhq_trainval70k", resolution=128, cleanfid_dir=str(tmp_path))
     with pytest.raises(PixditError, match="make_fid_stats.py"):
@@ -256,6 +281,7 @@ def test_cleanfid_precomputed_statistics_are_read_from_the_cache_dir(tmp_path):
 
 def test_make_fid_stats_script(tmp_path, weights, capsys):
     from pixdit.cli import make_fid_stats as script
+
     write_tiny_shards(tmp_path / "shards", count=20)
     out = tmp_path / "stats.npz"
     args = ["--shards", str(tmp_path / "shards"), "--out", str(out), "--device", "cpu", "--batch-size", "8"]

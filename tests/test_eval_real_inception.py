@@ -35,8 +35,14 @@ def test_features_and_probabilities_match_cleanfid_and_the_network(tmp_path):
     extractor = InceptionFeatureExtractor(WEIGHTS, device=device)
     features, logits = extractor(torch.from_numpy(images).permute(0, 3, 1, 2))
     if WEIGHTS.parent == Path("/tmp"):  # clean-fid's own pipeline loads the file from /tmp only
-        reference = get_folder_features(str(tmp_path), build_feature_extractor("clean", device, use_dataparallel=False),
-                                        num_workers=0, batch_size=6, device=device, verbose=False)
+        reference = get_folder_features(
+            str(tmp_path),
+            build_feature_extractor("clean", device, use_dataparallel=False),
+            num_workers=0,
+            batch_size=6,
+            device=device,
+            verbose=False,
+        )
         np.testing.assert_allclose(features.cpu().numpy(), reference, rtol=1e-4, atol=1e-4)
     resized = extractor.resize_batch(torch.from_numpy(images).permute(0, 3, 1, 2)).to(device)
     network = torch.jit.load(str(WEIGHTS)).to(device).eval()
@@ -53,5 +59,6 @@ def test_spatial_features_from_the_real_file(mode):
     images = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (4, 3, 64, 64), dtype=np.uint8))
     out = extractor.extract(images)
     assert out["spatial"].shape == (4, 2023) and out["pool"].shape == (4, 2048)
-    torch.testing.assert_close(out["pool"], extractor.network(extractor.resize_batch(images).to(device)).float(),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out["pool"], extractor.network(extractor.resize_batch(images).to(device)).float(), rtol=1e-4, atol=1e-4
+    )

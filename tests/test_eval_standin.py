@@ -64,13 +64,15 @@ class _Head(nn.Module):
 
 
 def _standin_layers() -> nn.Sequential:
-    return nn.Sequential(OrderedDict(
-        pool0=nn.AdaptiveAvgPool2d(17),
-        conv=nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU()),
-        mixed_6=_Mixed6(),
-        pool2=nn.AdaptiveAvgPool2d(4),
-        head=_Head(),
-    ))
+    return nn.Sequential(
+        OrderedDict(
+            pool0=nn.AdaptiveAvgPool2d(17),
+            conv=nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU()),
+            mixed_6=_Mixed6(),
+            pool2=nn.AdaptiveAvgPool2d(4),
+            head=_Head(),
+        )
+    )
 
 
 class _StandinInception(nn.Module):
@@ -79,8 +81,9 @@ class _StandinInception(nn.Module):
         self.layers = _standin_layers()
         self.output = nn.Linear(2048, 1008)
 
-    def forward(self, img: torch.Tensor, return_features: bool = False, use_fp16: bool = False,
-                no_output_bias: bool = False) -> torch.Tensor:
+    def forward(
+        self, img: torch.Tensor, return_features: bool = False, use_fp16: bool = False, no_output_bias: bool = False
+    ) -> torch.Tensor:
         b, c, height, width = img.shape
         theta = torch.eye(2, 3, device=img.device)
         theta[0, 2] += theta[0, 0] / width - theta[0, 0] / 299
@@ -113,8 +116,9 @@ def test_extractor_uses_clean_resize_and_matches_the_networks_own_outputs(tmp_pa
     assert features.shape == (3, 2048) and logits.shape == (3, 1008)
     # The clean resize is clean-fid's (PIL bicubic on float32), image by image.
     resize = build_resizer("clean")
-    expected = torch.stack([torch.from_numpy(resize(im.permute(1, 2, 0).numpy()).transpose(2, 0, 1).copy())
-                            for im in images])
+    expected = torch.stack(
+        [torch.from_numpy(resize(im.permute(1, 2, 0).numpy()).transpose(2, 0, 1).copy()) for im in images]
+    )
     assert torch.equal(extractor.resize_batch(images), expected)
     # Features and bias-free class probabilities agree with the TorchScript module's own forward on the resized input.
     network = torch.jit.load(str(path))
@@ -147,8 +151,9 @@ def test_spatial_features_are_mixed_6_conv_first_7_channels_in_tf_order(tmp_path
 
 def test_spatial_features_refuse_a_file_whose_blocks_do_not_chain(tmp_path):
     class NotSequential(_StandinInception):  # same block names, but its forward does not simply chain them
-        def forward(self, img: torch.Tensor, return_features: bool = False, use_fp16: bool = False,
-                    no_output_bias: bool = False) -> torch.Tensor:
+        def forward(
+            self, img: torch.Tensor, return_features: bool = False, use_fp16: bool = False, no_output_bias: bool = False
+        ) -> torch.Tensor:
             return torch.zeros(img.shape[0], 2048)
 
     class Layers(nn.Module):

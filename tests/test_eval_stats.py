@@ -45,7 +45,9 @@ def test_frechet_distance_near_singular_covariances():
     result = frechet_distance(mu1, rotation @ np.diag(a) @ rotation.T, mu1, rotation @ np.diag(b) @ rotation.T)
     assert np.isfinite(result) and result == pytest.approx(expected, rel=1e-6, abs=1e-9)
     # Dimensions with no variance in either set (exact zeros) change nothing but the mean term.
-    padded = [np.pad(m, ((0, 5), (0, 5))) for m in (rotation @ np.diag(a) @ rotation.T, rotation @ np.diag(b) @ rotation.T)]
+    padded = [
+        np.pad(m, ((0, 5), (0, 5))) for m in (rotation @ np.diag(a) @ rotation.T, rotation @ np.diag(b) @ rotation.T)
+    ]
     mu_shift = np.concatenate([mu1, np.full(5, 0.5)])
     assert frechet_distance(mu_shift, padded[0], np.pad(mu1, (0, 5)), padded[1]) == pytest.approx(result + 5 * 0.25)
 

@@ -58,9 +58,18 @@ def test_experiment_fast_dev_run(h, experiment, tiny_shards, tiny_labelled_shard
     from pixdit.cli import train
 
     shards = tiny_labelled_shards if experiment.startswith("imagenet") else tiny_shards
-    cfg = h.compose([f"experiment={experiment}", "trainer=cpu", "trainer.devices=1", "trainer.fast_dev_run=1",
-                          *h.tiny_model, *h.tiny_data(shards), "callbacks.samples.num_samples=2",
-                          "callbacks.samples.steps=2"])
+    cfg = h.compose(
+        [
+            f"experiment={experiment}",
+            "trainer=cpu",
+            "trainer.devices=1",
+            "trainer.fast_dev_run=1",
+            *h.tiny_model,
+            *h.tiny_data(shards),
+            "callbacks.samples.num_samples=2",
+            "callbacks.samples.steps=2",
+        ]
+    )
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 1
     assert result["samples"] is not None
@@ -71,7 +80,17 @@ def test_quickstart_runs_with_a_sparse_attention(h, attention, tiny_shards, tmp_
     """`train.py experiment=quickstart attention=llsa` needs no token-order override (auto picks zorder)."""
     from pixdit.cli import train
 
-    cfg = h.compose(["experiment=quickstart", f"attention={attention}", "trainer=cpu", "trainer.devices=1",
-                     "trainer.fast_dev_run=1", *h.tiny_model, *h.tiny_data(tiny_shards), "callbacks.samples=null"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            f"attention={attention}",
+            "trainer=cpu",
+            "trainer.devices=1",
+            "trainer.fast_dev_run=1",
+            *h.tiny_model,
+            *h.tiny_data(tiny_shards),
+            "callbacks.samples=null",
+        ]
+    )
     assert cfg.model.token_order == "auto"
     assert train.train(cfg, tmp_path)["global_step"] == 1

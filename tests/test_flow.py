@@ -94,8 +94,10 @@ def test_loss_passes_t_equal_1000_sigma_and_labels():
     assert flow.loss(model, x0, noise=noise, sigma=0.5) == flow.loss(model, x0, noise=noise, sigma=0.5)
 
 
-@pytest.mark.parametrize("size,scale", [(16, 1.0), (32, 1.0), (64, 1.0), (128, 2.0), (256, 4.0), (512, 8.0),
-                                        ((128, 128), 2.0), ((64, 256), 2.0)])
+@pytest.mark.parametrize(
+    "size,scale",
+    [(16, 1.0), (32, 1.0), (64, 1.0), (128, 2.0), (256, 4.0), (512, 8.0), ((128, 128), 2.0), ((64, 256), 2.0)],
+)
 def test_auto_noise_scale(size, scale):
     assert auto_noise_scale(size) == scale
     assert RectifiedFlow(noise_scale="auto", image_size=size).noise_scale == scale
@@ -186,8 +188,9 @@ def test_cfg_interval_guides_only_inside_the_closed_sigma_interval(sampler):
     flow = RectifiedFlow(noise_scale=1.0)
     noise, y = torch.randn(2, 3, 2, 2), torch.tensor([0, 1])
     # steps=5: sigma = 1, 0.75025, 0.5005, 0.25075, 0.001; the interval's ends are sampled sigmas (closed: included)
-    flow.sample(counting_model(calls), noise, steps=5, y=y, cfg_scale=2.0, sampler=sampler,
-                cfg_interval=(0.25075, 0.75025))
+    flow.sample(
+        counting_model(calls), noise, steps=5, y=y, cfg_scale=2.0, sampler=sampler, cfg_interval=(0.25075, 0.75025)
+    )
     assert calls and all(guided == (0.25075 <= sigma <= 0.75025) for sigma, guided in calls), calls
     assert {sigma for sigma, guided in calls if guided} == {0.75025, 0.5005, 0.25075}
     calls.clear()

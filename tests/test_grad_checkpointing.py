@@ -13,14 +13,24 @@ from pixdit.models import build_model
 from pixdit.models.checkpointing import grad_checkpointing_plan
 
 SETTINGS = [True, "all", 1, 2, "mlp", "attention"]
-ATTENTION = {"name": "llsa", "num_levels": 1, "topk": 2}   # a backend with its own autograd Function on the CPU path
+ATTENTION = {"name": "llsa", "num_levels": 1, "topk": 2}  # a backend with its own autograd Function on the CPU path
 
 
 def tiny(grad_checkpointing=False):
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=(8, 8), depth=3, hidden_size=32, num_heads=2, zero_init=False,
-                        num_classes=4, class_dropout=0.5, attention=ATTENTION, grad_checkpointing=grad_checkpointing)
-    with torch.no_grad():   # zero_init=False leaves the adaLN gates at PyTorch's init: make every weight matter
+    model = build_model(
+        "DiT-T",
+        input_size=(8, 8),
+        depth=3,
+        hidden_size=32,
+        num_heads=2,
+        zero_init=False,
+        num_classes=4,
+        class_dropout=0.5,
+        attention=ATTENTION,
+        grad_checkpointing=grad_checkpointing,
+    )
+    with torch.no_grad():  # zero_init=False leaves the adaLN gates at PyTorch's init: make every weight matter
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
     return model
@@ -30,7 +40,7 @@ def loss_and_grads(model):
     g = torch.Generator().manual_seed(1)
     x, t = torch.randn(2, 3, 8, 8, generator=g), 1000 * torch.rand(2, generator=g)
     y = torch.tensor([1, 3])
-    torch.manual_seed(2)   # label dropout draws from the global generator: the same draw with and without
+    torch.manual_seed(2)  # label dropout draws from the global generator: the same draw with and without
     loss = model(x, t, y).square().mean()
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -59,7 +69,7 @@ def test_same_loss_and_gradients_as_without(setting):
     assert torch.equal(loss, reference_loss)
     for name, grad in reference_grads.items():
         assert torch.equal(grads[name], grad), name
-    assert saved_bytes(model) < saved_bytes(tiny())   # and it does keep less for the backward pass
+    assert saved_bytes(model) < saved_bytes(tiny())  # and it does keep less for the backward pass
 
 
 def test_names_state_dict_and_ema_copy_unchanged():
@@ -73,9 +83,9 @@ def test_names_state_dict_and_ema_copy_unchanged():
             parameter.mul_(2)
     x, t = torch.randn(1, 3, 8, 8), torch.full((1,), 500.0)
     recomputed.eval()
-    expected = tiny().eval()(x, t)   # the original weights, no recomputation
+    expected = tiny().eval()(x, t)  # the original weights, no recomputation
     torch.testing.assert_close(ema.model(x, t), expected, rtol=0, atol=0)
-    with torch.enable_grad():   # and with gradients on (recomputation active) as well
+    with torch.enable_grad():  # and with gradients on (recomputation active) as well
         torch.testing.assert_close(ema.model(x, t), expected, rtol=0, atol=0)
 
 
@@ -91,7 +101,7 @@ def test_plan():
 @pytest.mark.parametrize("value", [5, -1, "ffn", "true", 1.5])
 def test_bad_value_names_the_allowed_ones(value):
     with pytest.raises(PixditError) as error:
-        build_model("DiT-T", input_size=(8, 8), grad_checkpointing=value)   # DiT-T: 4 blocks
+        build_model("DiT-T", input_size=(8, 8), grad_checkpointing=value)  # DiT-T: 4 blocks
     message = str(error.value)
     assert "model.grad_checkpointing" in message and "from 0 to 4" in message
     assert all(word in message for word in ("false", "true", "'mlp'", "'attention'"))

@@ -15,9 +15,15 @@ from pixdit.models.checkpointing import grad_checkpointing_plan
 
 
 def model(name="DiT-B", side=256, grad_checkpointing=False, depth=None, **options):
-    with torch.device("meta"):   # no memory: only the shapes matter
-        return build_model(name, input_size=side, attention={"name": "llsa", "num_levels": 2},
-                           grad_checkpointing=grad_checkpointing, **({"depth": depth} if depth else {}), **options)
+    with torch.device("meta"):  # no memory: only the shapes matter
+        return build_model(
+            name,
+            input_size=side,
+            attention={"name": "llsa", "num_levels": 2},
+            grad_checkpointing=grad_checkpointing,
+            **({"depth": depth} if depth else {}),
+            **options,
+        )
 
 
 def activations(estimate, bound=1):
@@ -53,8 +59,14 @@ def test_error_before_the_first_step_names_every_knob():
     with pytest.raises(PixditError) as error:
         check_fits(dit_xl, estimate, 139 * GiB, where="cuda:0")
     message = str(error.value)
-    for knob in ("data.batch_size=", "model.grad_checkpointing=true", "trainer.precision=bf16-mixed",
-                 "trainer=fsdp", "does not fit cuda:0", "139.0 GiB are free"):
+    for knob in (
+        "data.batch_size=",
+        "model.grad_checkpointing=true",
+        "trainer.precision=bf16-mixed",
+        "trainer=fsdp",
+        "does not fit cuda:0",
+        "139.0 GiB are free",
+    ):
         assert knob in message, (knob, message)
     fits = largest_batch(estimate, 139 * GiB)
     assert f"data.batch_size={max(1, fits)} (now 8" in message
@@ -81,12 +93,14 @@ def test_out_of_memory_becomes_one_error_with_the_advice():
 
     with pytest.raises(PixditError) as error:
         with explain_out_of_memory(dit_b, estimate, Trainer()):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                                         "capacity of 139.8 GiB of which 1.2 GiB is free.\nmore lines")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                "capacity of 139.8 GiB of which 1.2 GiB is free.\nmore lines"
+            )
     message = str(error.value)
     assert "ran out of GPU memory at step 0 (CUDA out of memory)" in message
     assert "data.batch_size=8" in message and "model.grad_checkpointing=true" in message
-    with explain_out_of_memory(dit_b, estimate):   # anything else passes through untouched
+    with explain_out_of_memory(dit_b, estimate):  # anything else passes through untouched
         pass
     with pytest.raises(ValueError):
         with explain_out_of_memory(dit_b, estimate):
@@ -113,8 +127,7 @@ def test_per_block_count_brackets_what_a_block_saves(setting):
     measured, estimated = [], []
     for depth in (2, 4):
         torch.manual_seed(0)
-        net = build_model("DiT-T", input_size=16, depth=depth, hidden_size=32, num_heads=2,
-                          grad_checkpointing=setting)
+        net = build_model("DiT-T", input_size=16, depth=depth, hidden_size=32, num_heads=2, grad_checkpointing=setting)
         measured.append(saved_bytes(net, x, t))
         estimated.append(estimate_training_memory(net, 2, precision="32-true").parts["activations"])
     added = measured[1] - measured[0]

@@ -24,8 +24,16 @@ def inputs(b, height, width, seed=0):
     return torch.randn(b, 3, height, width, generator=g), 1000 * torch.rand(b, generator=g)
 
 
-@pytest.mark.parametrize("size,patch,order", [((8, 8), 1, "raster"), ((8, 12), 1, "zorder"), ((12, 8), 2, "raster"),
-                                              ((16, 16), 2, "zorder"), ((6, 10), 1, "zorder")])
+@pytest.mark.parametrize(
+    "size,patch,order",
+    [
+        ((8, 8), 1, "raster"),
+        ((8, 12), 1, "zorder"),
+        ((12, 8), 2, "raster"),
+        ((16, 16), 2, "zorder"),
+        ((6, 10), 1, "zorder"),
+    ],
+)
 def test_shapes_and_gradients(size, patch, order):
     torch.manual_seed(0)
     model = tiny(input_size=size, patch_size=patch, token_order=order)
@@ -41,7 +49,7 @@ def test_registry_sizes():
     model = build_model("DiT-T", input_size=(4, 8))
     x, t = inputs(1, 4, 8)
     assert model(x, t).shape == x.shape
-    for name, sizes in DIT_MODELS.items():  # 2-D RoPE splits the head dim into two axes of (cos, sin) pairs
+    for sizes in DIT_MODELS.values():  # 2-D RoPE splits the head dim into two axes of (cos, sin) pairs
         assert sizes["hidden_size"] % sizes["num_heads"] == 0 and sizes["hidden_size"] // sizes["num_heads"] % 4 == 0
 
 
@@ -115,8 +123,9 @@ def test_cfg():
     guided = model.forward_with_cfg(x, t, y, cfg_scale=4.0)
     assert guided.shape == x.shape
     torch.testing.assert_close(model.forward_with_cfg(x, t, y, 1.0), model(x, t, y), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(model.forward_with_cfg(x, t, y, 0.0), model(x, t, torch.full_like(y, 5)),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model.forward_with_cfg(x, t, y, 0.0), model(x, t, torch.full_like(y, 5)), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(model(x, t), model(x, t, torch.full_like(y, 5)))  # no labels = null class
     with pytest.raises(PixditError, match="num_classes"):
         tiny().forward_with_cfg(x, t, y, 2.0)
@@ -149,9 +158,10 @@ def test_reference_parameter_count():
     x, t = inputs(1, 4, 8)
     assert reference(x, t).shape == x.shape  # the paper's size runs (one token per pixel)
     assert count(build_model("DiT-S", input_size=8, zero_init=False)) == 32_466_051
-    assert count(build_model("DiT-S", input_size=8, per_block_conditioning=True, num_classes=1000,
-                             zero_init=False)) == \
-        35_177_859 + 12 * 384_384
+    assert (
+        count(build_model("DiT-S", input_size=8, per_block_conditioning=True, num_classes=1000, zero_init=False))
+        == 35_177_859 + 12 * 384_384
+    )
 
 
 def test_bad_inputs_name_the_numbers():
@@ -169,8 +179,15 @@ def test_bad_inputs_name_the_numbers():
     assert model is not None
 
 
-@pytest.mark.parametrize("key, value, kind", [("patch_size", "abc", "int"), ("mlp_ratio", "abc", "float"),
-                                              ("class_dropout", "abc", "float"), ("zero_init", "no", "true/false")])
+@pytest.mark.parametrize(
+    "key, value, kind",
+    [
+        ("patch_size", "abc", "int"),
+        ("mlp_ratio", "abc", "float"),
+        ("class_dropout", "abc", "float"),
+        ("zero_init", "no", "true/false"),
+    ],
+)
 def test_word_for_a_number_or_flag_is_named(key, value, kind):
     """model.patch_size=abc etc.: a PixditError naming the key, not a TypeError/ValueError from deep inside torch
     (and zero_init='no' is not silently true)."""

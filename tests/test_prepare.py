@@ -90,9 +90,9 @@ def test_resize_is_box_halving_then_centre_crop(tmp_path):
     (tmp_path / "src").mkdir()
     Image.fromarray(source).save(tmp_path / "src" / "wide.png")
     prepare_dataset(tmp_path / "src", tmp_path / "out", RES, progress=False)
-    (pixels, _), = loader_images(tmp_path / "out")
+    ((pixels, _),) = loader_images(tmp_path / "out")
     halved = source.reshape(RES, 2, 2 * RES, 2, 3).astype(np.float64).mean(axis=(1, 3))
-    expected = halved[:, RES // 2: RES // 2 + RES]
+    expected = halved[:, RES // 2 : RES // 2 + RES]
     assert np.abs(pixels.astype(np.float64) - expected).max() <= 1.0
 
 
@@ -106,7 +106,8 @@ def test_zip_source_matches_folder_source(tmp_path):
     assert a["counts"] == b["counts"] == {"train": 7}
     assert [s["sha256"] for s in a["splits"]["train"]["shards"]] != []
     assert {k: v["png"] for k, v in all_samples(tmp_path / "a").items()} == {
-        k.removeprefix("images/"): v["png"] for k, v in all_samples(tmp_path / "b").items()}
+        k.removeprefix("images/"): v["png"] for k, v in all_samples(tmp_path / "b").items()
+    }
 
 
 def test_truncated_zip_source_is_a_clear_error(tmp_path):
@@ -126,15 +127,20 @@ def test_parquet_source_both_column_styles(tmp_path):
 
     (tmp_path / "pq").mkdir()
     images = [random_image(100 + i) for i in range(10)]
-    hf_style = pa.table({"image": [{"bytes": png_bytes(x), "path": f"{i}.png"} for i, x in enumerate(images[:6])],
-                         "label": list(range(6))})
+    hf_style = pa.table(
+        {
+            "image": [{"bytes": png_bytes(x), "path": f"{i}.png"} for i, x in enumerate(images[:6])],
+            "label": list(range(6)),
+        }
+    )
     pq.write_table(hf_style, tmp_path / "pq" / "train-00000.parquet", row_group_size=4)
     pq.write_table(pa.table({"png": [png_bytes(x) for x in images[6:]]}), tmp_path / "pq" / "train-00001.parquet")
     manifest = prepare_dataset(tmp_path / "pq", tmp_path / "out", RES, maxcount=4, progress=False)
     assert manifest["counts"] == {"train": 10} and manifest["options"]["kind"] == "parquet"
     samples = all_samples(tmp_path / "out")
-    assert sorted(samples) == sorted([f"train-00000.parquet#{i}" for i in range(6)] +
-                                     [f"train-00001.parquet#{i}" for i in range(4)])
+    assert sorted(samples) == sorted(
+        [f"train-00000.parquet#{i}" for i in range(6)] + [f"train-00001.parquet#{i}" for i in range(4)]
+    )
     for pixels, _ in loader_images(tmp_path / "out"):
         assert sum(np.array_equal(pixels, x) for x in images) == 1
     pq.write_table(pa.table({"caption": ["no image here"]}), tmp_path / "pq" / "train-00002.parquet")
@@ -150,8 +156,9 @@ def make_imagenet(root: Path, per_class=4):
     for c, synset in enumerate(SYNSETS):
         (root / "train" / synset).mkdir(parents=True)
         for i in range(per_class):
-            Image.fromarray(random_image(1000 * c + i)).save(root / "train" / synset / f"{synset}_{i}.JPEG",
-                                                             format="PNG")  # content type does not matter to PIL
+            Image.fromarray(random_image(1000 * c + i)).save(
+                root / "train" / synset / f"{synset}_{i}.JPEG", format="PNG"
+            )  # content type does not matter to PIL
     # devkit: ILSVRC2012_ID 1 -> n01484850, 2 -> n01440764, 3 -> n01443537 (+ a non-leaf synset, id 4)
     import scipy.io
 
@@ -172,8 +179,9 @@ def make_imagenet(root: Path, per_class=4):
 
 def test_imagenet_train_folders_and_val_devkit_labels(tmp_path):
     val_labels = make_imagenet(tmp_path / "imagenet")
-    train = prepare_dataset(tmp_path / "imagenet" / "train", tmp_path / "train", RES, labels="folders", maxcount=5,
-                            progress=False)
+    train = prepare_dataset(
+        tmp_path / "imagenet" / "train", tmp_path / "train", RES, labels="folders", maxcount=5, progress=False
+    )
     assert train["classes"] == SYNSETS and train["num_classes"] == 3 and train["counts"] == {"train": 12}
     assert json.loads((tmp_path / "train" / "classes.json").read_text()) == SYNSETS
     # round-robin dealing: each shard holds a cross-section of the (class-sorted) list
@@ -211,8 +219,11 @@ def test_imagenet_val_kaggle_csv(tmp_path):
     (tmp_path / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
     prepare_dataset(tmp_path / "val", tmp_path / "out", RES, labels="folders", progress=False)
     labels = {src: int(s["cls"]) for src, s in all_samples(tmp_path / "out").items()}
-    assert labels == {"ILSVRC2012_val_00000001.JPEG": 1, "ILSVRC2012_val_00000002.JPEG": 0,
-                      "ILSVRC2012_val_00000003.JPEG": 2}
+    assert labels == {
+        "ILSVRC2012_val_00000001.JPEG": 1,
+        "ILSVRC2012_val_00000002.JPEG": 0,
+        "ILSVRC2012_val_00000003.JPEG": 2,
+    }
 
 
 def test_resume_after_interruption_keeps_shards_no_duplicates(tmp_path):
@@ -241,9 +252,30 @@ def test_resume_after_interruption_keeps_shards_no_duplicates(tmp_path):
 def test_cli_parallel_jpg_limit(tmp_path):
     make_flat_folder(tmp_path / "src", 12)
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
-         "--out", str(tmp_path / "out"), "--resolution", str(RES), "--maxcount", "3", "--workers", "2",
-         "--format", "jpg", "--quality", "90", "--limit", "10"], capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(REPO / "scripts" / "prepare_data.py"),
+            "--source",
+            str(tmp_path / "src"),
+            "--out",
+            str(tmp_path / "out"),
+            "--resolution",
+            str(RES),
+            "--maxcount",
+            "3",
+            "--workers",
+            "2",
+            "--format",
+            "jpg",
+            "--quality",
+            "90",
+            "--limit",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["counts"] == {"train": 10} and manifest["image_format"] == "jpg"
@@ -258,8 +290,11 @@ def test_cli_parallel_jpg_limit(tmp_path):
 def test_cli_user_error_is_one_message(tmp_path, monkeypatch, capsys):
     import runpy
 
-    monkeypatch.setattr(sys, "argv", ["prepare_data.py", "--source", str(tmp_path / "missing"), "--out",
-                                      str(tmp_path / "x"), "--resolution", "8"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["prepare_data.py", "--source", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--resolution", "8"],
+    )
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / "scripts" / "prepare_data.py"), run_name="__main__")
     assert exit_info.value.code == 2
@@ -296,12 +331,17 @@ def test_disk_full_is_one_message_and_the_rerun_completes(tmp_path, monkeypatch)
         return write(self, *args, **kwargs)
 
     monkeypatch.setattr(ShardWriter, "write", write_until_full)
-    with pytest.raises(PixditError, match=r"disk full: no space left writing .*out/train-000001.tar.tmp .*free "
-                                          r"space there.*re-run the same command"):
+    with pytest.raises(
+        PixditError,
+        match=r"disk full: no space left writing .*out/train-000001.tar.tmp .*free "
+        r"space there.*re-run the same command",
+    ):
         prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=3, progress=False)
     monkeypatch.setattr(ShardWriter, "write", write)
-    assert prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=3, progress=False)["splits"] == \
-        reference["splits"]
+    assert (
+        prepare_dataset(tmp_path / "src", tmp_path / "out", RES, maxcount=3, progress=False)["splits"]
+        == reference["splits"]
+    )
 
 
 def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path):
@@ -310,8 +350,16 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(tmp_path):
     make_flat_folder(tmp_path / "src", 4)
     out = tmp_path / "out"
     (out / ".prepare").mkdir(parents=True)
-    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
-               "--out", str(out), "--resolution", str(RES)]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "prepare_data.py"),
+        "--source",
+        str(tmp_path / "src"),
+        "--out",
+        str(out),
+        "--resolution",
+        str(RES),
+    ]
     with exclusive_lock(out / ".prepare" / "lock", what="test", fix="-"):  # a first run, in progress
         second = subprocess.run(command, capture_output=True, text=True, timeout=120)
         with pytest.raises(PixditError, match=f"--out {out} is in use by pid {os.getpid()} on .* since "):
@@ -365,8 +413,20 @@ def test_workers_exit_when_the_run_is_killed(tmp_path):
     import time
 
     make_flat_folder(tmp_path / "src", 40)
-    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
-               "--out", str(tmp_path / "out"), "--resolution", str(RES), "--maxcount", "1", "--workers", "2"]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "prepare_data.py"),
+        "--source",
+        str(tmp_path / "src"),
+        "--out",
+        str(tmp_path / "out"),
+        "--resolution",
+        str(RES),
+        "--maxcount",
+        "1",
+        "--workers",
+        "2",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = []
     try:
@@ -420,8 +480,20 @@ def test_prepare_killed_then_rerun_completes_without_duplicates(tmp_path):
     for path in (tmp_path / "src").rglob("*.png"):  # bigger sources: the run takes long enough to be killed
         Image.fromarray(np.kron(np.asarray(Image.open(path)), np.ones((16, 16, 1), np.uint8))).save(path)
     out = tmp_path / "out"
-    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
-               "--out", str(out), "--resolution", str(RES), "--maxcount", "2", "--val", "4"]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "prepare_data.py"),
+        "--source",
+        str(tmp_path / "src"),
+        "--out",
+        str(out),
+        "--resolution",
+        str(RES),
+        "--maxcount",
+        "2",
+        "--val",
+        "4",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while process.poll() is None and time.time() < deadline:
@@ -446,11 +518,26 @@ def colour_image() -> Image.Image:
 
 
 # mode -> (file format, the image): 8-bit modes come from one colour image and must come out as PIL converts them
-EIGHT_BIT = {"1": "PNG", "L": "PNG", "LA": "PNG", "P": "PNG", "PA": "TIFF", "RGB": "PNG", "RGBA": "PNG",
-             "RGBX": "TIFF", "CMYK": "TIFF", "YCbCr": "TIFF", "LAB": "TIFF"}
+EIGHT_BIT = {
+    "1": "PNG",
+    "L": "PNG",
+    "LA": "PNG",
+    "P": "PNG",
+    "PA": "TIFF",
+    "RGB": "PNG",
+    "RGBA": "PNG",
+    "RGBX": "TIFF",
+    "CMYK": "TIFF",
+    "YCbCr": "TIFF",
+    "LAB": "TIFF",
+}
 # high-bit-depth greyscale: the stored value of 8-bit level k, and the file format
-WIDE = {"I;16": (GRADIENT * 257, np.uint16, "PNG"), "I;16B": (GRADIENT * 257, ">u2", "TIFF"),
-        "I": (np.rint(GRADIENT * ((2**31 - 1) / 255)), np.int32, "TIFF"), "F": (GRADIENT / 255, np.float32, "TIFF")}
+WIDE = {
+    "I;16": (GRADIENT * 257, np.uint16, "PNG"),
+    "I;16B": (GRADIENT * 257, ">u2", "TIFF"),
+    "I": (np.rint(GRADIENT * ((2**31 - 1) / 255)), np.int32, "TIFF"),
+    "F": (GRADIENT / 255, np.float32, "TIFF"),
+}
 
 
 def test_every_writable_pil_mode_is_converted_by_its_bit_depth(tmp_path):
@@ -464,8 +551,11 @@ def test_every_writable_pil_mode_is_converted_by_its_bit_depth(tmp_path):
             expected[name] = np.asarray(stored.convert("RGB"))  # PIL's own conversion of 8-bit modes
     for mode, (values, dtype, file_format) in WIDE.items():
         name = f"{mode.replace(';', '_')}.{file_format.lower()}"
-        image = Image.fromarray(values.astype(dtype)) if mode != "I;16B" else Image.frombytes(
-            "I;16B", (RES, RES), values.astype(dtype).tobytes())
+        image = (
+            Image.fromarray(values.astype(dtype))
+            if mode != "I;16B"
+            else Image.frombytes("I;16B", (RES, RES), values.astype(dtype).tobytes())
+        )
         image.save(tmp_path / "src" / name, format=file_format)
         with Image.open(tmp_path / "src" / name) as stored:
             assert stored.mode in (mode, "I;16") and stored.mode[0] == mode[0]
@@ -503,8 +593,9 @@ def test_images_with_no_faithful_8_bit_version_are_skipped_with_the_reason(tmp_p
     assert manifest["counts"]["train"] == 1
     reasons = {Path(s["path"]).name: s["error"] for s in manifest["splits"]["train"]["skipped"]}
     assert sorted(reasons) == ["faint16.png", "float255.tif", "nan.tif", "negative.tif"]
-    assert "32-bit float greyscale image (mode F) with values in [0, 255]; pixdit maps [0, 1.0]" in reasons[
-        "float255.tif"]
+    assert (
+        "32-bit float greyscale image (mode F) with values in [0, 255]; pixdit maps [0, 1.0]" in reasons["float255.tif"]
+    )
     assert "NaN" in reasons["nan.tif"]
     assert "16-bit greyscale image (mode I;16) with values in [0, 99]" in reasons["faint16.png"]
     assert "one flat grey level" in reasons["faint16.png"]

@@ -19,10 +19,19 @@ def h(train_helpers):
 def _run(h, run_dir, tiny_shards, max_steps, ckpt_path=None):
     from pixdit.cli import train
 
-    overrides = ["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards, batch_size=4),
-                 f"trainer.max_steps={max_steps}", "trainer.val_check_interval=2", "optimizer.warmup_steps=5",
-                 "callbacks.checkpoint.every_n_train_steps=3", "callbacks.samples=null", "callbacks.throughput=null",
-                 "model.class_dropout=0.1"]
+    overrides = [
+        "experiment=quickstart",
+        "trainer=cpu",
+        *h.tiny_model,
+        *h.tiny_data(tiny_shards, batch_size=4),
+        f"trainer.max_steps={max_steps}",
+        "trainer.val_check_interval=2",
+        "optimizer.warmup_steps=5",
+        "callbacks.checkpoint.every_n_train_steps=3",
+        "callbacks.samples=null",
+        "callbacks.throughput=null",
+        "model.class_dropout=0.1",
+    ]
     if ckpt_path:
         overrides.append(f"ckpt_path={ckpt_path}")
     train.train(h.compose(overrides), run_dir)
@@ -56,8 +65,10 @@ def test_resume_is_exact(h, tiny_shards, tmp_path):
     assert weights and ema and int(ema["ema.num_updates"]) == 6
     # The run must actually have changed the weights (otherwise equality would prove nothing).
     first = _run(h, tmp_path / "one_step", tiny_shards, max_steps=1)
-    assert not torch.equal(first["state_dict"]["model.final_layer.linear.weight"],
-                           straight["state_dict"]["model.final_layer.linear.weight"])
+    assert not torch.equal(
+        first["state_dict"]["model.final_layer.linear.weight"],
+        straight["state_dict"]["model.final_layer.linear.weight"],
+    )
 
     _assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")  # model and EMA
     _assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer_states")

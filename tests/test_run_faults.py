@@ -38,8 +38,16 @@ def h(train_helpers):
 
 
 def overrides(h, shards, *extra: str) -> list[str]:
-    return ["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(shards, batch_size=4), *QUIET,
-            "trainer.log_every_n_steps=1", "trainer.val_check_interval=100", *extra]
+    return [
+        "experiment=quickstart",
+        "trainer=cpu",
+        *h.tiny_model,
+        *h.tiny_data(shards, batch_size=4),
+        *QUIET,
+        "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=100",
+        *extra,
+    ]
 
 
 def train(h, shards, run_dir, *extra: str) -> dict:
@@ -86,8 +94,16 @@ def test_divergence_stops_the_run_before_nan_reaches_a_checkpoint(h, tiny_shards
     naming the step, the quantity and the last good checkpoint; every checkpoint and EMA artifact on disk is finite;
     the gradient norm is logged."""
     run_dir = tmp_path / "run"
-    result = train_py(h, tiny_shards, "trainer.max_steps=12", "optimizer.lr=1e3", "optimizer.warmup_steps=0",
-                      "callbacks.checkpoint.every_n_train_steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    result = train_py(
+        h,
+        tiny_shards,
+        "trainer.max_steps=12",
+        "optimizer.lr=1e3",
+        "optimizer.warmup_steps=0",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     message = result.stderr.strip().splitlines()[-1]
     assert "training diverged at step" in message and "is NaN or inf" in message and "optimizer.lr" in message
@@ -116,11 +132,15 @@ def test_a_nan_loss_stops_the_run_or_is_skipped_when_allowed(h, tiny_shards, tmp
         def loss(self, *args, **kwargs):
             value = real_loss(self, *args, **kwargs)
             return value * float("nan") if next(calls) == 2 else value
+
         return loss
 
     monkeypatch.setattr(RectifiedFlow, "loss", nan_at_the_third_step(itertools.count()))
-    with pytest.raises(PixditError, match=r"diverged at step 2: the loss of the next update is NaN or inf \(loss nan"
-                                          r".*The last good checkpoint is .*step=2.ckpt \(step 2\).*now 0\)"):
+    with pytest.raises(
+        PixditError,
+        match=r"diverged at step 2: the loss of the next update is NaN or inf \(loss nan"
+        r".*The last good checkpoint is .*step=2.ckpt \(step 2\).*now 0\)",
+    ):
         train(h, tiny_shards, tmp_path / "stop", "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=2")
     assert sorted(p.name for p in (tmp_path / "stop" / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt"]
 
@@ -143,7 +163,9 @@ def test_the_checkpoint_writer_never_writes_nonfinite_weights(tmp_path):
     io.save_checkpoint(checkpoint, path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     state = dict(checkpoint["state_dict"])
-    state["ema.model.final_layer.linear.weight"] = torch.full_like(state["ema.model.final_layer.linear.weight"], torch.nan)
+    state["ema.model.final_layer.linear.weight"] = torch.full_like(
+        state["ema.model.final_layer.linear.weight"], torch.nan
+    )
     with pytest.raises(PixditError, match=r"not writing the checkpoint .*last.ckpt: .*NaN or inf \(ema.model.final"):
         io.save_checkpoint({**checkpoint, "state_dict": state, "global_step": 2}, path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
@@ -154,8 +176,9 @@ def test_a_copied_run_directory_resumes_into_its_own_last_ckpt(h, tiny_shards, t
     """Lightning wrote the new progress of a copied (or moved) run to last-v1.ckpt, so the next ckpt_path=last
     restored the old step again."""
     run_dir = copy_of(finished_run, tmp_path)
-    train(h, tiny_shards, run_dir, "trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2",
-          "ckpt_path=last")
+    train(
+        h, tiny_shards, run_dir, "trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "ckpt_path=last"
+    )
     names = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     assert names == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt"], names
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
@@ -179,12 +202,17 @@ def test_a_run_directory_holds_one_run(h, tiny_shards, tmp_path):
     again = train_py(h, tiny_shards, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert f"the run directory {run_dir} already holds a run" in again.stderr
-    assert "ckpt_path=last" in again.stderr and "another hydra.run.dir" in again.stderr and "overwrite=true" in again.stderr
+    assert (
+        "ckpt_path=last" in again.stderr
+        and "another hydra.run.dir" in again.stderr
+        and "overwrite=true" in again.stderr
+    )
     assert {p: p.read_bytes() for p in kept} == kept
 
     with claim_run_directory(run_dir, fresh=False):  # this process holds the directory, as a running pixdit-train
-        busy = train_py(h, tiny_shards, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", "ckpt_path=last",
-                        cwd=tmp_path)
+        busy = train_py(
+            h, tiny_shards, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", "ckpt_path=last", cwd=tmp_path
+        )
     assert busy.returncode == 2, busy.stderr[-3000:]
     assert f"the run directory {run_dir} is in use by pid {os.getpid()} on " in busy.stderr
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2
@@ -232,26 +260,37 @@ class SignalAt(L.Callback):
 
 
 @pytest.mark.parametrize("during, saved_step", [("training", 4), ("validation", 2)])
-def test_sigterm_saves_the_current_step_and_resumes_exactly(h, tiny_shards, tmp_path, monkeypatch, during,
-                                                             saved_step):
+def test_sigterm_saves_the_current_step_and_resumes_exactly(h, tiny_shards, tmp_path, monkeypatch, during, saved_step):
     """SIGTERM while step 3 -> 4 trains: step 4 is saved when it ends; during the validation at step 2: step 2 is
     saved. Resuming from it gives bit for bit the weights, EMA, optimizer, schedule and data position of a run that
     never stopped (the same check as tests/test_resume.py)."""
+    from test_resume import _assert_same
+
     import pixdit.callbacks
     from pixdit.cli import train as train_cli
 
-    from test_resume import _assert_same
-
-    settings = ["trainer.max_steps=6", "trainer.val_check_interval=2", "optimizer.warmup_steps=5",
-                "callbacks.checkpoint.every_n_train_steps=3", "callbacks.throughput=null"]
+    settings = [
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=2",
+        "optimizer.warmup_steps=5",
+        "callbacks.checkpoint.every_n_train_steps=3",
+        "callbacks.throughput=null",
+    ]
     straight = load(train(h, tiny_shards, tmp_path / "straight", *settings)["checkpoint"])
     build_callbacks = pixdit.callbacks.build_callbacks
-    monkeypatch.setattr(pixdit.callbacks, "build_callbacks",
-                        lambda cfg, run_dir: [*build_callbacks(cfg, run_dir), SignalAt(saved_step - 1 if during ==
-                                                                                        "training" else saved_step,
-                                                                                        during)])
-    with pytest.raises(train_cli.Preempted, match=rf"stopped by SIGTERM at step {saved_step}: saved .*step="
-                                                  rf"{saved_step}.ckpt"):
+    monkeypatch.setattr(
+        pixdit.callbacks,
+        "build_callbacks",
+        lambda cfg, run_dir: [
+            *build_callbacks(cfg, run_dir),
+            SignalAt(saved_step - 1 if during == "training" else saved_step, during),
+        ],
+    )
+    with pytest.raises(
+        train_cli.Preempted,
+        match=rf"stopped by SIGTERM at step {saved_step}: saved .*step="
+        rf"{saved_step}.ckpt",
+    ):
         train(h, tiny_shards, tmp_path / "halves", *settings)
     assert load(tmp_path / "halves" / "checkpoints" / "last.ckpt")["global_step"] == saved_step
     monkeypatch.undo()
@@ -261,16 +300,24 @@ def test_sigterm_saves_the_current_step_and_resumes_exactly(h, tiny_shards, tmp_
         _assert_same(straight[key], resumed[key], key)
 
 
-@pytest.mark.parametrize("how, exit_status, outcome", [("SIGTERM to the process group", 143, "preempted"),
-                                                       ("SIGINT", 1, "interrupted")])
+@pytest.mark.parametrize(
+    "how, exit_status, outcome", [("SIGTERM to the process group", 143, "preempted"), ("SIGINT", 1, "interrupted")]
+)
 def test_a_stopped_run_says_so(h, tiny_shards, tmp_path, how, exit_status, outcome):
     """`kill -TERM -PGID` (what schedulers send; it reaches the loader workers too): the current step is saved, exit
     status 143, status.json "preempted", one line and no traceback (a worker killed by the signal used to end the run
     with a RuntimeError). Ctrl-C keeps Lightning's behaviour (exit status 1) and says "interrupted"."""
     run_dir = tmp_path / "run"
-    process = train_py(h, tiny_shards, "trainer.max_steps=100000", "data.num_workers=1",
-                       "callbacks.checkpoint.every_n_train_steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                       start_new_session=True)
+    process = train_py(
+        h,
+        tiny_shards,
+        "trainer.max_steps=100000",
+        "data.num_workers=1",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "step=2.ckpt").is_file() and process.poll() is None:
@@ -291,12 +338,14 @@ def test_a_stopped_run_says_so(h, tiny_shards, tmp_path, how, exit_status, outco
         assert "Traceback" not in stderr and "stopped by SIGTERM at step" in stderr
         step = record["global_step"]
         assert step >= 2 and load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == step
-        assert record["checkpoint"].endswith(f"step={step}.ckpt") and (run_dir / "checkpoints" / f"step={step}.ckpt").is_file()
+        assert (
+            record["checkpoint"].endswith(f"step={step}.ckpt")
+            and (run_dir / "checkpoints" / f"step={step}.ckpt").is_file()
+        )
 
 
 # ------------------------------------------------------------------------------------------ 8, 9: damaged checkpoints
-def test_a_damaged_last_ckpt_falls_back_to_the_newest_intact_checkpoint(h, tiny_shards, tmp_path, finished_run,
-                                                                        caplog):
+def test_a_damaged_last_ckpt_falls_back_to_the_newest_intact_checkpoint(h, tiny_shards, tmp_path, finished_run, caplog):
     """last.ckpt cut short (a copy that did not finish): ckpt_path=last resumes from the newest intact step=N.ckpt
     with a warning. Stale temporary files of an interrupted checkpoint write are removed when the run starts."""
     run_dir = copy_of(finished_run, tmp_path)
@@ -308,33 +357,71 @@ def test_a_damaged_last_ckpt_falls_back_to_the_newest_intact_checkpoint(h, tiny_
     mine.write_text("not a temporary file of pixdit's")
     with caplog.at_level("WARNING", logger="pixdit"):
         result = train(h, tiny_shards, run_dir, "trainer.max_steps=5", "ckpt_path=last")
-    assert any("cannot be read; resuming from the newest intact checkpoint of the run" in r.getMessage() and
-               "step=4.ckpt (step 4)" in r.getMessage() for r in caplog.records)
+    assert any(
+        "cannot be read; resuming from the newest intact checkpoint of the run" in r.getMessage()
+        and "step=4.ckpt (step 4)" in r.getMessage()
+        for r in caplog.records
+    )
     assert result["global_step"] == 5 and load(last)["global_step"] == 5
     assert not stale.exists() and mine.exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("last", r"ckpt_path='.*last.ckpt': cannot read the checkpoint: it is cut short, damaged or not a checkpoint.*; "
-             r"the run has no other intact checkpoint in"),
-    ("garbage", r"ckpt_path='.*garbage.ckpt': cannot read the checkpoint.*; the newest intact checkpoint next to it is "
-                r".*step=4.ckpt \(step 4\): ckpt_path=.*step=4.ckpt"),
-    ("init_from", r"init_from='.*garbage.ckpt': cannot read the checkpoint"),
-    ("model", r"ckpt_path='.*last.ckpt' is a run of another model: this run has attention.name='vsa' \(checkpoint: "
-              r"'full'\).*init_from="),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            "last",
+            r"ckpt_path='.*last.ckpt': cannot read the checkpoint: it is cut short, damaged or not a checkpoint.*; "
+            r"the run has no other intact checkpoint in",
+        ),
+        (
+            "garbage",
+            r"ckpt_path='.*garbage.ckpt': cannot read the checkpoint.*; the newest intact checkpoint next to it is "
+            r".*step=4.ckpt \(step 4\): ckpt_path=.*step=4.ckpt",
+        ),
+        ("init_from", r"init_from='.*garbage.ckpt': cannot read the checkpoint"),
+        (
+            "model",
+            r"ckpt_path='.*last.ckpt' is a run of another model: this run has attention.name='vsa' \(checkpoint: "
+            r"'full'\).*init_from=",
+        ),
+    ],
+)
 def test_a_checkpoint_that_cannot_be_resumed_is_one_message(h, tiny_shards, tmp_path, finished_run, damage, message):
     run_dir = copy_of(finished_run, tmp_path)
     checkpoints = run_dir / "checkpoints"
     garbage = checkpoints / "garbage.ckpt"
     garbage.write_bytes(os.urandom(4096))
-    extra = {"last": ["ckpt_path=last"], "garbage": [f"ckpt_path={garbage}"], "init_from": [f"init_from={garbage}"],
-             "model": ["ckpt_path=last", "attention=vsa", "model.token_order=zorder"]}[damage]
+    extra = {
+        "last": ["ckpt_path=last"],
+        "garbage": [f"ckpt_path={garbage}"],
+        "init_from": [f"init_from={garbage}"],
+        "model": ["ckpt_path=last", "attention=vsa", "model.token_order=zorder"],
+    }[damage]
     if damage == "last":
         for path in checkpoints.glob("*.ckpt"):
             path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(PixditError, match=message):
         train(h, tiny_shards, run_dir, "trainer.max_steps=6", *extra)
+
+
+def test_ckpt_path_auto_starts_a_new_run_or_resumes_the_one_there(tmp_path, finished_run):
+    """ckpt_path=auto (what a requeued job passes, the same command every time): a new run in a directory without a
+    checkpoint, `last` in one with a checkpoint; a directory with results but no checkpoint is refused like a new run."""
+    from pixdit.cli.train import resolve_ckpt_path
+    from pixdit.rundir import claim_run_directory, is_fresh_run
+
+    empty = tmp_path / "first_start"
+    assert is_fresh_run("auto", empty) and resolve_ckpt_path("auto", empty) is None
+    claim_run_directory(empty, fresh=is_fresh_run("auto", empty)).close()
+    run_dir = copy_of(finished_run, tmp_path)
+    assert not is_fresh_run("auto", run_dir) and not is_fresh_run("last", run_dir)
+    assert resolve_ckpt_path("auto", run_dir) == str(run_dir / "checkpoints" / "last.ckpt")
+    claim_run_directory(run_dir, fresh=is_fresh_run("auto", run_dir)).close()
+    for path in (run_dir / "checkpoints").glob("*.ckpt"):
+        path.unlink()
+    with pytest.raises(PixditError, match="already holds a run"):
+        claim_run_directory(run_dir, fresh=is_fresh_run("auto", run_dir))
 
 
 def test_the_ckpt_path_last_hint_names_the_newest_run(tmp_path):
@@ -346,8 +433,11 @@ def test_the_ckpt_path_last_hint_names_the_newest_run(tmp_path):
         last.parent.mkdir(parents=True)
         last.write_bytes(b"x")
         os.utime(last, (time.time() - age, time.time() - age))
-    with pytest.raises(PixditError, match=rf"newest run of this name with one is {tmp_path / 'aaa_new'}: add "
-                                          rf"hydra.run.dir={tmp_path / 'aaa_new'}"):
+    with pytest.raises(
+        PixditError,
+        match=rf"newest run of this name with one is {tmp_path / 'aaa_new'}: add "
+        rf"hydra.run.dir={tmp_path / 'aaa_new'}",
+    ):
         resolve_ckpt_path("last", tmp_path / "new_run")
 
 
@@ -361,14 +451,18 @@ def test_the_missing_data_hint_names_the_users_path(h, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-@pytest.mark.parametrize("case, message", [
-    ("no ckpt", r"ckpt= is required"),
-    ("garbage ckpt", r"ckpt='.*garbage.ckpt': cannot read the checkpoint"),
-    ("nan weights", r"ckpt='.*last.ema.pt': the ema weights hold NaN or inf values .*diverged"),
-    ("garbage reference", r"eval.reference=.*garbage.npz: not readable FID statistics"),
-])
-def test_evaluate_checks_the_checkpoint_and_reference_before_the_inception_weights(tmp_path, finished_run, case,
-                                                                                   message):
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no ckpt", r"ckpt= is required"),
+        ("garbage ckpt", r"ckpt='.*garbage.ckpt': cannot read the checkpoint"),
+        ("nan weights", r"ckpt='.*last.ema.pt': the ema weights hold NaN or inf values .*diverged"),
+        ("garbage reference", r"eval.reference=.*garbage.npz: not readable FID statistics"),
+    ],
+)
+def test_evaluate_checks_the_checkpoint_and_reference_before_the_inception_weights(
+    tmp_path, finished_run, case, message
+):
     """pixdit-evaluate: each is one message, found before the Inception weights are looked for (there are none
     here: reaching that check would be a different message)."""
     from hydra import compose, initialize_config_module
@@ -380,15 +474,24 @@ def test_evaluate_checks_the_checkpoint_and_reference_before_the_inception_weigh
     (tmp_path / "garbage.npz").write_bytes(os.urandom(4096))
     artifact = run_dir / "checkpoints" / "last.ema.pt"
     stored = load(artifact)
-    stored["state_dict"] = {k: torch.full_like(v, torch.nan) if v.is_floating_point() else v
-                            for k, v in stored["state_dict"].items()}
+    stored["state_dict"] = {
+        k: torch.full_like(v, torch.nan) if v.is_floating_point() else v for k, v in stored["state_dict"].items()
+    }
     torch.save(stored, tmp_path / "nan.ema.pt")
-    ckpt = {"no ckpt": None, "garbage ckpt": tmp_path / "garbage.ckpt", "nan weights": run_dir,
-            "garbage reference": run_dir}[case]
+    ckpt = {
+        "no ckpt": None,
+        "garbage ckpt": tmp_path / "garbage.ckpt",
+        "nan weights": run_dir,
+        "garbage reference": run_dir,
+    }[case]
     if case == "nan weights":
         shutil.copy(tmp_path / "nan.ema.pt", artifact)
-    settings = ["device=cpu", "num_samples=10", f"eval.inception_path={tmp_path / 'no_inception.pt'}",
-                f"eval.reference={tmp_path / 'garbage.npz'}"]
+    settings = [
+        "device=cpu",
+        "num_samples=10",
+        f"eval.inception_path={tmp_path / 'no_inception.pt'}",
+        f"eval.reference={tmp_path / 'garbage.npz'}",
+    ]
     with initialize_config_module(config_module="pixdit.configs.eval", version_base="1.3"):
         cfg = compose("evaluate", overrides=settings + ([f"ckpt={ckpt}"] if ckpt else []))
     with pytest.raises(PixditError, match=message):
@@ -404,8 +507,11 @@ def test_load_weights_refuses_nonfinite_weights(tmp_path, finished_run):
     name = next(k for k in checkpoint["state_dict"] if k.startswith("model.") and k.endswith(".weight"))
     checkpoint["state_dict"][name] = checkpoint["state_dict"][name] * torch.inf
     torch.save(checkpoint, tmp_path / "inf.ckpt")
-    with pytest.raises(PixditError, match=rf"init_from='.*inf.ckpt': the raw weights hold NaN or inf values "
-                                          rf"\({name[len('model.'):]}\)"):
+    with pytest.raises(
+        PixditError,
+        match=rf"init_from='.*inf.ckpt': the raw weights hold NaN or inf values "
+        rf"\({name[len('model.') :]}\)",
+    ):
         load_weights(tmp_path / "inf.ckpt", use_ema=False, key="init_from")
     assert load_weights(tmp_path / "inf.ckpt").source == "ema"  # the EMA weights of that file are finite
 

@@ -14,18 +14,31 @@ SIZE = (8, 8)
 
 def tiny_model():
     torch.manual_seed(0)
-    return build_model("DiT-T", input_size=SIZE, num_classes=3, zero_init=False, depth=2, hidden_size=32,
-                       num_heads=2).eval()
+    return build_model(
+        "DiT-T", input_size=SIZE, num_classes=3, zero_init=False, depth=2, hidden_size=32, num_heads=2
+    ).eval()
 
 
 def images(batch_size, compile=False, count=7):
-    out = dict(generate_uint8(tiny_model(), RectifiedFlow(image_size=SIZE), range(count), image_size=SIZE, seed=3,
-                              steps=2, num_classes=3, cfg_scale=1.5, batch_size=batch_size, compile=compile))
+    out = dict(
+        generate_uint8(
+            tiny_model(),
+            RectifiedFlow(image_size=SIZE),
+            range(count),
+            image_size=SIZE,
+            seed=3,
+            steps=2,
+            num_classes=3,
+            cfg_scale=1.5,
+            batch_size=batch_size,
+            compile=compile,
+        )
+    )
     return torch.cat(list(out.values())), torch.cat(list(out.keys()))
 
 
 def test_padded_static_batches_and_auto_give_the_same_images():
-    reference, order = images(3)                 # 3 + 3 + 1
+    reference, order = images(3)  # 3 + 3 + 1
     for batch_size, compile in ((3, True), ("auto", False), ("auto", True), (100, True)):
         got, got_order = images(batch_size, compile)
         assert torch.equal(got_order, order) and torch.equal(got, reference), (batch_size, compile)
@@ -50,13 +63,29 @@ def test_compiled_auto_batch_on_cuda_matches_eager(attention):
     the eager sampler up to bf16 rounding: the mean pixel differs by < 1 level and at most 1% of pixels by > 8."""
     size = (32, 32)
     torch.manual_seed(0)
-    model = build_model("DiT-T", input_size=size, num_classes=3, zero_init=False, depth=2,
-                        attention={"name": attention}).eval().cuda()
+    model = (
+        build_model("DiT-T", input_size=size, num_classes=3, zero_init=False, depth=2, attention={"name": attention})
+        .eval()
+        .cuda()
+    )
 
     def sample(batch_size, compile):
-        out = dict(generate_uint8(model, RectifiedFlow(image_size=size), range(10), image_size=size, seed=3, steps=4,
-                                  num_classes=3, cfg_scale=1.5, batch_size=batch_size, device="cuda",
-                                  precision="bf16", compile=compile))
+        out = dict(
+            generate_uint8(
+                model,
+                RectifiedFlow(image_size=size),
+                range(10),
+                image_size=size,
+                seed=3,
+                steps=4,
+                num_classes=3,
+                cfg_scale=1.5,
+                batch_size=batch_size,
+                device="cuda",
+                precision="bf16",
+                compile=compile,
+            )
+        )
         return torch.cat(list(out.values())).float(), torch.cat(list(out.keys()))
 
     eager, order = sample(4, False)

@@ -20,10 +20,22 @@ from pixdit.sweep import check_launch_layout, expand_sweep, find_invalid_runs, g
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
-    "model=dit_t", "+model.depth=1", "+model.hidden_size=32", "+model.num_heads=2", "model.patch_size=2",
-    "data.resolution=16", "data.batch_size=4", "data.num_workers=0", "data.val_images=8",
-    "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
-    "callbacks.samples=null", "callbacks.checkpoint=null", "callbacks.progress_bar=null",
+    "model=dit_t",
+    "+model.depth=1",
+    "+model.hidden_size=32",
+    "+model.num_heads=2",
+    "model.patch_size=2",
+    "data.resolution=16",
+    "data.batch_size=4",
+    "data.num_workers=0",
+    "data.val_images=8",
+    "trainer=cpu",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.log_every_n_steps=1",
+    "callbacks.samples=null",
+    "callbacks.checkpoint=null",
+    "callbacks.progress_bar=null",
     "callbacks.throughput.window=1",
 ]
 
@@ -38,8 +50,9 @@ def tiny_data(tmp_path_factory):
 
 
 def train_py(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_expand_sweep_is_hydras_cartesian_product():
@@ -52,8 +65,12 @@ def test_expand_sweep_is_hydras_cartesian_product():
     ]
     # hydra.sweeper.params (sweeps written in a config) come first, as in BasicSweeper.
     assert expand_sweep(["b=1"], {"a": "x,y"}) == [["a=x", "b=1"], ["a=y", "b=1"]]
-    assert varying(jobs) == {"attention.topk=4", "attention.topk=8", "attention.block_size=16",
-                             "attention.block_size=32"}
+    assert varying(jobs) == {
+        "attention.topk=4",
+        "attention.topk=8",
+        "attention.block_size=16",
+        "attention.block_size=32",
+    }
 
 
 def test_find_invalid_runs_uses_the_model_build():
@@ -63,8 +80,10 @@ def test_find_invalid_runs_uses_the_model_build():
     with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
         invalid = find_invalid_runs(jobs, lambda job: compose(config_name="train", overrides=base + job))
     reasons = {" ".join(job): reason for job, reason in invalid}
-    assert set(reasons) == {"attention.block_size=16 attention.num_levels=3",
-                            "attention.block_size=32 attention.num_levels=3"}
+    assert set(reasons) == {
+        "attention.block_size=16 attention.num_levels=3",
+        "attention.block_size=32 attention.num_levels=3",
+    }
     assert "4096" in reasons["attention.block_size=16 attention.num_levels=3"]  # B^L = 16^3 is named
     assert "32768" in reasons["attention.block_size=32 attention.num_levels=3"]
     # A config error is an invalid run too, not a crash of the check.
@@ -75,8 +94,17 @@ def test_find_invalid_runs_uses_the_model_build():
 
 def test_bad_combinations_are_reported_before_any_run_starts(tmp_path, tiny_data):
     sweep_dir = tmp_path / "sweep"
-    result = train_py("-m", *TINY_RUN, f"data.root={tiny_data}", "attention=llsa", "model.token_order=zorder",
-                      "model.patch_size=1", "attention.num_levels=1,3", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    result = train_py(
+        "-m",
+        *TINY_RUN,
+        f"data.root={tiny_data}",
+        "attention=llsa",
+        "model.token_order=zorder",
+        "model.patch_size=1",
+        "attention.num_levels=1,3",
+        f"hydra.sweep.dir={sweep_dir}",
+        cwd=tmp_path,
+    )
     # 16x16 = 256 tokens: B^3 = 4096 does not divide it; L = 1 is fine.
     assert result.returncode == 2, result.stderr[-3000:]
     assert "1 of the 2 runs of this sweep cannot start; nothing was launched" in result.stderr
@@ -90,16 +118,21 @@ def test_sweep_runs_every_job_and_the_summary_marks_the_failed_one(tmp_path, tin
     """A 3-run sweep with the basic launcher: two train, one fails at start-up (a bad batch size is only noticed by
     the data module, after the pre-launch check); Hydra still runs the others, then reports the failure."""
     sweep_dir = tmp_path / "sweep"
-    result = train_py("-m", *TINY_RUN, f"data.root={tiny_data}", "data.batch_size=4,2,0",
-                      f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    result = train_py(
+        "-m", *TINY_RUN, f"data.root={tiny_data}", "data.batch_size=4,2,0", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path
+    )
     assert result.returncode == 1, result.stderr[-3000:]  # Hydra's exit status for a sweep with a failed run
     statuses = [json.loads((sweep_dir / str(i) / "status.json").read_text()) for i in range(3)]
     assert [s["status"] for s in statuses] == ["ok", "ok", "failed"]
     assert "data.batch_size" in statuses[2]["error"] and statuses[2]["error"].startswith("PixditError")
     assert (sweep_dir / "1" / ".hydra" / "config.yaml").is_file()  # each run keeps its config
 
-    summary = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_sweep.py"), str(sweep_dir)],
-                             capture_output=True, text=True, timeout=120)
+    summary = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "summarize_sweep.py"), str(sweep_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert summary.returncode == 0, summary.stderr
     with open(sweep_dir / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -114,9 +147,18 @@ def test_launcher_configs_compose():
     from hydra.core.plugins import Plugins
 
     with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
-        slurm = compose(config_name="train", return_hydra_config=True, overrides=[
-            "hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2",
-            "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gpu"])
+        slurm = compose(
+            config_name="train",
+            return_hydra_config=True,
+            overrides=[
+                "hydra/launcher=slurm",
+                "trainer=ddp",
+                "trainer.devices=4",
+                "trainer.num_nodes=2",
+                "hydra.launcher.gpus_per_node=4",
+                "hydra.launcher.partition=gpu",
+            ],
+        )
         local = compose(config_name="train", return_hydra_config=True, overrides=["hydra/launcher=local_gpus"])
     # Instantiate the SLURM launcher as Hydra does and look at what it will pass to sbatch.
     launcher = Plugins.instance()._instantiate(slurm.hydra.launcher)
@@ -130,18 +172,23 @@ def test_launcher_configs_compose():
     assert type(Plugins.instance()._instantiate(local.hydra.launcher)).__name__ == "LocalGPUPoolLauncher"
 
 
-@pytest.mark.parametrize("overrides, problem", [
-    ([], None),                                                              # basic launcher, one device
-    (["trainer=ddp"], "basic launcher runs every run as one process"),        # Lightning would re-run `train.py -m`
-    (["hydra/launcher=local_gpus"], None),
-    (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2", "trainer=ddp", "trainer.devices=2"], None),
-    (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2"], "gpus_per_job=2"),
-    (["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "hydra.launcher.gpus_per_node=4"], None),
-    (["hydra/launcher=slurm", "trainer=ddp", "hydra.launcher.gpus_per_node=4"], None),   # devices=auto: all 4
-    (["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=2", "hydra.launcher.gpus_per_node=4"],
-     "tasks_per_node=4"),
-    (["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "hydra.launcher.nodes=1"], "nodes=1"),
-])
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        ([], None),  # basic launcher, one device
+        (["trainer=ddp"], "basic launcher runs every run as one process"),  # Lightning would re-run `train.py -m`
+        (["hydra/launcher=local_gpus"], None),
+        (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2", "trainer=ddp", "trainer.devices=2"], None),
+        (["hydra/launcher=local_gpus", "hydra.launcher.gpus_per_job=2"], "gpus_per_job=2"),
+        (["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "hydra.launcher.gpus_per_node=4"], None),
+        (["hydra/launcher=slurm", "trainer=ddp", "hydra.launcher.gpus_per_node=4"], None),  # devices=auto: all 4
+        (
+            ["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=2", "hydra.launcher.gpus_per_node=4"],
+            "tasks_per_node=4",
+        ),
+        (["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "hydra.launcher.nodes=1"], "nodes=1"),
+    ],
+)
 def test_launch_layout(overrides, problem):
     """Every process of a multi-GPU run must be started by the launcher (see pixdit.sweep.check_launch_layout)."""
     with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
@@ -166,9 +213,17 @@ def test_local_gpu_pool_runs_one_job_per_gpu(tmp_path, tiny_data):
     CUDA_VISIBLE_DEVICES; the failing run is recorded and the other one still finishes. (This machine has no GPU:
     the runs use trainer=cpu, the GPU ids only travel through the environment.)"""
     sweep_dir = tmp_path / "sweep"
-    result = train_py("-m", *TINY_RUN, f"data.root={tiny_data}", "data.batch_size=4,0", "hydra/launcher=local_gpus",
-                      "hydra.launcher.gpus=[0,1]", "hydra.launcher.poll_s=0.2", f"hydra.sweep.dir={sweep_dir}",
-                      cwd=tmp_path)
+    result = train_py(
+        "-m",
+        *TINY_RUN,
+        f"data.root={tiny_data}",
+        "data.batch_size=4,0",
+        "hydra/launcher=local_gpus",
+        "hydra.launcher.gpus=[0,1]",
+        "hydra.launcher.poll_s=0.2",
+        f"hydra.sweep.dir={sweep_dir}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     statuses = [json.loads((sweep_dir / str(i) / "status.json").read_text()) for i in range(2)]
     assert [s["status"] for s in statuses] == ["ok", "failed"]
@@ -215,6 +270,7 @@ def test_a_key_nothing_reads_is_an_invalid_run():
     """`+foo=1` was accepted silently (nothing reads it); the pre-launch check reports it like pixdit-train does."""
     base = ["model=dit_t", "data.resolution=32"]
     with initialize_config_module(config_module="pixdit.configs", version_base="1.3"):
-        invalid = find_invalid_runs([["+foo=1"], ["seed=1"]], lambda job: compose(config_name="train",
-                                                                                 overrides=base + job))
+        invalid = find_invalid_runs(
+            [["+foo=1"], ["seed=1"]], lambda job: compose(config_name="train", overrides=base + job)
+        )
     assert [job for job, _ in invalid] == [["+foo=1"]] and "unknown config key(s) foo" in invalid[0][1]

@@ -57,8 +57,10 @@ def test_zorder_codes_match_bit_interleaving(n):
     assert perm.tolist() == expected  # power-of-two square: the code *is* the sequence position
 
 
-@pytest.mark.parametrize("height,width,tile", [(16, 16, 4), (64, 64, 4), (64, 64, 16), (48, 80, 4), (32, 16, 4),
-                                               (32, 64, 8), (12, 20, 4), (48, 80, 16)])
+@pytest.mark.parametrize(
+    "height,width,tile",
+    [(16, 16, 4), (64, 64, 4), (64, 64, 16), (48, 80, 4), (32, 16, 4), (32, 64, 8), (12, 20, 4), (48, 80, 16)],
+)
 def test_aligned_runs_are_square_patches(height, width, tile):
     """Every aligned run of tile*tile tokens is one tile x tile pixel patch, on square and other grids."""
     if height % tile or width % tile:
@@ -66,7 +68,7 @@ def test_aligned_runs_are_square_patches(height, width, tile):
     rows, cols = token_coordinates("zorder", height, width)
     run = tile * tile
     for start in range(0, height * width, run):
-        r, c = rows[start:start + run], cols[start:start + run]
+        r, c = rows[start : start + run], cols[start : start + run]
         r0, c0 = int(r.min()), int(c.min())
         assert r0 % tile == 0 and c0 % tile == 0
         assert int(r.max()) == r0 + tile - 1 and int(c.max()) == c0 + tile - 1

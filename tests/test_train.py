@@ -9,8 +9,8 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,16 +28,35 @@ def h(train_helpers):
 def test_quickstart_smoke_writes_checkpoint_samples_and_metrics(h, tiny_shards, tmp_path):
     from pixdit.cli import train
 
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4),
-                     *h.tiny_model, "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=2",
-                     "trainer.log_every_n_steps=1", "callbacks.checkpoint.every_n_train_steps=2",
-                     "callbacks.samples.every_n_train_steps=2", "callbacks.samples.num_samples=4", "callbacks.samples.steps=2",
-                     "callbacks.throughput.window=2", "logger=[csv,tensorboard]"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=4),
+            *h.tiny_model,
+            "model.patch_size=2",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "trainer.log_every_n_steps=1",
+            "callbacks.checkpoint.every_n_train_steps=2",
+            "callbacks.samples.every_n_train_steps=2",
+            "callbacks.samples.num_samples=4",
+            "callbacks.samples.steps=2",
+            "callbacks.throughput.window=2",
+            "logger=[csv,tensorboard]",
+        ]
+    )
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 4
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "last.ema.pt", "step=2.ckpt", "step=2.ema.pt", "step=4.ckpt",
-                           "step=4.ema.pt"], checkpoints
+    assert checkpoints == [
+        "last.ckpt",
+        "last.ema.pt",
+        "step=2.ckpt",
+        "step=2.ema.pt",
+        "step=4.ckpt",
+        "step=4.ema.pt",
+    ], checkpoints
     samples = sorted(p.name for p in (tmp_path / "samples").iterdir())
     assert samples == ["step_0000002.png", "step_0000004.png"], samples
     grid = Image.open(tmp_path / "samples" / "step_0000004.png")
@@ -86,32 +105,41 @@ def test_renamed_callback_key_names_the_new_one(capsys, tmp_path, name):
 
     err = _fail_message(capsys, ["experiment=quickstart", f"callbacks.{name}.every_n_steps=100"])
     assert f"callbacks.{name}.every_n_steps was renamed: use callbacks.{name}.every_n_train_steps" in err
-    with pytest.raises(PixditError, match=rf"callbacks.{name}.every_n_steps was renamed: use "
-                                          rf"callbacks.{name}.every_n_train_steps"):
+    with pytest.raises(
+        PixditError,
+        match=rf"callbacks.{name}.every_n_steps was renamed: use "
+        rf"callbacks.{name}.every_n_train_steps",
+    ):
         build_callbacks({name: {"every_n_steps": 100}}, tmp_path)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["+trainer.max_stepz=3"], r"max_stepz.*trainer.*max_steps"),                 # no such Trainer argument
-    (["data.batch_size=abc"], r"data.batch_size='abc' must be int"),              # a word for a number
-    (["seed=abc"], r"seed='abc' must be a non-negative integer"),                 # one message, not a TypeError later
-    (["model.patch_size=3"], r"32x32.*patch_size=3"),                             # names both the image and the patch
-    (["ckpt_path=last"], "hydra.run.dir"),                                        # nothing to resume: how to name the run
-    (["model.num_classes=10"], r"model.num_classes=10 .* no class labels"),       # unlabelled data
-    (["flow.noise_scale=auto", "+flow.noise_scal=2"], r"noise_scal.*flow"),
-    (["compile=fast"], "compile='fast'.*true, false or auto"),
-    # settings that ended in a traceback (Lightning's or AdamW's), some of them mid-run, or that ran forever
-    (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a whole number >= 1.*forever"),
-    (["trainer.max_steps=0"], r"trainer.max_steps=0 must be a whole number >= 1"),
-    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 must be a whole number >= 1"),
-    (["trainer.val_check_interval=0"], r"trainer.val_check_interval=0 must be a number of optimizer steps >= 1"),
-    (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\] must be two numbers in \[0, 1\)"),
-    (["optimizer.lr=-0.1"], r"optimizer.lr=-0.1 must be a number >= 0"),
-    (["optimizer.skip_nonfinite_steps=-1"], r"optimizer.skip_nonfinite_steps=-1 must be a whole number >= 0"),
-    (["+foo=1"], r"unknown config key\(s\) foo \(added with \+KEY=...\).*Top-level keys: attention"),
-    pytest.param(["trainer=gpu"], r"trainer.accelerator=gpu .* no CUDA GPU.*trainer=cpu",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+trainer.max_stepz=3"], r"max_stepz.*trainer.*max_steps"),  # no such Trainer argument
+        (["data.batch_size=abc"], r"data.batch_size='abc' must be int"),  # a word for a number
+        (["seed=abc"], r"seed='abc' must be a non-negative integer"),  # one message, not a TypeError later
+        (["model.patch_size=3"], r"32x32.*patch_size=3"),  # names both the image and the patch
+        (["ckpt_path=last"], "hydra.run.dir"),  # nothing to resume: how to name the run
+        (["model.num_classes=10"], r"model.num_classes=10 .* no class labels"),  # unlabelled data
+        (["flow.noise_scale=auto", "+flow.noise_scal=2"], r"noise_scal.*flow"),
+        (["compile=fast"], "compile='fast'.*true, false or auto"),
+        # settings that ended in a traceback (Lightning's or AdamW's), some of them mid-run, or that ran forever
+        (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a whole number >= 1.*forever"),
+        (["trainer.max_steps=0"], r"trainer.max_steps=0 must be a whole number >= 1"),
+        (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 must be a whole number >= 1"),
+        (["trainer.val_check_interval=0"], r"trainer.val_check_interval=0 must be a number of optimizer steps >= 1"),
+        (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\] must be two numbers in \[0, 1\)"),
+        (["optimizer.lr=-0.1"], r"optimizer.lr=-0.1 must be a number >= 0"),
+        (["optimizer.skip_nonfinite_steps=-1"], r"optimizer.skip_nonfinite_steps=-1 must be a whole number >= 0"),
+        (["+foo=1"], r"unknown config key\(s\) foo \(added with \+KEY=...\).*Top-level keys: attention"),
+        pytest.param(
+            ["trainer=gpu"],
+            r"trainer.accelerator=gpu .* no CUDA GPU.*trainer=cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU"),
+        ),
+    ],
+)
 def test_bad_setting_is_one_named_error(h, tiny_shards, tmp_path, overrides, message):
     """train() turns a bad setting into a PixditError naming the key and what is allowed (train.py prints it)."""
     from pixdit.cli import train
@@ -121,13 +149,16 @@ def test_bad_setting_is_one_named_error(h, tiny_shards, tmp_path, overrides, mes
         train.train(cfg, tmp_path / "run")
 
 
-@pytest.mark.parametrize("section, options, message", [
-    ("optimizer", {"lr": "abc"}, r"optimizer.lr='abc' must be float"),
-    ("optimizer", {"warmup_stepz": 3}, r"warmup_stepz.*optimizer.*warmup_steps"),
-    ("validation", {"seed": "abc"}, r"validation.seed='abc' must be int"),
-    ("validation", {"sead": 1}, r"sead.*validation.*seed"),
-    ("seed", "abc", r"seed='abc' must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "section, options, message",
+    [
+        ("optimizer", {"lr": "abc"}, r"optimizer.lr='abc' must be float"),
+        ("optimizer", {"warmup_stepz": 3}, r"warmup_stepz.*optimizer.*warmup_steps"),
+        ("validation", {"seed": "abc"}, r"validation.seed='abc' must be int"),
+        ("validation", {"sead": 1}, r"sead.*validation.*seed"),
+        ("seed", "abc", r"seed='abc' must be a non-negative integer"),
+    ],
+)
 def test_module_sections_name_bad_values(h, section, options, message):
     """A word for a number in the optimizer / validation sections or the seed is a clear error when the module is
     built, not a TypeError from AdamW at the first step."""
@@ -140,9 +171,14 @@ def test_module_sections_name_bad_values(h, section, options, message):
 def test_research_command_without_data_is_one_clear_message(h, tmp_path):
     """The README's research command on a machine without FFHQ shards: the path and the prepare command, exit 2."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    result = subprocess.run([sys.executable, str(h.root / "train.py"), "experiment=ffhq256_llsa",
-                             f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(h.root / "train.py"), "experiment=ffhq256_llsa", f"hydra.run.dir={tmp_path}/run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "data/ffhq256" in result.stderr and "prepare_data.py" in result.stderr
@@ -156,22 +192,48 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
     from pixdit.data.quickstart import make_quickstart_dataset
     from pixdit.module import DiffusionModule
 
-    low = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards),
-                          "trainer.max_steps=2", "callbacks.samples=null"])
+    low = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_model,
+            *h.tiny_data(tiny_shards),
+            "trainer.max_steps=2",
+            "callbacks.samples=null",
+        ]
+    )
     train.train(low, tmp_path / "low")
     checkpoint_path = tmp_path / "low" / "checkpoints" / "last.ckpt"
     state = torch.load(checkpoint_path, weights_only=False)["state_dict"]
 
-    module = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
-                                    "token_order": "zorder", "patch_size": 2}, image_size=16)
+    module = DiffusionModule(
+        model={
+            "name": "DiT-T",
+            "hidden_size": 32,
+            "depth": 1,
+            "num_heads": 2,
+            "token_order": "zorder",
+            "patch_size": 2,
+        },
+        image_size=16,
+    )
     message = module.init_from(checkpoint_path)
     assert "EMA" in message and "start fresh" in message and "last.ema.pt" in message
     for name, value in module.model.state_dict().items():
         if f"ema.model.{name}" in state:
             assert torch.equal(value, state[f"ema.model.{name}"]), name
     (tmp_path / "low" / "checkpoints" / "last.ema.pt").rename(tmp_path / "artifact.pt")  # a run from before
-    from_checkpoint = DiffusionModule(model={"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2,
-                                             "token_order": "zorder", "patch_size": 2}, image_size=16)
+    from_checkpoint = DiffusionModule(
+        model={
+            "name": "DiT-T",
+            "hidden_size": 32,
+            "depth": 1,
+            "num_heads": 2,
+            "token_order": "zorder",
+            "patch_size": 2,
+        },
+        image_size=16,
+    )
     assert "EMA weight tensors from " + str(checkpoint_path) in from_checkpoint.init_from(checkpoint_path)
     for name, value in from_checkpoint.model.state_dict().items():
         assert torch.equal(value, module.model.state_dict()[name]), name
@@ -180,14 +242,25 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
 
     other = tmp_path / "other_data"
     make_quickstart_dataset(other, train_count=4, val_count=2, resolution=16, maxcount=4, seed=1)
-    high = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(other),
-                           "model.token_order=zorder", "trainer.fast_dev_run=1", "callbacks.samples=null",
-                           f"init_from={checkpoint_path}"])
+    high = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_model,
+            *h.tiny_data(other),
+            "model.token_order=zorder",
+            "trainer.fast_dev_run=1",
+            "callbacks.samples=null",
+            f"init_from={checkpoint_path}",
+        ]
+    )
     with caplog.at_level("INFO", logger="pixdit"):
         train.train(high, tmp_path / "high")
     assert any("init_from: loaded" in r.getMessage() for r in caplog.records)
 
-    wrong = DiffusionModule(model={"name": "DiT-T", "hidden_size": 64, "depth": 1, "num_heads": 2, "patch_size": 2}, image_size=16)
+    wrong = DiffusionModule(
+        model={"name": "DiT-T", "hidden_size": 64, "depth": 1, "num_heads": 2, "patch_size": 2}, image_size=16
+    )
     with pytest.raises(PixditError, match="does not fit this model"):
         wrong.init_from(checkpoint_path)
 
@@ -195,14 +268,22 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
 def test_fid_callback_is_wired_and_checked_at_start(h, tiny_shards, tmp_path):
     """callbacks.fid (configs/callbacks/fid.yaml) is off by default; switched on, its start-up check runs before the
     first step (no Inception weights or reference statistics here -> a PixditError naming the config key)."""
-    from pixdit.cli import train
     from pixdit.callbacks import build_callbacks
+    from pixdit.cli import train
 
     cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards)])
     assert "FIDCallback" not in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards),
-                          "callbacks.fid.at_end=true", f"callbacks.fid.cache_dir={tmp_path}/none",
-                          f"callbacks.fid.inception_path={tmp_path}/none/inception.pt"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_model,
+            *h.tiny_data(tiny_shards),
+            "callbacks.fid.at_end=true",
+            f"callbacks.fid.cache_dir={tmp_path}/none",
+            f"callbacks.fid.inception_path={tmp_path}/none/inception.pt",
+        ]
+    )
     assert "FIDCallback" in {type(c).__name__ for c in build_callbacks(cfg.callbacks, tmp_path)}
     with pytest.raises(PixditError, match="callbacks.fid"):
         train.train(cfg, tmp_path / "run")
@@ -223,10 +304,16 @@ def test_validation_loss_is_fixed_across_batch_sizes(h, tiny_shards):
         torch.manual_seed(0)  # same initial weights every time
         module = DiffusionModule(model=model, image_size=32, validation={"seed": seed})
         torch.manual_seed(1234 + val_batch_size)  # global RNG state must not matter
-        data = ShardDataModule(root=str(tiny_shards), batch_size=2, val_batch_size=val_batch_size, num_workers=0,
-                               val_images=8)
-        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False)
+        data = ShardDataModule(
+            root=str(tiny_shards), batch_size=2, val_batch_size=val_batch_size, num_workers=0, val_images=8
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
         return trainer.validate(module, datamodule=data, verbose=False)[0]
 
     a, b, c = val_loss(2), val_loss(8), val_loss(3)
@@ -240,8 +327,9 @@ def test_lr_warmup_is_linear_then_constant(warmup_steps):
     """optimizer.warmup_steps=W: lr * (step + 1) / W for the first W optimizer steps, then lr (LinearLR)."""
     from pixdit.module import DiffusionModule
 
-    module = DiffusionModule(model={"name": "DiT-T", "depth": 1}, image_size=8,
-                             optimizer={"lr": 1e-3, "warmup_steps": warmup_steps})
+    module = DiffusionModule(
+        model={"name": "DiT-T", "depth": 1}, image_size=8, optimizer={"lr": 1e-3, "warmup_steps": warmup_steps}
+    )
     optimizers = module.configure_optimizers()
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     rates = []
@@ -261,8 +349,20 @@ def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
 
     bench = runpy.run_path(str(h.root / "scripts" / "bench_train.py"))
     out_dir = tmp_path / "bench"
-    bench["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa", "llsa:num_levels=3", "--profile",
-                   "--out", str(out_dir)])
+    bench["main"](
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--attention",
+            "full",
+            "llsa",
+            "llsa:num_levels=3",
+            "--profile",
+            "--out",
+            str(out_dir),
+        ]
+    )
     out = capsys.readouterr().out
     assert "| model | params M | grad ckpt | size | tokens/img | tokens/step | batch | variant |" in out
     assert "| peak GB | est. GB | MFU % | speed-up | note |" in out
@@ -296,7 +396,7 @@ def load_bench_train(h, monkeypatch):
 
     spec = importlib.util.spec_from_file_location("bench_train", h.root / "scripts" / "bench_train.py")
     bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_train", bench)   # its dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, "bench_train", bench)  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     return bench
 
@@ -310,10 +410,12 @@ def test_bench_train_flops_count_the_attended_tokens(h, monkeypatch):
     bench = load_bench_train(h, monkeypatch)
     n, d = 64 * 64, 64
     for attention, keys in (({"name": "full"}, n), ({"name": "llsa", "num_levels": 2, "topk": 8}, 272)):
-        model = build_model("DiT-T", input_size=64, depth=2, hidden_size=d, num_heads=2, num_classes=10,
-                            attention=attention)
-        per_token = sum(p.numel() for block in model.blocks for part in (block.attn, block.mlp)
-                        for p in part.parameters())
+        model = build_model(
+            "DiT-T", input_size=64, depth=2, hidden_size=d, num_heads=2, num_classes=10, attention=attention
+        )
+        per_token = sum(
+            p.numel() for block in model.blocks for part in (block.attn, block.mlp) for p in part.parameters()
+        )
         per_token += sum(p.numel() for p in [*model.x_embedder.parameters(), *model.final_layer.linear.parameters()])
         expected = 6 * per_token * n + 2 * 12 * n * keys * d
         assert bench.training_flops_per_image(model, n) == expected
@@ -333,17 +435,37 @@ def test_bench_train_table_mode_and_the_largest_batch_that_fits(h, capsys, tmp_p
         return measure(args, side, batch, config, label, warmup, steps)
 
     monkeypatch.setattr(bench, "measure", out_of_memory_above_2)
-    bench.main(["--device", "cpu", "--quick", "--models", "DiT-S", "DiT-B", "--attention", "full",
-                "--grad-checkpointing", "true", "mlp", "--sizes", "16", "--out", str(tmp_path)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--models",
+            "DiT-S",
+            "DiT-B",
+            "--attention",
+            "full",
+            "--grad-checkpointing",
+            "true",
+            "mlp",
+            "--sizes",
+            "16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = json.loads((tmp_path / "bench_train.json").read_text())["rows"]
     assert [(r["model"], r["grad_ckpt"], r["status"], r["batch"]) for r in rows] == [
-        ("DiT-S (quick)", "true", "ok", 8), ("DiT-S (quick)", "mlp", "OOM", 1),
-        ("DiT-B (quick)", "true", "ok", 2), ("DiT-B (quick)", "mlp", "OOM", 1)]
+        ("DiT-S (quick)", "true", "ok", 8),
+        ("DiT-S (quick)", "mlp", "OOM", 1),
+        ("DiT-B (quick)", "true", "ok", 2),
+        ("DiT-B (quick)", "mlp", "OOM", 1),
+    ]
     assert rows[2]["note"] == "largest batch that fits: 2 of 8 (OOM at batch 8; OOM at batch 4)"
     assert rows[1]["note"].startswith("CUDA out of memory at batch 1; OOM at batch 8; OOM at batch 4; OOM at batch 2")
     assert rows[0]["mfu_percent"] > 0 and rows[0]["est_gb"]
     with pytest.raises(SystemExit, match="model.grad_checkpointing=5 is out of range"):
-        bench.main(["--device", "cpu", "--quick", "--grad-checkpointing", "5"])   # the quick model has 2 blocks
+        bench.main(["--device", "cpu", "--quick", "--grad-checkpointing", "5"])  # the quick model has 2 blocks
 
 
 def test_loggers(h, tmp_path):
@@ -384,10 +506,21 @@ def test_vsa_annealing_follows_the_optimizer_step(h, tiny_shards, tmp_path):
     """The training loop drives VSA's dense-to-sparse schedule: the backends see global_step, and it is checkpointed."""
     from pixdit.cli import train
 
-    cfg = h.compose(["trainer=cpu", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
-                     "attention=vsa", "model.token_order=zorder", "attention.topk=1", "attention.anneal_every=1",
-                     "attention.anneal_rate=0.5", "trainer.max_steps=3", "trainer.limit_val_batches=0",
-                     "callbacks.samples.every_n_train_steps=0"])
+    cfg = h.compose(
+        [
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=2),
+            *h.tiny_model,
+            "attention=vsa",
+            "model.token_order=zorder",
+            "attention.topk=1",
+            "attention.anneal_every=1",
+            "attention.anneal_rate=0.5",
+            "trainer.max_steps=3",
+            "trainer.limit_val_batches=0",
+            "callbacks.samples.every_n_train_steps=0",
+        ]
+    )
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 3
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -401,15 +534,28 @@ def test_throughput_window_counts_optimizer_steps(h, tiny_shards, tmp_path, monk
     import itertools
     from types import SimpleNamespace
 
-    from pixdit.cli import train
     import pixdit.callbacks
+    from pixdit.cli import train
 
     clock = itertools.count()
     monkeypatch.setattr(pixdit.callbacks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
-                     "model.patch_size=2", "trainer.max_steps=4", "trainer.accumulate_grad_batches=2",
-                     "trainer.val_check_interval=100", "trainer.log_every_n_steps=2", "callbacks.throughput.window=2",
-                     "callbacks.samples=null", "callbacks.checkpoint=null", "callbacks.progress_bar=null"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=4),
+            *h.tiny_model,
+            "model.patch_size=2",
+            "trainer.max_steps=4",
+            "trainer.accumulate_grad_batches=2",
+            "trainer.val_check_interval=100",
+            "trainer.log_every_n_steps=2",
+            "callbacks.throughput.window=2",
+            "callbacks.samples=null",
+            "callbacks.checkpoint=null",
+            "callbacks.progress_bar=null",
+        ]
+    )
     train.train(cfg, tmp_path)
     with open(tmp_path / "metrics.csv") as f:
         rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
@@ -422,8 +568,8 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
     import itertools
     from types import SimpleNamespace
 
-    from pixdit.cli import train
     import pixdit.callbacks
+    from pixdit.cli import train
 
     clock = itertools.count()
     monkeypatch.setattr(pixdit.callbacks, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
@@ -435,11 +581,25 @@ def test_throughput_window_excludes_sampling(h, tiny_shards, tmp_path, monkeypat
         return write(self, trainer, pl_module)
 
     monkeypatch.setattr(pixdit.callbacks.SampleGrid, "write", slow_write)
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
-                     "model.patch_size=2", "trainer.max_steps=4", "trainer.val_check_interval=100",
-                     "trainer.log_every_n_steps=2", "callbacks.throughput.window=2", "callbacks.samples.every_n_train_steps=2",
-                     "callbacks.samples.num_samples=1", "callbacks.samples.steps=1", "+callbacks.samples.at_end=false",
-                     "callbacks.checkpoint=null", "callbacks.progress_bar=null"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=4),
+            *h.tiny_model,
+            "model.patch_size=2",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=100",
+            "trainer.log_every_n_steps=2",
+            "callbacks.throughput.window=2",
+            "callbacks.samples.every_n_train_steps=2",
+            "callbacks.samples.num_samples=1",
+            "callbacks.samples.steps=1",
+            "+callbacks.samples.at_end=false",
+            "callbacks.checkpoint=null",
+            "callbacks.progress_bar=null",
+        ]
+    )
     train.train(cfg, tmp_path)
     with open(tmp_path / "metrics.csv") as f:
         rates = [float(row["perf/images_per_s"]) for row in csv.DictReader(f) if row.get("perf/images_per_s")]
@@ -451,14 +611,28 @@ def test_final_step_is_checkpointed_when_the_interval_does_not_divide_max_steps(
     training was lost, and result["checkpoint"] pointed at an older model than the one that was sampled)."""
     from pixdit.cli import train
 
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
-                     "model.patch_size=2", "trainer.max_steps=5", "trainer.val_check_interval=2",
-                     "callbacks.checkpoint.every_n_train_steps=2", "callbacks.samples=null",
-                     "callbacks.progress_bar=null"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=4),
+            *h.tiny_model,
+            "model.patch_size=2",
+            "trainer.max_steps=5",
+            "trainer.val_check_interval=2",
+            "callbacks.checkpoint.every_n_train_steps=2",
+            "callbacks.samples=null",
+            "callbacks.progress_bar=null",
+        ]
+    )
     result = train.train(cfg, tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert [c for c in checkpoints if c.endswith(".ckpt")] == ["last.ckpt", "step=2.ckpt", "step=4.ckpt",
-                                                                "step=5.ckpt"], checkpoints
+    assert [c for c in checkpoints if c.endswith(".ckpt")] == [
+        "last.ckpt",
+        "step=2.ckpt",
+        "step=4.ckpt",
+        "step=5.ckpt",
+    ], checkpoints
     assert len(checkpoints) == 8 and torch.load(tmp_path / "checkpoints" / "last.ema.pt")["global_step"] == 5
     last = torch.load(result["checkpoint"], weights_only=False)
     assert last["global_step"] == 5 and int(last["state_dict"]["ema.num_updates"]) == 5
@@ -476,9 +650,19 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
 
     results = {}
     for fused in (True, False):
-        cfg = h.compose(["trainer=cpu", "trainer.precision=bf16-mixed", f"optimizer.fused={fused}",
-                         "trainer.gradient_clip_val=1e-3", *h.tiny_data(tiny_shards, batch_size=2), *h.tiny_model,
-                         "trainer.max_steps=2", "trainer.limit_val_batches=0", "callbacks.samples.every_n_train_steps=0"])
+        cfg = h.compose(
+            [
+                "trainer=cpu",
+                "trainer.precision=bf16-mixed",
+                f"optimizer.fused={fused}",
+                "trainer.gradient_clip_val=1e-3",
+                *h.tiny_data(tiny_shards, batch_size=2),
+                *h.tiny_model,
+                "trainer.max_steps=2",
+                "trainer.limit_val_batches=0",
+                "callbacks.samples.every_n_train_steps=0",
+            ]
+        )
         out = tmp_path / f"fused_{fused}"
         assert train.train(cfg, out)["global_step"] == 2
         results[fused] = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -506,9 +690,19 @@ def test_dense_blocks_schedule_trains_and_travels_with_the_checkpoint(h, tiny_sh
     from pixdit.cli import train
     from pixdit.module import load_generator
 
-    base = ["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards), "model=dit_t", "+model.hidden_size=32",
-            "+model.depth=3", "+model.num_heads=2", "attention=llsa", "trainer.max_steps=2",
-            "trainer.limit_val_batches=0", "callbacks.samples=null"]
+    base = [
+        "experiment=quickstart",
+        "trainer=cpu",
+        *h.tiny_data(tiny_shards),
+        "model=dit_t",
+        "+model.hidden_size=32",
+        "+model.depth=3",
+        "+model.num_heads=2",
+        "attention=llsa",
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=0",
+        "callbacks.samples=null",
+    ]
     assert "dense_blocks: []" in OmegaConf.to_yaml(h.compose(base).attention)  # the default is visible
     cfg = h.compose([*base, "attention.dense_blocks=[0,2]"])
     assert list(cfg.attention.dense_blocks) == [0, 2]
@@ -529,13 +723,21 @@ def test_memory_check_before_the_first_step_and_out_of_memory_advice(h, tiny_sha
     from pixdit.cli import train
     from pixdit.module import DiffusionModule
 
-    cfg = h.compose(["experiment=quickstart", "trainer=cpu", *h.tiny_data(tiny_shards, batch_size=4), *h.tiny_model,
-                     "trainer.max_steps=2", "callbacks.samples=null"])
-    monkeypatch.setattr(pixdit.memory, "free_memory", lambda device: 1024.0)   # a device with 1 KiB free
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=cpu",
+            *h.tiny_data(tiny_shards, batch_size=4),
+            *h.tiny_model,
+            "trainer.max_steps=2",
+            "callbacks.samples=null",
+        ]
+    )
+    monkeypatch.setattr(pixdit.memory, "free_memory", lambda device: 1024.0)  # a device with 1 KiB free
     with pytest.raises(PixditError, match="does not fit") as error:
         train.train(cfg, tmp_path / "too_big")
     assert "data.batch_size=1 (now 4" in str(error.value) and "model.grad_checkpointing=true" in str(error.value)
-    assert not (tmp_path / "too_big" / "checkpoints").exists()   # refused before the first step
+    assert not (tmp_path / "too_big" / "checkpoints").exists()  # refused before the first step
 
     monkeypatch.undo()
 

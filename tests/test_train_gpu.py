@@ -19,11 +19,23 @@ def test_quickstart_on_gpu(train_helpers, tiny_shards, tmp_path, compile):
     from pixdit.cli import train
 
     h = train_helpers
-    cfg = h.compose(["experiment=quickstart", "trainer=gpu", *h.tiny_model, *h.tiny_data(tiny_shards, batch_size=4),
-                     "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1",
-                     "callbacks.checkpoint.every_n_train_steps=3", "callbacks.samples.every_n_train_steps=3",
-                     "callbacks.samples.num_samples=4", "callbacks.samples.steps=2", "callbacks.throughput.window=2",
-                     f"compile={str(compile).lower()}"])
+    cfg = h.compose(
+        [
+            "experiment=quickstart",
+            "trainer=gpu",
+            *h.tiny_model,
+            *h.tiny_data(tiny_shards, batch_size=4),
+            "trainer.max_steps=6",
+            "trainer.val_check_interval=3",
+            "trainer.log_every_n_steps=1",
+            "callbacks.checkpoint.every_n_train_steps=3",
+            "callbacks.samples.every_n_train_steps=3",
+            "callbacks.samples.num_samples=4",
+            "callbacks.samples.steps=2",
+            "callbacks.throughput.window=2",
+            f"compile={str(compile).lower()}",
+        ]
+    )
     result = train.train(cfg, tmp_path)
     assert result["global_step"] == 6 and result["samples"] and result["checkpoint"]
     checkpoint = torch.load(result["checkpoint"], weights_only=True, map_location="cpu")

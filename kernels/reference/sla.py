@@ -39,7 +39,7 @@ def reference_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def _block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     block = torch.arange(x.shape[2], device=x.device) // block_size
-    membership = F.one_hot(block).to(x.dtype)                     # [N, T]
+    membership = F.one_hot(block).to(x.dtype)  # [N, T]
     return (membership.t() @ x) / membership.sum(0)[:, None]
 
 
@@ -50,9 +50,18 @@ def sla_reference_scores(q: torch.Tensor, k: torch.Tensor, block_size: int) -> t
     return _block_mean(q, block_size) @ _block_mean(k_smooth, block_size).transpose(-1, -2)
 
 
-def sla_reference(q, k, v, block_size: int, topk: int, linear_scope: str = "noncritical",
-                  feature_map: str = "softmax", num_negligible: int = 0, scale: float | None = None,
-                  crit_idx=None):
+def sla_reference(
+    q,
+    k,
+    v,
+    block_size: int,
+    topk: int,
+    linear_scope: str = "noncritical",
+    feature_map: str = "softmax",
+    num_negligible: int = 0,
+    scale: float | None = None,
+    crit_idx=None,
+):
     """Returns ``(o_sparse, o_linear)`` in fp32, both differentiable in q, k, v (o_linear also through phi).
 
     ``topk`` critical key blocks per query block (clamped to [1, T]); ``num_negligible`` blocks with the lowest
@@ -62,7 +71,7 @@ def sla_reference(q, k, v, block_size: int, topk: int, linear_scope: str = "nonc
     if linear_scope not in ("noncritical", "all", "marginal"):
         raise ValueError(f"linear_scope must be 'noncritical', 'all' or 'marginal', got {linear_scope!r}")
     b, h, n, d = q.shape
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     q, k, v = _upcast(q), _upcast(k), _upcast(v)
     block = torch.arange(n, device=q.device) // block_size
     num_blocks = int(block[-1]) + 1
@@ -70,15 +79,15 @@ def sla_reference(q, k, v, block_size: int, topk: int, linear_scope: str = "nonc
     with torch.no_grad():
         order = torch.sort(sla_reference_scores(q, k, block_size), dim=-1, descending=True, stable=True).indices
         if crit_idx is None:
-            crit_idx = order[..., :min(max(int(topk), 1), num_blocks)]
+            crit_idx = order[..., : min(max(int(topk), 1), num_blocks)]
         critical = torch.zeros(b, h, num_blocks, num_blocks, dtype=torch.bool, device=q.device)
         critical.scatter_(-1, crit_idx.long(), True)
         negligible = torch.zeros_like(critical)
         if linear_scope == "marginal" and num_negligible > 0:
-            negligible.scatter_(-1, order[..., num_blocks - num_negligible:], True)
+            negligible.scatter_(-1, order[..., num_blocks - num_negligible :], True)
             if (negligible & critical).any():
                 raise ValueError("critical and negligible blocks overlap: topk + num_negligible > number of blocks")
-        critical_tok = critical[:, :, block][:, :, :, block]       # [B, H, N, N]
+        critical_tok = critical[:, :, block][:, :, :, block]  # [B, H, N, N]
         if linear_scope == "all":
             linear_tok = torch.ones_like(critical_tok)
         else:
@@ -94,6 +103,9 @@ def sla_reference(q, k, v, block_size: int, topk: int, linear_scope: str = "nonc
         o_linear = numerator / (denominator + ALL_SCOPE_EPS)
     else:
         nonzero = denominator > 0
-        o_linear = torch.where(nonzero, numerator / torch.where(nonzero, denominator, torch.ones_like(denominator)),
-                               torch.zeros_like(numerator))
+        o_linear = torch.where(
+            nonzero,
+            numerator / torch.where(nonzero, denominator, torch.ones_like(denominator)),
+            torch.zeros_like(numerator),
+        )
     return o_sparse, o_linear

@@ -28,7 +28,7 @@ def _tile_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """Mean of ``x [B, H, N, D]`` over each tile's real tokens -> ``[B, H, T, D]`` (one-hot matmul, fp32)."""
     n = x.shape[2]
     tile = _tile_of_token(n, block_size, x.device)
-    membership = F.one_hot(tile).to(x.dtype)                      # [N, T]
+    membership = F.one_hot(tile).to(x.dtype)  # [N, T]
     return (membership.t() @ x) / membership.sum(0)[:, None]
 
 
@@ -38,8 +38,9 @@ def vsa_reference_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, scal
     return scale * _tile_mean(_upcast(q), block_size) @ _tile_mean(_upcast(k), block_size).transpose(-1, -2)
 
 
-def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float | None = None, tile_idx=None,
-                  gate_fine=None):
+def vsa_reference(
+    q, k, v, block_size: int, topk: int, gate=None, scale: float | None = None, tile_idx=None, gate_fine=None
+):
     """VSA output ``O_fine * gate_fine + gate * O_coarse`` (a gate absent -> 1), fp32, differentiable in q, k, v and
     the gates (``gate`` = G_c, ``gate_fine`` = G_f).
 
@@ -48,7 +49,7 @@ def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float |
     largest coarse scores per query tile with ties broken toward the smaller tile id (stable descending sort).
     """
     b, h, n, d = q.shape
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     q, k, v = _upcast(q), _upcast(k), _upcast(v)
     tile = _tile_of_token(n, block_size, q.device)
     num_tiles = int(tile[-1]) + 1
@@ -64,7 +65,7 @@ def vsa_reference(q, k, v, block_size: int, topk: int, gate=None, scale: float |
             tile_idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]
         tile_selected = torch.zeros(b, h, num_tiles, num_tiles, dtype=torch.bool, device=q.device)
         tile_selected.scatter_(-1, tile_idx.long(), True)
-        token_selected = tile_selected[:, :, tile][:, :, :, tile]   # [B, H, N, N]
+        token_selected = tile_selected[:, :, tile][:, :, :, tile]  # [B, H, N, N]
 
     logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~token_selected, float("-inf"))
     out_fine = torch.softmax(logits, -1) @ v

@@ -50,8 +50,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
         bad = nonfinite_tensors(checkpoint.get("state_dict") or {})
         if bad:
-            raise PixditError(f"not writing the checkpoint {path}: its weights hold NaN or inf ({', '.join(bad[:3])}"
-                              f"{', ...' if len(bad) > 3 else ''}); the checkpoints written before are kept")
+            raise PixditError(
+                f"not writing the checkpoint {path}: its weights hold NaN or inf ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}); the checkpoints written before are kept"
+            )
         artifact = ema_artifact(checkpoint)
         if artifact is not None:
             atomic_torch_save(artifact, ema_path(path))
@@ -85,16 +87,20 @@ class StepCheckpoint(ModelCheckpoint):
         preempted = trainer.received_sigterm
         if trainer.world_size > 1:  # one decision for all ranks: saving is collective
             preempted = trainer.strategy.reduce_boolean_decision(preempted, all=False)
-        if (preempted or 0 < trainer.max_steps <= trainer.global_step) and \
-                not self._should_skip_saving_checkpoint(trainer):
+        if (preempted or 0 < trainer.max_steps <= trainer.global_step) and not self._should_skip_saving_checkpoint(
+            trainer
+        ):
             self._save_step(trainer)
         if preempted:
             raise SIGTERMException()
 
     def on_exception(self, trainer: Trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
-        if isinstance(exception, SIGTERMException) and trainer.world_size == 1 and \
-                not self._should_skip_saving_checkpoint(trainer):
+        if (
+            isinstance(exception, SIGTERMException)
+            and trainer.world_size == 1
+            and not self._should_skip_saving_checkpoint(trainer)
+        ):
             self._save_step(trainer)
 
     def _save_step(self, trainer: Trainer) -> None:
@@ -108,13 +114,25 @@ class SampleGrid(Callback):
 
     renamed_options = {"every_n_steps": "every_n_train_steps"}  # Lightning's word, as callbacks.checkpoint has it
 
-    def __init__(self, dirpath: str, every_n_train_steps: int = 1000, num_samples: int = 16, steps: int = 20,
-                 seed: int = 0, cfg_scale: float = 1.0, nrow: int | None = None, at_end: bool = True,
-                 sampler: str = "euler", cfg_interval: list[float] | None = None):
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: int = 1000,
+        num_samples: int = 16,
+        steps: int = 20,
+        seed: int = 0,
+        cfg_scale: float = 1.0,
+        nrow: int | None = None,
+        at_end: bool = True,
+        sampler: str = "euler",
+        cfg_interval: list[float] | None = None,
+    ):
         if every_n_train_steps < 0 or num_samples < 1 or steps < 1:
-            raise PixditError(f"callbacks.samples: every_n_train_steps must be >= 0 (0 = only at the end), num_samples "
-                              f"and steps >= 1; got every_n_train_steps={every_n_train_steps}, "
-                              f"num_samples={num_samples}, steps={steps}")
+            raise PixditError(
+                f"callbacks.samples: every_n_train_steps must be >= 0 (0 = only at the end), num_samples "
+                f"and steps >= 1; got every_n_train_steps={every_n_train_steps}, "
+                f"num_samples={num_samples}, steps={steps}"
+            )
         self.cfg_interval = check_sampler(sampler, cfg_interval, prefix="callbacks.samples.")
         self.sampler = sampler
         self.dirpath = Path(dirpath)
@@ -123,7 +141,7 @@ class SampleGrid(Callback):
         self.steps = steps
         self.seed = seed
         self.cfg_scale = cfg_scale
-        self.nrow = nrow or max(1, int(num_samples ** 0.5))
+        self.nrow = nrow or max(1, int(num_samples**0.5))
         self.at_end = at_end
         self.last_path: Path | None = None
         self._last_step = -1
@@ -143,8 +161,14 @@ class SampleGrid(Callback):
         # Every rank must call sample_images if it ever synchronises; ours does not, so only rank 0 samples.
         if not trainer.is_global_zero:
             return None
-        images = pl_module.sample_images(self.num_samples, steps=self.steps, seed=self.seed, cfg_scale=self.cfg_scale,
-                                         sampler=self.sampler, cfg_interval=self.cfg_interval)
+        images = pl_module.sample_images(
+            self.num_samples,
+            steps=self.steps,
+            seed=self.seed,
+            cfg_scale=self.cfg_scale,
+            sampler=self.sampler,
+            cfg_interval=self.cfg_interval,
+        )
         grid = torchvision.utils.make_grid((images.float().cpu() + 1) / 2, nrow=self.nrow, padding=2)
         grid = grid.clamp(0, 1)
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -207,11 +231,17 @@ class PerfMonitor(Callback):
 # Config key (configs/callbacks/) -> callback class, in the order the callbacks run. The perf monitor first: Lightning
 # calls on_train_batch_end in list order (checkpoints always last), so a window that ends at a sampling / checkpoint
 # / FID step is measured before that work runs.
-CALLBACKS = {"throughput": PerfMonitor, "checkpoint": StepCheckpoint, "samples": SampleGrid,
-             "progress_bar": TQDMProgressBar, "fid": FIDCallback}
+CALLBACKS = {
+    "throughput": PerfMonitor,
+    "checkpoint": StepCheckpoint,
+    "samples": SampleGrid,
+    "progress_bar": TQDMProgressBar,
+    "fid": FIDCallback,
+}
 # pixdit's defaults under the configured options (Lightning's ModelCheckpoint: step=N.ckpt, keep all, and last.ckpt).
-CALLBACK_DEFAULTS = {"checkpoint": {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True,
-                                    "save_top_k": -1}}
+CALLBACK_DEFAULTS = {
+    "checkpoint": {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True, "save_top_k": -1}
+}
 
 
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
@@ -233,8 +263,11 @@ def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:
         if isinstance(options, dict):
             check_renamed(cls, options, f"callbacks.{name}")  # before `fid` is skipped: an old key is never ignored
         # FID is switched on by any non-zero every_n_train_steps or at_end; FIDCallback then checks the values.
-        if name == "fid" and isinstance(options, dict) and not (options.get("every_n_train_steps")
-                                                                or options.get("at_end")):
+        if (
+            name == "fid"
+            and isinstance(options, dict)
+            and not (options.get("every_n_train_steps") or options.get("at_end"))
+        ):
             continue
         if isinstance(options, dict):
             options = {**CALLBACK_DEFAULTS.get(name, {}), **options}

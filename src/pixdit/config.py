@@ -84,9 +84,11 @@ def check_top_level_keys(cfg) -> None:
     known = top_level_keys()
     unknown = sorted(set(cfg) - known - {"hydra"})
     if unknown:
-        raise PixditError(f"unknown config key(s) {', '.join(unknown)} (added with +KEY=...): nothing reads them. "
-                          f"Top-level keys: {', '.join(sorted(known))}; a section's own keys are listed when one is "
-                          f"unknown (e.g. +model.depth=2)")
+        raise PixditError(
+            f"unknown config key(s) {', '.join(unknown)} (added with +KEY=...): nothing reads them. "
+            f"Top-level keys: {', '.join(sorted(known))}; a section's own keys are listed when one is "
+            f"unknown (e.g. +model.depth=2)"
+        )
 
 
 def auto_precision() -> str:

@@ -46,7 +46,7 @@ class EMA(nn.Module):
 
     def decay(self, n: int) -> float:
         """Decay used by the n-th update (n >= 1)."""
-        return min(self.max_decay, 1.0 - n ** -self.power)
+        return min(self.max_decay, 1.0 - n**-self.power)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> float:
@@ -83,7 +83,7 @@ class EMA(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._count = int(self.num_updates)  # resume: the host-side count follows the loaded buffer
 
-    def train(self, mode: bool = True) -> "EMA":
+    def train(self, mode: bool = True) -> EMA:
         # The averaged model always stays in eval mode (no dropout), whatever its owner does.
         super().train(mode)
         self.model.eval()

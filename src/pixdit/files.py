@@ -69,8 +69,9 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     while no other process writes into ``directory`` (a run directory's lock, pixdit.rundir), or a write in progress
     would lose its file."""
     directory = Path(directory)
-    stale = sorted(p for p in directory.glob(".*.tmp-*") if TEMPORARY_NAME.fullmatch(p.name)) \
-        if directory.is_dir() else []
+    stale = (
+        sorted(p for p in directory.glob(".*.tmp-*") if TEMPORARY_NAME.fullmatch(p.name)) if directory.is_dir() else []
+    )
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
@@ -118,8 +119,9 @@ def exclusive_lock(path: str | os.PathLike, what: str, fix: str) -> Iterator[Non
         except OSError as error:  # a file system without locks (some network mounts): go on, unprotected
             if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
-            warnings.warn(f"{what}: cannot lock {path} ({error.strerror}); make sure no other process writes there",
-                          stacklevel=3)
+            warnings.warn(
+                f"{what}: cannot lock {path} ({error.strerror}); make sure no other process writes there", stacklevel=3
+            )
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         holder = f"pid {os.getpid()} on {socket.gethostname()} since {started} ({' '.join(sys.argv)})"
         os.ftruncate(fd, 0)

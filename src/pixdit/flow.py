@@ -67,8 +67,9 @@ class RectifiedFlow:
         shift: float | str = "auto",
     ):
         if timestep_sampling not in TIMESTEP_SAMPLINGS:
-            raise PixditError(f"timestep_sampling={timestep_sampling!r} is not known; allowed values: "
-                              f"{', '.join(TIMESTEP_SAMPLINGS)}")
+            raise PixditError(
+                f"timestep_sampling={timestep_sampling!r} is not known; allowed values: {', '.join(TIMESTEP_SAMPLINGS)}"
+            )
         self.noise_scale = self._resolve("noise_scale", noise_scale, image_size)
         self.timestep_sampling = timestep_sampling
         self.logit_normal_mean = float(logit_normal_mean)
@@ -90,8 +91,10 @@ class RectifiedFlow:
         return value
 
     def __repr__(self) -> str:
-        return (f"RectifiedFlow(noise_scale={self.noise_scale:g}, timestep_sampling={self.timestep_sampling!r}, "
-                f"shift={self.shift:g})")
+        return (
+            f"RectifiedFlow(noise_scale={self.noise_scale:g}, timestep_sampling={self.timestep_sampling!r}, "
+            f"shift={self.shift:g})"
+        )
 
     # ---------------------------------------------------------- training
     def apply_shift(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -115,8 +118,14 @@ class RectifiedFlow:
         """s eps - x0 (fp32): d x_sigma / d sigma."""
         return self.noise_scale * noise.float() - x0.float()
 
-    def loss(self, model: Callable, x0: torch.Tensor, y: torch.Tensor | None = None,
-             noise: torch.Tensor | None = None, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
+    def loss(
+        self,
+        model: Callable,
+        x0: torch.Tensor,
+        y: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        sigma: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
         """Mean squared velocity error (fp32 scalar). Pass `noise` and `sigma` for a deterministic (validation) loss."""
         if noise is None:
             noise = torch.randn_like(x0, dtype=torch.float32)
@@ -138,9 +147,17 @@ class RectifiedFlow:
         return torch.cat([sigmas, sigmas.new_zeros(1)]).float()
 
     @torch.no_grad()
-    def sample(self, model: Callable, noise: torch.Tensor, steps: int = 20, y: torch.Tensor | None = None,
-               cfg_scale: float = 1.0, clamp: bool = True, sampler: str = "euler",
-               cfg_interval: tuple[float, float] | None = None) -> torch.Tensor:
+    def sample(
+        self,
+        model: Callable,
+        noise: torch.Tensor,
+        steps: int = 20,
+        y: torch.Tensor | None = None,
+        cfg_scale: float = 1.0,
+        clamp: bool = True,
+        sampler: str = "euler",
+        cfg_interval: tuple[float, float] | None = None,
+    ) -> torch.Tensor:
         """Integrate the flow ODE from x = s * noise (per-sample noise: the caller controls the seeds) to sigma = 0.
 
         sampler: "euler" (first order) or "heun" (second order; see the module docstring).
@@ -185,12 +202,16 @@ def check_sampler(sampler: str, cfg_interval=None, prefix: str = "") -> tuple[fl
     try:
         lo, hi = (float(v) for v in cfg_interval)
     except (TypeError, ValueError):
-        raise PixditError(f"{prefix}cfg_interval={cfg_interval!r} must be null or a pair [lo, hi] of noise levels "
-                          f"sigma in [0, 1] (1 = pure noise), e.g. [0.0, 0.7]") from None
+        raise PixditError(
+            f"{prefix}cfg_interval={cfg_interval!r} must be null or a pair [lo, hi] of noise levels "
+            f"sigma in [0, 1] (1 = pure noise), e.g. [0.0, 0.7]"
+        ) from None
     if not 0.0 <= lo <= hi <= 1.0:
-        raise PixditError(f"{prefix}cfg_interval=[{lo}, {hi}] needs 0 <= lo <= hi <= 1 (sigma: 1 = pure noise, "
-                          f"0 = data)")
+        raise PixditError(
+            f"{prefix}cfg_interval=[{lo}, {hi}] needs 0 <= lo <= hi <= 1 (sigma: 1 = pure noise, 0 = data)"
+        )
     return lo, hi
+
 
 def _per_sample(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=like.device)

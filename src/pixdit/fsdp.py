@@ -52,7 +52,7 @@ def shard_model(model: nn.Module, mesh) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule):
-        return   # Lightning calls configure_model again for a later fit / validate
+        return  # Lightning calls configure_model again for a later fit / validate
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -49,9 +49,9 @@ GiB = 2**30
 KEPT = {None: (16, 26), "block": (1, 1), "mlp": (12, 18), "attn": (8, 18)}
 # Values per token that come back to life while one block recomputes that part in the backward pass.
 RECOMPUTED = {None: (0, 0), "block": (16, 26), "mlp": (4, 8), "attn": (8, 8)}
-OUTSIDE_BLOCKS = 4        # values per token outside the blocks: embedding output, final LayerNorm / modulation / input
-BACKWARD_WORKSPACE = 8    # values per token of one block's backward (gradients of its widest intermediates)
-PIXEL_TENSORS = 6         # fp32 image-shaped tensors of the loss: x0, noise, x_sigma, target, prediction, difference
+OUTSIDE_BLOCKS = 4  # values per token outside the blocks: embedding output, final LayerNorm / modulation / input
+BACKWARD_WORKSPACE = 8  # values per token of one block's backward (gradients of its widest intermediates)
+PIXEL_TENSORS = 6  # fp32 image-shaped tensors of the loss: x0, noise, x_sigma, target, prediction, difference
 FSDP_GATHERED_BLOCKS = 3  # blocks whose full fp32 weights FSDP holds at once (running, prefetched, gradients)
 STRATEGIES = ("single", "ddp", "fsdp")
 
@@ -66,8 +66,8 @@ class MemoryEstimate:
     strategy: str
     world_size: int
     grad_checkpointing: dict = field(default_factory=dict)
-    bytes_per_image: tuple[float, float] = (0.0, 0.0)   # the part that scales with the batch
-    free_bytes: float | None = None                     # the free GPU memory it was compared with (check_fits)
+    bytes_per_image: tuple[float, float] = (0.0, 0.0)  # the part that scales with the batch
+    free_bytes: float | None = None  # the free GPU memory it was compared with (check_fits)
 
     @property
     def low(self) -> float:
@@ -85,8 +85,14 @@ class MemoryEstimate:
         return f"{parts} = {gib(self.low, self.high)} GiB per GPU"
 
 
-def estimate_training_memory(model, batch_size: int, precision: str = "bf16-mixed", strategy: str = "single",
-                             world_size: int = 1, grad_checkpointing: dict | None = None) -> MemoryEstimate:
+def estimate_training_memory(
+    model,
+    batch_size: int,
+    precision: str = "bf16-mixed",
+    strategy: str = "single",
+    world_size: int = 1,
+    grad_checkpointing: dict | None = None,
+) -> MemoryEstimate:
     """Per-GPU memory of training ``model`` (a pixdit DiT) at its input size with ``batch_size`` images per GPU.
 
     ``precision``: the Trainer's (bf16-mixed, 32-true, ...); ``strategy``: single | ddp | fsdp (``world_size`` GPUs);
@@ -102,7 +108,7 @@ def estimate_training_memory(model, batch_size: int, precision: str = "bf16-mixe
     P_block = sum(parameter.numel() for parameter in model.blocks[0].parameters())
     depth, d = len(model.blocks), model.blocks[0].attn.qkv.in_features
     tokens_per_image = model.grid_size(*model.input_size)[0] * model.grid_size(*model.input_size)[1]
-    pixels_per_token = model.in_channels * model.patch_size ** 2
+    pixels_per_token = model.in_channels * model.patch_size**2
 
     shards = world_size if strategy == "fsdp" else 1
     parts = {"weights": p * P / shards, "gradients": p * P / shards, "AdamW": 2 * p * P / shards, "EMA": 4 * P}
@@ -114,7 +120,7 @@ def estimate_training_memory(model, batch_size: int, precision: str = "bf16-mixe
         parts["FSDP gathered blocks"] = FSDP_GATHERED_BLOCKS * 4 * P_block
     persistent = {name: (value, value) for name, value in parts.items()}
 
-    def per_image(bound: int) -> float:   # bound 0 = low, 1 = high
+    def per_image(bound: int) -> float:  # bound 0 = low, 1 = high
         kept = sum(KEPT[plan.get(index)][bound] for index in range(depth))
         transient = max(RECOMPUTED[plan.get(index)][bound] for index in range(depth)) + BACKWARD_WORKSPACE
         values = kept + OUTSIDE_BLOCKS + transient
@@ -134,9 +140,15 @@ def largest_batch(estimate: MemoryEstimate, free_bytes: float, bound: str = "hig
 
 def advice(model, estimate: MemoryEstimate) -> str:
     """What to turn, each with its own estimate: batch size, grad checkpointing, precision, FSDP."""
+
     def with_(**changes) -> str:
-        options = dict(batch_size=estimate.batch_size, precision=estimate.precision, strategy=estimate.strategy,
-                       world_size=estimate.world_size, grad_checkpointing=estimate.grad_checkpointing)
+        options = dict(
+            batch_size=estimate.batch_size,
+            precision=estimate.precision,
+            strategy=estimate.strategy,
+            world_size=estimate.world_size,
+            grad_checkpointing=estimate.grad_checkpointing,
+        )
         options.update(changes)
         other = estimate_training_memory(model, **options)
         return f"{other.low / GiB:.1f}-{other.high / GiB:.1f} GiB"
@@ -147,24 +159,37 @@ def advice(model, estimate: MemoryEstimate) -> str:
     lines = ["Turn one of these knobs (estimated memory per GPU after the change):"]
     if estimate.free_bytes is not None:
         fits = largest_batch(estimate, estimate.free_bytes)
-        fit_text = f"at most {fits} image(s) per GPU fit by the high estimate" if fits else \
-            "not even one image fits without another knob"
-        lines.append(f"  data.batch_size={max(1, fits)} (now {estimate.batch_size}; {fit_text}); with several GPUs "
-                     f"trainer.devices keeps the global batch; or trainer.accumulate_grad_batches")
+        fit_text = (
+            f"at most {fits} image(s) per GPU fit by the high estimate"
+            if fits
+            else "not even one image fits without another knob"
+        )
+        lines.append(
+            f"  data.batch_size={max(1, fits)} (now {estimate.batch_size}; {fit_text}); with several GPUs "
+            f"trainer.devices keeps the global batch; or trainer.accumulate_grad_batches"
+        )
     else:
-        lines.append(f"  data.batch_size={max(1, estimate.batch_size // 2)} (now {estimate.batch_size}): "
-                     f"{with_(batch_size=max(1, estimate.batch_size // 2))}")
+        lines.append(
+            f"  data.batch_size={max(1, estimate.batch_size // 2)} (now {estimate.batch_size}): "
+            f"{with_(batch_size=max(1, estimate.batch_size // 2))}"
+        )
     if len(estimate.grad_checkpointing) < depth or set(estimate.grad_checkpointing.values()) != {"block"}:
-        lines.append(f"  model.grad_checkpointing=true (recompute every block in the backward, ~1/3 more compute): "
-                     f"{with_(grad_checkpointing=grad_checkpointing_plan(True, depth))}; mlp / attention / a number "
-                     f"of blocks recompute less and save less")
+        lines.append(
+            f"  model.grad_checkpointing=true (recompute every block in the backward, ~1/3 more compute): "
+            f"{with_(grad_checkpointing=grad_checkpointing_plan(True, depth))}; mlp / attention / a number "
+            f"of blocks recompute less and save less"
+        )
     if TRAINER_PRECISIONS.get(estimate.precision, "fp32") == "fp32":
-        lines.append(f"  trainer.precision=bf16-mixed (now {estimate.precision}; halves the activations): "
-                     f"{with_(precision='bf16-mixed')}")
+        lines.append(
+            f"  trainer.precision=bf16-mixed (now {estimate.precision}; halves the activations): "
+            f"{with_(precision='bf16-mixed')}"
+        )
     if estimate.strategy != "fsdp":
         world = max(2, estimate.world_size)
-        lines.append(f"  trainer=fsdp trainer.devices={world} (shards weights, gradients and AdamW over the GPUs; "
-                     f"activations stay per GPU): {with_(strategy='fsdp', world_size=world)}")
+        lines.append(
+            f"  trainer=fsdp trainer.devices={world} (shards weights, gradients and AdamW over the GPUs; "
+            f"activations stay per GPU): {with_(strategy='fsdp', world_size=world)}"
+        )
     return "\n".join(lines)
 
 
@@ -173,8 +198,10 @@ def check_fits(model, estimate: MemoryEstimate, free_bytes: float, where: str = 
     too (False: it may not fit; the first step will tell). Records ``free_bytes`` in the estimate."""
     estimate.free_bytes = free_bytes
     if estimate.low > free_bytes:
-        raise PixditError(f"this configuration does not fit {where}: it needs an estimated {estimate.summary()}, "
-                          f"but {free_bytes / GiB:.1f} GiB are free.\n{advice(model, estimate)}")
+        raise PixditError(
+            f"this configuration does not fit {where}: it needs an estimated {estimate.summary()}, "
+            f"but {free_bytes / GiB:.1f} GiB are free.\n{advice(model, estimate)}"
+        )
     return estimate.high <= free_bytes
 
 
@@ -206,8 +233,13 @@ def check_training_memory(trainer, model, batch_size: int) -> MemoryEstimate:
     from pixdit.fsdp import FSDPStrategy
 
     world_size = trainer.num_devices * trainer.num_nodes
-    strategy = "fsdp" if isinstance(trainer.strategy, FSDPStrategy) else \
-        "ddp" if isinstance(trainer.strategy, DDPStrategy) and world_size > 1 else "single"
+    strategy = (
+        "fsdp"
+        if isinstance(trainer.strategy, FSDPStrategy)
+        else "ddp"
+        if isinstance(trainer.strategy, DDPStrategy) and world_size > 1
+        else "single"
+    )
     estimate = estimate_training_memory(model, batch_size, str(trainer.precision), strategy, world_size)
     device = trainer.strategy.root_device
     free_bytes = free_memory(device)
@@ -216,7 +248,10 @@ def check_training_memory(trainer, model, batch_size: int) -> MemoryEstimate:
     if check_fits(model, estimate, free_bytes, where=f"{device} ({free_bytes / GiB:.1f} GiB free)"):
         log.info("estimated GPU memory: %s (%.1f GiB free)", estimate.summary(), free_bytes / GiB)
     else:
-        log.warning("estimated GPU memory: %s, and %.1f GiB are free: the high estimate does not fit; if the first "
-                    "step runs out of memory, the error says which knob to turn", estimate.summary(),
-                    free_bytes / GiB)
+        log.warning(
+            "estimated GPU memory: %s, and %.1f GiB are free: the high estimate does not fit; if the first "
+            "step runs out of memory, the error says which knob to turn",
+            estimate.summary(),
+            free_bytes / GiB,
+        )
     return estimate

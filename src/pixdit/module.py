@@ -68,12 +68,19 @@ def validation_noise_and_sigma(indices: torch.Tensor, shape, seed: int) -> tuple
     return noise, sigma
 
 
-def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01,
-                  eps: float = 1e-8, warmup_steps: int = 0, fused: bool | None = None,
-                  skip_nonfinite_steps: int = 0) -> dict:
+def adamw_options(
+    lr: float = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.999),
+    weight_decay: float = 0.01,
+    eps: float = 1e-8,
+    warmup_steps: int = 0,
+    fused: bool | None = None,
+    skip_nonfinite_steps: int = 0,
+) -> dict:
     """The ``optimizer`` section: AdamW's arguments (defaults: the paper's recipe, docs/algorithms.md "Flow matching
     with noise rescaling"), the linear LR warm-up and the divergence guard's allowance. Built through ``pixdit.config.construct``, so an unknown key or a word for a
     number is a clear error; values AdamW would refuse only at the first step are refused here."""
+
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -88,8 +95,15 @@ def adamw_options(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), w
     for name, value in (("warmup_steps", warmup_steps), ("skip_nonfinite_steps", skip_nonfinite_steps)):
         if not count(value):
             raise PixditError(f"optimizer.{name}={value!r} must be a whole number >= 0")
-    return dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, warmup_steps=warmup_steps, fused=fused,
-                skip_nonfinite_steps=skip_nonfinite_steps)
+    return dict(
+        lr=lr,
+        betas=tuple(betas),
+        weight_decay=weight_decay,
+        eps=eps,
+        warmup_steps=warmup_steps,
+        fused=fused,
+        skip_nonfinite_steps=skip_nonfinite_steps,
+    )
 
 
 def validation_options(seed: int = 0) -> dict:
@@ -103,24 +117,29 @@ def check_seed(seed, name: str = "seed") -> int:
     return seed
 
 
-def build_model_and_flow(model: dict, attention: dict | None, image_size: int | tuple[int, int],
-                         flow: dict | None) -> tuple[torch.nn.Module, RectifiedFlow]:
+def build_model_and_flow(
+    model: dict, attention: dict | None, image_size: int | tuple[int, int], flow: dict | None
+) -> tuple[torch.nn.Module, RectifiedFlow]:
     """The DiT and the rectified flow of a run's ``model`` / ``attention`` / ``flow`` config sections at the data's
     image size: what DiffusionModule trains, and what ``load_generator`` rebuilds from a checkpoint for sampling."""
     image_size = (image_size, image_size) if isinstance(image_size, int) else tuple(plain(image_size))
-    return (build_model(**plain(model), attention=plain(attention) or {"name": "full"}, input_size=image_size),
-            construct(RectifiedFlow, plain(flow) or {}, "flow", image_size=image_size))
+    return (
+        build_model(**plain(model), attention=plain(attention) or {"name": "full"}, input_size=image_size),
+        construct(RectifiedFlow, plain(flow) or {}, "flow", image_size=image_size),
+    )
 
 
-def load_generator(path: str | Path, use_ema: bool = True,
-                   key: str = "ckpt") -> tuple[torch.nn.Module, RectifiedFlow, Weights]:
+def load_generator(
+    path: str | Path, use_ema: bool = True, key: str = "ckpt"
+) -> tuple[torch.nn.Module, RectifiedFlow, Weights]:
     """The model (eval mode, on the CPU) and flow of a run's checkpoint, for sampling, with the weights' origin:
     the EMA weights by default, read from the EMA artifact next to the checkpoint when there is one
     (``pixdit.checkpoint.load_weights``). pixdit-evaluate and scripts/llsa_recall.py load checkpoints here."""
     weights = load_weights(path, use_ema=use_ema, key=key)
     if weights.config is None:
-        raise PixditError(f"{key}={str(path)!r} has no model config (hyper_parameters): not a pixdit training run's "
-                          f"checkpoint")
+        raise PixditError(
+            f"{key}={str(path)!r} has no model config (hyper_parameters): not a pixdit training run's checkpoint"
+        )
     config = weights.config
     model, flow = build_model_and_flow(config["model"], config["attention"], config["image_size"], config["flow"])
     model.load_state_dict(weights.state_dict)
@@ -146,9 +165,19 @@ class DiffusionModule(L.LightningModule):
         model, attention, flow = plain(model), plain(attention) or {"name": "full"}, plain(flow) or {}
         optimizer, ema, validation = plain(optimizer) or {}, plain(ema) or {}, plain(validation) or {}
         image_size = tuple(plain(image_size)) if not isinstance(image_size, int) else (image_size, image_size)
-        self.save_hyperparameters(dict(model=model, attention=attention, image_size=image_size, flow=flow,
-                                       optimizer=optimizer, ema=ema, validation=validation, seed=seed,
-                                       compile=compile))
+        self.save_hyperparameters(
+            dict(
+                model=model,
+                attention=attention,
+                image_size=image_size,
+                flow=flow,
+                optimizer=optimizer,
+                ema=ema,
+                validation=validation,
+                seed=seed,
+                compile=compile,
+            )
+        )
         self.image_size = image_size
         self.model, self.flow = build_model_and_flow(model, attention, image_size, flow)
         self.optimizer_options = construct(adamw_options, optimizer, "optimizer")
@@ -161,7 +190,7 @@ class DiffusionModule(L.LightningModule):
             # In place (keeps parameter names, so checkpoints load into uncompiled models); the EMA copy stays eager.
             self.model.compile()
         self._val_seen = 0
-        self.validated_at_step = -1   # optimizer step of the last validation (train.py validates the final step)
+        self.validated_at_step = -1  # optimizer step of the last validation (train.py validates the final step)
         # divergence guard (on_before_optimizer_step): the micro-batch losses of the step being accumulated, and the
         # updates dropped so far in the run (checkpointed)
         self._step_losses: list[torch.Tensor] = []
@@ -211,8 +240,10 @@ class DiffusionModule(L.LightningModule):
         if self.num_classes == 0:
             return None
         if "label" not in batch:
-            raise PixditError(f"model.num_classes={self.num_classes} needs labelled data, but the batches have no "
-                              f"'label' (use a labelled dataset or model.num_classes=0)")
+            raise PixditError(
+                f"model.num_classes={self.num_classes} needs labelled data, but the batches have no "
+                f"'label' (use a labelled dataset or model.num_classes=0)"
+            )
         return batch["label"]
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -233,6 +264,8 @@ class DiffusionModule(L.LightningModule):
         scale), so only the loss is checked there."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor of per-shard partial norms; this reduces them
+            norm = norm.full_tensor()
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         losses = torch.stack(self._step_losses) if self._step_losses else torch.zeros(1, device=self.device)
         self._step_losses = []
@@ -251,8 +284,10 @@ class DiffusionModule(L.LightningModule):
         if self.nonfinite_steps_skipped < allowed:
             self.nonfinite_steps_skipped += 1
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
-            rank_zero_warn(f"step {step}: {what} of the next update is NaN or inf ({values}); the update was dropped "
-                           f"({self.nonfinite_steps_skipped} of optimizer.skip_nonfinite_steps={allowed})")
+            rank_zero_warn(
+                f"step {step}: {what} of the next update is NaN or inf ({values}); the update was dropped "
+                f"({self.nonfinite_steps_skipped} of optimizer.skip_nonfinite_steps={allowed})"
+            )
             return
         raise PixditError(self._divergence_message(step, what, values, allowed))
 
@@ -263,16 +298,23 @@ class DiffusionModule(L.LightningModule):
         if trainer.ckpt_path is not None:  # the checkpoint this run resumed from
             candidates.append((Path(trainer.ckpt_path), int(read_checkpoint(trainer.ckpt_path)["global_step"])))
         found = max((c for c in candidates if c is not None), key=lambda c: c[1], default=None)
-        kept = (f"The last good checkpoint is {found[0]} (step {found[1]}): resume from it with ckpt_path={found[0]}"
-                if found else "No checkpoint had been written yet: start again")
+        kept = (
+            f"The last good checkpoint is {found[0]} (step {found[1]}): resume from it with ckpt_path={found[0]}"
+            if found
+            else "No checkpoint had been written yet: start again"
+        )
         options = self.optimizer_options
-        fp32 = "" if str(trainer.precision) == "32-true" else f", or trainer.precision=32-true (now {trainer.precision})"
-        return (f"training diverged at step {step}: {what} of the next update is NaN or inf ({values}). The weights "
-                f"were not updated with it and no checkpoint was written after it. {kept} after changing what made "
-                f"it diverge: a smaller optimizer.lr (now {options['lr']:g}), a longer optimizer.warmup_steps (now "
-                f"{options['warmup_steps']}), gradient clipping (trainer.gradient_clip_val, now "
-                f"{trainer.gradient_clip_val}){fp32}. optimizer.skip_nonfinite_steps=N drops up to N such updates "
-                f"instead of stopping (now {allowed}).")
+        fp32 = (
+            "" if str(trainer.precision) == "32-true" else f", or trainer.precision=32-true (now {trainer.precision})"
+        )
+        return (
+            f"training diverged at step {step}: {what} of the next update is NaN or inf ({values}). The weights "
+            f"were not updated with it and no checkpoint was written after it. {kept} after changing what made "
+            f"it diverge: a smaller optimizer.lr (now {options['lr']:g}), a longer optimizer.warmup_steps (now "
+            f"{options['warmup_steps']}), gradient clipping (trainer.gradient_clip_val, now "
+            f"{trainer.gradient_clip_val}){fp32}. optimizer.skip_nonfinite_steps=N drops up to N such updates "
+            f"instead of stopping (now {allowed})."
+        )
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -283,37 +325,47 @@ class DiffusionModule(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
-            self.log("train/ema_decay", self.ema.decay(max(1, self.ema.update_count)), on_step=True,
-                     on_epoch=False)
+            self.log("train/ema_decay", self.ema.decay(max(1, self.ema.update_count)), on_step=True, on_epoch=False)
             skipped = getattr(self.trainer.datamodule, "skipped_samples", None)
             if skipped is not None:  # unreadable images left out so far (ShardDataModule), summed over the ranks
-                self.log("data/skipped_images", float(skipped), on_step=True, on_epoch=False, reduce_fx="sum",
-                         sync_dist=True)
+                self.log(
+                    "data/skipped_images", float(skipped), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True
+                )
 
     def configure_optimizers(self):
         options = dict(self.optimizer_options)
         warmup_steps = int(options.pop("warmup_steps"))
         fused = options.pop("fused")
-        if fused is None:   # fp16-mixed's GradScaler must unscale before clipping: only the unfused AdamW allows it
+        if fused is None:  # fp16-mixed's GradScaler must unscale before clipping: only the unfused AdamW allows it
             fused = self.device.type == "cuda" and not self._has_grad_scaler()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=options["lr"], betas=tuple(options["betas"]),
-                                      weight_decay=options["weight_decay"], eps=options["eps"], fused=fused)
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=options["lr"],
+            betas=tuple(options["betas"]),
+            weight_decay=options["weight_decay"],
+            eps=options["eps"],
+            fused=fused,
+        )
         # Linear warm-up: lr * (step + 1) / warmup_steps for steps 0 .. warmup_steps - 1, then lr (constant).
-        scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / max(1, warmup_steps),
-                                                      total_iters=max(0, warmup_steps - 1))
+        scheduler = torch.optim.lr_scheduler.LinearLR(
+            optimizer, start_factor=1 / max(1, warmup_steps), total_iters=max(0, warmup_steps - 1)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _has_grad_scaler(self) -> bool:
-        trainer = self._trainer   # None when the module is used outside a Trainer
+        trainer = self._trainer  # None when the module is used outside a Trainer
         return trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's AMP plugin refuses to clip for an optimizer that unscales its own gradients (fused AdamW),
         # because under fp16 the gradients would still carry the GradScaler's factor. bf16 autocast has no scaler:
         # the gradients are true ones, so clip them here with the same rule the Trainer would apply.
-        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False) \
-                and not self._has_grad_scaler():
+        if (
+            gradient_clip_val
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and not self._has_grad_scaler()
+        ):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
@@ -347,8 +399,16 @@ class DiffusionModule(L.LightningModule):
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def sample_images(self, num_samples: int, steps: int = 20, seed: int = 0, cfg_scale: float = 1.0,
-                      use_ema: bool = True, sampler: str = "euler", cfg_interval=None) -> torch.Tensor:
+    def sample_images(
+        self,
+        num_samples: int,
+        steps: int = 20,
+        seed: int = 0,
+        cfg_scale: float = 1.0,
+        use_ema: bool = True,
+        sampler: str = "euler",
+        cfg_interval=None,
+    ) -> torch.Tensor:
         """Images in [-1, 1] from fixed noise (seed), with the EMA model by default; labels 0, 1, 2, ... if
         class-conditional. sampler / cfg_interval: see RectifiedFlow.sample."""
         h, w = self.image_size
@@ -357,11 +417,13 @@ class DiffusionModule(L.LightningModule):
         model = self.ema.model if use_ema else self.model
         was_training = model.training
         model.eval()
-        autocast = self.trainer.precision_plugin.forward_context() if self._trainer is not None \
-            else contextlib.nullcontext()
+        autocast = (
+            self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+        )
         with autocast:
-            images = self.flow.sample(model, noise, steps, y=y, cfg_scale=cfg_scale, sampler=sampler,
-                                      cfg_interval=cfg_interval)
+            images = self.flow.sample(
+                model, noise, steps, y=y, cfg_scale=cfg_scale, sampler=sampler, cfg_interval=cfg_interval
+            )
         model.train(was_training)
         return images.float()
 
@@ -401,16 +463,22 @@ class DiffusionModule(L.LightningModule):
         loaded = load_weights(path, use_ema=use_ema, key="init_from")
         path, weights = loaded.path, loaded.state_dict
         own = self.model.state_dict()
-        wrong = [f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(own[k].shape)} here"
-                 for k, v in weights.items() if k in own and own[k].shape != v.shape]
+        wrong = [
+            f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(own[k].shape)} here"
+            for k, v in weights.items()
+            if k in own and own[k].shape != v.shape
+        ]
         if wrong:
-            raise PixditError(f"init_from={str(path)!r} does not fit this model (different architecture?): "
-                              + "; ".join(wrong[:5]))
+            raise PixditError(
+                f"init_from={str(path)!r} does not fit this model (different architecture?): " + "; ".join(wrong[:5])
+            )
         result = self.model.load_state_dict(weights, strict=False)
         self.ema.reset(self.model)
         source = "EMA" if loaded.source == "ema" else "raw"
-        message = (f"init_from: loaded {len(weights) - len(result.unexpected_keys)} {source} weight tensors from {path}; "
-                   f"optimizer, LR schedule, EMA and step count start fresh")
+        message = (
+            f"init_from: loaded {len(weights) - len(result.unexpected_keys)} {source} weight tensors from {path}; "
+            f"optimizer, LR schedule, EMA and step count start fresh"
+        )
         if result.missing_keys:
             message += f"; newly initialised (not in the checkpoint): {result.missing_keys}"
         if result.unexpected_keys:

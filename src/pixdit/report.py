@@ -6,8 +6,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
-                   cell: Callable[[str, Any], str] = lambda column, value: str(value)) -> str:
+def markdown_table(
+    rows: Sequence[dict],
+    columns: Sequence[str] | None = None,
+    cell: Callable[[str, Any], str] = lambda column, value: str(value),
+) -> str:
     """One table row per dict; ``columns`` default to the first row's keys; ``cell(column, value)`` formats a cell
     (missing values are passed as "")."""
     columns = list(columns if columns is not None else rows[0])
@@ -33,8 +36,7 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(repeats)]
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
         for start, end in events:
             start.record()
             fn()

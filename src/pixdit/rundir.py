@@ -6,9 +6,10 @@
     - takes the directory's lock (``pixdit.files.exclusive_lock`` on ``<run dir>/.pixdit.lock``, held until the run
       ends; the kernel drops it if the process dies): a second pixdit-train into the same directory stops with one
       message naming the first (pid, host, start time, command);
-    - refuses a fresh run (no ``ckpt_path``) into a directory that holds an earlier run's results, naming the two ways
-      out (``ckpt_path=last`` to resume that run, another ``hydra.run.dir``), unless ``overwrite=true``, which deletes
-      those results first (only what a run writes: checkpoints/, samples/, metrics.csv, ...; nothing else).
+    - refuses a fresh run (no ``ckpt_path``, or ``auto`` where there is no checkpoint) into a directory that holds
+      an earlier run's results, naming the two ways out (``ckpt_path=last`` to resume that run, another
+      ``hydra.run.dir``), unless ``overwrite=true``, which deletes those results first (only what a run writes:
+      checkpoints/, samples/, metrics.csv, ...; nothing else).
   Only the first process of a job does this (``pixdit.runtime.is_rank_zero``): the other ranks of a multi-GPU run
   write into the directory the first one holds.
 * ``write_status(run_dir, status, ...)``: ``<run dir>/status.json`` = {"status": "ok" | "failed" | "preempted" |
@@ -37,8 +38,25 @@ LOCK_NAME = ".pixdit.lock"
 STATUS_NAME = "status.json"
 # What a run writes into its directory besides Hydra's .hydra/ and job log: an earlier run's results, which a fresh
 # run would mix with its own (and overwrite=true deletes). Patterns for Path.glob.
-RESULTS = ("checkpoints", "samples", "metrics.csv", "hparams.yaml", "resumed_*", "tensorboard", "wandb", "eval",
-           STATUS_NAME)
+RESULTS = (
+    "checkpoints",
+    "samples",
+    "metrics.csv",
+    "hparams.yaml",
+    "resumed_*",
+    "tensorboard",
+    "wandb",
+    "eval",
+    STATUS_NAME,
+)
+
+
+def is_fresh_run(ckpt_path: str | None, run_dir: str | Path) -> bool:
+    """Whether a run with this ``ckpt_path`` starts from scratch in ``run_dir``: no ``ckpt_path``, or ``auto`` (resume
+    when the run directory has a checkpoint: what a requeued job passes) in a directory without one."""
+    if ckpt_path is None:
+        return True
+    return ckpt_path == "auto" and not any((Path(run_dir) / "checkpoints").glob("*.ckpt"))
 
 
 def earlier_results(run_dir: str | Path) -> list[Path]:
@@ -52,23 +70,31 @@ def earlier_results(run_dir: str | Path) -> list[Path]:
     return found
 
 
-def claim_run_directory(run_dir: str | Path, fresh: bool, overwrite: bool = False,
-                        setting: str = "hydra.run.dir") -> contextlib.ExitStack:
+def claim_run_directory(
+    run_dir: str | Path, fresh: bool, overwrite: bool = False, setting: str = "hydra.run.dir"
+) -> contextlib.ExitStack:
     """Lock ``run_dir`` for this process and, for a ``fresh`` run (not a resume), check that no earlier run's results
     are there (see the module doc; ``setting`` names the option that chose the directory). Returns the lock's
     ExitStack: closing it (or the process ending) releases the directory."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     held = contextlib.ExitStack()
-    held.enter_context(exclusive_lock(run_dir / LOCK_NAME, what=f"the run directory {run_dir}",
-                                      fix=f"wait for that run to end, or give this one another {setting}=DIR"))
+    held.enter_context(
+        exclusive_lock(
+            run_dir / LOCK_NAME,
+            what=f"the run directory {run_dir}",
+            fix=f"wait for that run to end, or give this one another {setting}=DIR",
+        )
+    )
     try:
         results = earlier_results(run_dir) if fresh else []
         if results and not overwrite:
             names = ", ".join(p.name for p in results[:6]) + (", ..." if len(results) > 6 else "")
-            raise PixditError(f"the run directory {run_dir} already holds a run ({names}). To continue that run add "
-                              f"ckpt_path=last; to start a new one use another {setting}=DIR (or leave it out for a "
-                              f"new timestamped directory); overwrite=true deletes that run's results first")
+            raise PixditError(
+                f"the run directory {run_dir} already holds a run ({names}). To continue that run add "
+                f"ckpt_path=last; to start a new one use another {setting}=DIR (or leave it out for a "
+                f"new timestamped directory); overwrite=true deletes that run's results first"
+            )
         for path in results:  # overwrite=true
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     except BaseException:
@@ -106,8 +132,12 @@ class RunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if is_rank_zero():
             # hydra.run.dir's ${now:...} is resolved once per process (cached): this is the directory Hydra will use.
-            self._claim(str(config.hydra.run.dir), fresh=OmegaConf.select(config, "ckpt_path") is None,
-                        overwrite=bool(OmegaConf.select(config, "overwrite")))
+            run_dir = str(config.hydra.run.dir)
+            self._claim(
+                run_dir,
+                fresh=is_fresh_run(OmegaConf.select(config, "ckpt_path"), run_dir),
+                overwrite=bool(OmegaConf.select(config, "overwrite")),
+            )
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._release()
@@ -119,8 +149,12 @@ class RunDirectory(Callback):
             return
         for job_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
             try:
-                claim_run_directory(job_dir, fresh=True, overwrite=bool(OmegaConf.select(config, "overwrite")),
-                                    setting="hydra.sweep.dir").close()
+                claim_run_directory(
+                    job_dir,
+                    fresh=True,
+                    overwrite=bool(OmegaConf.select(config, "overwrite")),
+                    setting="hydra.sweep.dir",
+                ).close()
             except PixditError as error:
                 self._fail(str(error))
 

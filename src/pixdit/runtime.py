@@ -56,12 +56,22 @@ def is_rank_zero() -> bool:
 # ----------------------------------------------------------------------------------------------- precision
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # name -> autocast dtype (None: off)
 # Lightning's Trainer(precision=...) -> the name above.
-TRAINER_PRECISIONS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16", "16-mixed": "fp16",
-                      "16-true": "fp16", "16": "fp16", "32-true": "fp32", "32": "fp32", "64-true": "fp32"}
+TRAINER_PRECISIONS = {
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "bf16": "bf16",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "16": "fp16",
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp32",
+}
 
 
-def resolve_precision(precision: str, device: torch.device | str, trainer_precision: str | None = None,
-                      key: str = "precision") -> str:
+def resolve_precision(
+    precision: str, device: torch.device | str, trainer_precision: str | None = None, key: str = "precision"
+) -> str:
     """``precision`` (config key ``key``) as one of PRECISIONS. ``auto``: the trainer's precision when there is a
     trainer, else bf16 on CUDA and fp32 elsewhere."""
     if precision == "auto":

@@ -32,14 +32,15 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
 from pixdit.errors import PixditError
 from pixdit.runtime import is_rank_zero
 
@@ -108,22 +109,31 @@ def check_launch_layout(cfg: DictConfig) -> None:
     if launcher.endswith(".LocalGPUPoolLauncher"):
         per_job = int(cfg.hydra.launcher.gpus_per_job)
         if (devices != per_job and not (devices == "auto" and per_job == 1)) or num_nodes != 1:
-            raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} but hydra/launcher=local_gpus "
-                              f"starts gpus_per_job={per_job} processes on this machine: set trainer.devices to "
-                              f"the same number (and trainer.num_nodes=1)")
+            raise PixditError(
+                f"trainer.devices={devices}, trainer.num_nodes={num_nodes} but hydra/launcher=local_gpus "
+                f"starts gpus_per_job={per_job} processes on this machine: set trainer.devices to "
+                f"the same number (and trainer.num_nodes=1)"
+            )
     elif launcher.endswith(".SlurmLauncher"):
         tasks, nodes = cfg.hydra.launcher.tasks_per_node, cfg.hydra.launcher.nodes
         if devices not in (tasks, "auto") or num_nodes != nodes:
-            raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} must match the SLURM layout "
-                              f"hydra.launcher.tasks_per_node={tasks} (= gpus_per_node), hydra.launcher.nodes={nodes}")
+            raise PixditError(
+                f"trainer.devices={devices}, trainer.num_nodes={num_nodes} must match the SLURM layout "
+                f"hydra.launcher.tasks_per_node={tasks} (= gpus_per_node), hydra.launcher.nodes={nodes}"
+            )
     elif devices != 1 or num_nodes != 1:
-        raise PixditError(f"trainer.devices={devices}, trainer.num_nodes={num_nodes} in a sweep: Hydra's basic "
-                          f"launcher runs every run as one process; use trainer.devices=1, or hydra/launcher=local_gpus "
-                          f"hydra.launcher.gpus_per_job=N, or hydra/launcher=slurm")
+        raise PixditError(
+            f"trainer.devices={devices}, trainer.num_nodes={num_nodes} in a sweep: Hydra's basic "
+            f"launcher runs every run as one process; use trainer.devices=1, or hydra/launcher=local_gpus "
+            f"hydra.launcher.gpus_per_job=N, or hydra/launcher=slurm"
+        )
 
 
-def find_invalid_runs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig],
-                      check: Callable[[DictConfig], None] = check_run_config) -> list[tuple[list[str], str]]:
+def find_invalid_runs(
+    jobs: Sequence[Sequence[str]],
+    compose: Callable[[list[str]], DictConfig],
+    check: Callable[[DictConfig], None] = check_run_config,
+) -> list[tuple[list[str], str]]:
     """``(overrides, reason)`` of every job whose config does not compose or whose check raises a user error."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -174,19 +184,28 @@ class SweepCallback(Callback):
         if not self.check_before_launch:
             return
         if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
-            log.warning("sweep check skipped: it knows Hydra's basic sweeper only, not %s", config.hydra.sweeper._target_)
+            log.warning(
+                "sweep check skipped: it knows Hydra's basic sweeper only, not %s", config.hydra.sweeper._target_
+            )
             return
         from hydra.core.global_hydra import GlobalHydra
 
         loader = GlobalHydra.instance().hydra.config_loader
         arguments = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
-        params = OmegaConf.to_container(config.hydra.sweeper.params, resolve=False) if config.hydra.sweeper.get(
-            "params") else None
+        params = (
+            OmegaConf.to_container(config.hydra.sweeper.params, resolve=False)
+            if config.hydra.sweeper.get("params")
+            else None
+        )
         jobs = expand_sweep(arguments, params, loader)
         started = time.perf_counter()
         invalid = find_invalid_runs(jobs, lambda job: loader.load_sweep_config(config, job))
-        log.info("sweep check: %d runs composed and built on the meta device in %.1f s, %d invalid", len(jobs),
-                 time.perf_counter() - started, len(invalid))
+        log.info(
+            "sweep check: %d runs composed and built on the meta device in %.1f s, %d invalid",
+            len(jobs),
+            time.perf_counter() - started,
+            len(invalid),
+        )
         if invalid:
             # One message, no traceback, exit status 2: the convention of train.py for user mistakes.
             print(f"error: {format_invalid_runs(jobs, invalid)}", file=sys.stderr)
@@ -219,7 +238,7 @@ def gpu_slots(gpus: Sequence[int], gpus_per_job: int) -> list[tuple[int, ...]]:
         return [()]
     if gpus_per_job > len(gpus):
         raise PixditError(f"hydra.launcher.gpus_per_job={gpus_per_job} but only {len(gpus)} GPUs are visible: {gpus}")
-    return [tuple(gpus[i:i + gpus_per_job]) for i in range(0, len(gpus) - gpus_per_job + 1, gpus_per_job)]
+    return [tuple(gpus[i : i + gpus_per_job]) for i in range(0, len(gpus) - gpus_per_job + 1, gpus_per_job)]
 
 
 class LocalGPUPool(LocalLauncher):
@@ -231,8 +250,9 @@ class LocalGPUPool(LocalLauncher):
     other keys:   hydra-submitit-launcher's local options (timeout_min, submitit_folder, stderr_to_stdout, ...)
     """
 
-    def __init__(self, gpus: Sequence[int] | None = None, gpus_per_job: int = 1, poll_s: float = 2.0,
-                 **params: Any) -> None:
+    def __init__(
+        self, gpus: Sequence[int] | None = None, gpus_per_job: int = 1, poll_s: float = 2.0, **params: Any
+    ) -> None:
         super().__init__(**params)
         self.gpus = None if gpus is None else [int(g) for g in gpus]
         self.gpus_per_job = int(gpus_per_job)
@@ -245,8 +265,13 @@ class LocalGPUPool(LocalLauncher):
 
         job = submitit.JobEnvironment()
         if job.num_tasks > 1:
-            os.environ.update(LOCAL_RANK=str(job.local_rank), NODE_RANK="0", WORLD_SIZE=str(job.num_tasks),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 20000))
+            os.environ.update(
+                LOCAL_RANK=str(job.local_rank),
+                NODE_RANK="0",
+                WORLD_SIZE=str(job.num_tasks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(20000 + int(job.job_id) % 20000),
+            )
         return super().__call__(*args, **kwargs)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
@@ -258,11 +283,19 @@ class LocalGPUPool(LocalLauncher):
         params = self.params
         executor = submitit.LocalExecutor(folder=params["submitit_folder"])
         # One process per GPU of a run (submitit tasks; see __call__ for how Lightning learns its rank).
-        executor.update_parameters(timeout_min=params.get("timeout_min", 60), tasks_per_node=self.gpus_per_job,
-                                   stderr_to_stdout=params.get("stderr_to_stdout", False))
+        executor.update_parameters(
+            timeout_min=params.get("timeout_min", 60),
+            tasks_per_node=self.gpus_per_job,
+            stderr_to_stdout=params.get("stderr_to_stdout", False),
+        )
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        log.info("local GPU pool: %d jobs, %d at a time on GPUs %s; sweep dir %s", len(job_overrides), len(slots),
-                 [list(s) for s in slots] if slots != [()] else "none (CPU)", self.config.hydra.sweep.dir)
+        log.info(
+            "local GPU pool: %d jobs, %d at a time on GPUs %s; sweep dir %s",
+            len(job_overrides),
+            len(slots),
+            [list(s) for s in slots] if slots != [()] else "none (CPU)",
+            self.config.hydra.sweep.dir,
+        )
 
         pending = list(enumerate(job_overrides))
         running: dict[tuple[int, ...], tuple[int, Any]] = {}
@@ -274,10 +307,17 @@ class LocalGPUPool(LocalLauncher):
                         continue
                     i, overrides = pending.pop(0)
                     executor.update_parameters(gpus_per_node=len(slot), visible_gpus=slot)
-                    job = executor.submit(self, list(overrides), "hydra.sweep.dir", initial_job_idx + i,
-                                          f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
-                    log.info("\t#%d on GPUs %s: %s", initial_job_idx + i, list(slot),
-                             " ".join(filter_overrides(overrides)))
+                    job = executor.submit(
+                        self,
+                        list(overrides),
+                        "hydra.sweep.dir",
+                        initial_job_idx + i,
+                        f"job_id_for_{initial_job_idx + i}",
+                        Singleton.get_state(),
+                    )
+                    log.info(
+                        "\t#%d on GPUs %s: %s", initial_job_idx + i, list(slot), " ".join(filter_overrides(overrides))
+                    )
                     running[slot] = (i, job)
                 time.sleep(self.poll_s)
                 for slot, (i, job) in list(running.items()):
@@ -286,8 +326,9 @@ class LocalGPUPool(LocalLauncher):
                         try:
                             results[i] = job.results()[0]
                         except Exception as error:  # the worker died (killed, out of memory, timeout): record it
-                            results[i] = JobReturn(overrides=list(job_overrides[i]), status=JobStatus.FAILED,
-                                                   _return_value=error)
+                            results[i] = JobReturn(
+                                overrides=list(job_overrides[i]), status=JobStatus.FAILED, _return_value=error
+                            )
                             log.error("job #%d died: %s", initial_job_idx + i, str(error).splitlines()[0])
         except BaseException:
             for _, job in running.values():

@@ -34,7 +34,7 @@ import torch
 from pixdit.errors import PixditError
 
 TOKEN_ORDERS = ("raster", "zorder")
-MODEL_TOKEN_ORDERS = ("auto", *TOKEN_ORDERS)   # the model's setting: auto = what the attention backend needs
+MODEL_TOKEN_ORDERS = ("auto", *TOKEN_ORDERS)  # the model's setting: auto = what the attention backend needs
 
 
 def check_token_order(token_order: str, allowed: tuple[str, ...] = TOKEN_ORDERS) -> None:
@@ -49,8 +49,10 @@ def resolve_token_order(token_order: str, needed: str | None, needed_by: str) ->
     if token_order == "auto":
         return needed or "raster"
     if needed not in (None, token_order):
-        raise PixditError(f"attention '{needed_by}' needs token_order={needed!r}, but the model has "
-                          f"token_order={token_order!r}; use model.token_order=auto (the default) or {needed}")
+        raise PixditError(
+            f"attention '{needed_by}' needs token_order={needed!r}, but the model has "
+            f"token_order={token_order!r}; use model.token_order=auto (the default) or {needed}"
+        )
     return token_order
 
 

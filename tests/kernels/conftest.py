@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before any @triton.jit function is created (i.e. before pixdit.kernels is imported);
 pytest loads this file before the test modules of tests/ that sort after "kernels/".
 """
+
 import os
 
 import torch

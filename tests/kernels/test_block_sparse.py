@@ -3,6 +3,7 @@ block-sparse attention (TRITON_INTERPRET=1, set in conftest.py) against an fp64 
 
     .venv/bin/python -m pytest tests/kernels/test_block_sparse.py -q
 """
+
 import os
 
 import pytest
@@ -11,19 +12,21 @@ import torch
 from pixdit.kernels import block_mean, block_sparse_attention, csr_to_csc, flash_attention, topk_desc
 from pixdit.kernels.topk import pooled_topk
 
-needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="needs CUDA or TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()     # the kernel may run on CUDA, the oracle on CPU
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()  # the kernel may run on CUDA, the oracle on CPU
     return ((a - b).norm() / b.norm()).item()
 
 
 def test_topk_desc_matches_stable_sort_with_ties_and_signs():
     g = torch.Generator().manual_seed(0)
-    s = torch.randint(-3, 4, (64, 40), generator=g).float() * 0.5      # many ties, negatives, +-0
+    s = torch.randint(-3, 4, (64, 40), generator=g).float() * 0.5  # many ties, negatives, +-0
     s[0, :5] = -0.0
     ids = torch.randperm(40, generator=g).expand(64, 40)
     got = topk_desc(s, 7, ids)
@@ -38,14 +41,15 @@ def test_topk_desc_matches_stable_sort_with_ties_and_signs():
 def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows():
     g = torch.Generator().manual_seed(1)
     batch, rows, width, cols = 3, 37, 5, 11
-    index = torch.stack([torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)])
-                         for _ in range(batch)]).int()
-    index[:, ::4, -1] = -1                                                  # empty slots
+    index = torch.stack(
+        [torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)]) for _ in range(batch)]
+    ).int()
+    index[:, ::4, -1] = -1  # empty slots
     offsets, flat = csr_to_csc(index, cols)
     for bi in range(batch):
         assert offsets[bi, -1] - offsets[bi, 0] == (index[bi] >= 0).sum() and offsets[bi, -1] == index[bi].numel()
         for c in range(cols):
-            got = flat[bi, offsets[bi, c]:offsets[bi, c + 1]].tolist()
+            got = flat[bi, offsets[bi, c] : offsets[bi, c + 1]].tolist()
             assert got == [r for r in range(rows) if c in index[bi, r].tolist()]
 
 
@@ -76,7 +80,7 @@ def test_pooled_topk_all_candidates_matches_fp64_oracle(impl, n_cand, k, ties):
     """Every key a candidate, beyond the one-shot kernel's 1024 (the streaming kernel on Triton): exact top-k set
     and order, ties to the smaller id, against a stable fp64 sort; partial last chunk; several (batch*head) slices."""
     g = torch.Generator().manual_seed(5)
-    if ties:   # small integers: exact fp32 dot products, many equal scores, also across chunk borders
+    if ties:  # small integers: exact fp32 dot products, many equal scores, also across chunk borders
         qp = torch.randint(-2, 3, (3, 40, 16), generator=g).float()
         kp = torch.randint(-2, 3, (3, n_cand, 16), generator=g).float()
     else:
@@ -108,9 +112,9 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
     lists = lists.expand(b, h, -1, -1)
     rows = torch.arange(nq) // qb
     key_blk = torch.arange(nk) // kb
-    sel = (lists[:, :, rows, :, None] == key_blk) & (lists[:, :, rows, :, None] >= 0)   # [b, h, nq, len, nk]
+    sel = (lists[:, :, rows, :, None] == key_blk) & (lists[:, :, rows, :, None] >= 0)  # [b, h, nq, len, nk]
     mask = sel.any(3)
-    s = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5
+    s = (q.double() @ k.double().transpose(-1, -2)) * d**-0.5
     if logw is not None:
         s = s + logw.double()[key_blk]
     s = s.masked_fill(~mask, float("-inf"))
@@ -119,12 +123,13 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 # (qb, kb, nq, tail): blocks >= 64 take the scalar-id paths; tail 0 = no partial block anywhere (unmasked loads)
-@pytest.mark.parametrize("qb,kb,nq,tail", [(16, 16, 200, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0),
-                                           (128, 64, 256, 0)])
+@pytest.mark.parametrize(
+    "qb,kb,nq,tail", [(16, 16, 200, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0), (128, 64, 256, 0)]
+)
 def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail):
     g = torch.Generator().manual_seed(3)
     b, h, d = 2, 2, 32
-    nk = nq - tail                                                           # partial last key block when tail > 0
+    nk = nq - tail  # partial last key block when tail > 0
     q = torch.randn(b, h, nq, d, generator=g)
     k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
     n_tiles, n_blocks = -(-nq // qb), -(-nk // kb)
@@ -134,8 +139,15 @@ def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail):
     logw = torch.rand(n_blocks, generator=g)
     go, gl = torch.randn(b, h, nq, d, generator=g), torch.randn(b, h, nq, generator=g)
     leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
-    o, lse = block_sparse_attention(*leaves, lists.to(DEVICE), query_block=qb, key_block=kb,
-                                    block_log_weights=logw.to(DEVICE), return_lse=True, impl=impl)
+    o, lse = block_sparse_attention(
+        *leaves,
+        lists.to(DEVICE),
+        query_block=qb,
+        key_block=kb,
+        block_log_weights=logw.to(DEVICE),
+        return_lse=True,
+        impl=impl,
+    )
     ((o * go.to(DEVICE)).sum() + (lse * gl.to(DEVICE)).sum()).backward()
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ro, rl = dense_masked_reference(*ref_leaves, lists, qb, kb, logw)

@@ -4,6 +4,7 @@ against a dense softmax oracle. CPU: Triton interpreter at a small size (tests/k
 
     .venv/bin/python -m pytest tests/kernels/test_every_tile_selected.py -q
 """
+
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def vsa_fine(q, k, v, n_tiles):
 
 def sla_sparse(q, k, v, n_tiles):
     o_sparse, o_linear = sla_attention(q, k, v, block_size=16, topk=n_tiles, impl="triton")
-    assert (o_linear == 0).all()            # no non-critical tile left for the linear branch
+    assert (o_linear == 0).all()  # no non-critical tile left for the linear branch
     return o_sparse + o_linear
 
 
@@ -39,7 +40,7 @@ def outputs_and_grads(fn, q, k, v, upstream):
 @pytest.mark.parametrize("method", [vsa_fine, sla_sparse])
 def test_every_tile_is_full_attention_cpu(method):
     g = torch.Generator().manual_seed(0)
-    n = 70                                   # 5 tiles, the last one partial
+    n = 70  # 5 tiles, the last one partial
     q, k, v, up = (torch.randn(1, 2, n, 32, generator=g) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     got = outputs_and_grads(lambda *x: method(*x, n_tiles=5), q, k, v, up)

@@ -3,6 +3,7 @@ independent fp64 dense oracle (pixdit.kernels.reference), given the same index t
 
     .venv/bin/python -m pytest tests/kernels/test_llsa.py -q
 """
+
 import math
 
 import pytest
@@ -13,7 +14,8 @@ from pixdit.kernels.reference import llsa_dense, llsa_hier_topk
 
 needs_interpreter = pytest.mark.skipif(
     not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before pixdit.kernels is imported")
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before pixdit.kernels is imported",
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -36,11 +38,23 @@ def compare_to_oracle(b, h, N, d, B, L, K, Le=None, impl="torch", reference_l1_g
     go = go.to(DEVICE)
     ks = llsa_check(N, B, L, K, Le)["topk"]
     index = llsa_select(q, k, B, ks, L)
-    ours = grads(lambda q, k, v: llsa_attention(q, k, v, B, K, L, Le, index=index, impl=impl,
-                                                reference_l1_grad=reference_l1_grad), q, k, v, go)
+    ours = grads(
+        lambda q, k, v: llsa_attention(
+            q, k, v, B, K, L, Le, index=index, impl=impl, reference_l1_grad=reference_l1_grad
+        ),
+        q,
+        k,
+        v,
+        go,
+    )
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref = grads(lambda q, k, v: llsa_dense(q, k, v, B, [i.long() for i in index], Le,
-                                           reference_l1_grad=reference_l1_grad), q64, k64, v64, go.double())
+    ref = grads(
+        lambda q, k, v: llsa_dense(q, k, v, B, [i.long() for i in index], Le, reference_l1_grad=reference_l1_grad),
+        q64,
+        k64,
+        v64,
+        go.double(),
+    )
     for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(a).all(), name
         assert rel(a, r) < tol, (name, rel(a, r))
@@ -56,25 +70,31 @@ def test_num_levels_follows_the_paper():
 def test_check_reports_effective_settings():
     cfg = llsa_check(16384, 16, 2, 8)
     assert cfg["topk"] == [8, 8] and cfg["tokens_per_query"] == 128 + 128 + 64
-    assert llsa_check(65536, 16, 3, 8)["tokens_per_query"] == 400          # 128 + 128 + 128 + 16 tokens per query
+    assert llsa_check(65536, 16, 3, 8)["tokens_per_query"] == 400  # 128 + 128 + 128 + 16 tokens per query
     assert llsa_check(65536, 16, 2, 8)["tokens_per_query"] == 512
-    assert llsa_check(512, 16, 2, 8)["topk"] == [8, 2]                     # K_L clamped to N_L = 2
-    assert llsa_check(512, 16, 2, [64, 1])["topk"] == [16, 1]              # K_1 clamped to K_2 * B
+    assert llsa_check(512, 16, 2, 8)["topk"] == [8, 2]  # K_L clamped to N_L = 2
+    assert llsa_check(512, 16, 2, [64, 1])["topk"] == [16, 1]  # K_1 clamped to K_2 * B
     assert llsa_check(1024, 16, 2, 8, enrich_levels=1)["tokens_per_query"] == 128 + 64
     assert llsa_check(1024, 16, 2, 8, enrich_levels=0)["tokens_per_query"] == 128
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_tokens=1000, block_size=16), "multiple of block_size\\*\\*num_levels = 16, got 1000"),
-    (dict(num_tokens=4096 + 16, block_size=16, num_levels=2), "= 256, got 4112"),
-    (dict(num_tokens=1024, block_size=24), "power of two >= 16"),
-    (dict(num_tokens=1024, block_size=8), "power of two >= 16"),
-    (dict(num_tokens=1024, block_size=16, topk=0), "topk must be >= 1"),
-    (dict(num_tokens=1024, block_size=16, topk=[8, 8]), "list of num_levels=1"),
-    (dict(num_tokens=1024, block_size=16, num_levels=0), "num_levels must be an int >= 1"),
-    (dict(num_tokens=1024, block_size=16, enrich_levels=2), "enrich_levels must be an int in \\[0, num_levels=1\\]"),
-    (dict(num_tokens=8, block_size=16), "at least block_size=16 tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_tokens=1000, block_size=16), "multiple of block_size\\*\\*num_levels = 16, got 1000"),
+        (dict(num_tokens=4096 + 16, block_size=16, num_levels=2), "= 256, got 4112"),
+        (dict(num_tokens=1024, block_size=24), "power of two >= 16"),
+        (dict(num_tokens=1024, block_size=8), "power of two >= 16"),
+        (dict(num_tokens=1024, block_size=16, topk=0), "topk must be >= 1"),
+        (dict(num_tokens=1024, block_size=16, topk=[8, 8]), "list of num_levels=1"),
+        (dict(num_tokens=1024, block_size=16, num_levels=0), "num_levels must be an int >= 1"),
+        (
+            dict(num_tokens=1024, block_size=16, enrich_levels=2),
+            "enrich_levels must be an int in \\[0, num_levels=1\\]",
+        ),
+        (dict(num_tokens=8, block_size=16), "at least block_size=16 tokens"),
+    ],
+)
 def test_check_rejects_impossible_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llsa_check(**kwargs)
@@ -88,7 +108,7 @@ def test_bad_tensor_inputs():
         llsa_attention(q[0], q[0], q[0])
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         llsa_attention(q, q, q.long())
-    for impl in ("triton", "torch"):   # both paths take the same inputs: what runs on CPU runs on the GPU
+    for impl in ("triton", "torch"):  # both paths take the same inputs: what runs on CPU runs on the GPU
         with pytest.raises(ValueError, match="head_dim must be one of"):
             x = torch.randn(1, 1, 256, 48)
             llsa_attention(x, x, x, impl=impl)
@@ -98,17 +118,20 @@ def test_bad_tensor_inputs():
 
 
 # ------------------------------------------------------------------------------------- exact PyTorch path (CPU)
-@pytest.mark.parametrize("b,h,N,d,B,L,K,Le", [
-    (2, 2, 256, 32, 16, 1, 8, None),          # l1 with N/B < 64 (the reference drops enrichment here)
-    (1, 2, 3 * 256, 32, 16, 1, 8, None),      # token count not a power of two
-    (2, 1, 2 * 16 * 16, 32, 16, 2, 8, None),  # L = 2, N_2 = 2 (partial coarsest block, K_2 clamped)
-    (1, 1, 4096, 16, 16, 3, [4, 4, 1], None),  # L = 3
-    (1, 2, 1024, 32, 16, 2, 8, 1),            # enrich_levels < L
-    (1, 1, 1024, 32, 16, 2, 8, 0),            # no enrichment at all
-    (1, 1, 1024, 32, 32, 1, 3, None),         # B = 32
-    (1, 1, 512, 32, 16, 2, [32, 2], None),    # K_L = N_L and K_1 = K_2 * B (every candidate kept)
-    (2, 2, 512, 32, 16, 1, 1, None),          # K = 1
-])
+@pytest.mark.parametrize(
+    "b,h,N,d,B,L,K,Le",
+    [
+        (2, 2, 256, 32, 16, 1, 8, None),  # l1 with N/B < 64 (the reference drops enrichment here)
+        (1, 2, 3 * 256, 32, 16, 1, 8, None),  # token count not a power of two
+        (2, 1, 2 * 16 * 16, 32, 16, 2, 8, None),  # L = 2, N_2 = 2 (partial coarsest block, K_2 clamped)
+        (1, 1, 4096, 16, 16, 3, [4, 4, 1], None),  # L = 3
+        (1, 2, 1024, 32, 16, 2, 8, 1),  # enrich_levels < L
+        (1, 1, 1024, 32, 16, 2, 8, 0),  # no enrichment at all
+        (1, 1, 1024, 32, 32, 1, 3, None),  # B = 32
+        (1, 1, 512, 32, 16, 2, [32, 2], None),  # K_L = N_L and K_1 = K_2 * B (every candidate kept)
+        (2, 2, 512, 32, 16, 1, 1, None),  # K = 1
+    ],
+)
 def test_torch_path_matches_oracle(b, h, N, d, B, L, K, Le):
     compare_to_oracle(b, h, N, d, B, L, K, Le, impl="torch")
 
@@ -121,16 +144,19 @@ def test_torch_path_reference_l1_grad_scales_pooled_gradient():
 
 # ------------------------------------------------------------------------------- Triton kernels (interpreter)
 @needs_interpreter
-@pytest.mark.parametrize("b,h,N,d,B,L,K,Le", [
-    (2, 2, 256, 32, 16, 1, 8, None),
-    (1, 1, 3 * 256, 32, 16, 1, 8, None),
-    (1, 2, 2 * 16 * 16, 32, 16, 2, 8, None),
-    (1, 1, 4096, 16, 16, 3, [2, 2, 1], None),
-    (1, 1, 1024, 32, 16, 2, 4, 1),
-    (1, 1, 1024, 32, 32, 1, 3, None),
-    (1, 1, 512, 32, 16, 2, [32, 2], None),
-    (1, 1, 512, 64, 16, 1, 1, 0),
-])
+@pytest.mark.parametrize(
+    "b,h,N,d,B,L,K,Le",
+    [
+        (2, 2, 256, 32, 16, 1, 8, None),
+        (1, 1, 3 * 256, 32, 16, 1, 8, None),
+        (1, 2, 2 * 16 * 16, 32, 16, 2, 8, None),
+        (1, 1, 4096, 16, 16, 3, [2, 2, 1], None),
+        (1, 1, 1024, 32, 16, 2, 4, 1),
+        (1, 1, 1024, 32, 32, 1, 3, None),
+        (1, 1, 512, 32, 16, 2, [32, 2], None),
+        (1, 1, 512, 64, 16, 1, 1, 0),
+    ],
+)
 def test_triton_matches_oracle(b, h, N, d, B, L, K, Le):
     compare_to_oracle(b, h, N, d, B, L, K, Le, impl="triton")
 
@@ -175,7 +201,7 @@ def test_selection_matches_fp64_oracle_as_sets(impl, N, L, K):
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_selection_order_is_descending_and_ties_go_to_smaller_ids(impl):
     q = torch.ones(1, 1, 4096, 32, device=DEVICE)
-    index = llsa_select(q, torch.ones_like(q), 16, [8, 8], 2, impl=impl)   # every score ties
+    index = llsa_select(q, torch.ones_like(q), 16, [8, 8], 2, impl=impl)  # every score ties
     assert (index[1] == torch.arange(8, device=DEVICE, dtype=torch.int32)).all()
     # level 1: candidates = children of parents 0..7 (ids 0..127), the smallest 8 win
     assert index[0].shape == (1, 1, 256, 8) and (index[0] == torch.arange(8, device=DEVICE, dtype=torch.int32)).all()

@@ -3,6 +3,7 @@
 Triton output and gradients vs the exact fp32 PyTorch path given the same index tables, per dtype; selection vs the
 fp64 oracle as sets per row; bitwise determinism; the dense kernel vs SDPA.
 """
+
 import pytest
 import torch
 
@@ -26,9 +27,16 @@ def run(q, k, v, go, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("b,h,N,d,L,Le,K", [(2, 3, 16384, 64, 2, None, 8), (1, 2, 4096, 128, 1, None, 8),
-                                          (1, 1, 65536, 32, 3, None, 8), (2, 2, 768 * 4, 64, 1, None, 3),
-                                          (1, 2, 16384, 64, 2, 1, [4, 8])])
+@pytest.mark.parametrize(
+    "b,h,N,d,L,Le,K",
+    [
+        (2, 3, 16384, 64, 2, None, 8),
+        (1, 2, 4096, 128, 1, None, 8),
+        (1, 1, 65536, 32, 3, None, 8),
+        (2, 2, 768 * 4, 64, 1, None, 3),
+        (1, 2, 16384, 64, 2, 1, [4, 8]),
+    ],
+)
 def test_llsa_triton_matches_exact_path(dtype, b, h, N, d, L, Le, K):
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, N, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))

@@ -21,8 +21,8 @@ def oracle(qkv, num_heads, q_weight, k_weight, angles, eps):
     """fp64: q, k, v as [b, heads, n, d]."""
     b, n, width = qkv.shape
     d = width // (3 * num_heads)
-    q, k, v = qkv.double().view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)    # [b, heads, n, d] each
-    rotation = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())   # [n, d / 2]
+    q, k, v = qkv.double().view(b, n, 3, num_heads, d).permute(2, 0, 3, 1, 4)  # [b, heads, n, d] each
+    rotation = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())  # [n, d / 2]
 
     def norm_rope(x, weight):
         x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
@@ -50,8 +50,7 @@ def compare(b, n, heads, d, dtype, device, impl, tol, width_pad=0, eps=1e-5):
     leaves = [x.detach().double().requires_grad_() for x in (qkv, q_weight, k_weight)]
     want = oracle(leaves[0], heads, leaves[1], leaves[2], angles, eps)
     want_grads = torch.autograd.grad(want, leaves, [u.double() for u in upstream])
-    for name, got, ref in zip(("q", "k", "v", "dqkv", "dq_weight", "dk_weight"), (*outs, *grads),
-                              (*want, *want_grads)):
+    for name, got, ref in zip(("q", "k", "v", "dqkv", "dq_weight", "dk_weight"), (*outs, *grads), (*want, *want_grads)):
         assert got.dtype == (dtype if name in ("q", "k", "v", "dqkv") else torch.float32), name
         assert got.shape == ref.shape, name
         error = ((got.double() - ref).norm() / ref.norm()).item()
@@ -60,8 +59,9 @@ def compare(b, n, heads, d, dtype, device, impl, tol, width_pad=0, eps=1e-5):
 
 
 @interpreter_only
-@pytest.mark.parametrize("b,n,heads,d,width_pad", [(2, 70, 3, 16, 0), (1, 33, 2, 64, 0), (3, 128, 1, 32, 8),
-                                                   (1, 20, 2, 24, 0)])   # 24: 12 pairs, padded to 16 in the kernel
+@pytest.mark.parametrize(
+    "b,n,heads,d,width_pad", [(2, 70, 3, 16, 0), (1, 33, 2, 64, 0), (3, 128, 1, 32, 8), (1, 20, 2, 24, 0)]
+)  # 24: 12 pairs, padded to 16 in the kernel
 def test_interpreted_triton_matches_oracle(b, n, heads, d, width_pad):
     outs = compare(b, n, heads, d, torch.float32, "cpu", "triton", 1e-5, width_pad=width_pad)
     assert all(o.is_contiguous() for o in outs)  # the layout the attention kernels flatten without a copy

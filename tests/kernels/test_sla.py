@@ -22,25 +22,42 @@ def _inputs(b, h, n, d, seed=0):
 
 def _proj(d, seed=2, zero=False):
     g = torch.Generator().manual_seed(seed)
-    w, b = torch.randn(d, d, generator=g) / d ** 0.5, torch.randn(d, generator=g)
+    w, b = torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g)
     if zero:
         w, b = torch.zeros(d, d), torch.zeros(d)
     return w.requires_grad_(), b.requires_grad_()
 
 
 def _combine_and_grads(o_sparse, o_linear, w, b, inputs, seed=1):
-    out = o_sparse + o_linear @ w.to(o_linear.dtype).T + b.to(o_linear.dtype)   # the layer's Proj
+    out = o_sparse + o_linear @ w.to(o_linear.dtype).T + b.to(o_linear.dtype)  # the layer's Proj
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     return out, torch.autograd.grad((out * upstream).sum(), inputs)
 
 
 def _compare(q, k, v, block_size, topk, scope, feature_map, negligible_ratio=0.0, zero_proj=False):
     w, b = _proj(q.shape[-1], zero=zero_proj)
-    o_s, o_l = sla_attention(q, k, v, block_size=block_size, topk=topk, linear_scope=scope,
-                             feature_map=feature_map, negligible_ratio=negligible_ratio)
+    o_s, o_l = sla_attention(
+        q,
+        k,
+        v,
+        block_size=block_size,
+        topk=topk,
+        linear_scope=scope,
+        feature_map=feature_map,
+        negligible_ratio=negligible_ratio,
+    )
     critical, negligible = sla_select(q, k, block_size=block_size, topk=topk, negligible_ratio=negligible_ratio)
-    r_s, r_l = sla_reference(q.double(), k.double(), v.double(), block_size, topk, scope, feature_map,
-                             num_negligible=negligible.shape[-1], crit_idx=critical)
+    r_s, r_l = sla_reference(
+        q.double(),
+        k.double(),
+        v.double(),
+        block_size,
+        topk,
+        scope,
+        feature_map,
+        num_negligible=negligible.shape[-1],
+        crit_idx=critical,
+    )
     torch.testing.assert_close(o_s.double(), r_s, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(o_l.double(), r_l, atol=2e-5, rtol=1e-5)
     out, grads = _combine_and_grads(o_s, o_l, w, b, [q, k, v, w, b])
@@ -54,12 +71,11 @@ def _compare(q, k, v, block_size, topk, scope, feature_map, negligible_ratio=0.0
 @pytest.mark.parametrize("scope,negligible_ratio", [("noncritical", 0.0), ("all", 0.0), ("marginal", 0.4)])
 @pytest.mark.parametrize("feature_map", ["softmax", "elu", "relu"])
 def test_every_scope_and_feature_map_matches_oracle(scope, feature_map, negligible_ratio):
-    q, k, v = _inputs(2, 2, 70, 32)            # 5 blocks of 16, the last one partial (6 tokens)
+    q, k, v = _inputs(2, 2, 70, 32)  # 5 blocks of 16, the last one partial (6 tokens)
     _compare(q, k, v, 16, 2, scope, feature_map, negligible_ratio)
 
 
-@pytest.mark.parametrize("block_size,head_dim,num_tokens,topk", [(64, 32, 200, 2), (16, 128, 40, 1),
-                                                                 (32, 64, 96, 2)])
+@pytest.mark.parametrize("block_size,head_dim,num_tokens,topk", [(64, 32, 200, 2), (16, 128, 40, 1), (32, 64, 96, 2)])
 def test_block_sizes_and_head_dims(block_size, head_dim, num_tokens, topk):
     # head_dim != block_size: the authors' first pooling kernel wrote pooled blocks at the wrong offset (f29377f)
     q, k, v = _inputs(2, 1, num_tokens, head_dim, seed=3)
@@ -90,7 +106,7 @@ def test_selection_is_the_topk_of_the_smooth_k_scores_tie_tolerant():
 
 
 def test_ties_critical_to_smaller_ids_negligible_to_larger_ids():
-    q, k = torch.zeros(1, 2, 96, 32), torch.randn(1, 2, 96, 32)    # pooled q = 0: every score is exactly 0
+    q, k = torch.zeros(1, 2, 96, 32), torch.randn(1, 2, 96, 32)  # pooled q = 0: every score is exactly 0
     critical, negligible = sla_select(q, k, block_size=16, topk=2, negligible_ratio=0.34)
     assert critical.tolist() == [[[[0, 1]] * 6] * 2]
     assert negligible.tolist() == [[[[5, 4]] * 6] * 2]
@@ -110,8 +126,16 @@ def test_relu_with_vanishing_features_gives_zero_not_nan():
     q, k, v = _inputs(1, 2, 64, 32, seed=7)
     q_neg = (-q.detach().abs() - 0.1).requires_grad_()
     for scope in ("noncritical", "all", "marginal"):
-        o_s, o_l = sla_attention(q_neg, k, v, block_size=16, topk=1, linear_scope=scope, feature_map="relu",
-                                 negligible_ratio=0.25 if scope == "marginal" else 0.0)
+        o_s, o_l = sla_attention(
+            q_neg,
+            k,
+            v,
+            block_size=16,
+            topk=1,
+            linear_scope=scope,
+            feature_map="relu",
+            negligible_ratio=0.25 if scope == "marginal" else 0.0,
+        )
         assert (o_l == 0).all()
         grads = torch.autograd.grad((o_s + 2 * o_l).sum(), [q_neg, k, v])
         assert all(torch.isfinite(g).all() for g in grads)
@@ -129,13 +153,14 @@ def test_batch_elements_are_independent():
     q, k, v = _inputs(3, 2, 64, 32, seed=9)
     together = sla_attention(q, k, v, block_size=16, topk=2)
     for i in range(3):
-        alone = sla_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], block_size=16, topk=2)
+        alone = sla_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], block_size=16, topk=2)
         for x, y in zip(together, alone):
-            torch.testing.assert_close(x[i:i + 1], y)
+            torch.testing.assert_close(x[i : i + 1], y)
 
 
-@pytest.mark.parametrize("num_blocks_,ratio,expected", [(100, 0.29, 29), (10, 0.01, 1), (10, 0.0, 1),
-                                                        (30, 0.1, 3), (8, 1.0, 8)])
+@pytest.mark.parametrize(
+    "num_blocks_,ratio,expected", [(100, 0.29, 29), (10, 0.01, 1), (10, 0.0, 1), (30, 0.1, 3), (8, 1.0, 8)]
+)
 def test_ratio_to_topk_rule_never_gives_zero(num_blocks_, ratio, expected):
     # the authors' int(ratio * T) gives 28 for 0.29 * 100 and 0 (-> NaN) for small ratios
     q = torch.randn(1, 1, num_blocks_ * 16, 32)
@@ -151,17 +176,20 @@ def test_bf16_inputs_give_bf16_outputs_close_to_oracle():
     torch.testing.assert_close(o_l.float(), r_l, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"block_size": 128, "topk": 1}, "block_size"),
-    ({"topk": 0}, "topk"),
-    ({}, "exactly one"),
-    ({"topk": 1, "topk_ratio": 0.1}, "exactly one"),
-    ({"topk_ratio": -0.1}, "topk_ratio"),
-    ({"topk": 1, "linear_scope": "paper"}, "linear_scope"),
-    ({"topk": 1, "feature_map": "hedgehog"}, "feature_map"),
-    ({"topk": 1, "negligible_ratio": 0.1}, "marginal"),
-    ({"topk": 1, "linear_scope": "marginal", "negligible_ratio": 1.0}, "negligible_ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"block_size": 128, "topk": 1}, "block_size"),
+        ({"topk": 0}, "topk"),
+        ({}, "exactly one"),
+        ({"topk": 1, "topk_ratio": 0.1}, "exactly one"),
+        ({"topk_ratio": -0.1}, "topk_ratio"),
+        ({"topk": 1, "linear_scope": "paper"}, "linear_scope"),
+        ({"topk": 1, "feature_map": "hedgehog"}, "feature_map"),
+        ({"topk": 1, "negligible_ratio": 0.1}, "marginal"),
+        ({"topk": 1, "linear_scope": "marginal", "negligible_ratio": 1.0}, "negligible_ratio"),
+    ],
+)
 def test_bad_arguments_name_the_parameter(kwargs, message):
     q = torch.randn(1, 2, 32, 32)
     with pytest.raises(ValueError, match=message):

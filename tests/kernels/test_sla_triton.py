@@ -37,14 +37,14 @@ def _run(q, k, v, up_s, up_l, **kwargs):
 @pytest.mark.parametrize("scope,negligible_ratio", [("noncritical", 0.0), ("all", 0.0), ("marginal", 0.25)])
 @pytest.mark.parametrize("feature_map", ["softmax", "elu", "relu"])
 def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio):
-    q, k, v, up_s, up_l = _inputs(1, 2, 70, 32)         # 5 blocks of 16, the last one partial
-    kwargs = dict(block_size=16, topk=2, linear_scope=scope, feature_map=feature_map,
-                  negligible_ratio=negligible_ratio)
+    q, k, v, up_s, up_l = _inputs(1, 2, 70, 32)  # 5 blocks of 16, the last one partial
+    kwargs = dict(block_size=16, topk=2, linear_scope=scope, feature_map=feature_map, negligible_ratio=negligible_ratio)
     got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
     critical, negligible = sla_select(q, k, 16, topk=2, negligible_ratio=negligible_ratio, impl="triton")
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    r_s, r_l = sla_reference(qd, kd, vd, 16, 2, scope, feature_map, num_negligible=negligible.shape[-1],
-                             crit_idx=critical)
+    r_s, r_l = sla_reference(
+        qd, kd, vd, 16, 2, scope, feature_map, num_negligible=negligible.shape[-1], crit_idx=critical
+    )
     loss = (r_s * up_s.double()).sum() + (r_l * up_l.double()).sum()
     want = [r_s.detach(), r_l.detach()] + list(torch.autograd.grad(loss, [qd, kd, vd]))
     for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
@@ -66,9 +66,9 @@ def test_interpreted_triton_block_sizes(block_size, d, n):
 def test_interpreted_triton_edge_cases_have_no_nan():
     q, k, v, up_s, up_l = _inputs(1, 2, 48, 32, seed=2)
     for kwargs in ({"topk": 3}, {"topk": 1, "linear_scope": "marginal", "negligible_ratio": 0.67}):
-        got = _run(q, k, v, up_s, up_l, block_size=16, impl="triton", **kwargs)   # empty linear sets
+        got = _run(q, k, v, up_s, up_l, block_size=16, impl="triton", **kwargs)  # empty linear sets
         assert (got[1] == 0).all() and all(torch.isfinite(x).all() for x in got)
-    q_neg = (-q.detach().abs() - 0.1).requires_grad_()                            # relu(q) = 0 everywhere
+    q_neg = (-q.detach().abs() - 0.1).requires_grad_()  # relu(q) = 0 everywhere
     got = _run(q_neg, k, v, up_s, up_l, block_size=16, topk=1, feature_map="relu", impl="triton")
     assert (got[1] == 0).all() and all(torch.isfinite(x).all() for x in got)
 
@@ -79,18 +79,22 @@ def test_interpreted_triton_rows_with_an_empty_linear_set_are_exactly_zero(scope
     # relu features that vanish on the whole linear set of some query blocks (and not of others). The fused kernel
     # computes "global sums - excluded blocks", which leaves only fp32 rounding on those rows: they must still give
     # exactly 0 with exactly zero gradient, and every other row must match the exact path.
-    q, k, v, up_s, up_l = _inputs(1, 2, 64, 32, seed=4)                 # 4 blocks of 16
+    q, k, v, up_s, up_l = _inputs(1, 2, 64, 32, seed=4)  # 4 blocks of 16
     with torch.no_grad():
-        k[:, :, 32:] = -k[:, :, 32:].abs() - 0.1                          # relu(k) = 0 on key blocks 2, 3
+        k[:, :, 32:] = -k[:, :, 32:].abs() - 0.1  # relu(k) = 0 on key blocks 2, 3
         if scope == "all":
-            q[:, :, :16] = -q[:, :, :16].abs() - 0.1                      # relu(q) = 0 on query block 0
-    crit = {"noncritical": [[0, 1], [2, 3], [0, 1], [1, 2]], "marginal": [[0], [2], [0], [1]],
-            "all": [[0], [2], [0], [1]]}[scope]
+            q[:, :, :16] = -q[:, :, :16].abs() - 0.1  # relu(q) = 0 on query block 0
+    crit = {
+        "noncritical": [[0, 1], [2, 3], [0, 1], [1, 2]],
+        "marginal": [[0], [2], [0], [1]],
+        "all": [[0], [2], [0], [1]],
+    }[scope]
     neg = [[1], [3], [1], [2]] if scope == "marginal" else [[]] * 4
-    selection = tuple(torch.tensor(x, dtype=torch.int32).reshape(1, 1, 4, -1).expand(1, 2, 4, -1).contiguous()
-                      for x in (crit, neg))                               # linear sets of blocks 0, 2: keys 2, 3
+    selection = tuple(
+        torch.tensor(x, dtype=torch.int32).reshape(1, 1, 4, -1).expand(1, 2, 4, -1).contiguous() for x in (crit, neg)
+    )  # linear sets of blocks 0, 2: keys 2, 3
     kwargs = dict(block_size=16, linear_scope=scope, feature_map="relu", selection=selection)
-    got = _run(q, k, v, up_s * 0, up_l, impl="triton", **kwargs)          # gradients of the linear branch only
+    got = _run(q, k, v, up_s * 0, up_l, impl="triton", **kwargs)  # gradients of the linear branch only
     want = _run(q, k, v, up_s * 0, up_l, impl="torch", **kwargs)
     empty = [*range(0, 16)] + ([] if scope == "all" else [*range(32, 48)])
     assert (got[1][:, :, empty] == 0).all() and (got[2][:, :, empty] == 0).all()
@@ -114,16 +118,22 @@ def test_interpreted_triton_half_precision_matches_exact_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scope,feature_map", [("noncritical", "softmax"), ("all", "softmax"),
-                                               ("marginal", "elu"), ("noncritical", "relu")])
+@pytest.mark.parametrize(
+    "scope,feature_map", [("noncritical", "softmax"), ("all", "softmax"), ("marginal", "elu"), ("noncritical", "relu")]
+)
 @pytest.mark.parametrize("b,h,n,d,block_size,topk", [(2, 3, 16384, 64, 16, 20), (1, 2, 4096 - 5, 128, 64, 8)])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, block_size, topk, mark):
     q, k, v, up_s, up_l = _inputs(b, h, n, d, dtype, "cuda")
-    kwargs = dict(block_size=block_size, topk=topk, linear_scope=scope, feature_map=feature_map,
-                  negligible_ratio=0.1 if scope == "marginal" else 0.0)
+    kwargs = dict(
+        block_size=block_size,
+        topk=topk,
+        linear_scope=scope,
+        feature_map=feature_map,
+        negligible_ratio=0.1 if scope == "marginal" else 0.0,
+    )
     kwargs["selection"] = sla_select(q, k, block_size, topk=topk, negligible_ratio=kwargs["negligible_ratio"])
-    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)                 # one selection for both paths
+    got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)  # one selection for both paths
     exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
     want = _run(*exact, up_s, up_l, impl="torch", **kwargs)
     for name, a, r in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), got, want):
@@ -135,8 +145,13 @@ def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, bl
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_deterministic_bitwise(scope, feature_map, mark):
     q, k, v, up_s, up_l = _inputs(2, 3, 16384, 64, torch.bfloat16, "cuda", seed=3)
-    kwargs = dict(block_size=16, topk=20, linear_scope=scope, feature_map=feature_map,
-                  negligible_ratio=0.1 if scope == "marginal" else 0.0)
+    kwargs = dict(
+        block_size=16,
+        topk=20,
+        linear_scope=scope,
+        feature_map=feature_map,
+        negligible_ratio=0.1 if scope == "marginal" else 0.0,
+    )
     a = _run(q, k, v, up_s, up_l, **kwargs)
     b = _run(q, k, v, up_s, up_l, **kwargs)
     for x, y in zip(a, b):

@@ -4,6 +4,7 @@ GPU with ``-m gpu`` (k is a run-time argument: a sweep over k compiles at most o
 
     .venv/bin/python -m pytest tests/kernels/test_topk.py -q
 """
+
 import os
 
 import pytest
@@ -14,8 +15,9 @@ from pixdit.kernels.blocks import topk_desc
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-needs_interpreter = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="needs CUDA or TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1"
+)
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
 
@@ -25,7 +27,7 @@ def tie_heavy(bh, rows, n_cand, d, seed):
     g = torch.Generator().manual_seed(seed)
     qp = torch.randint(-1, 2, (bh, rows, d), generator=g).float()
     kp = torch.randint(-1, 2, (bh, n_cand, d), generator=g).float()
-    kp[:, n_cand // 2:n_cand // 2 + 5] = kp[:, 3:8]
+    kp[:, n_cand // 2 : n_cand // 2 + 5] = kp[:, 3:8]
     kp[:, -3:] = kp[:, :3]
     kp[:, 10:13] = 0.0
     return qp, kp
@@ -36,13 +38,13 @@ def oracle(qp, kp, k):
 
 
 def test_route_sends_each_k_where_the_module_doc_says():
-    assert topk._route(4096, 64, 32, None) == "streaming"                    # 256x256 VSA/SLA
+    assert topk._route(4096, 64, 32, None) == "streaming"  # 256x256 VSA/SLA
     assert topk._route(4096, 64, topk.STREAM_MAX_K, None) == "streaming"
-    assert topk._route(4096, 64, topk.STREAM_MAX_K + 1, None) == "torch"     # large k: nothing to compile
+    assert topk._route(4096, 64, topk.STREAM_MAX_K + 1, None) == "torch"  # large k: nothing to compile
     assert topk._route(1100, 16, 1099, None) == "torch"
-    assert topk._route(256, 64, 100, None) == "one_shot"                     # 4,096 tokens, 16-token tiles
-    assert topk._route(256, 64, 256, None) == "torch"                        # every tile selected
-    assert topk._route(64, 32, 64, 16) == "one_shot"                         # LLSA children: all of them is fine
+    assert topk._route(256, 64, 100, None) == "one_shot"  # 4,096 tokens, 16-token tiles
+    assert topk._route(256, 64, 256, None) == "torch"  # every tile selected
+    assert topk._route(64, 32, 64, 16) == "one_shot"  # LLSA children: all of them is fine
     assert topk._route(2048, 64, 8, 16) == "torch"
 
 
@@ -120,13 +122,13 @@ def compiled_variants(fn) -> int:
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
-    q, kp = (x.cuda() for x in tie_heavy(6, 1024, 1024, 64, seed=0))    # exact scores: every path agrees
+    q, kp = (x.cuda() for x in tie_heavy(6, 1024, 1024, 64, seed=0))  # exact scores: every path agrees
     before = compiled_variants(topk._streaming_topk_kernel)
     for k in range(4, topk.STREAM_MAX_K + 1, 4):
         assert topk._route(1024, 64, k, None) == "streaming"
         got = topk.pooled_topk(q, kp, k)
         assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
-    assert compiled_variants(topk._streaming_topk_kernel) - before <= 3      # SLOTS 16, 32, 64
+    assert compiled_variants(topk._streaming_topk_kernel) - before <= 3  # SLOTS 16, 32, 64
     q, kp = q[:, :256], kp[:, :256]
     before = compiled_variants(topk._pooled_topk_kernel)
     for k in range(4, 256, 12):
@@ -140,4 +142,4 @@ def test_gpu_streaming_matches_torch_at_the_256px_vsa_shape(mark):
     q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
     for k in (8, 32, 64):
         got, want = topk.pooled_topk(q, kp, k), topk.pooled_topk(q, kp, k, impl="torch")
-        assert (got != want).any(-1).float().mean() < 1e-3     # fp32 near-ties only (different summation order)
+        assert (got != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (different summation order)

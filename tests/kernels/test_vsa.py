@@ -27,20 +27,28 @@ def _grads(out, inputs, seed=1):
     return torch.autograd.grad((out * upstream).sum(), inputs)
 
 
-@pytest.mark.parametrize("block_size,head_dim,num_tokens,topk", [
-    (16, 32, 70, 2),     # partial last tile (6 tokens), 5 tiles
-    (32, 64, 96, 1),     # K = 1
-    (64, 128, 200, 2),   # partial last tile, block 64, head_dim 128
-    (16, 64, 48, 3),     # K = T
-])
+@pytest.mark.parametrize(
+    "block_size,head_dim,num_tokens,topk",
+    [
+        (16, 32, 70, 2),  # partial last tile (6 tokens), 5 tiles
+        (32, 64, 96, 1),  # K = 1
+        (64, 128, 200, 2),  # partial last tile, block 64, head_dim 128
+        (16, 64, 48, 3),  # K = T
+    ],
+)
 @pytest.mark.parametrize("with_gate", [True, False])
 def test_forward_and_grads_match_oracle(block_size, head_dim, num_tokens, topk, with_gate):
     q, k, v, gate = _inputs(2, 2, num_tokens, head_dim)
     gate_arg = gate if with_gate else None
     out = vsa_attention(q, k, v, block_size=block_size, topk=topk, gate=gate_arg)
     tile_idx = vsa_select(q, k, block_size=block_size, topk=topk)
-    ref = vsa_reference(*(x.double() for x in (q, k, v)), block_size, topk,
-                        gate=gate_arg.double() if with_gate else None, tile_idx=tile_idx)
+    ref = vsa_reference(
+        *(x.double() for x in (q, k, v)),
+        block_size,
+        topk,
+        gate=gate_arg.double() if with_gate else None,
+        tile_idx=tile_idx,
+    )
     assert out.dtype == torch.float32 and out.shape == q.shape
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     inputs = [q, k, v] + ([gate] if with_gate else [])
@@ -48,22 +56,34 @@ def test_forward_and_grads_match_oracle(block_size, head_dim, num_tokens, topk, 
         torch.testing.assert_close(got.double(), want.double(), atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the interpreter"))])
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                reason="needs CUDA or the interpreter",
+            ),
+        ),
+    ],
+)
 def test_fine_gate_matches_oracle_with_gradients_of_both_gates(impl):
     """The paper's optional G_f: O_fine * gate_fine + gate * O_coarse, both paths, d gate_fine too."""
     q, k, v, gate = _inputs(1, 2, 70, 32, seed=8)
     gate_fine = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).requires_grad_()
     out = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate, gate_fine=gate_fine, impl=impl)
     tile_idx = vsa_select(q, k, block_size=16, topk=2, impl=impl)
-    ref = vsa_reference(*(x.double() for x in (q, k, v)), 16, 2, gate=gate.double(), tile_idx=tile_idx,
-                        gate_fine=gate_fine.double())
+    ref = vsa_reference(
+        *(x.double() for x in (q, k, v)), 16, 2, gate=gate.double(), tile_idx=tile_idx, gate_fine=gate_fine.double()
+    )
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     inputs = [q, k, v, gate, gate_fine]
     for got, want in zip(_grads(out, inputs), _grads(ref, inputs)):
         torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
     ungated_fine = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate, impl=impl)
-    assert not torch.allclose(out, ungated_fine)      # the fine gate does act
+    assert not torch.allclose(out, ungated_fine)  # the fine gate does act
     with pytest.raises(ValueError, match="gate_fine"):
         vsa_attention(q, k, v, block_size=16, topk=2, gate_fine=gate_fine[:, :1], impl=impl)
 
@@ -75,7 +95,7 @@ def test_selection_is_the_topk_of_the_coarse_scores_tie_tolerant():
     chosen = scores.gather(-1, tile_idx)
     unchosen = scores.scatter(-1, tile_idx, float("-inf"))
     assert (chosen.min(-1).values >= unchosen.max(-1).values - 1e-5).all()
-    assert (chosen[..., :-1] >= chosen[..., 1:] - 1e-5).all()        # best first
+    assert (chosen[..., :-1] >= chosen[..., 1:] - 1e-5).all()  # best first
 
 
 def test_ties_break_toward_the_smaller_tile_id_deterministically():
@@ -90,7 +110,7 @@ def test_topk_all_tiles_is_full_attention():
     q, k, v, _ = _inputs(2, 2, 90, 64, seed=4)
     zero_gate = torch.zeros_like(q)
     full = F.scaled_dot_product_attention(q, k, v)
-    for kwargs in ({"topk": 6}, {"topk": 100}, {"topk_ratio": 1.0}):      # 6 tiles; topk clamps to T
+    for kwargs in ({"topk": 6}, {"topk": 100}, {"topk_ratio": 1.0}):  # 6 tiles; topk clamps to T
         out = vsa_attention(q, k, v, block_size=16, gate=zero_gate, **kwargs)
         torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
 
@@ -100,8 +120,8 @@ def test_batch_elements_are_independent():
     q, k, v, gate = _inputs(3, 2, 64, 32, seed=5)
     together = vsa_attention(q, k, v, block_size=16, topk=2, gate=gate)
     for i in range(3):
-        alone = vsa_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], block_size=16, topk=2, gate=gate[i:i + 1])
-        torch.testing.assert_close(together[i:i + 1], alone)
+        alone = vsa_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], block_size=16, topk=2, gate=gate[i : i + 1])
+        torch.testing.assert_close(together[i : i + 1], alone)
 
 
 def test_single_token_last_tile_has_finite_exact_gradients():
@@ -124,23 +144,28 @@ def test_bf16_inputs_give_bf16_output_close_to_oracle():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("num_tiles,topk_ratio,expected", [(10, 0.3, 3), (256, 0.125, 32), (7, 0.0, 1),
-                                                            (7, 1.0, 7), (100, 0.1, 10), (3, 0.01, 1)])
+@pytest.mark.parametrize(
+    "num_tiles,topk_ratio,expected",
+    [(10, 0.3, 3), (256, 0.125, 32), (7, 0.0, 1), (7, 1.0, 7), (100, 0.1, 10), (3, 0.01, 1)],
+)
 def test_topk_ratio_to_topk_rule(num_tiles, topk_ratio, expected):
     q = torch.randn(1, 1, num_tiles * 16, 32)
     assert vsa_select(q, q, block_size=16, topk_ratio=topk_ratio).shape[-1] == expected
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"block_size": 8, "topk": 1}, "block_size"),
-    ({"topk": 0}, "topk"),
-    ({"topk": 2.0}, "topk"),
-    ({}, "exactly one"),
-    ({"topk": 1, "topk_ratio": 0.5}, "exactly one"),
-    ({"topk_ratio": 1.5}, "topk_ratio"),
-    ({"topk": 1, "gate": torch.zeros(1, 1, 32, 32)}, "gate"),
-    ({"topk": 1, "scale": -1.0}, "scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"block_size": 8, "topk": 1}, "block_size"),
+        ({"topk": 0}, "topk"),
+        ({"topk": 2.0}, "topk"),
+        ({}, "exactly one"),
+        ({"topk": 1, "topk_ratio": 0.5}, "exactly one"),
+        ({"topk_ratio": 1.5}, "topk_ratio"),
+        ({"topk": 1, "gate": torch.zeros(1, 1, 32, 32)}, "gate"),
+        ({"topk": 1, "scale": -1.0}, "scale"),
+    ],
+)
 def test_bad_arguments_name_the_parameter(kwargs, message):
     q = torch.randn(1, 2, 32, 32)
     with pytest.raises(ValueError, match=message):
@@ -159,14 +184,17 @@ def test_bad_head_dim_and_shapes_are_rejected():
 def test_fast_topk_equals_the_shared_exact_topk_with_and_without_ties():
     from pixdit.kernels.blocks import topk_desc
     from pixdit.kernels.topk import topk_desc_fast
+
     g = torch.Generator().manual_seed(11)
-    for scores in (torch.randn(64, 300, generator=g),                                  # distinct
-                   torch.randint(0, 6, (64, 300), generator=g).float(),                # ties everywhere
-                   -torch.randint(0, 3, (64, 300), generator=g).float()):                            # with -0.0
+    for scores in (
+        torch.randn(64, 300, generator=g),  # distinct
+        torch.randint(0, 6, (64, 300), generator=g).float(),  # ties everywhere
+        -torch.randint(0, 3, (64, 300), generator=g).float(),
+    ):  # with -0.0
         for k in (1, 7, 300):
             assert torch.equal(topk_desc_fast(scores, k), topk_desc(scores, k))
     zeros = torch.zeros(3, 10)
-    zeros[0, :5] = -0.0                                                                 # -0.0 ties with +0.0
+    zeros[0, :5] = -0.0  # -0.0 ties with +0.0
     assert topk_desc_fast(zeros, 4).tolist() == [[0, 1, 2, 3]] * 3
 
 

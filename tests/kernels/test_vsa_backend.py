@@ -1,6 +1,6 @@
 """The `vsa` attention backend (pixdit.attention.VSAAttention) inside a tiny pixel DiT, on CPU.
 
-    .venv/bin/python -m pytest tests/kernels/test_vsa_backend.py
+.venv/bin/python -m pytest tests/kernels/test_vsa_backend.py
 """
 
 import pytest
@@ -16,8 +16,15 @@ from pixdit.models import build_model
 def _tiny_model(**attention):
     torch.manual_seed(0)
     # zero_init=False: with adaLN-Zero no gradient would reach the attention layers in the first step
-    return build_model("DiT-T", input_size=(16, 16), hidden_size=64, depth=2, num_heads=2, zero_init=False,
-                       attention={"name": "vsa", "topk": 4, **attention})
+    return build_model(
+        "DiT-T",
+        input_size=(16, 16),
+        hidden_size=64,
+        depth=2,
+        num_heads=2,
+        zero_init=False,
+        attention={"name": "vsa", "topk": 4, **attention},
+    )
 
 
 def _train_step(model):
@@ -35,7 +42,7 @@ def test_tiny_dit_trains_a_step_and_the_zero_gate_learns():
     assert gate.weight.abs().sum() == 0 and gate.bias.abs().sum() == 0
     loss = _train_step(model)
     assert torch.isfinite(loss)
-    assert gate.weight.abs().sum() > 0          # d gate = dO * O_coarse is non-zero even at gate = 0
+    assert gate.weight.abs().sum() > 0  # d gate = dO * O_coarse is non-zero even at gate = 0
 
 
 def test_zero_gate_means_fine_stage_only_and_gate_false_means_ungated_coarse():
@@ -46,8 +53,9 @@ def test_zero_gate_means_fine_stage_only_and_gate_false_means_ungated_coarse():
     torch.testing.assert_close(gated(q, k, v, grid_hw=(8, 8), hidden=hidden), fine_only)
     ungated = build_attention({"name": "vsa", "topk": 2, "gate": False}, dim=64, num_heads=2)
     assert not any(True for _ in ungated.parameters())
-    torch.testing.assert_close(ungated(q, k, v, grid_hw=(8, 8), hidden=hidden),
-                               vsa_attention(q, k, v, block_size=16, topk=2))
+    torch.testing.assert_close(
+        ungated(q, k, v, grid_hw=(8, 8), hidden=hidden), vsa_attention(q, k, v, block_size=16, topk=2)
+    )
 
 
 def test_fine_gate_starts_as_no_gate_and_learns():
@@ -63,7 +71,7 @@ def test_fine_gate_starts_as_no_gate_and_learns():
     out.square().sum().backward()
     assert with_fine_gate.fine_gate.weight.grad.abs().sum() > 0
     model = _tiny_model(fine_gate=True)
-    assert model.blocks[0].attn.backend.fine_gate.bias.eq(1).all()     # the model's init leaves it alone
+    assert model.blocks[0].attn.backend.fine_gate.bias.eq(1).all()  # the model's init leaves it alone
     with pytest.raises(PixditError, match="fine_gate='yes' must be true/false"):
         build_attention({"name": "vsa", "topk": 2, "fine_gate": "yes"}, dim=64, num_heads=2)
     with pytest.raises(PixditError, match="fine_gate must be true or false"):
@@ -85,9 +93,8 @@ def test_annealing_schedule_goes_from_dense_to_the_target():
 
 
 def test_annealing_backend_needs_the_step_and_checkpoints_it():
-    backend = build_attention({"name": "vsa", "topk": 2, "anneal_every": 10, "anneal_rate": 0.5}, dim=64,
-                              num_heads=2)
-    q = torch.randn(1, 2, 128, 32)                   # 8 tiles
+    backend = build_attention({"name": "vsa", "topk": 2, "anneal_every": 10, "anneal_rate": 0.5}, dim=64, num_heads=2)
+    q = torch.randn(1, 2, 128, 32)  # 8 tiles
     with pytest.raises(PixditError, match="set_training_step"):
         backend(q, q, q, grid_hw=(8, 16), hidden=torch.randn(1, 128, 64))
     backend.set_training_step(10)
@@ -98,9 +105,15 @@ def test_annealing_backend_needs_the_step_and_checkpoints_it():
     assert backend.current_topk(128) == 2
 
 
-@pytest.mark.parametrize("options,message", [({"block_size": 8}, "block_size"), ({"topk": 0}, "topk"),
-                                             ({"topk": 4, "topk_ratio": 0.5}, "exactly one"),
-                                             ({"anneal_every": -1}, "anneal_every")])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"block_size": 8}, "block_size"),
+        ({"topk": 0}, "topk"),
+        ({"topk": 4, "topk_ratio": 0.5}, "exactly one"),
+        ({"anneal_every": -1}, "anneal_every"),
+    ],
+)
 def test_bad_options_are_pixdit_errors(options, message):
     with pytest.raises(PixditError, match=message):
         build_attention({"name": "vsa", **options}, dim=64, num_heads=2)

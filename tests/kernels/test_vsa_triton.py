@@ -34,8 +34,9 @@ def _inputs(b, h, n, d, dtype=torch.float32, device="cpu", seed=0):
 
 
 @interpreter_only
-@pytest.mark.parametrize("b,h,n,d,block_size,topk", [(2, 1, 70, 32, 16, 2), (1, 2, 130, 64, 64, 1),
-                                                     (1, 1, 64, 128, 32, 2)])
+@pytest.mark.parametrize(
+    "b,h,n,d,block_size,topk", [(2, 1, 70, 32, 16, 2), (1, 2, 130, 64, 64, 1), (1, 1, 64, 128, 32, 2)]
+)
 def test_interpreted_triton_matches_oracle(b, h, n, d, block_size, topk):
     q, k, v, gate, upstream = _inputs(b, h, n, d)
     got = _run(q, k, v, gate, upstream.detach(), block_size=block_size, topk=topk, impl="triton")
@@ -61,12 +62,14 @@ def test_interpreted_triton_all_tiles_is_full_attention_and_deterministic():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b,h,n,d,block_size,topk", [(2, 3, 16384, 64, 16, 20), (2, 3, 16384, 64, 64, 8),
-                                                     (1, 2, 4096, 128, 16, 32), (2, 2, 4096 - 5, 32, 16, 16)])
+@pytest.mark.parametrize(
+    "b,h,n,d,block_size,topk",
+    [(2, 3, 16384, 64, 16, 20), (2, 3, 16384, 64, 64, 8), (1, 2, 4096, 128, 16, 32), (2, 2, 4096 - 5, 32, 16, 16)],
+)
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_triton_matches_exact_path(dtype, b, h, n, d, block_size, topk, mark):
     q, k, v, gate, upstream = _inputs(b, h, n, d, dtype, "cuda")
-    tile_idx = vsa_select(q, k, block_size=block_size, topk=topk)      # one selection for both paths
+    tile_idx = vsa_select(q, k, block_size=block_size, topk=topk)  # one selection for both paths
     got = _run(q, k, v, gate, upstream.detach(), block_size=block_size, tile_idx=tile_idx, impl="triton")
     exact = [x.detach().float().requires_grad_() for x in (q, k, v, gate)]
     want = _run(*exact, upstream.detach().float(), block_size=block_size, tile_idx=tile_idx, impl="torch")

@@ -10,13 +10,31 @@ Each backend is one class and one config file (`configs/attention/<name>.yaml`);
 them all. `attention.dense_blocks` keeps full attention in the listed blocks of the model (block_attention_configs). The methods are described in docs/algorithms.md, the interface in docs/architecture.md.
 """
 
-from pixdit.attention.base import (AttentionBackend, attention_class, attention_names, attention_options,
-                                   block_attention_configs, build_attention, register_attention)
+from pixdit.attention.base import (
+    AttentionBackend,
+    attention_class,
+    attention_names,
+    attention_options,
+    block_attention_configs,
+    build_attention,
+    register_attention,
+)
 from pixdit.attention.full import FullAttention
 from pixdit.attention.llsa import LLSAAttention
 from pixdit.attention.sla import SLAAttention
 from pixdit.attention.vsa import VSAAttention, vsa_annealed_topk
 
-__all__ = ["AttentionBackend", "FullAttention", "LLSAAttention", "SLAAttention", "VSAAttention", "attention_class",
-           "attention_names", "attention_options", "block_attention_configs", "build_attention", "register_attention",
-           "vsa_annealed_topk"]
+__all__ = [
+    "AttentionBackend",
+    "FullAttention",
+    "LLSAAttention",
+    "SLAAttention",
+    "VSAAttention",
+    "attention_class",
+    "attention_names",
+    "attention_options",
+    "block_attention_configs",
+    "build_attention",
+    "register_attention",
+    "vsa_annealed_topk",
+]

@@ -47,7 +47,7 @@ class AttentionBackend(nn.Module):
     name: str = ""
     token_order: str | None = None
     renamed_options: dict[str, str] = {}
-    head_dims: tuple[int, ...] | None = None   # the head dims the backend's kernels take (None: any)
+    head_dims: tuple[int, ...] | None = None  # the head dims the backend's kernels take (None: any)
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -73,8 +73,9 @@ class AttentionBackend(nn.Module):
         them; the sparse backends count what they compute (selected blocks, pooled levels, coarse or linear stages)."""
         return float(num_tokens)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid_hw: tuple[int, int],
-                hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grid_hw: tuple[int, int], hidden: torch.Tensor
+    ) -> torch.Tensor:
         """q, k, v: [batch, heads, tokens, head_dim] after qk-norm and RoPE, in the model's token order.
         hidden: [batch, tokens, dim], the modulated hidden states that fed the qkv projection.
         Returns [batch, heads, tokens, head_dim]."""
@@ -144,17 +145,20 @@ def _dense_block_indices(value: Any, depth: int) -> set[int]:
     if value is None:
         return set()
     key = f"attention.{DENSE_BLOCKS_KEY}"
-    allowed = (f"a list of block indices, integers from 0 to {depth - 1} (the model has depth {depth}), e.g. "
-               f"{key}=[0,{depth - 1}] (or [] for none)")
+    allowed = (
+        f"a list of block indices, integers from 0 to {depth - 1} (the model has depth {depth}), e.g. "
+        f"{key}=[0,{depth - 1}] (or [] for none)"
+    )
     if not isinstance(value, (list, tuple)):
         raise PixditError(f"{key}={value!r} must be {allowed}")
     # bool is an int subclass, but `true` is a typo here, not block 1.
-    bad = [index for index in value if isinstance(index, bool) or not isinstance(index, int)
-           or not 0 <= index < depth]
+    bad = [index for index in value if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < depth]
     if bad:
-        raise PixditError(f"{key}={list(value)}: {', '.join(map(repr, bad))} "
-                          f"{'is not a block index' if len(bad) == 1 else 'are not block indices'}; "
-                          f"allowed: {allowed}")
+        raise PixditError(
+            f"{key}={list(value)}: {', '.join(map(repr, bad))} "
+            f"{'is not a block index' if len(bad) == 1 else 'are not block indices'}; "
+            f"allowed: {allowed}"
+        )
     if len(set(value)) != len(value):
         raise PixditError(f"{key}={list(value)} lists a block twice; allowed: {allowed}")
     return set(value)
@@ -179,15 +183,16 @@ def check_head_dim(backend_name: str, dim: int, num_heads: int, allowed: tuple[i
         fix = f"model.num_heads={dim // nearest} (head dim {nearest}, the same parameters)"
     else:
         fix = "a hidden size that is a multiple of one of them"
-    raise PixditError(f"attention={backend_name} needs a head dim in {allowed} (its Triton kernels), but hidden size "
-                      f"{dim} / num_heads {num_heads} = {head_dim}; use {fix}, or attention=full")
+    raise PixditError(
+        f"attention={backend_name} needs a head dim in {allowed} (its Triton kernels), but hidden size "
+        f"{dim} / num_heads {num_heads} = {head_dim}; use {fix}, or attention=full"
+    )
 
 
 def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Callable[[torch.Tensor], Any]) -> None:
     """Validate a backend's options once at build time by running its kernel on a tiny CPU input (the kernels own
     the rules: allowed block sizes, head dims, K, scopes...); their ValueError/TypeError becomes a PixditError."""
-    x = torch.zeros(1, 1, block_size if isinstance(block_size, int) and block_size > 0 else 1, head_dim,
-                    device="cpu")
+    x = torch.zeros(1, 1, block_size if isinstance(block_size, int) and block_size > 0 else 1, head_dim, device="cpu")
     try:
         call(x)
     except (ValueError, TypeError) as error:

@@ -1,6 +1,6 @@
 """`full`: dense softmax attention over all tokens, in any token order.
 
-    python train.py experiment=quickstart attention=full attention.kernel=triton
+python train.py experiment=quickstart attention=full attention.kernel=triton
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class FullAttention(AttentionBackend):
     def __init__(self, dim: int, num_heads: int, kernel: str = "sdpa"):
         super().__init__(dim, num_heads)
         if kernel not in FULL_ATTENTION_KERNELS:
-            raise PixditError(f"attention.kernel={kernel!r} is not known; "
-                              f"allowed values: {', '.join(FULL_ATTENTION_KERNELS)}")
+            raise PixditError(
+                f"attention.kernel={kernel!r} is not known; allowed values: {', '.join(FULL_ATTENTION_KERNELS)}"
+            )
         self.kernel = kernel
         if kernel == "triton":
             check_head_dim("full attention.kernel=triton", dim, num_heads, HEAD_DIMS)

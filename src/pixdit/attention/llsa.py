@@ -27,8 +27,16 @@ class LLSAAttention(AttentionBackend):
     token_order = "zorder"
     head_dims = HEAD_DIMS
 
-    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | list[int] = 8,
-                 num_levels: int | None = None, enrich_levels: int | None = None, reference_l1_grad: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        block_size: int = 16,
+        topk: int | list[int] = 8,
+        num_levels: int | None = None,
+        enrich_levels: int | None = None,
+        reference_l1_grad: bool = False,
+    ):
         super().__init__(dim, num_heads)
         self.block_size = block_size
         self.topk = list(topk) if isinstance(topk, (list, tuple)) else topk
@@ -39,21 +47,44 @@ class LLSAAttention(AttentionBackend):
     def check_grid(self, grid_hw):
         num_tokens = grid_hw[0] * grid_hw[1]
         try:
-            llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
-                       enrich_levels=self.enrich_levels)
+            llsa_check(
+                num_tokens,
+                block_size=self.block_size,
+                num_levels=self.num_levels,
+                topk=self.topk,
+                enrich_levels=self.enrich_levels,
+            )
         except (ValueError, TypeError) as error:
-            raise PixditError(f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid "
-                              f"({num_tokens} tokens): {error}") from None
+            raise PixditError(
+                f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid ({num_tokens} tokens): {error}"
+            ) from None
 
     def tokens_per_query(self, num_tokens: int) -> float:
         """Fine keys of the K selected blocks + the pooled tokens of the enriched levels (pixdit.kernels.llsa_check)."""
-        return float(llsa_check(num_tokens, block_size=self.block_size, num_levels=self.num_levels, topk=self.topk,
-                                enrich_levels=self.enrich_levels)["tokens_per_query"])
+        return float(
+            llsa_check(
+                num_tokens,
+                block_size=self.block_size,
+                num_levels=self.num_levels,
+                topk=self.topk,
+                enrich_levels=self.enrich_levels,
+            )["tokens_per_query"]
+        )
 
     def forward(self, q, k, v, *, grid_hw, hidden):
-        return llsa_attention(q, k, v, block_size=self.block_size, topk=self.topk, num_levels=self.num_levels,
-                              enrich_levels=self.enrich_levels, reference_l1_grad=self.reference_l1_grad)
+        return llsa_attention(
+            q,
+            k,
+            v,
+            block_size=self.block_size,
+            topk=self.topk,
+            num_levels=self.num_levels,
+            enrich_levels=self.enrich_levels,
+            reference_l1_grad=self.reference_l1_grad,
+        )
 
     def extra_repr(self) -> str:
-        return (f"block_size={self.block_size}, topk={self.topk}, num_levels={self.num_levels}, "
-                f"enrich_levels={self.enrich_levels}")
+        return (
+            f"block_size={self.block_size}, topk={self.topk}, num_levels={self.num_levels}, "
+            f"enrich_levels={self.enrich_levels}"
+        )

@@ -31,12 +31,26 @@ class SLAAttention(AttentionBackend):
     token_order = "zorder"
     head_dims = HEAD_DIMS
 
-    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
-                 topk_ratio: float | None = None, linear_scope: str = "noncritical", feature_map: str = "softmax",
-                 negligible_ratio: float = 0.0):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        block_size: int = 16,
+        topk: int | None = 32,
+        topk_ratio: float | None = None,
+        linear_scope: str = "noncritical",
+        feature_map: str = "softmax",
+        negligible_ratio: float = 0.0,
+    ):
         super().__init__(dim, num_heads)
-        self.options = dict(block_size=block_size, topk=topk, topk_ratio=topk_ratio, linear_scope=linear_scope,
-                            feature_map=feature_map, negligible_ratio=negligible_ratio)
+        self.options = dict(
+            block_size=block_size,
+            topk=topk,
+            topk_ratio=topk_ratio,
+            linear_scope=linear_scope,
+            feature_map=feature_map,
+            negligible_ratio=negligible_ratio,
+        )
         check_kernel_options("sla", self.head_dim, block_size, lambda x: sla_attention(x, x, x, **self.options))
         self.proj_linear = uninitialized_linear(self.head_dim, self.head_dim)
         self.reset_parameters()
@@ -57,8 +71,9 @@ class SLAAttention(AttentionBackend):
     def forward(self, q, k, v, *, grid_hw, hidden):
         o_sparse, o_linear = sla_attention(q, k, v, **self.options)
         # fp32 master weights; under autocast F.linear runs in the autocast dtype
-        projected = self.proj_linear(o_linear if torch.is_autocast_enabled(o_linear.device.type)
-                                     else o_linear.to(self.proj_linear.weight.dtype))
+        projected = self.proj_linear(
+            o_linear if torch.is_autocast_enabled(o_linear.device.type) else o_linear.to(self.proj_linear.weight.dtype)
+        )
         return o_sparse + projected.to(o_sparse.dtype)
 
     def extra_repr(self) -> str:

@@ -48,16 +48,30 @@ class VSAAttention(AttentionBackend):
     head_dims = HEAD_DIMS
     renamed_options = {"sparsity": "topk_ratio = 1 - sparsity (the share of tiles kept)"}
 
-    def __init__(self, dim: int, num_heads: int, block_size: int = 16, topk: int | None = 32,
-                 topk_ratio: float | None = None, gate: bool = True, anneal_every: int = 0,
-                 anneal_rate: float = 0.02, fine_gate: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        block_size: int = 16,
+        topk: int | None = 32,
+        topk_ratio: float | None = None,
+        gate: bool = True,
+        anneal_every: int = 0,
+        anneal_rate: float = 0.02,
+        fine_gate: bool = False,
+    ):
         super().__init__(dim, num_heads)
         self.block_size, self.topk, self.topk_ratio = block_size, topk, topk_ratio
-        check_kernel_options("vsa", self.head_dim, block_size,
-                             lambda x: vsa_attention(x, x, x, block_size=block_size, topk=topk, topk_ratio=topk_ratio))
+        check_kernel_options(
+            "vsa",
+            self.head_dim,
+            block_size,
+            lambda x: vsa_attention(x, x, x, block_size=block_size, topk=topk, topk_ratio=topk_ratio),
+        )
         if isinstance(anneal_every, bool) or not isinstance(anneal_every, int) or anneal_every < 0:
-            raise PixditError(f"attention=vsa: anneal_every must be an int >= 0 (0 = no annealing), "
-                              f"got {anneal_every!r}")
+            raise PixditError(
+                f"attention=vsa: anneal_every must be an int >= 0 (0 = no annealing), got {anneal_every!r}"
+            )
         if not isinstance(anneal_rate, (int, float)) or not 0 < anneal_rate <= 1:
             raise PixditError(f"attention=vsa: anneal_rate must be a float in (0, 1], got {anneal_rate!r}")
         self.anneal_every, self.anneal_rate = anneal_every, float(anneal_rate)
@@ -85,11 +99,12 @@ class VSAAttention(AttentionBackend):
 
     def current_topk(self, num_tokens: int) -> int:
         num_tiles = num_blocks(num_tokens, self.block_size)
-        target = min(self.topk, num_tiles) if self.topk is not None else \
-            topk_from_fraction(self.topk_ratio, num_tiles)
+        target = min(self.topk, num_tiles) if self.topk is not None else topk_from_fraction(self.topk_ratio, num_tiles)
         if self.anneal_every and self.training and not self._step_was_set:
-            raise PixditError("attention=vsa with anneal_every > 0 needs the training loop to call "
-                              "set_training_step(global_step) on the attention backends")
+            raise PixditError(
+                "attention=vsa with anneal_every > 0 needs the training loop to call "
+                "set_training_step(global_step) on the attention backends"
+            )
         if not self.anneal_every:
             return target  # without annealing, do not read the step buffer (a GPU sync in every layer's forward)
         return vsa_annealed_topk(int(self.training_step), num_tiles, target, self.anneal_every, self.anneal_rate)
@@ -98,18 +113,27 @@ class VSAAttention(AttentionBackend):
         """Fine stage: the target K tiles' tokens; coarse stage: T pooled queries x T pooled keys (T tiles), i.e.
         T^2 / N per token."""
         num_tiles = num_blocks(num_tokens, self.block_size)
-        return float(resolve_topk(num_tiles, self.topk, self.topk_ratio) * self.block_size + num_tiles ** 2 / num_tokens)
+        return float(resolve_topk(num_tiles, self.topk, self.topk_ratio) * self.block_size + num_tiles**2 / num_tokens)
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         b, h, n, d = q.shape
 
-        def per_head(projection):     # [b, N, dim] -> [b, heads, N, head_dim], no activation
+        def per_head(projection):  # [b, N, dim] -> [b, heads, N, head_dim], no activation
             return None if projection is None else projection(hidden).view(b, n, h, d).transpose(1, 2).to(q.dtype)
 
-        return vsa_attention(q, k, v, block_size=self.block_size, topk=self.current_topk(n),
-                             gate=per_head(self.gate), gate_fine=per_head(self.fine_gate))
+        return vsa_attention(
+            q,
+            k,
+            v,
+            block_size=self.block_size,
+            topk=self.current_topk(n),
+            gate=per_head(self.gate),
+            gate_fine=per_head(self.fine_gate),
+        )
 
     def extra_repr(self) -> str:
-        return (f"block_size={self.block_size}, topk={self.topk}, topk_ratio={self.topk_ratio}, "
-                f"gate={self.gate is not None}, fine_gate={self.fine_gate is not None}, "
-                f"anneal_every={self.anneal_every}")
+        return (
+            f"block_size={self.block_size}, topk={self.topk}, topk_ratio={self.topk_ratio}, "
+            f"gate={self.gate is not None}, fine_gate={self.fine_gate is not None}, "
+            f"anneal_every={self.anneal_every}"
+        )

@@ -80,28 +80,36 @@ def resolve_checkpoint(ckpt: str) -> Path:
 def default_reference(ckpt: Path, resolution: int, inception_mode: str) -> str:
     """<data root>/fid_stats/<inception_mode>_<res>.npz from the run's saved Hydra config (RUN/.hydra/config.yaml)."""
     run_config = ckpt.parent.parent / ".hydra" / "config.yaml"
-    hint = ("set eval.reference=cleanfid:ffhq_trainval70k (FFHQ 256/1024 px) or eval.reference=PATH of an .npz made by "
-            "`python scripts/make_fid_stats.py --shards DATA_DIR`")
+    hint = (
+        "set eval.reference=cleanfid:ffhq_trainval70k (FFHQ 256/1024 px) or eval.reference=PATH of an .npz made by "
+        "`python scripts/make_fid_stats.py --shards DATA_DIR`"
+    )
     if not run_config.is_file():
         raise PixditError(f"eval.reference is not set and {run_config} (the run's data config) is missing: {hint}")
     root = OmegaConf.load(run_config).get("data", {}).get("root")
     path = default_stats_path(root, resolution, inception_mode) if root else None
     if path is None or not path.is_file():
-        raise PixditError(f"eval.reference is not set and {path} does not exist. Make it with:\n"
-                          f"    python scripts/make_fid_stats.py --shards {root} --resolution {resolution}\n  or {hint}")
+        raise PixditError(
+            f"eval.reference is not set and {path} does not exist. Make it with:\n"
+            f"    python scripts/make_fid_stats.py --shards {root} --resolution {resolution}\n  or {hint}"
+        )
     return str(path)
 
 
 def evaluate(cfg: DictConfig) -> dict | None:
     if OmegaConf.is_missing(cfg, "ckpt"):
-        raise PixditError("ckpt= is required: a run directory (RUN/checkpoints/last.ckpt is read), a .ckpt file or "
-                          "its EMA artifact .ema.pt, e.g. ckpt=outputs/quickstart/<time>")
+        raise PixditError(
+            "ckpt= is required: a run directory (RUN/checkpoints/last.ckpt is read), a .ckpt file or "
+            "its EMA artifact .ema.pt, e.g. ckpt=outputs/quickstart/<time>"
+        )
     rank, world_size, device = setup_distributed(str(cfg.device))
     precision = resolve_precision(str(cfg.precision), device)
     if cfg.seeds < 1 or cfg.num_samples < cfg.eval.inception_splits or cfg.sampler.steps < 1:
-        raise PixditError(f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
-                          f"sampler.steps >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
-                          f"sampler.steps={cfg.sampler.steps}")
+        raise PixditError(
+            f"need seeds >= 1, num_samples >= eval.inception_splits ({cfg.eval.inception_splits}), "
+            f"sampler.steps >= 1; got seeds={cfg.seeds}, num_samples={cfg.num_samples}, "
+            f"sampler.steps={cfg.sampler.steps}"
+        )
     check_batch_size(cfg.batch_size)
     use_compile = resolve_compile(cfg.compile, device.type)
     # Start-up checks first, cheapest first: nothing is generated before the metric names, the sampler, the weights
@@ -120,15 +128,25 @@ def evaluate(cfg: DictConfig) -> dict | None:
     reference = cfg.eval.reference
     if not reference and set(metric_names) != {"is"}:
         reference = default_reference(ckpt, resolution, cfg.eval.inception_mode)
-    suite = build_suite(metric_names, reference, resolution=resolution, device=device,
-                        inception_path=cfg.eval.inception_path, cache_dir=cfg.eval.cache_dir,
-                        inception_mode=cfg.eval.inception_mode, dinov2_path=cfg.eval.dinov2_path,
-                        cleanfid_stats_dir=cfg.eval.cleanfid_stats_dir, download=cfg.eval.download)
+    suite = build_suite(
+        metric_names,
+        reference,
+        resolution=resolution,
+        device=device,
+        inception_path=cfg.eval.inception_path,
+        cache_dir=cfg.eval.cache_dir,
+        inception_mode=cfg.eval.inception_mode,
+        dinov2_path=cfg.eval.dinov2_path,
+        cleanfid_stats_dir=cfg.eval.cleanfid_stats_dir,
+        download=cfg.eval.download,
+    )
 
     name = ckpt.name.removesuffix(".ckpt").removesuffix(EMA_SUFFIX)
     interval_tag = "" if cfg_interval is None else f"_in{cfg_interval[0]:g}-{cfg_interval[1]:g}"
-    tag = (f"{name}_n{cfg.num_samples}_{cfg.sampler.name}{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}{interval_tag}"
-           f"_{weights.source}")
+    tag = (
+        f"{name}_n{cfg.num_samples}_{cfg.sampler.name}{cfg.sampler.steps}_cfg{cfg.cfg_scale:g}{interval_tag}"
+        f"_{weights.source}"
+    )
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ckpt.parent.parent / "eval" / tag
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,8 +166,9 @@ def evaluate(cfg: DictConfig) -> dict | None:
         offset = repeat * cfg.num_samples
         grid_indices, grid_images = [], []
 
-        def on_batch(indices, images, offset=offset, first=(repeat == 0), grid_indices=grid_indices,
-                     grid_images=grid_images):
+        def on_batch(
+            indices, images, offset=offset, first=(repeat == 0), grid_indices=grid_indices, grid_images=grid_images
+        ):
             if not first:
                 return
             keep = indices < offset + cfg.grid_samples
@@ -159,10 +178,23 @@ def evaluate(cfg: DictConfig) -> dict | None:
                 npz_rows[(indices - offset).numpy()] = images.permute(0, 2, 3, 1).numpy()
 
         metrics = evaluate_generator(
-            model, flow, suite, num_samples=cfg.num_samples, image_size=image_size,
-            steps=cfg.sampler.steps, sampler=cfg.sampler.name, cfg_interval=cfg_interval, seed=cfg.seed,
-            cfg_scale=cfg.cfg_scale, num_classes=num_classes, index_offset=offset, batch_size=cfg.batch_size,
-            device=device, precision=precision, compile=use_compile, inception_splits=cfg.eval.inception_splits,
+            model,
+            flow,
+            suite,
+            num_samples=cfg.num_samples,
+            image_size=image_size,
+            steps=cfg.sampler.steps,
+            sampler=cfg.sampler.name,
+            cfg_interval=cfg_interval,
+            seed=cfg.seed,
+            cfg_scale=cfg.cfg_scale,
+            num_classes=num_classes,
+            index_offset=offset,
+            batch_size=cfg.batch_size,
+            device=device,
+            precision=precision,
+            compile=use_compile,
+            inception_splits=cfg.eval.inception_splits,
             on_batch=on_batch,
         )
         per_seed.append({**metrics, "sample_indices": [offset, offset + cfg.num_samples]})
@@ -172,11 +204,15 @@ def evaluate(cfg: DictConfig) -> dict | None:
             images = torch.cat(grid_images) if grid_images else torch.empty(0, 3, height, width, dtype=torch.uint8)
             images = gather_by_index(images.to(device), indices.to(device)).cpu()
             if rank == 0:
-                torchvision.utils.save_image(images.float() / 255, out_dir / "grid.png",
-                                             nrow=max(1, int(len(images) ** 0.5)), padding=2)
+                torchvision.utils.save_image(
+                    images.float() / 255, out_dir / "grid.png", nrow=max(1, int(len(images) ** 0.5)), padding=2
+                )
         if rank == 0:
-            print(f"seed range {repeat}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
-                                                       if isinstance(v, float)), flush=True)
+            print(
+                f"seed range {repeat}: "
+                + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)),
+                flush=True,
+            )
 
     if npz_rows is not None:
         npz_rows.flush()
@@ -184,8 +220,11 @@ def evaluate(cfg: DictConfig) -> dict | None:
             dist.barrier()
         if rank == 0:
             labels = labels_for_indices(range(cfg.num_samples), num_classes)
-            save_adm_npz(out_dir / "samples.npz", np.lib.format.open_memmap(npy_path, mode="r"),
-                         labels.numpy() if labels is not None else None)
+            save_adm_npz(
+                out_dir / "samples.npz",
+                np.lib.format.open_memmap(npy_path, mode="r"),
+                labels.numpy() if labels is not None else None,
+            )
             os.remove(npy_path)
 
     if rank != 0:
@@ -195,7 +234,7 @@ def evaluate(cfg: DictConfig) -> dict | None:
         "per_seed": per_seed,
         "settings": {
             "checkpoint": str(ckpt.resolve()),
-            "weights_file": str(weights.path.resolve()),   # the EMA artifact next to the checkpoint when it exists
+            "weights_file": str(weights.path.resolve()),  # the EMA artifact next to the checkpoint when it exists
             "global_step": weights.global_step,
             "weights": weights.source,
             "sampler": str(cfg.sampler.name),
@@ -219,10 +258,12 @@ def evaluate(cfg: DictConfig) -> dict | None:
         },
     }
     write_json(out_dir / "metrics.json", result)  # summarize_sweep.py must never read half a file
-    shown = ", ".join(f"{key} {result[key]:.4g}" + (f" ± {result[key + '_std_over_seeds']:.3g}"
-                                                      if key + "_std_over_seeds" in result else "")
-                      for key in ("fid", "is_mean", "kid", "sfid", "precision", "recall", "fd_dinov2")
-                      if result.get(key) is not None)
+    shown = ", ".join(
+        f"{key} {result[key]:.4g}"
+        + (f" ± {result[key + '_std_over_seeds']:.3g}" if key + "_std_over_seeds" in result else "")
+        for key in ("fid", "is_mean", "kid", "sfid", "precision", "recall", "fd_dinov2")
+        if result.get(key) is not None
+    )
     print(f"{shown} ({cfg.seeds} x {cfg.num_samples} samples) -> {out_dir}/metrics.json", flush=True)
     return result
 

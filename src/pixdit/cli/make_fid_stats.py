@@ -34,12 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="shard folder with manifest.json")
     parser.add_argument("--resolution", type=int, default=None, help="evaluation resolution (default: the shards')")
-    parser.add_argument("--out", default=None, help="output .npz (default: SHARDS/fid_stats/<inception mode>_<res>.npz)")
+    parser.add_argument(
+        "--out", default=None, help="output .npz (default: SHARDS/fid_stats/<inception mode>_<res>.npz)"
+    )
     parser.add_argument("--split", default="train")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-images", type=int, default=None, help="only the first N images (quick checks)")
-    parser.add_argument("--kid", action="store_true",
-                        help="also store the features (for KID and precision/recall; 8 KB per image)")
+    parser.add_argument(
+        "--kid", action="store_true", help="also store the features (for KID and precision/recall; 8 KB per image)"
+    )
     parser.add_argument("--sfid", action="store_true", help="also the spatial statistics for sFID (mu_s, sigma_s)")
     parser.add_argument("--dinov2-path", default=None, help="dinov2_vitl14_pretrain.pth: also FD-DINOv2 statistics")
     parser.add_argument("--inception-mode", default="clean", choices=INCEPTION_MODES)
@@ -51,17 +54,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.resolution is not None and args.resolution < 1:  # (0 used to mean "the shards' resolution")
-            raise PixditError(f"--resolution must be >= 1 (pixels), got {args.resolution}; leave it out to use the "
-                              f"shards' own resolution")
+            raise PixditError(
+                f"--resolution must be >= 1 (pixels), got {args.resolution}; leave it out to use the "
+                f"shards' own resolution"
+            )
         weights = resolve_inception_path(args.inception_path, args.cache_dir, args.download, config_prefix="--")
         dinov2_weights = resolve_dinov2_path(args.dinov2_path, args.download, "--") if args.dinov2_path else None
-        extractor = InceptionFeatureExtractor(weights, device=args.device, config_prefix="--",
-                                              mode=args.inception_mode, spatial=args.sfid)
-        dinov2 = DINOv2FeatureExtractor(dinov2_weights, device=args.device, config_prefix="--") \
-            if dinov2_weights else None
-        make_reference_stats(args.shards, extractor, resolution=args.resolution, split=args.split,
-                             batch_size=args.batch_size, kid=args.kid, out=args.out, force=args.force,
-                             max_images=args.max_images, dinov2=dinov2)
+        extractor = InceptionFeatureExtractor(
+            weights, device=args.device, config_prefix="--", mode=args.inception_mode, spatial=args.sfid
+        )
+        dinov2 = (
+            DINOv2FeatureExtractor(dinov2_weights, device=args.device, config_prefix="--") if dinov2_weights else None
+        )
+        make_reference_stats(
+            args.shards,
+            extractor,
+            resolution=args.resolution,
+            split=args.split,
+            batch_size=args.batch_size,
+            kid=args.kid,
+            out=args.out,
+            force=args.force,
+            max_images=args.max_images,
+            dinov2=dinov2,
+        )
     except PixditError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -24,8 +24,12 @@ def main() -> None:
     parser.add_argument("--source", required=True, help="folder of images (recursive), .zip, or folder of .parquet")
     parser.add_argument("--out", required=True, help="output directory for the shards")
     parser.add_argument("--resolution", type=int, required=True, help="output side in pixels (centre square)")
-    parser.add_argument("--labels", choices=LABEL_MODES, default="none",
-                        help="folders: class ids from sorted folder names (ImageNet synsets); default none")
+    parser.add_argument(
+        "--labels",
+        choices=LABEL_MODES,
+        default="none",
+        help="folders: class ids from sorted folder names (ImageNet synsets); default none",
+    )
     parser.add_argument("--maxcount", type=int, default=1000, help="images per shard (default 1000)")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes (default 1)")
     parser.add_argument("--format", choices=IMAGE_FORMATS, default="png", help="png (lossless, default) or jpg")
@@ -34,15 +38,26 @@ def main() -> None:
     parser.add_argument("--val", type=int, default=0, help="hold out N images as a 'val' split (default 0)")
     args = parser.parse_args()
     try:
-        manifest = prepare_dataset(args.source, args.out, args.resolution, labels=args.labels,
-                                   maxcount=args.maxcount, workers=args.workers, image_format=args.format,
-                                   quality=args.quality, limit=args.limit, val=args.val)
+        manifest = prepare_dataset(
+            args.source,
+            args.out,
+            args.resolution,
+            labels=args.labels,
+            maxcount=args.maxcount,
+            workers=args.workers,
+            image_format=args.format,
+            quality=args.quality,
+            limit=args.limit,
+            val=args.val,
+        )
     except PixditError as error:
         fail(str(error))
     counts = ", ".join(f"{split} {count}" for split, count in manifest["counts"].items())
     classes = f", {manifest['num_classes']} classes" if manifest["num_classes"] else ""
-    print(f"wrote {args.out}: {counts} images at {args.resolution}x{args.resolution}{classes}; "
-          f"{manifest['skipped_count']} source images skipped (listed above and in the manifest)")
+    print(
+        f"wrote {args.out}: {counts} images at {args.resolution}x{args.resolution}{classes}; "
+        f"{manifest['skipped_count']} source images skipped (listed above and in the manifest)"
+    )
 
 
 if __name__ == "__main__":

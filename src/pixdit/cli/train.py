@@ -54,6 +54,7 @@ from pixdit.cli import fail
 from pixdit.config import check_top_level_keys, construct, plain, register_resolvers
 from pixdit.errors import PixditError
 from pixdit.files import remove_stale_temporaries
+from pixdit.rundir import is_fresh_run
 from pixdit.runtime import is_rank_zero, resolve_compile
 
 CONFIG_MODULE = "pixdit.configs"
@@ -67,8 +68,9 @@ class Preempted(Exception):
     def __init__(self, step: int, checkpoint: Path | None):
         self.step, self.checkpoint = step, checkpoint
         saved = f"saved {checkpoint}" if checkpoint else "no checkpoint (callbacks.checkpoint is off)"
-        super().__init__(f"stopped by SIGTERM at step {step}: {saved}; resume with ckpt_path=last and the same "
-                         f"hydra.run.dir")
+        super().__init__(
+            f"stopped by SIGTERM at step {step}: {saved}; resume with ckpt_path=last and the same hydra.run.dir"
+        )
 
 
 def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
@@ -85,9 +87,11 @@ def build_loggers(cfg, run_dir: Path, resuming: bool = False) -> list:
     if resuming and (run_dir / "metrics.csv").exists():
         csv_version = f"resumed_{len(list(run_dir.glob('resumed_*'))) + 1}"
     # Where each logger writes is pixdit's choice (the run directory), not a config option.
-    fixed = {"csv": dict(save_dir=str(run_dir), name="", version=csv_version),
-             "tensorboard": dict(save_dir=str(run_dir), name="tensorboard", version=""),
-             "wandb": dict(save_dir=str(run_dir))}
+    fixed = {
+        "csv": dict(save_dir=str(run_dir), name="", version=csv_version),
+        "tensorboard": dict(save_dir=str(run_dir), name="tensorboard", version=""),
+        "wandb": dict(save_dir=str(run_dir)),
+    }
     loggers = []
     for name, options in (plain(cfg) or {}).items():
         if name not in logger_classes:
@@ -102,11 +106,14 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     """The checkpoint to resume from, checked to be whole and readable (``pixdit.checkpoint.read_checkpoint``).
 
     ``last`` -> <run dir>/checkpoints/last.ckpt; when that file is missing or damaged, the run's newest intact
-    checkpoint, with a warning. Any other value must be a readable checkpoint file; for a damaged one the message
-    names the newest intact checkpoint next to it."""
-    if ckpt_path is None:
-        return None
+    checkpoint, with a warning. ``auto`` -> as ``last`` when the run directory has a checkpoint, else None (a new run):
+    the setting for a job that a scheduler requeues with the same command. Any other value must be a readable
+    checkpoint file; for a damaged one the message names the newest intact checkpoint next to it."""
     run_dir = Path(run_dir)
+    if is_fresh_run(ckpt_path, run_dir):
+        return None
+    if ckpt_path == "auto":
+        ckpt_path = "last"
     if ckpt_path == "last":
         path = run_dir / "checkpoints" / "last.ckpt"
         problem = None
@@ -119,17 +126,26 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         fallback = newest_intact_checkpoint(path.parent, exclude=(path,))
         if fallback is not None:
             reason = "cannot be read" if problem else "does not exist"
-            log.warning("ckpt_path=last: %s %s; resuming from the newest intact checkpoint of the run, %s (step %d)",
-                        path, reason, fallback[0], fallback[1])
+            log.warning(
+                "ckpt_path=last: %s %s; resuming from the newest intact checkpoint of the run, %s (step %d)",
+                path,
+                reason,
+                fallback[0],
+                fallback[1],
+            )
             return str(fallback[0])
         if problem is not None:
-            raise PixditError(f"{problem}; the run has no other intact checkpoint in {path.parent}: restore the file "
-                              f"from a copy, or start a new run (another hydra.run.dir, init_from=<checkpoint>)")
+            raise PixditError(
+                f"{problem}; the run has no other intact checkpoint in {path.parent}: restore the file "
+                f"from a copy, or start a new run (another hydra.run.dir, init_from=<checkpoint>)"
+            )
         siblings = [p for p in run_dir.parent.glob("*/checkpoints/last.ckpt") if p.parent.parent != run_dir]
         newest = max(siblings, key=lambda p: p.stat().st_mtime).parent.parent if siblings else None
         hint = (f"; the newest run of this name with one is {newest}: add hydra.run.dir={newest}") if newest else ""
-        raise PixditError(f"ckpt_path=last: no checkpoint at {path} (resume a run by passing its directory as "
-                          f"hydra.run.dir=<run dir>){hint}")
+        raise PixditError(
+            f"ckpt_path=last: no checkpoint at {path} (resume a run by passing its directory as "
+            f"hydra.run.dir=<run dir>){hint}"
+        )
     path = Path(ckpt_path)
     if not path.is_file():
         raise PixditError(f"ckpt_path={ckpt_path!r}: no such file (use a .ckpt path or ckpt_path=last)")
@@ -137,8 +153,11 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         read_checkpoint(path)
     except PixditError as error:
         fallback = newest_intact_checkpoint(path.parent, exclude=(path,))
-        hint = (f"the newest intact checkpoint next to it is {fallback[0]} (step {fallback[1]}): ckpt_path="
-                f"{fallback[0]}") if fallback else "give another checkpoint of the run (or ckpt_path=last)"
+        hint = (
+            (f"the newest intact checkpoint next to it is {fallback[0]} (step {fallback[1]}): ckpt_path={fallback[0]}")
+            if fallback
+            else "give another checkpoint of the run (or ckpt_path=last)"
+        )
         raise PixditError(f"{error}; {hint}") from None
     return ckpt_path
 
@@ -146,23 +165,31 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def check_trainer_settings(options: dict) -> None:
     """The ``trainer`` settings that Lightning accepts but a pixdit run cannot use, or reports only mid-run with a
     traceback (a ZeroDivisionError for accumulate_grad_batches=0): one PixditError each, before anything is built."""
+
     def whole(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
     max_steps = options.get("max_steps")
     if not whole(max_steps) or max_steps < 1:
-        raise PixditError(f"trainer.max_steps={max_steps!r} must be a whole number >= 1: a pixdit run ends after that "
-                          f"many optimizer steps (Lightning's -1 would train forever)")
+        raise PixditError(
+            f"trainer.max_steps={max_steps!r} must be a whole number >= 1: a pixdit run ends after that "
+            f"many optimizer steps (Lightning's -1 would train forever)"
+        )
     for name in ("accumulate_grad_batches", "log_every_n_steps"):
         value = options.get(name, 1)
         if not whole(value) or value < 1:
             raise PixditError(f"trainer.{name}={value!r} must be a whole number >= 1")
     interval = options.get("val_check_interval")
-    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and \
-            not (interval >= 1 if whole(interval) else 0 < interval <= 1):
-        raise PixditError(f"trainer.val_check_interval={interval!r} must be a number of optimizer steps >= 1 (or a "
-                          f"fraction of an epoch in (0, 1]); to validate only at the end use a number >= "
-                          f"trainer.max_steps, to never validate trainer.limit_val_batches=0")
+    if (
+        isinstance(interval, (int, float))
+        and not isinstance(interval, bool)
+        and not (interval >= 1 if whole(interval) else 0 < interval <= 1)
+    ):
+        raise PixditError(
+            f"trainer.val_check_interval={interval!r} must be a number of optimizer steps >= 1 (or a "
+            f"fraction of an epoch in (0, 1]); to validate only at the end use a number >= "
+            f"trainer.max_steps, to never validate trainer.limit_val_batches=0"
+        )
 
 
 def check_accelerator(options: dict) -> None:
@@ -171,23 +198,24 @@ def check_accelerator(options: dict) -> None:
 
     accelerator = str(options.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise PixditError(f"trainer.accelerator={accelerator} (trainer=gpu / ddp) but PyTorch sees no CUDA GPU here; "
-                          f"use trainer=cpu, or trainer=auto (the GPU when there is one), or check the driver and "
-                          f"CUDA_VISIBLE_DEVICES")
+        raise PixditError(
+            f"trainer.accelerator={accelerator} (trainer=gpu / ddp) but PyTorch sees no CUDA GPU here; "
+            f"use trainer=cpu, or trainer=auto (the GPU when there is one), or check the driver and "
+            f"CUDA_VISIBLE_DEVICES"
+        )
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Fit one run into ``run_dir``; returns the trainer's final metrics (floats) and the output paths."""
     import lightning as L
     import torch
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
     from pixdit.data.datamodule import ShardDataModule
     from pixdit.memory import check_training_memory, explain_out_of_memory
     from pixdit.module import DiffusionModule, check_seed
-
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -205,15 +233,17 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     check_trainer_settings(plain(cfg.trainer))
     L.seed_everything(check_seed(cfg.seed), workers=True, verbose=False)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
-    torch.backends.cudnn.allow_tf32 = True        # CUDA-only flags: CPU numerics stay untouched
+    torch.backends.cudnn.allow_tf32 = True  # CUDA-only flags: CPU numerics stay untouched
 
     datamodule = construct(ShardDataModule, plain(cfg.data), "data")
     use_compile = resolve_compile(cfg.compile, str(cfg.trainer.get("accelerator", "auto")))
     module = DiffusionModule.from_config(cfg, datamodule.resolution, compile=use_compile)
     if module.num_classes and module.num_classes != datamodule.num_classes:
-        raise PixditError(f"model.num_classes={module.num_classes} but the data at {datamodule.root} has "
-                          f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "
-                          f"use labelled data with as many classes, or model.num_classes=0")
+        raise PixditError(
+            f"model.num_classes={module.num_classes} but the data at {datamodule.root} has "
+            f"{datamodule.num_classes or 'no'} class labels (data.labelled={datamodule.labelled}); "
+            f"use labelled data with as many classes, or model.num_classes=0"
+        )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is not None:
         differ = check_same_model(ckpt_path, read_checkpoint(ckpt_path), module.state_dict(), dict(module.hparams))
@@ -229,8 +259,15 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     loggers = build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None)
     check_accelerator(plain(cfg.trainer))
     try:
-        trainer = construct(L.Trainer, cfg.trainer, "trainer", callbacks=callbacks, logger=loggers,
-                            plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir))
+        trainer = construct(
+            L.Trainer,
+            cfg.trainer,
+            "trainer",
+            callbacks=callbacks,
+            logger=loggers,
+            plugins=[AtomicCheckpointIO()],
+            default_root_dir=str(run_dir),
+        )
     except MisconfigurationException as error:
         raise PixditError(f"trainer: {error}") from None
     if is_rank_zero():
@@ -260,8 +297,12 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     grids = [c.last_path for c in callbacks if isinstance(c, SampleGrid) and c.last_path is not None]
     result["samples"] = str(grids[0]) if grids else None
     if trainer.is_global_zero:
-        log.info("done after %d steps: checkpoint %s, samples %s", trainer.global_step, result["checkpoint"],
-                 result["samples"])
+        log.info(
+            "done after %d steps: checkpoint %s, samples %s",
+            trainer.global_step,
+            result["checkpoint"],
+            result["samples"],
+        )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Lightning leaves the DDP process group open after fit. Left to the interpreter's exit, gloo's worker threads
         # can abort the process ("terminate called without an active exception", exit status -6) after a good run.
@@ -284,9 +325,15 @@ def run(cfg: DictConfig) -> None:
 
     def record(status: str, error: BaseException | None = None, **extra) -> None:
         if is_rank_zero():
-            write_status(run_dir, status, error, overrides=list(hydra_config.overrides.task),
-                         seconds=round(time.time() - started, 1),
-                         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), **extra)
+            write_status(
+                run_dir,
+                status,
+                error,
+                overrides=list(hydra_config.overrides.task),
+                seconds=round(time.time() - started, 1),
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                **extra,
+            )
 
     try:
         result = train(cfg, run_dir)
@@ -341,8 +388,10 @@ def explain_config_error(error: Exception, overrides: list[str]) -> str:
                 message = f"{key} was renamed: use {parent}.{renamed}"
             elif isinstance(node, DictConfig):
                 where = f"'{parent}'" if parent else "the top level"
-                message = (f"unknown config key '{key}'. Keys at {where}: {', '.join(str(k) for k in node.keys())}. "
-                           f"(To add a new key on purpose: +{key}=...)")
+                message = (
+                    f"unknown config key '{key}'. Keys at {where}: {', '.join(str(k) for k in node.keys())}. "
+                    f"(To add a new key on purpose: +{key}=...)"
+                )
         except Exception:  # the original message is still right; the key list is a bonus
             pass
     return message

@@ -77,7 +77,7 @@ class FIDCallback(Callback):
                 f"{every_n_train_steps}, num_samples={num_samples}, steps={steps}"
             )
         check_batch_size(batch_size, f"{key}.batch_size")
-        resolve_compile(compile, "cpu")   # checks the value now (auto = on CUDA, decided at each evaluation)
+        resolve_compile(compile, "cpu")  # checks the value now (auto = on CUDA, decided at each evaluation)
         resolve_precision(precision, "cpu", key=f"{key}.precision")  # checks the name now; `auto` = the trainer's
         self.metrics = check_metric_names(metrics, key)
         self.cfg_interval = check_sampler(sampler, cfg_interval, prefix=f"{key}.")
@@ -119,8 +119,10 @@ class FIDCallback(Callback):
         if not self.use_ema and isinstance(trainer.strategy, FSDPStrategy):
             # The sharded model gathers its weights from every rank at each forward, but the ranks sample different
             # numbers of batches: the run would hang. The EMA copy is whole on every rank (pixdit.fsdp).
-            raise PixditError(f"{key}.use_ema=false cannot run under trainer=fsdp (the sharded raw weights would need "
-                              f"every rank in each forward); use {key}.use_ema=true (the default) or trainer=ddp")
+            raise PixditError(
+                f"{key}.use_ema=false cannot run under trainer=fsdp (the sharded raw weights would need "
+                f"every rank in each forward); use {key}.use_ema=true (the default) or trainer=ddp"
+            )
         resolution = int(pl_module.image_size[0])
         reference = self.reference_name
         data_root = getattr(trainer.datamodule, "root", None) if trainer.datamodule is not None else None
@@ -145,17 +147,30 @@ class FIDCallback(Callback):
         self.suite = self._build_suite(trainer.strategy.root_device)
 
     def _build_suite(self, device) -> MetricSuite:
-        return build_suite(self.metrics, self._reference, resolution=self._resolution, device=device,
-                           inception_path=self.inception_path, cache_dir=self.cache_dir,
-                           inception_mode=self.inception_mode, dinov2_path=self.dinov2_path,
-                           cleanfid_stats_dir=self.cleanfid_stats_dir, download=self.download,
-                           prefix=self.config_key)
+        return build_suite(
+            self.metrics,
+            self._reference,
+            resolution=self._resolution,
+            device=device,
+            inception_path=self.inception_path,
+            cache_dir=self.cache_dir,
+            inception_mode=self.inception_mode,
+            dinov2_path=self.dinov2_path,
+            cleanfid_stats_dir=self.cleanfid_stats_dir,
+            download=self.download,
+            prefix=self.config_key,
+        )
 
     # ------------------------------------------------------------------ when to evaluate
     def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.enabled and self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0 \
-                and step != self._last_step:
+        if (
+            self.enabled
+            and self.every_n_train_steps
+            and step > 0
+            and step % self.every_n_train_steps == 0
+            and step != self._last_step
+        ):
             self.evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module) -> None:
@@ -180,11 +195,22 @@ class FIDCallback(Callback):
             self.suite = self._build_suite(device)
         model = pl_module.ema.model if self.use_ema and hasattr(pl_module, "ema") else pl_module.model
         metrics = evaluate_generator(
-            model, pl_module.flow, self.suite,
-            num_samples=self.num_samples, image_size=pl_module.image_size, steps=self.steps, sampler=self.sampler,
-            cfg_interval=self.cfg_interval, seed=self.seed, cfg_scale=self.cfg_scale, num_classes=pl_module.num_classes,
-            batch_size=self.batch_size, device=device, compile=resolve_compile(self.compile, device.type),
-            precision=resolve_precision(self.precision, device, trainer.precision), inception_splits=self.inception_splits,
+            model,
+            pl_module.flow,
+            self.suite,
+            num_samples=self.num_samples,
+            image_size=pl_module.image_size,
+            steps=self.steps,
+            sampler=self.sampler,
+            cfg_interval=self.cfg_interval,
+            seed=self.seed,
+            cfg_scale=self.cfg_scale,
+            num_classes=pl_module.num_classes,
+            batch_size=self.batch_size,
+            device=device,
+            compile=resolve_compile(self.compile, device.type),
+            precision=resolve_precision(self.precision, device, trainer.precision),
+            inception_splits=self.inception_splits,
         )
         logged = {k: float(v) for k, v in metrics.items() if k != "num_samples" and v is not None}
         for name, value in logged.items():
@@ -192,7 +218,11 @@ class FIDCallback(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=trainer.global_step)
-            log.info("step %d: %s (%d samples)", trainer.global_step,
-                     ", ".join(f"{k}={v:.4g}" for k, v in logged.items()), metrics["num_samples"])
+            log.info(
+                "step %d: %s (%d samples)",
+                trainer.global_step,
+                ", ".join(f"{k}={v:.4g}" for k, v in logged.items()),
+                metrics["num_samples"],
+            )
         self.last_metrics = {**metrics, "step": trainer.global_step}
         return metrics

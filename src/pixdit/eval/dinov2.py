@@ -91,9 +91,10 @@ def load_dinov2_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - a truncated or wrong file is a user error
-        raise PixditError(f"{path} is not a loadable DINOv2 checkpoint ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''}); download it again from {DINOV2_URL}") \
-            from None
+        raise PixditError(
+            f"{path} is not a loadable DINOv2 checkpoint ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); download it again from {DINOV2_URL}"
+        ) from None
     state = state.get("model", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
         raise PixditError(f"{path}: expected a state dict of DINOv2 weights, found {type(state).__name__}")
@@ -107,13 +108,19 @@ class DINOv2FeatureExtractor:
     random-weight network only; real evaluations use the defaults.
     """
 
-    def __init__(self, weights_path: str | Path, device: torch.device | str = "cpu", config_prefix: str = "eval",
-                 **architecture_overrides):
+    def __init__(
+        self,
+        weights_path: str | Path,
+        device: torch.device | str = "cpu",
+        config_prefix: str = "eval",
+        **architecture_overrides,
+    ):
         import timm
 
         self.device = torch.device(device)
-        model = timm.create_model(DINOV2_ARCHITECTURE, pretrained=False, num_classes=0, img_size=INPUT_SIZE,
-                                  **architecture_overrides)
+        model = timm.create_model(
+            DINOV2_ARCHITECTURE, pretrained=False, num_classes=0, img_size=INPUT_SIZE, **architecture_overrides
+        )
         state = load_dinov2_state_dict(weights_path)
         state = {k: v for k, v in state.items() if k != "mask_token"}  # used only in DINOv2's masked training
         grid = model.patch_embed.grid_size[0]
@@ -134,7 +141,9 @@ class DINOv2FeatureExtractor:
     @torch.no_grad()
     def __call__(self, images_uint8: torch.Tensor) -> torch.Tensor:
         if images_uint8.dtype != torch.uint8 or images_uint8.ndim != 4 or images_uint8.shape[1] != 3:
-            raise ValueError(f"expected uint8 [b, 3, H, W] images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
+            raise ValueError(
+                f"expected uint8 [b, 3, H, W] images, got {images_uint8.dtype} {tuple(images_uint8.shape)}"
+            )
         with torch.autocast(self.device.type, enabled=False):
             x = images_uint8.to(self.device, torch.float32)
             x = F.interpolate(x, size=(INPUT_SIZE, INPUT_SIZE), mode="bicubic", antialias=True)

@@ -99,8 +99,9 @@ def evaluate_generator(
     rank, world_size = rank_and_world_size()
     metrics = suite.metrics
     if num_samples < max(2, inception_splits if "is" in metrics else 2):
-        raise PixditError(f"num_samples={num_samples} must be at least 2 and at least inception_splits "
-                          f"({inception_splits})")
+        raise PixditError(
+            f"num_samples={num_samples} must be at least 2 and at least inception_splits ({inception_splits})"
+        )
     inception, dinov2 = suite.inception, suite.dinov2
     stats_device = inception.device if inception is not None else dinov2.device
     pool_stats = FeatureStatistics(FEATURE_DIM, device=stats_device) if "fid" in metrics else None
@@ -114,9 +115,19 @@ def evaluate_generator(
     local_error = None
     try:
         for indices, images in generate_uint8(
-            model, flow, rank_indices(num_samples, rank, world_size, index_offset),
-            image_size=image_size, seed=seed, steps=steps, sampler=sampler, cfg_interval=cfg_interval,
-            cfg_scale=cfg_scale, num_classes=num_classes, batch_size=batch_size, device=device, precision=precision,
+            model,
+            flow,
+            rank_indices(num_samples, rank, world_size, index_offset),
+            image_size=image_size,
+            seed=seed,
+            steps=steps,
+            sampler=sampler,
+            cfg_interval=cfg_interval,
+            cfg_scale=cfg_scale,
+            num_classes=num_classes,
+            batch_size=batch_size,
+            device=device,
+            precision=precision,
             compile=compile,
         ):
             if on_batch is not None:
@@ -160,8 +171,17 @@ def evaluate_generator(
     payload = [None, None]
     if rank == 0:
         try:
-            payload[0] = _metrics(metrics, suite.reference, num_samples, pool_stats, spatial_stats, dinov2_stats,
-                                  logits, features, inception_splits)
+            payload[0] = _metrics(
+                metrics,
+                suite.reference,
+                num_samples,
+                pool_stats,
+                spatial_stats,
+                dinov2_stats,
+                logits,
+                features,
+                inception_splits,
+            )
         except Exception as error:  # noqa: BLE001 - re-raised below on every rank
             payload[1] = error
     if world_size > 1:
@@ -176,8 +196,9 @@ def _frechet_to(stats: FeatureStatistics, mu, sigma) -> float:
     return frechet_distance(mean, covariance, mu, sigma)
 
 
-def _metrics(metrics, reference, num_samples, pool_stats, spatial_stats, dinov2_stats, logits, features,
-             inception_splits) -> dict:
+def _metrics(
+    metrics, reference, num_samples, pool_stats, spatial_stats, dinov2_stats, logits, features, inception_splits
+) -> dict:
     result = {"num_samples": int(num_samples)}
     if "fid" in metrics:
         result["fid"] = _frechet_to(pool_stats, reference.mu, reference.sigma) if reference is not None else None
@@ -185,10 +206,15 @@ def _metrics(metrics, reference, num_samples, pool_stats, spatial_stats, dinov2_
         result["is_mean"], result["is_std"] = inception_score(torch.softmax(logits.double(), dim=1), inception_splits)
     if "kid" in metrics:
         # None: the reference has no pool features (make_fid_stats.py --kid stores them)
-        result["kid"] = kernel_inception_distance(reference.features, features) \
-            if reference is not None and reference.features is not None else None
+        result["kid"] = (
+            kernel_inception_distance(reference.features, features)
+            if reference is not None and reference.features is not None
+            else None
+        )
     if "sfid" in metrics:
-        result["sfid"] = _frechet_to(spatial_stats, reference.mu_s, reference.sigma_s) if reference is not None else None
+        result["sfid"] = (
+            _frechet_to(spatial_stats, reference.mu_s, reference.sigma_s) if reference is not None else None
+        )
     if "precision_recall" in metrics:
         if reference is not None and reference.features is not None:
             real = torch.as_tensor(reference.features).to(features.device)
@@ -196,6 +222,7 @@ def _metrics(metrics, reference, num_samples, pool_stats, spatial_stats, dinov2_
         else:
             result["precision"] = result["recall"] = None
     if "fd_dinov2" in metrics:
-        result["fd_dinov2"] = _frechet_to(dinov2_stats, reference.mu_dinov2, reference.sigma_dinov2) \
-            if reference is not None else None
+        result["fd_dinov2"] = (
+            _frechet_to(dinov2_stats, reference.mu_dinov2, reference.sigma_dinov2) if reference is not None else None
+        )
     return result

@@ -85,8 +85,9 @@ def fetch_missing(url: str, destination: Path, download: bool, config_prefix: st
         return f"the download failed ({type(error).__name__}: {error})"
 
 
-def resolve_inception_path(inception_path: str | None = None, cache_dir: str | None = None,
-                           download: bool = False, config_prefix: str = "eval") -> Path:
+def resolve_inception_path(
+    inception_path: str | None = None, cache_dir: str | None = None, download: bool = False, config_prefix: str = "eval"
+) -> Path:
     """Path of the Inception weights file; raise PixditError (at start-up) when it is missing.
 
     inception_path: the file, or a folder containing `inception-2015-12-05.pt` (config key `eval.inception_path`).
@@ -125,14 +126,22 @@ class InceptionFeatureExtractor:
     GIL), the network on `device`.
     """
 
-    def __init__(self, weights_path: str | Path, device: torch.device | str = "cpu", resize_threads: int = 8,
-                 config_prefix: str = "eval", mode: str = "clean", spatial: bool = False):
+    def __init__(
+        self,
+        weights_path: str | Path,
+        device: torch.device | str = "cpu",
+        resize_threads: int = 8,
+        config_prefix: str = "eval",
+        mode: str = "clean",
+        spatial: bool = False,
+    ):
         from cleanfid.inception_torchscript import InceptionV3W
         from cleanfid.resize import build_resizer
 
         if mode not in INCEPTION_MODES:
-            raise PixditError(f"{option_name(config_prefix, 'inception_mode')}={mode!r}; allowed: "
-                              f"{', '.join(INCEPTION_MODES)}")
+            raise PixditError(
+                f"{option_name(config_prefix, 'inception_mode')}={mode!r}; allowed: {', '.join(INCEPTION_MODES)}"
+            )
         weights_path = Path(weights_path)
         if weights_path.name != INCEPTION_FILENAME:
             raise PixditError(
@@ -163,7 +172,9 @@ class InceptionFeatureExtractor:
         """The mode's resize of each image: uint8 [b, 3, H, W] -> float32 [b, 3, 299, 299] in [0, 255] (CPU) for
         `clean`; float32 at the input size for `legacy_tensorflow` (the network resizes)."""
         if images_uint8.dtype != torch.uint8 or images_uint8.ndim != 4 or images_uint8.shape[1] != 3:
-            raise ValueError(f"expected uint8 [b, 3, H, W] images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
+            raise ValueError(
+                f"expected uint8 [b, 3, H, W] images, got {images_uint8.dtype} {tuple(images_uint8.shape)}"
+            )
         if self.mode == "legacy_tensorflow":
             return images_uint8.float()
         hwc = images_uint8.permute(0, 2, 3, 1).cpu().numpy()

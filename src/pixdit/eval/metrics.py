@@ -40,10 +40,23 @@ from pixdit.eval.reference import ReferenceStats, load_reference
 METRICS = ("fid", "is", "kid", "sfid", "precision_recall", "fd_dinov2")
 INCEPTION_METRICS = frozenset({"fid", "is", "kid", "sfid", "precision_recall"})
 # metric -> its keys in the results (and whether lower is better, for the best of several seed sets)
-RESULT_KEYS = {"fid": ("fid",), "is": ("is_mean", "is_std"), "kid": ("kid",), "sfid": ("sfid",),
-               "precision_recall": ("precision", "recall"), "fd_dinov2": ("fd_dinov2",)}
-LOWER_IS_BETTER = {"fid": True, "is_mean": False, "kid": True, "sfid": True, "precision": False, "recall": False,
-                   "fd_dinov2": True}
+RESULT_KEYS = {
+    "fid": ("fid",),
+    "is": ("is_mean", "is_std"),
+    "kid": ("kid",),
+    "sfid": ("sfid",),
+    "precision_recall": ("precision", "recall"),
+    "fd_dinov2": ("fd_dinov2",),
+}
+LOWER_IS_BETTER = {
+    "fid": True,
+    "is_mean": False,
+    "kid": True,
+    "sfid": True,
+    "precision": False,
+    "recall": False,
+    "fd_dinov2": True,
+}
 PR_NEIGHBOURS = 3  # k of Kynkäänniemi et al. (and the ADM suite)
 STATS_HINT = "python scripts/make_fid_stats.py --shards DATA_DIR"
 
@@ -51,18 +64,23 @@ STATS_HINT = "python scripts/make_fid_stats.py --shards DATA_DIR"
 def check_metric_names(metrics: Sequence[str], prefix: str = "eval") -> tuple[str, ...]:
     """The metric names as a tuple (order kept, duplicates dropped); a PixditError listing the allowed names."""
     if isinstance(metrics, str) or metrics is None:
-        raise PixditError(f"{option_name(prefix, 'metrics')}={metrics!r} must be a list of metric names, e.g. "
-                          f"[fid, is]; allowed: {', '.join(METRICS)}")
+        raise PixditError(
+            f"{option_name(prefix, 'metrics')}={metrics!r} must be a list of metric names, e.g. "
+            f"[fid, is]; allowed: {', '.join(METRICS)}"
+        )
     names = tuple(dict.fromkeys(str(m) for m in metrics))
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
-        raise PixditError(f"{option_name(prefix, 'metrics')}: unknown metric(s) {unknown or '(empty list)'}; "
-                          f"allowed: {', '.join(METRICS)}")
+        raise PixditError(
+            f"{option_name(prefix, 'metrics')}: unknown metric(s) {unknown or '(empty list)'}; "
+            f"allowed: {', '.join(METRICS)}"
+        )
     return names
 
 
-def check_reference(reference: ReferenceStats | None, metrics: Sequence[str], inception_mode: str,
-                    prefix: str = "eval") -> None:
+def check_reference(
+    reference: ReferenceStats | None, metrics: Sequence[str], inception_mode: str, prefix: str = "eval"
+) -> None:
     """Every metric finds what it needs in the reference, from the same Inception pipeline; one PixditError listing
     all problems otherwise."""
     key = option_name(prefix, "reference")
@@ -82,10 +100,13 @@ def check_reference(reference: ReferenceStats | None, metrics: Sequence[str], in
                     f"'{reference.inception_mode}', but {option_name(prefix, 'inception_mode')}={inception_mode}: "
                     f"set {option_name(prefix, 'inception_mode')}={reference.inception_mode} (the ADM suite's and "
                     f"EDM's statistics are legacy_tensorflow), or make statistics in your pipeline with "
-                    f"`{STATS_HINT} --inception-mode {inception_mode}`")
+                    f"`{STATS_HINT} --inception-mode {inception_mode}`"
+                )
         elif not has_images:
-            problems.append(f"{metric}: the reference has no {what} and no images (arr_0) to compute them from; "
-                            f"make them with `{STATS_HINT}{flag}`")
+            problems.append(
+                f"{metric}: the reference has no {what} and no images (arr_0) to compute them from; "
+                f"make them with `{STATS_HINT}{flag}`"
+            )
 
     for metric in metrics:
         if metric == "fid":
@@ -95,15 +116,24 @@ def check_reference(reference: ReferenceStats | None, metrics: Sequence[str], in
         elif metric in ("kid", "precision_recall"):
             precomputed(metric, reference.features is not None, "pool features", " --kid")
         elif metric == "fd_dinov2":
-            precomputed(metric, reference.mu_dinov2 is not None, "DINOv2 statistics (mu_dinov2, sigma_dinov2)",
-                        " --dinov2-path DINOV2_FILE")
+            precomputed(
+                metric,
+                reference.mu_dinov2 is not None,
+                "DINOv2 statistics (mu_dinov2, sigma_dinov2)",
+                " --dinov2-path DINOV2_FILE",
+            )
     if problems:
         raise PixditError(f"{key}={reference.id} cannot serve the metrics:\n  " + "\n  ".join(problems))
 
 
 @torch.no_grad()
-def complete_reference(reference: ReferenceStats | None, metrics: Sequence[str],
-                       inception: InceptionFeatureExtractor | None, dinov2=None, batch_size: int = 64):
+def complete_reference(
+    reference: ReferenceStats | None,
+    metrics: Sequence[str],
+    inception: InceptionFeatureExtractor | None,
+    dinov2=None,
+    batch_size: int = 64,
+):
     """Compute from the reference's images (arr_0) whatever the metrics need and the file does not hold (pool
     statistics / features, spatial statistics, DINOv2 statistics); returns a new ReferenceStats."""
     from pixdit.eval.stats import FeatureStatistics
@@ -123,7 +153,9 @@ def complete_reference(reference: ReferenceStats | None, metrics: Sequence[str],
     dino = FeatureStatistics(dinov2.feature_dim, device=dinov2.device) if need["dinov2"] else None
     features = []
     for start in range(0, len(reference.images), batch_size):
-        images = torch.from_numpy(np.ascontiguousarray(reference.images[start : start + batch_size])).permute(0, 3, 1, 2)
+        images = torch.from_numpy(np.ascontiguousarray(reference.images[start : start + batch_size])).permute(
+            0, 3, 1, 2
+        )
         if need["pool"] or need["features"] or need["spatial"]:
             out = inception.extract(images)
             if pool is not None:
@@ -144,8 +176,11 @@ def complete_reference(reference: ReferenceStats | None, metrics: Sequence[str],
     if features:
         changes["features"] = np.concatenate(features)
     computed = sorted(k for k, v in need.items() if v)
-    description = {**reference.description, "computed_from_images": computed,
-                   "computed_inception_mode": inception.mode if inception is not None else None}
+    description = {
+        **reference.description,
+        "computed_from_images": computed,
+        "computed_inception_mode": inception.mode if inception is not None else None,
+    }
     return dataclasses.replace(reference, description=description, **changes)
 
 
@@ -162,39 +197,60 @@ class MetricSuite:
         """What metrics.json records about the feature networks."""
         out = {"metrics": list(self.metrics)}
         if self.inception is not None:
-            out["inception"] = (f"clean-fid InceptionV3W (inception-2015-12-05.pt), mode {self.inception.mode}, IS "
-                                f"from bias-free logits" + (", sFID: mixed_6/conv first 7 channels (2023-d)"
-                                                            if self.inception.spatial else ""))
+            out["inception"] = (
+                f"clean-fid InceptionV3W (inception-2015-12-05.pt), mode {self.inception.mode}, IS "
+                f"from bias-free logits"
+                + (", sFID: mixed_6/conv first 7 channels (2023-d)" if self.inception.spatial else "")
+            )
         if "precision_recall" in self.metrics:
             out["precision_recall"] = f"Kynkäänniemi et al. 2019, k = {PR_NEIGHBOURS}, Inception pool features"
         if self.dinov2 is not None:
-            out["dinov2"] = "DINOv2 ViT-L/14 (timm architecture), 224 px bicubic antialiased, ImageNet normalisation, " \
-                            "class token after the final norm (EDM2)"
+            out["dinov2"] = (
+                "DINOv2 ViT-L/14 (timm architecture), 224 px bicubic antialiased, ImageNet normalisation, "
+                "class token after the final norm (EDM2)"
+            )
         return out
 
 
-def build_suite(metrics: Sequence[str], reference: str | None, *, resolution: int, device="cpu",
-                inception_path: str | None = None, cache_dir: str | None = None, inception_mode: str = "clean",
-                dinov2_path: str | None = None, cleanfid_stats_dir: str | None = None, download: bool = False,
-                prefix: str = "eval") -> MetricSuite:
+def build_suite(
+    metrics: Sequence[str],
+    reference: str | None,
+    *,
+    resolution: int,
+    device="cpu",
+    inception_path: str | None = None,
+    cache_dir: str | None = None,
+    inception_mode: str = "clean",
+    dinov2_path: str | None = None,
+    cleanfid_stats_dir: str | None = None,
+    download: bool = False,
+    prefix: str = "eval",
+) -> MetricSuite:
     """Check everything, cheapest first, then load the networks and complete the reference (see the module
     docstring). `prefix` is the config section named in messages (`eval`, `callbacks.fid`)."""
     from pixdit.eval.dinov2 import DINOv2FeatureExtractor, resolve_dinov2_path
 
     names = check_metric_names(metrics, prefix)
     if inception_mode not in INCEPTION_MODES:
-        raise PixditError(f"{option_name(prefix, 'inception_mode')}={inception_mode!r}; allowed: "
-                          f"{', '.join(INCEPTION_MODES)}")
+        raise PixditError(
+            f"{option_name(prefix, 'inception_mode')}={inception_mode!r}; allowed: {', '.join(INCEPTION_MODES)}"
+        )
     uses_inception = bool(INCEPTION_METRICS & set(names))
     reference_stats = None
     if reference:  # before the weights: a bad reference file is found without looking up (or downloading) a network
-        reference_stats = load_reference(reference, resolution=resolution, cleanfid_dir=cleanfid_stats_dir,
-                                         download=download, config_prefix=prefix)
+        reference_stats = load_reference(
+            reference, resolution=resolution, cleanfid_dir=cleanfid_stats_dir, download=download, config_prefix=prefix
+        )
     check_reference(reference_stats, names, inception_mode, prefix)
     inception_weights = resolve_inception_path(inception_path, cache_dir, download, prefix) if uses_inception else None
     dinov2_weights = resolve_dinov2_path(dinov2_path, download, prefix) if "fd_dinov2" in names else None
-    inception = InceptionFeatureExtractor(inception_weights, device=device, config_prefix=prefix, mode=inception_mode,
-                                          spatial="sfid" in names) if uses_inception else None
+    inception = (
+        InceptionFeatureExtractor(
+            inception_weights, device=device, config_prefix=prefix, mode=inception_mode, spatial="sfid" in names
+        )
+        if uses_inception
+        else None
+    )
     dinov2 = DINOv2FeatureExtractor(dinov2_weights, device=device, config_prefix=prefix) if dinov2_weights else None
     reference_stats = complete_reference(reference_stats, names, inception, dinov2)
     return MetricSuite(names, inception, reference_stats, dinov2)
@@ -205,8 +261,11 @@ def summarize_seeds(per_seed: list[dict]) -> dict:
     `<key>_std_over_seeds`, and `best`: the best set's value per metric (lowest distance, highest IS / precision /
     recall), as EDM2-style tables report the best of several sample sets; `best_seed_set` says which set."""
     summary, best, best_index = {}, {}, {}
-    keys = [k for k in ("fid", "is_mean", "is_std", "kid", "sfid", "precision", "recall", "fd_dinov2")
-            if any(m.get(k) is not None for m in per_seed)]
+    keys = [
+        k
+        for k in ("fid", "is_mean", "is_std", "kid", "sfid", "precision", "recall", "fd_dinov2")
+        if any(m.get(k) is not None for m in per_seed)
+    ]
     for key in keys:
         values = [m[key] for m in per_seed if m.get(key) is not None]
         summary[key] = float(np.mean(values))

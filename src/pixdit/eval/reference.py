@@ -92,8 +92,9 @@ def cleanfid_stats_dir(configured: str | None = None) -> Path:
     return Path(os.path.dirname(cleanfid.__file__)) / "stats"
 
 
-def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, download: bool,
-                   config_prefix: str) -> ReferenceStats:
+def _load_cleanfid(
+    name: str, resolution: int | None, stats_dir: str | None, download: bool, config_prefix: str
+) -> ReferenceStats:
     if name not in CLEANFID_PRECOMPUTED:
         raise PixditError(
             f"{option_name(config_prefix, 'reference')}={CLEANFID_PREFIX}{name}: unknown clean-fid statistics; allowed: "
@@ -129,9 +130,15 @@ def _load_cleanfid(name: str, resolution: int | None, stats_dir: str | None, dow
         with np.load(kid_path) as data:
             features = data["feats"]
     return ReferenceStats(
-        mu=mu, sigma=sigma, id=f"{CLEANFID_PREFIX}{filename[:-4]}@{content_hash(mu, sigma)}", features=features,
-        description={"source": f"clean-fid precomputed {url_or_path(path)}", "resize_pipeline": RESIZE_PIPELINE,
-                     "resolution": resolution},
+        mu=mu,
+        sigma=sigma,
+        id=f"{CLEANFID_PREFIX}{filename[:-4]}@{content_hash(mu, sigma)}",
+        features=features,
+        description={
+            "source": f"clean-fid precomputed {url_or_path(path)}",
+            "resize_pipeline": RESIZE_PIPELINE,
+            "resolution": resolution,
+        },
         resolution=resolution,
     )
 
@@ -140,8 +147,13 @@ def url_or_path(path: Path) -> str:
     return f"{CLEANFID_STATS_URL}/{path.name} (cached at {path})"
 
 
-def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: str | None = None,
-                   download: bool = False, config_prefix: str = "eval") -> ReferenceStats:
+def load_reference(
+    reference: str,
+    resolution: int | None = None,
+    cleanfid_dir: str | None = None,
+    download: bool = False,
+    config_prefix: str = "eval",
+) -> ReferenceStats:
     """Load reference statistics named by `<config_prefix>.reference` (see the module docstring)."""
     if not reference:
         raise PixditError(
@@ -150,7 +162,7 @@ def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: 
         )
     reference = str(reference)
     if reference.startswith(CLEANFID_PREFIX):
-        return _load_cleanfid(reference[len(CLEANFID_PREFIX):], resolution, cleanfid_dir, download, config_prefix)
+        return _load_cleanfid(reference[len(CLEANFID_PREFIX) :], resolution, cleanfid_dir, download, config_prefix)
     path = Path(os.path.expanduser(reference))
     if not path.is_file():
         raise PixditError(
@@ -165,13 +177,16 @@ def load_reference(reference: str, resolution: int | None = None, cleanfid_dir: 
             elif "arr_0" in keys or "mu" in keys:
                 reference_stats = _read_adm_npz(data, path)
             else:
-                raise PixditError(f"{option_name(config_prefix, 'reference')}={reference}: an .npz with neither "
-                                  f"statistics (mu, sigma) nor images (arr_0); keys: {sorted(keys)}")
+                raise PixditError(
+                    f"{option_name(config_prefix, 'reference')}={reference}: an .npz with neither "
+                    f"statistics (mu, sigma) nor images (arr_0); keys: {sorted(keys)}"
+                )
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # cut short, not an .npz, no mu
         raise PixditError(
             f"{option_name(config_prefix, 'reference')}={reference}: not readable FID statistics ({type(error).__name__}: "
             f"{error}); make them again with: python scripts/make_fid_stats.py --shards DIR --resolution "
-            f"{resolution or 'R'} --out {reference}") from None
+            f"{resolution or 'R'} --out {reference}"
+        ) from None
     stored = reference_stats.resolution
     if resolution and stored and int(stored) != int(resolution):
         raise PixditError(
@@ -189,9 +204,12 @@ def _read_pixdit_npz(data, path: Path) -> ReferenceStats:
     mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
     description = json.loads(str(data["description"]))
     return ReferenceStats(
-        mu=mu, sigma=sigma, id=f"{path.name}@{content_hash(mu, sigma)}",
+        mu=mu,
+        sigma=sigma,
+        id=f"{path.name}@{content_hash(mu, sigma)}",
         count=int(data["count"]) if "count" in data.files else None,
-        features=data["features"] if "features" in data.files else None, description=description,
+        features=data["features"] if "features" in data.files else None,
+        description=description,
         **{key: _optional(data, key) for key in OPTIONAL_KEYS},
         inception_mode=description.get("inception_mode", "clean"),  # files from before the option were all clean
         resolution=description.get("resolution"),
@@ -201,25 +219,44 @@ def _read_pixdit_npz(data, path: Path) -> ReferenceStats:
 def _read_adm_npz(data, path: Path) -> ReferenceStats:
     images = data["arr_0"] if "arr_0" in data.files else None
     if images is not None and (images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3):
-        raise PixditError(f"{path}: arr_0 must be uint8 [N, H, W, 3] images (the ADM suite's format), got "
-                          f"{images.dtype} {images.shape}")
+        raise PixditError(
+            f"{path}: arr_0 must be uint8 [N, H, W, 3] images (the ADM suite's format), got "
+            f"{images.dtype} {images.shape}"
+        )
     mu, sigma = _optional(data, "mu"), _optional(data, "sigma")
     digest = content_hash(mu, sigma) if mu is not None else hashlib.sha256(images.tobytes()).hexdigest()[:12]
     has_statistics = mu is not None or "mu_s" in data.files
     return ReferenceStats(
-        mu=mu, sigma=sigma, id=f"adm:{path.name}@{digest}", count=len(images) if images is not None else None,
-        description={"source": f"ADM evaluation-suite batch {path.resolve()}", "format": "adm",
-                     "keys": sorted(data.files), "images": len(images) if images is not None else 0,
-                     "statistics": "ADM suite (TensorFlow Inception graph, its own bilinear resize)"
-                     if has_statistics else "none: computed from arr_0"},
-        mu_s=_optional(data, "mu_s"), sigma_s=_optional(data, "sigma_s"), images=images,
+        mu=mu,
+        sigma=sigma,
+        id=f"adm:{path.name}@{digest}",
+        count=len(images) if images is not None else None,
+        description={
+            "source": f"ADM evaluation-suite batch {path.resolve()}",
+            "format": "adm",
+            "keys": sorted(data.files),
+            "images": len(images) if images is not None else 0,
+            "statistics": "ADM suite (TensorFlow Inception graph, its own bilinear resize)"
+            if has_statistics
+            else "none: computed from arr_0",
+        },
+        mu_s=_optional(data, "mu_s"),
+        sigma_s=_optional(data, "sigma_s"),
+        images=images,
         inception_mode="legacy_tensorflow" if has_statistics else None,
         resolution=int(images.shape[1]) if images is not None else None,
     )
 
 
-def save_reference(path: str | Path, mu: np.ndarray, sigma: np.ndarray, count: int, description: dict,
-                   features: np.ndarray | None = None, **optional: np.ndarray | None) -> Path:
+def save_reference(
+    path: str | Path,
+    mu: np.ndarray,
+    sigma: np.ndarray,
+    count: int,
+    description: dict,
+    features: np.ndarray | None = None,
+    **optional: np.ndarray | None,
+) -> Path:
     """Write statistics atomically (temporary file + rename) so an interrupted run leaves no half file.
     `optional`: any of OPTIONAL_KEYS (mu_s, sigma_s, mu_dinov2, sigma_dinov2)."""
     unknown = set(optional) - set(OPTIONAL_KEYS)
@@ -256,9 +293,20 @@ def _shards_fingerprint(manifest: dict, split: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def make_reference_stats(root: str | Path, extractor, *, resolution: int | None = None, split: str = "train",
-                         batch_size: int = 64, kid: bool = False, out: str | Path | None = None,
-                         force: bool = False, max_images: int | None = None, progress=print, dinov2=None) -> Path:
+def make_reference_stats(
+    root: str | Path,
+    extractor,
+    *,
+    resolution: int | None = None,
+    split: str = "train",
+    batch_size: int = 64,
+    kid: bool = False,
+    out: str | Path | None = None,
+    force: bool = False,
+    max_images: int | None = None,
+    progress=print,
+    dinov2=None,
+) -> Path:
     """Stream the shards of `root` (a pixdit shard folder) through the FID pipeline and save their statistics.
 
     Images are decoded from the shards as stored (uint8); when `resolution` differs from the shards' own, they are
@@ -270,16 +318,18 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     import datetime
 
     import torch
+    from PIL import Image
 
     from pixdit.data.imageops import center_crop_arr, decode_image
     from pixdit.data.shards import IMAGE_FORMATS, iter_shard_samples, read_manifest
     from pixdit.eval.inception import SPATIAL_DIM
     from pixdit.eval.stats import FeatureStatistics
-    from PIL import Image
 
     if batch_size < 1 or (max_images is not None and max_images < 1):
-        raise PixditError(f"--batch-size must be >= 1 and --max-images >= 1 (or unset); got batch_size={batch_size}, "
-                          f"max_images={max_images}")
+        raise PixditError(
+            f"--batch-size must be >= 1 and --max-images >= 1 (or unset); got batch_size={batch_size}, "
+            f"max_images={max_images}"
+        )
     root = Path(root)
     manifest = read_manifest(root)
     if split not in manifest["splits"]:
@@ -296,11 +346,13 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
         "shards_fingerprint": _shards_fingerprint(manifest, split),
         "stored_resolution": stored_resolution,
         "resolution": resolution,
-        "data_resize": "none" if resolution == stored_resolution else
-        "pixdit.data.imageops.center_crop_arr (box halvings + bicubic + centre crop)",
+        "data_resize": "none"
+        if resolution == stored_resolution
+        else "pixdit.data.imageops.center_crop_arr (box halvings + bicubic + centre crop)",
         "inception_mode": extractor.mode,
-        "resize_pipeline": RESIZE_PIPELINE if extractor.mode == "clean" else
-        "float RGB at its own size -> the Inception TorchScript file's TF-style bilinear resize to 299x299 -> pool3",
+        "resize_pipeline": RESIZE_PIPELINE
+        if extractor.mode == "clean"
+        else "float RGB at its own size -> the Inception TorchScript file's TF-style bilinear resize to 299x299 -> pool3",
         "count": count,
         "kid_features": bool(kid),
         "sfid": bool(extractor.spatial),
@@ -357,9 +409,11 @@ def make_reference_stats(root: str | Path, extractor, *, resolution: int | None 
     if batch:
         flush()
     if seen != count:
-        raise PixditError(f"{root}: manifest lists {count} {split} images but only {seen} were readable"
-                          + "".join(f"\n  unreadable: {entry}" for entry in unreadable)
-                          + "\n  check the shards with pixdit.data.shards.verify_checksums, or re-run prepare_data.py")
+        raise PixditError(
+            f"{root}: manifest lists {count} {split} images but only {seen} were readable"
+            + "".join(f"\n  unreadable: {entry}" for entry in unreadable)
+            + "\n  check the shards with pixdit.data.shards.verify_checksums, or re-run prepare_data.py"
+        )
     mu, sigma = stats.mean_and_covariance()
     optional = {}
     if spatial_stats is not None:

@@ -21,17 +21,19 @@ from pixdit.errors import PixditError
 from pixdit.eval.inception import images_to_uint8
 from pixdit.runtime import autocast, noise_for_indices
 
-AUTO_BATCH_CAP = 256          # "auto" batches stop here: throughput is flat long before (the GPU is full at ~1M tokens)
+AUTO_BATCH_CAP = 256  # "auto" batches stop here: throughput is flat long before (the GPU is full at ~1M tokens)
 AUTO_BATCH_MEMORY_SHARE = 0.6  # of the free memory, for the activations of one forward (the rest: fragmentation,
-                               # the compiled graph's own buffers, Inception features)
+# the compiled graph's own buffers, Inception features)
 
 
 def check_batch_size(value, name: str = "batch_size") -> int | str:
     """A positive int or "auto" (cheap: call before any work)."""
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise PixditError(f"{name}={value!r} must be a positive int or auto (the largest batch that fits in free GPU memory, "
-                      f"at most {AUTO_BATCH_CAP})")
+    raise PixditError(
+        f"{name}={value!r} must be a positive int or auto (the largest batch that fits in free GPU memory, "
+        f"at most {AUTO_BATCH_CAP})"
+    )
 
 
 def sampling_model(model: torch.nn.Module, device, compile: bool) -> torch.nn.Module:
@@ -44,8 +46,15 @@ def sampling_model(model: torch.nn.Module, device, compile: bool) -> torch.nn.Mo
 
 
 @torch.no_grad()
-def auto_batch_size(model: torch.nn.Module, image_size: Sequence[int], device, precision: str, num_classes: int = 0,
-                    channels: int = 3, probe: int = 2) -> int:
+def auto_batch_size(
+    model: torch.nn.Module,
+    image_size: Sequence[int],
+    device,
+    precision: str,
+    num_classes: int = 0,
+    channels: int = 3,
+    probe: int = 2,
+) -> int:
     """The largest batch whose forward activations fit in ``AUTO_BATCH_MEMORY_SHARE`` of the free GPU memory,
     measured with one eager forward at batch ``probe`` (a compiled forward needs less: the estimate errs on the safe
     side), capped at ``AUTO_BATCH_CAP``. On CPU: the cap. Out-of-memory later still halves the batch."""
@@ -59,7 +68,7 @@ def auto_batch_size(model: torch.nn.Module, image_size: Sequence[int], device, p
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     with autocast(device, precision):
-        model.forward(x, t, y)       # .forward: the eager function even when the module is compiled in place
+        model.forward(x, t, y)  # .forward: the eager function even when the module is compiled in place
     per_image = max(1, torch.cuda.max_memory_allocated(device) - base) / probe
     # free to this process: the device's free memory plus what PyTorch's allocator holds but does not use
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -120,14 +129,15 @@ def generate_uint8(
         noise = noise_for_indices(chunk, (channels, height, width), seed).to(device)
         labels = labels_for_indices(chunk, num_classes)
         labels = labels.to(device) if labels is not None else None
-        pad = batch_size - len(chunk) if compile else 0     # one static shape for the compiled forward
+        pad = batch_size - len(chunk) if compile else 0  # one static shape for the compiled forward
         if pad:
             noise = torch.cat([noise, noise[:1].expand(pad, -1, -1, -1)])
             labels = torch.cat([labels, labels[:1].expand(pad)]) if labels is not None else None
         try:
             with autocast(device, precision):
-                images = flow.sample(model, noise, steps, y=labels, cfg_scale=cfg_scale, sampler=sampler,
-                                     cfg_interval=cfg_interval)
+                images = flow.sample(
+                    model, noise, steps, y=labels, cfg_scale=cfg_scale, sampler=sampler, cfg_interval=cfg_interval
+                )
         except torch.cuda.OutOfMemoryError:
             if batch_size == 1:
                 raise

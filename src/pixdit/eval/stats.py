@@ -42,14 +42,14 @@ class FeatureStatistics:
         self.sum += x.sum(dim=0)
         self.outer_sum += x.T @ x
 
-    def merge(self, other: "FeatureStatistics") -> "FeatureStatistics":
+    def merge(self, other: FeatureStatistics) -> FeatureStatistics:
         """Add another accumulator's sums into this one (what the sum over ranks does)."""
         self.count += other.count.to(self.count.device)
         self.sum += other.sum.to(self.sum.device)
         self.outer_sum += other.outer_sum.to(self.outer_sum.device)
         return self
 
-    def all_reduce(self) -> "FeatureStatistics":
+    def all_reduce(self) -> FeatureStatistics:
         """Sum the statistics over all ranks of the default process group (no-op without one)."""
         if rank_and_world_size()[1] > 1:
             for tensor in (self.count, self.sum, self.outer_sum):
@@ -153,8 +153,9 @@ def _row_chunks(num_rows: int, num_cols: int):
 def knn_radii(features: torch.Tensor, k: int = 3) -> torch.Tensor:
     """Squared distance of each row to its k-th nearest neighbour among the other rows."""
     if features.shape[0] <= k:
-        raise PixditError(f"precision/recall with k={k} needs more than {k} feature vectors per set, got "
-                          f"{features.shape[0]}")
+        raise PixditError(
+            f"precision/recall with k={k} needs more than {k} feature vectors per set, got {features.shape[0]}"
+        )
     radii = torch.empty(features.shape[0], dtype=features.dtype, device=features.device)
     for start, end in _row_chunks(features.shape[0], features.shape[0]):
         distances = _squared_distances(features[start:end], features)
@@ -184,7 +185,9 @@ def precision_recall(real, fake, k: int = 3) -> tuple[float, float]:
     dtype = torch.float64 if torch.float64 in (real.dtype, fake.dtype) else torch.float32
     real, fake = real.to(dtype), fake.to(dtype)
     if real.ndim != 2 or fake.ndim != 2 or real.shape[1] != fake.shape[1]:
-        raise PixditError(f"precision_recall: features must be [n, d] with the same d, got {tuple(real.shape)} and "
-                          f"{tuple(fake.shape)} (the reference features must come from the same network)")
+        raise PixditError(
+            f"precision_recall: features must be [n, d] with the same d, got {tuple(real.shape)} and "
+            f"{tuple(fake.shape)} (the reference features must come from the same network)"
+        )
     real_radii, fake_radii = knn_radii(real, k), knn_radii(fake, k)
     return _fraction_inside(fake, real, real_radii), _fraction_inside(real, fake, fake_radii)

@@ -34,8 +34,10 @@ def grad_checkpointing_plan(value, depth: int) -> dict[int, str]:
 
     false / null: nothing; true or "all": every whole block; an int N in 0..depth: the first N whole blocks;
     "mlp" / "attention": that part of every block. Anything else is a PixditError naming the allowed values."""
-    allowed = (f"false, true (every block), an int from 0 to {depth} (the first N of the model's {depth} blocks), "
-               f"'mlp' (only the MLP of each block) or 'attention' (only the attention of each block)")
+    allowed = (
+        f"false, true (every block), an int from 0 to {depth} (the first N of the model's {depth} blocks), "
+        f"'mlp' (only the MLP of each block) or 'attention' (only the attention of each block)"
+    )
     if value is None or value is False:
         return {}
     if value is True:
@@ -62,4 +64,3 @@ def _recomputed_forward(self: nn.Module, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-

@@ -34,12 +34,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
-from pixdit.tokens import (MODEL_TOKEN_ORDERS, check_token_order, resolve_token_order, token_coordinates,
-                           token_permutation)
+from pixdit.tokens import (
+    MODEL_TOKEN_ORDERS,
+    check_token_order,
+    resolve_token_order,
+    token_coordinates,
+    token_permutation,
+)
 
 ROPE_THETA = 10000.0
 
@@ -136,8 +142,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
-        q, k, v = qk_norm_rope(self.qkv(x), self.num_heads, self.q_norm_weight, self.k_norm_weight, cos, sin,
-                               eps=self.qk_norm_eps)  # each [b, heads, n, head_dim]
+        q, k, v = qk_norm_rope(
+            self.qkv(x), self.num_heads, self.q_norm_weight, self.k_norm_weight, cos, sin, eps=self.qk_norm_eps
+        )  # each [b, heads, n, head_dim]
         out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
@@ -222,10 +229,14 @@ class DiT(nn.Module):
         self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
         num_embedders = depth if per_block_conditioning else 1
         self.t_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(num_embedders))
-        self.y_embedders = nn.ModuleList(LabelEmbedder(num_classes, hidden_size) for _ in range(num_embedders)) \
-            if num_classes > 0 else None
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, block_attention[index])
-                                    for index in range(depth))
+        self.y_embedders = (
+            nn.ModuleList(LabelEmbedder(num_classes, hidden_size) for _ in range(num_embedders))
+            if num_classes > 0
+            else None
+        )
+        self.blocks = nn.ModuleList(
+            DiTBlock(hidden_size, num_heads, mlp_ratio, block_attention[index]) for index in range(depth)
+        )
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
 
         # The configured backend decides the token order (the dense blocks' `full` takes any order); every kind of
@@ -268,7 +279,9 @@ class DiT(nn.Module):
         for embedder in self.y_embedders or []:
             nn.init.normal_(embedder.embedding_table.weight, std=0.02)
         for module in [block.adaLN_modulation[-1] for block in self.blocks] + [
-            self.final_layer.adaLN_modulation[-1], self.final_layer.linear]:
+            self.final_layer.adaLN_modulation[-1],
+            self.final_layer.linear,
+        ]:
             nn.init.zeros_(module.weight)
             nn.init.zeros_(module.bias)
         for block in self.blocks:
