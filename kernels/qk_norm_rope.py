@@ -65,7 +65,8 @@ def _tile(bh, part, tile, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.cons
     mask = (rows < n)[:, None] & (dims < HEAD_DIM)[None, :]
     channels = (part * num_heads + bh % num_heads) * HEAD_DIM + dims[None, :]
     out_offset = bh.to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-    return rows, dims, mask, bh // num_heads, channels, out_offset
+    # the batch index in int64: batch * stride_b passes 2^31 at e.g. 32 images of 256^2 tokens x 1152 channels
+    return rows, dims, mask, (bh // num_heads).to(tl.int64), channels, out_offset
 
 
 @triton.jit

@@ -114,3 +114,24 @@ def test_gpu_backward_is_deterministic():
         outs = qk_norm_rope(qkv, 6, q_weight, k_weight, angles.cos(), angles.sin())
         results.append(torch.autograd.grad(outs, (qkv, q_weight, k_weight), upstream))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_more_than_2_31_elements():
+    """30 images of 256^2 tokens x 1152 channels: 2.26e9 elements in qkv, so offsets pass 2^31 (they wrapped to an
+    illegal address when computed in int32). The last image, forward and dqkv, matches the torch path on it alone."""
+    b, n, heads, d = 30, 65536, 6, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(b, n, 3 * heads * d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    q_weight, k_weight = (1 + 0.5 * torch.randn(2, d, device="cuda", generator=g)).unbind(0)
+    angles = torch.rand(n, d // 2, device="cuda", generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    upstream = [torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    outs = qk_norm_rope(qkv, heads, q_weight, k_weight, cos, sin, impl="triton")
+    (dqkv,) = torch.autograd.grad(outs, (qkv,), upstream)
+    last = qkv[-1:].detach().requires_grad_()
+    want = qk_norm_rope(last, heads, q_weight, k_weight, cos, sin, impl="torch")
+    (want_dqkv,) = torch.autograd.grad(want, (last,), [u[-1:] for u in upstream])
+    for got, ref in zip((*outs, dqkv), (*want, want_dqkv)):
+        torch.testing.assert_close(got[-1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
