@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from pixdit.files import atomic_write
 from pixdit.report import markdown_table
 
 # Each reported metric: table column -> (regular expressions tried in order against the CSV/JSON keys, reduction).
@@ -212,7 +213,7 @@ def to_markdown(columns: list[str], rows: list[dict]) -> str:
 
 
 def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
+    with atomic_write(path, "w") as f:  # a reader (a dashboard, the next summary) never sees half a table
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
     swept, columns, rows = build_table(args.multirun_dir)
     markdown = to_markdown(columns, rows)
-    (out / "summary.md").write_text(markdown)
+    with atomic_write(out / "summary.md", "w") as f:
+        f.write(markdown)
     write_csv(out / "summary.csv", columns, rows)
     metric_columns = [c for c in columns if c in METRICS]
     plotted = plot(out / "summary.png", swept, metric_columns, rows)
