@@ -127,6 +127,7 @@ def test_renamed_callback_key_names_the_new_one(capsys, tmp_path, name):
         # settings that ended in a traceback (Lightning's or AdamW's), some of them mid-run, or that ran forever
         (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a whole number >= 1.*forever"),
         (["trainer.max_steps=0"], r"trainer.max_steps=0 must be a whole number >= 1"),
+        (["trainer.max_steps=-5"], r"trainer.max_steps=-5 must be a whole number >= 1"),
         (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 must be a whole number >= 1"),
         (["trainer.val_check_interval=0"], r"trainer.val_check_interval=0 must be a number of optimizer steps >= 1"),
         (["optimizer.betas=[0.9]"], r"optimizer.betas=\[0.9\] must be two numbers in \[0, 1\)"),
