@@ -37,9 +37,10 @@ Each step is what DiffusionModule.training_step + the Trainer do per optimizer s
 autocast, backward, gradient clipping at 1.0, AdamW step (fused on GPU), EMA update; on synthetic images (no data
 loader: `scripts/bench_data.py` measures that side). Default: DiT-S, 5 warm-up steps, then the median of 20 steps
 timed with CUDA events (``--steps-at SIDE:WARMUP:STEPS`` changes the counts at one size, e.g. 512:1:3 where full
-attention takes ~10 s/step). ``--profile`` runs one more step per row under torch.profiler and prints the ops with
-the most self CUDA time (the step's phases are marked "step/forward+loss", "step/backward", "step/clip",
-"step/optimizer", "step/ema").
+attention takes ~10 s/step). ``--profile`` adds, per row, where a step's time goes: by phase (forward+loss,
+backward, clip, optimizer, EMA; CUDA events between the phases, median of 3 steps), by kind of kernel (one step under
+torch.profiler: matmul, sparse attention, selection, qk-norm + RoPE, Inductor's fused kernels, ...) and the ops with
+the most self CUDA time; the two tables also go into the JSON record (``profile``).
 
 Speed-up: tokens/s of this row / tokens/s of the first ``full`` variant of ``--attention`` for the same model, size
 and grad checkpointing ("-" when full was not measured). MFU: model FLOPs per step / step time / --peak-tflops (989 =
@@ -284,23 +285,34 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     images = torch.rand(batch, 3, side, side, device=device) * 2 - 1
 
+    state = {}
+
+    def forward_loss():
+        with autocast:
+            state["loss"] = flow.loss(model, images)
+
+    def optimizer_step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    phases = (
+        ("forward+loss", forward_loss),
+        ("backward", lambda: state.pop("loss").backward()),
+        ("clip", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
+        ("optimizer", optimizer_step),
+        ("ema", lambda: ema.update(model)),
+    )
+
     def train_step():
-        # The named ranges cost nothing unless a profiler runs; with --profile they split the step into its phases.
-        with record_function("step/forward+loss"), autocast:
-            loss = flow.loss(model, images)
-        with record_function("step/backward"):
-            loss.backward()
-        with record_function("step/clip"):
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        with record_function("step/optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        with record_function("step/ema"):
-            ema.update(model)
+        for name, phase in phases:
+            with record_function(f"step/{name}"):  # costs nothing unless a profiler runs
+                phase()
 
     step_s, peak_gb = time_median(train_step, warmup, steps, device)  # peak_gb: nan on CPU
+    profile = None
     if args.profile:
-        print_profile(train_step, device, f"{label} at {side}x{side}, batch {batch}")
+        title = f"{label} at {side}x{side}, batch {batch}"
+        profile = print_profile(train_step, phase_times(phases, device), device, title)
     flops = batch * training_flops_per_image(model, module.tokens_per_image)
     return {
         "ms_per_step": 1000 * step_s,
@@ -309,11 +321,80 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
         "peak_gb": peak_gb if device.type == "cuda" else None,
         "mfu_percent": 100 * flops / step_s / (args.peak_tflops * 1e12),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        **({"profile": profile} if profile else {}),
     }
 
 
-def print_profile(train_step, device: torch.device, title: str, row_limit: int = 25) -> None:
-    """One more step under torch.profiler: the ops with the most self device time (CPU time on CPU)."""
+# Kernel (or op, on CPU) names -> the part of the step they belong to, first match wins. The Triton kernels of
+# pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
+KERNEL_CATEGORIES = (
+    ("qk-norm + RoPE", r"norm_rope"),
+    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
+    ("block selection (top-k)", r"topk|_select|bitonic|sort"),
+    ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
+    ("matmul", r"gemm|nvjet|cutlass|sm90_|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)"),
+    ("optimizer + EMA (foreach)", r"multi_tensor|foreach|adam|lerp"),
+    ("Inductor fused elementwise", r"triton_(poi|red|per)"),
+)
+
+
+def _self_time(event, cuda: bool) -> float:
+    """Self time in microseconds on the device (CUDA) or the CPU; the attribute names changed in torch 2.4+."""
+    if not cuda:
+        return event.self_cpu_time_total
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+def kernel_table(prof, cuda: bool) -> list[dict]:
+    """Self time of one profiled step (device time of the kernels; CPU time of the ops on CPU) grouped by
+    KERNEL_CATEGORIES, in milliseconds and as a share of the total."""
+    import re
+
+    groups: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=False):
+        if event.key.startswith("step/") or (cuda and str(getattr(event, "device_type", "")).endswith("CPU")):
+            continue  # device time is counted at the kernels, not again at the CPU ops that launched them
+        name = next((g for g, pattern in KERNEL_CATEGORIES if re.search(pattern, event.key)), "other")
+        groups[name] = groups.get(name, 0.0) + _self_time(event, cuda) / 1000
+    total = sum(groups.values()) or 1.0
+    return [
+        {"part": name, "ms": ms, "share %": 100 * ms / total}
+        for name, ms in sorted(groups.items(), key=lambda item: -item[1])
+    ]
+
+
+def phase_times(phases, device: torch.device, steps: int = 3) -> list[dict]:
+    """Milliseconds of each phase of the step (median of ``steps`` steps): CUDA events between the phases, so the
+    GPU time of the backward pass counts too (the profiler's ranges miss it: autograd runs it on its own thread)."""
+    import statistics
+    import time
+
+    cuda = device.type == "cuda"
+    samples = {name: [] for name, _ in phases}
+    for _ in range(steps):
+        if cuda:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+            marks[0].record()
+            for (_, phase), mark in zip(phases, marks[1:]):
+                phase()
+                mark.record()
+            torch.cuda.synchronize(device)
+            for (name, _), start, end in zip(phases, marks, marks[1:]):
+                samples[name].append(start.elapsed_time(end))
+        else:
+            for name, phase in phases:
+                start = time.perf_counter()
+                phase()
+                samples[name].append(1000 * (time.perf_counter() - start))
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    total = sum(times.values())
+    return [{"phase": name, "ms": ms, "share %": 100 * ms / total} for name, ms in times.items()]
+
+
+def print_profile(train_step, phases: list[dict], device: torch.device, title: str, row_limit: int = 25) -> dict:
+    """Where the step's time goes: ``phases`` (phase_times: forward, backward, clip, optimizer, EMA), then one more
+    step under torch.profiler grouped by kind of kernel (device time; CPU time on CPU), then the ops with the most
+    self time. Returns the two tables for the JSON record."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -322,14 +403,28 @@ def print_profile(train_step, device: torch.device, title: str, row_limit: int =
         train_step()
         if cuda:
             torch.cuda.synchronize(device)
+    categories = kernel_table(prof, cuda)
+    unit = "device" if cuda else "CPU"
+    print(f"\n## profile: one training step of {title}")
+    print(f"\n{unit} time by phase (median of 3 steps, {'CUDA events' if cuda else 'wall clock'}):\n")
+    print(
+        markdown_table(phases, ["phase", "ms", "share %"], cell=lambda _, v: f"{v:.2f}" if isinstance(v, float) else v)
+    )
+    print(f"\n{unit} time by kind of kernel:\n")
+    print(
+        markdown_table(
+            categories, ["part", "ms", "share %"], cell=lambda _, v: f"{v:.2f}" if isinstance(v, float) else v
+        )
+    )
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"\n## profile: one training step of {title} (top {row_limit} ops by {sort_by})")
+    print(f"\ntop {row_limit} ops by {sort_by}:")
     print(
         prof.key_averages(group_by_input_shape=False).table(
             sort_by=sort_by, row_limit=row_limit, max_name_column_width=60
         ),
         flush=True,
     )
+    return {"phases": phases, "kernels": categories}
 
 
 def release_memory(device: torch.device) -> None:

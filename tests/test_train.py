@@ -369,6 +369,8 @@ def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
     assert "| peak GB | est. GB | MFU % | speed-up | note |" in out
     assert "| 16x16 | 256 | 2,048 | 8 | full |" in out and "| 32x32 | 1,024 | 2,048 | 2 | llsa |" in out
     assert "## profile: one training step of DiT-S llsa at 32x32, batch 2" in out and "step/backward" in out
+    assert "CPU time by phase (median of 3 steps, wall clock):" in out and "| backward |" in out and "| ema |" in out
+    assert "CPU time by kind of kernel:" in out and "| matmul |" in out
     assert (out_dir / "bench_train.md").read_text().count("| 32x32 |") == 3
     assert (out_dir / "bench_train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -381,6 +383,11 @@ def test_bench_train_script_runs_on_cpu(h, capsys, tmp_path):
         assert llsa["tokens_per_s"] == pytest.approx(2048 / (llsa["ms_per_step"] / 1000))
         # 16^3 = 4096 does not divide 256 or 1024 tokens: a row with the model's reason, not a crash
         assert llsa_3["status"] == "skipped" and "multiple of block_size**num_levels = 4096" in llsa_3["note"]
+        phases = {p["phase"]: p for p in llsa["profile"]["phases"]}
+        assert set(phases) == {"forward+loss", "backward", "clip", "optimizer", "ema"}
+        assert all(p["ms"] > 0 for p in phases.values()) and phases["backward"]["ms"] > phases["clip"]["ms"]
+        assert sum(p["share %"] for p in phases.values()) == pytest.approx(100)
+        assert sum(k["share %"] for k in llsa["profile"]["kernels"]) == pytest.approx(100)
     assert "skipped: attention=llsa cannot handle a 16x16 token grid" in out
 
     (out_dir / "bench_train.png").unlink()
