@@ -2,12 +2,12 @@
 # Everything a CUDA machine should check and time, in stages that each fit a 10-minute device call.
 # Results (logs, markdown tables, PNG plots) go under OUT (default: bench/). Run from the repository root:
 #
-#   bash scripts/device_suite.sh tests      # GPU correctness tests of every kernel and of train.py (make test-gpu)
+#   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
 #   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, eager and compiled
-#   bash scripts/device_suite.sh sampling   # sample-generation images/s, full vs LLSA, 128 and 256 px
+#   bash scripts/device_suite.sh sampling   # sample-generation images/s: LLSA compiled + batch auto vs eager, 128/256 px
 #   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
 #   bash scripts/device_suite.sh grow       # model-size table DiT-S/B/L/XL x 128/256 x full/LLSA, compiled; memory knobs
 #   bash scripts/device_suite.sh fsdp2 [xl|s|b|all]   # 2 GPUs: DDP vs FSDP (DiT-XL); DDP 1 vs 2 GPUs (DiT-S, DiT-B)
@@ -23,7 +23,15 @@ PY=${PYTHON:-python3}
 case "$stage" in
   tests)
     # One fixed launch configuration: autotuning would spend minutes compiling variants for every test shape.
-    PIXDIT_KERNELS_AUTOTUNE=0 $PY -m pytest tests -m gpu -q -p no:cacheprovider --timeout 500 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # `tests kernels` / `tests rest` split the suite over two calls. `timeout -k`: a plain SIGTERM does not stop
+    # pytest while an in-process training test runs (Lightning turns it into a "preempted" stop of that test).
+    case "${2:-all}" in
+      kernels) where=(tests/kernels) ;;
+      rest) where=(tests --ignore=tests/kernels) ;;
+      *) where=(tests) ;;
+    esac
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 15 "${TESTS_BUDGET_S:-540}" $PY -m pytest "${where[@]}" -m gpu -q \
+      -p no:cacheprovider --timeout 300 --durations=15 -rfE 2>&1 | tee "$OUT/gpu_tests.log" ;;
   attention)
     $PY scripts/bench_attention.py --backends sdpa,flash,llsa,vsa,sla --out "$OUT/attention" 2>&1 | tee "$OUT/bench_attention.log" ;;
   train)
@@ -42,11 +50,16 @@ case "$stage" in
     $PY scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --warmup 3 --steps 8 --compile --profile \
       --out "$OUT/train_profile_compiled" 2>&1 | tee "$OUT/bench_train_profile_compiled.log" ;;
   sampling)
-    # Batches sized so that the slowest row (full attention at 256^2, ~17 s per batch of 4) fits the slot: ~4 min.
-    $PY scripts/bench_sampling.py --attention full llsa --sizes 128 --batch 16 --warmup 1 --repeats 3 2>&1 \
-      | tee "$OUT/bench_sampling.log"
-    $PY scripts/bench_sampling.py --attention full llsa --sizes 256 --batch 4 --warmup 1 --repeats 2 2>&1 \
-      | tee -a "$OUT/bench_sampling.log" ;;
+    # The path evaluations take (pixdit-evaluate, the FID callback): compiled forward, batch from free memory. Then
+    # the eager LLSA baseline at a small batch. Batches of 64+ images at 256^2 need the int64 offsets of
+    # qk_norm_rope (tests/kernels/test_qk_norm_rope.py::test_gpu_more_than_2_31_elements). ~5 min on an H200.
+    # (At 256^2 a batch of 64 already fills the GPU; auto would pick up to 256, ~1 min per batch of 20 steps.)
+    timeout -k 10 120 $PY scripts/bench_sampling.py --attention llsa --sizes 128 --batch auto --compile \
+      --warmup 1 --repeats 1 2>&1 | tee -a "$OUT/bench_sampling.log"
+    timeout -k 10 150 $PY scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile \
+      --warmup 1 --repeats 1 2>&1 | tee -a "$OUT/bench_sampling.log"
+    timeout -k 10 120 $PY scripts/bench_sampling.py --attention llsa --sizes 128 256 --batch 4 --warmup 1 --repeats 2 \
+      2>&1 | tee -a "$OUT/bench_sampling.log" ;;
   scaling)
     $PY scripts/bench_scaling.py --out "$OUT/scaling" 2>&1 | tee "$OUT/bench_scaling.log" ;;
   grow)
