@@ -119,6 +119,13 @@ def parse_args(argv=None):
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (as compile=true)")
     parser.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"],
+        help="torch.compile mode, with --compile (default: train.py's, the default mode). An experiment: "
+        "max-autotune lets Inductor fuse elementwise epilogues into its own Triton matmuls",
+    )
+    parser.add_argument(
         "--grad-checkpointing",
         nargs="*",
         default=None,
@@ -278,7 +285,9 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
     device = torch.device(args.device)
     if args.compile:
         torch._dynamo.reset()  # a fresh model per run: stale graphs would count against dynamo's recompile limit
-    module = DiffusionModule.from_config(config, side, compile=args.compile).to(device)
+    module = DiffusionModule.from_config(config, side, compile=args.compile and not args.compile_mode).to(device)
+    if args.compile and args.compile_mode:
+        module.model.compile(mode=args.compile_mode)  # in place, as DiffusionModule does with the default mode
     model, flow, ema = module.model, module.flow, module.ema
     optimizer = module.configure_optimizers()["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -598,9 +607,10 @@ def settings_line(args, models: list[ModelSpec], settings: list) -> str:
     steps = f"median of {args.steps} steps after {args.warmup} warm-up"
     steps += "".join(f"; at {side}^2: {n} after {w}" for side, (w, n) in parse_steps_at(args.steps_at).items())
     grad_ckpt = ", ".join(str(s).lower() for s in settings)
+    compiled = f"{args.compile} ({args.compile_mode})" if args.compile and args.compile_mode else str(args.compile)
     return (
         f"{model}, patch {args.patch_size}, {args.tokens_per_step:,} pixel tokens per step where they fit, "
-        f"{precision}, AdamW + clip + EMA, compile={args.compile}, grad_checkpointing={grad_ckpt}, {device}, "
+        f"{precision}, AdamW + clip + EMA, compile={compiled}, grad_checkpointing={grad_ckpt}, {device}, "
         f"torch {torch.__version__}; {steps}; MFU against {args.peak_tflops:g} TFLOP/s"
     )
 
