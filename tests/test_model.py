@@ -131,6 +131,17 @@ def test_cfg():
         tiny().forward_with_cfg(x, t, y, 2.0)
 
 
+def test_cfg_calls_the_module_so_an_in_place_compiled_model_stays_compiled():
+    """nn.Module.compile() compiles __call__; forward_with_cfg once called self.forward, so every guided sample of the
+    evaluation fast path (pixdit.eval.sampling) ran eager."""
+    model = tiny(num_classes=5).eval()
+    batches = []
+    model.register_forward_pre_hook(lambda module, args: batches.append(args[0].shape[0]))
+    x, t = inputs(3, 8, 8)
+    model.forward_with_cfg(x, t, torch.tensor([0, 4, 2]), cfg_scale=2.0)
+    assert batches == [6]  # one call through __call__, conditional and unconditional halves together
+
+
 def test_label_dropout_is_drawn_once_per_sample():
     torch.manual_seed(0)
     model = tiny(depth=3, num_classes=4, class_dropout=0.5, per_block_conditioning=True).train()

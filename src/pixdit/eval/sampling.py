@@ -54,10 +54,12 @@ def auto_batch_size(
     num_classes: int = 0,
     channels: int = 3,
     probe: int = 2,
+    guided: bool = False,
 ) -> int:
     """The largest batch whose forward activations fit in ``AUTO_BATCH_MEMORY_SHARE`` of the free GPU memory,
     measured with one eager forward at batch ``probe`` (a compiled forward needs less: the estimate errs on the safe
-    side), capped at ``AUTO_BATCH_CAP``. On CPU: the cap. Out-of-memory later still halves the batch."""
+    side), capped at ``AUTO_BATCH_CAP``. ``guided``: classifier-free guidance runs the model on twice the batch
+    (DiT.forward_with_cfg), so half as many images fit. On CPU: the cap. Out-of-memory later still halves the batch."""
     device = torch.device(device)
     if device.type != "cuda":
         return AUTO_BATCH_CAP
@@ -69,7 +71,7 @@ def auto_batch_size(
     base = torch.cuda.memory_allocated(device)
     with autocast(device, precision):
         model.forward(x, t, y)  # .forward: the eager function even when the module is compiled in place
-    per_image = max(1, torch.cuda.max_memory_allocated(device) - base) / probe
+    per_image = max(1, torch.cuda.max_memory_allocated(device) - base) / probe * (2 if guided else 1)
     # free to this process: the device's free memory plus what PyTorch's allocator holds but does not use
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(max(1, min(AUTO_BATCH_CAP, AUTO_BATCH_MEMORY_SHARE * free // per_image)))
@@ -120,7 +122,9 @@ def generate_uint8(
     indices = list(indices)
     check_batch_size(batch_size)
     if batch_size == "auto":
-        batch_size = auto_batch_size(model, (height, width), device, precision, num_classes, channels)
+        batch_size = auto_batch_size(
+            model, (height, width), device, precision, num_classes, channels, guided=cfg_scale != 1.0
+        )
     batch_size = min(batch_size, max(1, len(indices)))
     model = sampling_model(model, device, compile)
     start = 0

@@ -367,7 +367,8 @@ class DiT(nn.Module):
         if t.ndim == 0:
             t = t.expand(x.shape[0])
         null = torch.full_like(y, self.num_classes)
-        v_cond, v_uncond = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null])).chunk(2)
+        # self(...), not self.forward(...): a model compiled in place (the sampler's fast path) compiles __call__
+        v_cond, v_uncond = self(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null])).chunk(2)
         return v_uncond + cfg_scale * (v_cond - v_uncond)
 
 
