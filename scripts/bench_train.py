@@ -372,7 +372,10 @@ def kernel_table(prof, cuda: bool) -> list[dict]:
     ]
 
 
-def phase_times(phases, device: torch.device, steps: int = 3) -> list[dict]:
+PHASE_STEPS = 3  # steps whose per-phase times give the --profile phase table's medians
+
+
+def phase_times(phases, device: torch.device, steps: int = PHASE_STEPS) -> list[dict]:
     """Milliseconds of each phase of the step (median of ``steps`` steps): CUDA events between the phases, so the
     GPU time of the backward pass counts too (the profiler's ranges miss it: autograd runs it on its own thread)."""
     import statistics
@@ -415,16 +418,10 @@ def print_profile(train_step, phases: list[dict], device: torch.device, title: s
     categories = kernel_table(prof, cuda)
     unit = "device" if cuda else "CPU"
     print(f"\n## profile: one training step of {title}")
-    print(f"\n{unit} time by phase (median of 3 steps, {'CUDA events' if cuda else 'wall clock'}):\n")
-    print(
-        markdown_table(phases, ["phase", "ms", "share %"], cell=lambda _, v: f"{v:.2f}" if isinstance(v, float) else v)
-    )
+    print(f"\n{unit} time by phase (median of {PHASE_STEPS} steps, {'CUDA events' if cuda else 'wall clock'}):\n")
+    print(markdown_table(phases, ["phase", "ms", "share %"], cell=format_cell))
     print(f"\n{unit} time by kind of kernel:\n")
-    print(
-        markdown_table(
-            categories, ["part", "ms", "share %"], cell=lambda _, v: f"{v:.2f}" if isinstance(v, float) else v
-        )
-    )
+    print(markdown_table(categories, ["part", "ms", "share %"], cell=format_cell))
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\ntop {row_limit} ops by {sort_by}:")
     print(

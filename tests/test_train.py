@@ -207,34 +207,15 @@ def test_init_from_lower_resolution_checkpoint(h, tiny_shards, tmp_path, caplog)
     checkpoint_path = tmp_path / "low" / "checkpoints" / "last.ckpt"
     state = torch.load(checkpoint_path, weights_only=False)["state_dict"]
 
-    module = DiffusionModule(
-        model={
-            "name": "DiT-T",
-            "hidden_size": 32,
-            "depth": 1,
-            "num_heads": 2,
-            "token_order": "zorder",
-            "patch_size": 2,
-        },
-        image_size=16,
-    )
+    small = {"name": "DiT-T", "hidden_size": 32, "depth": 1, "num_heads": 2, "token_order": "zorder", "patch_size": 2}
+    module = DiffusionModule(model=small, image_size=16)
     message = module.init_from(checkpoint_path)
     assert "EMA" in message and "start fresh" in message and "last.ema.pt" in message
     for name, value in module.model.state_dict().items():
         if f"ema.model.{name}" in state:
             assert torch.equal(value, state[f"ema.model.{name}"]), name
     (tmp_path / "low" / "checkpoints" / "last.ema.pt").rename(tmp_path / "artifact.pt")  # a run from before
-    from_checkpoint = DiffusionModule(
-        model={
-            "name": "DiT-T",
-            "hidden_size": 32,
-            "depth": 1,
-            "num_heads": 2,
-            "token_order": "zorder",
-            "patch_size": 2,
-        },
-        image_size=16,
-    )
+    from_checkpoint = DiffusionModule(model=small, image_size=16)
     assert "EMA weight tensors from " + str(checkpoint_path) in from_checkpoint.init_from(checkpoint_path)
     for name, value in from_checkpoint.model.state_dict().items():
         assert torch.equal(value, module.model.state_dict()[name]), name

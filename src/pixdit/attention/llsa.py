@@ -44,16 +44,20 @@ class LLSAAttention(AttentionBackend):
         self.enrich_levels = enrich_levels
         self.reference_l1_grad = bool(reference_l1_grad)
 
+    def plan(self, num_tokens: int) -> dict:
+        """pixdit.kernels.llsa_check with this backend's settings: the levels, K per level and tokens per query."""
+        return llsa_check(
+            num_tokens,
+            block_size=self.block_size,
+            num_levels=self.num_levels,
+            topk=self.topk,
+            enrich_levels=self.enrich_levels,
+        )
+
     def check_grid(self, grid_hw):
         num_tokens = grid_hw[0] * grid_hw[1]
         try:
-            llsa_check(
-                num_tokens,
-                block_size=self.block_size,
-                num_levels=self.num_levels,
-                topk=self.topk,
-                enrich_levels=self.enrich_levels,
-            )
+            self.plan(num_tokens)
         except (ValueError, TypeError) as error:
             raise PixditError(
                 f"attention=llsa cannot handle a {grid_hw[0]}x{grid_hw[1]} token grid ({num_tokens} tokens): {error}"
@@ -61,15 +65,7 @@ class LLSAAttention(AttentionBackend):
 
     def tokens_per_query(self, num_tokens: int) -> float:
         """Fine keys of the K selected blocks + the pooled tokens of the enriched levels (pixdit.kernels.llsa_check)."""
-        return float(
-            llsa_check(
-                num_tokens,
-                block_size=self.block_size,
-                num_levels=self.num_levels,
-                topk=self.topk,
-                enrich_levels=self.enrich_levels,
-            )["tokens_per_query"]
-        )
+        return float(self.plan(num_tokens)["tokens_per_query"])
 
     def forward(self, q, k, v, *, grid_hw, hidden):
         return llsa_attention(
