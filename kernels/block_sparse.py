@@ -41,6 +41,7 @@ from .common import INTERPRET, autocast_inputs, check_qkv, use_triton
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
 LOG2E = 1.4426950408889634
+TAIL_STEP = tl.constexpr(64)  # keys per step of a dense tail (see bsa_forward)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -98,6 +99,9 @@ def _fwd_kernel(
     n_k,
     list_len,
     qk_scale,
+    tail_lo,
+    tail_hi,
+    tail_bias,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -107,6 +111,8 @@ def _fwd_kernel(
     PREC: tl.constexpr,
     EVEN_K: tl.constexpr,
     N_SUB: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    EVEN_TAIL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -159,6 +165,21 @@ def _fwd_kernel(
             s = tl.where(k_ok[None, :], s, float("-inf"))
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
+    if HAS_TAIL:  # then key rows [tail_lo, tail_hi), the same for every query: contiguous steps, one scalar weight
+        toff = tl.arange(0, TAIL_STEP)
+        for t0 in range(tail_lo, tail_hi, TAIL_STEP):
+            krow = (t0 + toff).to(tl.int64)
+            kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
+            v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
+            if EVEN_TAIL:  # the range is whole steps: no mask at all
+                s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + tail_bias
+                v = tl.load(v_ptrs)
+            else:
+                k_ok = krow < tail_hi
+                kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
+                s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + tail_bias, float("-inf"))
+                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
@@ -194,6 +215,9 @@ def _dq_kernel(
     list_len,
     qk_scale,
     sm_scale,
+    tail_lo,
+    tail_hi,
+    tail_bias,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -204,6 +228,8 @@ def _dq_kernel(
     PREC: tl.constexpr,
     EVEN_K: tl.constexpr,
     N_SUB: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    EVEN_TAIL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -257,6 +283,25 @@ def _dq_kernel(
                 s += w[None, :] * 1.4426950408889634
             p = tl.math.exp2(s - lse2[:, None])
             p = tl.where(k_ok[None, :] & row_ok[:, None], p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
+        toff = tl.arange(0, TAIL_STEP)
+        for t0 in range(tail_lo, tail_hi, TAIL_STEP):
+            krow = (t0 + toff).to(tl.int64)
+            kv_offs = krow[:, None] * stride_kn + dims[None, :]
+            if EVEN_TAIL:
+                k = tl.load(k_base + kv_offs)
+                v = tl.load(v_base + kv_offs)
+                bias = tail_bias
+            else:
+                k_ok = krow < tail_hi
+                k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
+                bias = tl.where(k_ok, tail_bias, float("-inf"))[None, :]
+            # padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0
+            p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -393,9 +438,12 @@ def _tuned(kernel, key):
     return triton.autotune(configs=_CONFIGS, key=key)(kernel) if _AUTOTUNE else kernel
 
 
-_fwd = _tuned(_fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC", "EVEN_K"])
+_fwd = _tuned(
+    _fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC", "EVEN_K", "HAS_TAIL"]
+)
 _dq = _tuned(
-    _dq_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC", "EVEN_K"]
+    _dq_kernel,
+    ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC", "EVEN_K", "HAS_TAIL"],
 )
 _dkdv = _tuned(
     _dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD", "PREC", "EVEN_Q"]
@@ -437,9 +485,29 @@ def _n_sub(block: int) -> int:
     return max(1, block // 64)
 
 
-def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None):
+def _tail_args(dense_tail, n_k):
+    """Kernel arguments of ``dense_tail = (row_lo, row_hi, log_weight)`` (or None): key rows every query attends to
+    after its listed blocks, with one log weight, walked in contiguous steps of TAIL_STEP rows."""
+    if dense_tail is None:
+        return {"tail_lo": 0, "tail_hi": 0, "tail_bias": 0.0, "HAS_TAIL": False, "EVEN_TAIL": True}
+    lo, hi, log_weight = dense_tail
+    assert 0 <= lo < hi <= n_k, (dense_tail, n_k)
+    return {
+        "tail_lo": lo,
+        "tail_hi": hi,
+        "tail_bias": float(log_weight) * LOG2E,
+        "HAS_TAIL": True,
+        "EVEN_TAIL": (hi - lo) % TAIL_STEP.value == 0,
+    }
+
+
+def bsa_forward(
+    q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None, dense_tail=None
+):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
-    dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue. Returns (o, lse)."""
+    dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
+    (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
+    name them). Returns (o, lse)."""
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
@@ -476,6 +544,7 @@ def bsa_forward(q, k, v, lists, query_block, key_block, scale, log_weights=None,
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
         HAS_INIT=init is not None,
+        **_tail_args(dense_tail, n_k),
         PREC=_prec(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
@@ -499,9 +568,11 @@ def bsa_backward_dq(
     dq=None,
     o=None,
     out_dtype=torch.float32,
+    dense_tail=None,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
-    With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq])."""
+    With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
+    ``dense_tail`` as in ``bsa_forward``."""
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
     accumulate = dq is not None
@@ -539,6 +610,7 @@ def bsa_backward_dq(
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
+        **_tail_args(dense_tail, k.shape[1]),
         COMPUTE_DELTA=o is not None,
         PREC=_prec(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,

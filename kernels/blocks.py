@@ -83,6 +83,9 @@ def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
     return ((1 << 32) - 1 - (top & 0xFFFFFFFF)).to(torch.int32)
 
 
+INT32_KEYS_BELOW = 2**31  # csr_to_csc sorts int32 keys when all fit (half the radix passes of int64)
+
+
 def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Transpose per-row column lists into per-column row lists, deterministically (the key-major backward walks them).
 
@@ -90,16 +93,20 @@ def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.
     distinct within a row. Returns ``(offsets, rows)``: int32 ``[batch, num_cols + 1]`` and int32
     ``[batch, rows * width]``; the rows that list column ``c`` are ``rows[b, offsets[b, c]:offsets[b, c + 1]]``,
     ascending (empty slots are sorted to the front, so ``offsets[b, 0]`` = their number, not always 0). Implemented
-    as a sort of the unique integer keys ``c * rows + r`` (a stable sort of the (c, r) pairs:
-    same result on every run and device, no atomics), so the dk/dv sums that follow the lists are bitwise
-    reproducible.
+    as one sort of the unique integer keys ``b * span + (c + 1) * rows + r`` (``span = (num_cols + 1) * rows``): a
+    stable order of the (b, c, r) triples, the same on every run and device, no atomics, so the dk/dv sums that
+    follow the lists are bitwise reproducible. One flat sort of int32 keys where they fit: a batched (segmented) sort
+    of int64 keys costs about twice the radix passes.
     """
     if index.dim() != 3:
         raise ValueError(f"csr_to_csc: index must be [batch, rows, width], got shape {tuple(index.shape)}")
     batch, rows, width = index.shape
-    row_ids = torch.arange(rows, device=index.device, dtype=torch.int64).view(1, rows, 1)
-    # key = c * rows + r; an empty slot (c = -1) gives a negative key, sorted before every real one
-    keys = torch.sort((index.to(torch.int64) * rows + row_ids).view(batch, rows * width), dim=-1).values
-    bounds = torch.arange(num_cols + 1, device=index.device, dtype=torch.int64) * rows
-    offsets = torch.searchsorted(keys, bounds.expand(batch, -1).contiguous()).to(torch.int32)
-    return offsets, (keys % rows).to(torch.int32)
+    span = (num_cols + 1) * rows
+    dtype = torch.int32 if batch * span < INT32_KEYS_BELOW else torch.int64
+    row_ids = torch.arange(rows, device=index.device, dtype=dtype).view(1, rows, 1)
+    base = torch.arange(batch, device=index.device, dtype=dtype).view(batch, 1, 1) * span
+    keys = torch.sort(((index.to(dtype) + 1) * rows + row_ids + base).flatten()).values  # an empty slot: c + 1 = 0
+    bounds = base.view(batch, 1) + torch.arange(1, num_cols + 2, device=index.device, dtype=dtype) * rows
+    first = torch.arange(batch, device=index.device, dtype=torch.int64).view(batch, 1) * (rows * width)
+    offsets = (torch.searchsorted(keys, bounds.flatten()).view(batch, -1) - first).to(torch.int32)
+    return offsets, (keys % rows).to(torch.int32).view(batch, rows * width)

@@ -13,7 +13,8 @@ out (the coarsest first). Pooling and selection scores are fp32; ties go to the 
 CUDA tensors run Triton (``block_sparse.py``): the fine level is one block-sparse pass over ``k``/``v`` with 16-row
 query blocks; the pooled levels are a second pass over one "bank" (levels 1..L concatenated, fp32-pooled then cast
 to the input dtype) with 64-row query tiles, whose lists are shared by all 64 rows (a level-l list depends only on
-the level-(l+1) ancestor, and B^2 >= 64 rows share it); the second pass continues the first pass's softmax. The
+the level-(l+1) ancestor, and B^2 >= 64 rows share it), and the coarsest level, which every query sees, is walked
+as one contiguous range after the list; the second pass continues the first pass's softmax. The
 backward is dq query-major, dk/dv key-major over the CSC transpose, then the mean-pool adjoint. CPU tensors run the
 exact gather form in fp32 with autograd.
 """
@@ -205,19 +206,29 @@ def _bank_layout(N, B, L, Le):
 
 
 def _coarse_lists(index, N, B, L, Le, device):
-    """Per 64-row query tile, the bank blocks of the pooled levels: int32 [b*h, N/64 (ceil), len]."""
+    """Per 64-row query tile, the bank blocks of the pooled candidate levels (1 .. min(Le, L - 1)): int32
+    [b*h, N/64 (ceil), len]. The coarsest level is not listed: every query attends to all of it (``_bank_tail``).
+    Without candidate levels (L = 1) one empty slot (-1) per tile."""
     b, h = index[0].shape[:2]
-    offsets, total = _bank_layout(N, B, L, Le)
+    offsets, _ = _bank_layout(N, B, L, Le)
     n_tiles = triton.cdiv(N, COARSE_TILE)
     parts = []
     for lvl in range(1, min(Le, L - 1) + 1):  # candidates: children of the level-(lvl+1) ancestor's selection
         tiles_per_ancestor = B ** (lvl + 1) // COARSE_TILE
         parts.append(index[lvl].repeat_interleave(tiles_per_ancestor, dim=2) + offsets[lvl - 1] // B)
-    if Le >= L:  # every coarsest token, partial last block masked by the kernel
-        top = torch.arange(offsets[L - 1] // B, triton.cdiv(total, B), device=device, dtype=torch.int32)
-        parts.append(top.expand(b, h, n_tiles, -1))
+    if not parts:
+        return torch.full((b * h, n_tiles, 1), -1, device=device, dtype=torch.int32)
     lists = torch.cat(parts, dim=-1).to(torch.int32)
     return lists.reshape(b * h, n_tiles, lists.shape[-1]).contiguous()
+
+
+def _bank_tail(N, B, L, Le):
+    """The coarsest level's rows of the bank and their log weight, ``(row_lo, row_hi, L ln B)``, which every query
+    attends to (walked as one contiguous range, not listed); None when enrich_levels leaves that level out."""
+    if Le < L:
+        return None
+    offsets, total = _bank_layout(N, B, L, Le)
+    return offsets[L - 1], total, L * math.log(B)
 
 
 @functools.lru_cache(maxsize=64)
@@ -258,7 +269,17 @@ class _LLSATriton(torch.autograd.Function):
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
             o, lse = bs.bsa_forward(
-                qf, bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw, init=(o, lse), out_dtype=q.dtype
+                qf,
+                bank_k,
+                bank_v,
+                coarse_lists,
+                COARSE_TILE,
+                B,
+                scale,
+                logw,
+                init=(o, lse),
+                out_dtype=q.dtype,
+                dense_tail=_bank_tail(N, B, L, Le),
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape)
@@ -275,7 +296,10 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            dq = bs.bsa_backward_dq(qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o)
+            tail = _bank_tail(N, B, L, Le)
+            dq = bs.bsa_backward_dq(
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
+            )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, reference_l1_grad
             )
@@ -311,9 +335,9 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
     dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
     dbv = torch.empty_like(dbk)
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
-    n_cand = coarse_lists.shape[-1] - (n_bank_blocks - top_lo)
+    n_cand = coarse_lists.shape[-1]  # the candidate levels' blocks (the coarsest level is not listed)
     if top_lo > 0:  # candidate levels: one CSC list per bank block
-        csc = csr_to_csc(coarse_lists[..., :n_cand].contiguous(), top_lo)
+        csc = csr_to_csc(coarse_lists, top_lo)
         bs.bsa_backward_dkdv(
             qf,
             bank_k,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from pixdit.kernels import block_mean, block_sparse_attention, csr_to_csc, flash_attention, topk_desc
+from pixdit.kernels import block_mean, block_sparse_attention, blocks, csr_to_csc, flash_attention, topk_desc
 from pixdit.kernels.topk import pooled_topk
 
 needs_interpreter = pytest.mark.skipif(
@@ -38,7 +38,10 @@ def test_topk_desc_matches_stable_sort_with_ties_and_signs():
         topk_desc(s, 41)
 
 
-def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows():
+@pytest.mark.parametrize("int32_keys", [True, False])
+def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, monkeypatch):
+    if not int32_keys:  # the int64 keys of tables too big for int32
+        monkeypatch.setattr(blocks, "INT32_KEYS_BELOW", 0)
     g = torch.Generator().manual_seed(1)
     batch, rows, width, cols = 3, 37, 5, 11
     index = torch.stack(

@@ -155,6 +155,7 @@ def test_torch_path_reference_l1_grad_scales_pooled_gradient():
         (1, 1, 1024, 32, 32, 1, 3, None),
         (1, 1, 512, 32, 16, 2, [32, 2], None),
         (1, 1, 512, 64, 16, 1, 1, 0),
+        (1, 1, 2048, 16, 16, 1, 4, None),  # coarsest level of 128 rows: whole contiguous steps, no mask
     ],
 )
 def test_triton_matches_oracle(b, h, N, d, B, L, K, Le):
