@@ -7,6 +7,7 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
 
     python scripts/bench_sampling.py                                    # H200: the table for docs/benchmarks.md
     python scripts/bench_sampling.py --attention full llsa vsa --sizes 128 256 512 --batch 8
+    python scripts/bench_sampling.py --attention llsa:num_levels=2 --sizes 256 --batch 64 --compile   # a variant
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
 """
 
@@ -17,6 +18,8 @@ import sys
 
 import torch
 
+from pixdit.attention.variants import parse_variant
+from pixdit.errors import PixditError
 from pixdit.eval.sampling import auto_batch_size, sampling_model
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
@@ -29,7 +32,12 @@ DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="DiT-S", choices=list(DIT_MODELS))
-    parser.add_argument("--attention", nargs="+", default=["full", "llsa"], help="backends (configs/attention/)")
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["full", "llsa"],
+        help="attention variants: NAME or NAME:KEY=VALUE,... (configs/attention/NAME.yaml)",
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="image sides in pixels")
     parser.add_argument(
         "--batch",
@@ -50,10 +58,10 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, side: int) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
-    model = build_model(args.model, input_size=(side, side), attention={"name": attention}, **overrides)
+    model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
     model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
     if args.batch == "auto":
@@ -95,11 +103,15 @@ def main(argv=None) -> list[dict]:
         args.sizes, args.batch, args.steps, args.warmup, args.repeats = [16], 2, 2, 1, 1
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
+    try:  # every variant is checked before the first one is timed
+        configs = {spec: parse_variant(spec).attention for spec in args.attention}
+    except PixditError as error:
+        sys.exit(f"error: {error}")
     rows = []
     for side in args.sizes:
         for attention in args.attention:
             try:
-                rows.append(bench(args, attention, side))
+                rows.append(bench(args, attention, configs[attention], side))
             except torch.OutOfMemoryError:
                 rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM"})
                 torch.cuda.empty_cache()

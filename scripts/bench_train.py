@@ -69,15 +69,14 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel
 
     apply_from_argv(sys.argv)
 
+from pixdit.attention.variants import Variant, parse_variant, read_options  # noqa: E402
 from pixdit.errors import PixditError  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.report import markdown_table, time_median  # noqa: E402
 
-ATTENTION_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "attention"
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
-PROBE_DIMS = dict(dim=128, num_heads=2)  # the variants' options are checked on a backend of this size
 # The model's conditioning modules: they run once per image, not per token (not in the per-token FLOP count).
 PER_IMAGE_MODULES = ("adaLN_modulation", "t_embedders", "y_embedders")
 GB = 1e9  # peak and estimated memory in the table: GB as torch.cuda.max_memory_allocated / 1e9
@@ -155,55 +154,9 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------------------------------------- variants
 @dataclass
-class Variant:
-    label: str  # as typed on the command line, e.g. "llsa:num_levels=2"
-    attention: dict  # the attention config section: {"name": ..., options...}
-    token_order: str  # what the backend needs ("zorder" for the block-sparse methods), else "raster"
-
-
-@dataclass
 class ModelSpec:
     label: str  # as typed, e.g. "DiT-XL:num_heads=18"
     config: dict  # the model config section: {"name": ..., overrides...}
-
-
-def split_options(text: str) -> list[str]:
-    """'a=1,b=[8,4]' -> ['a=1', 'b=[8,4]']: commas inside brackets belong to a list value."""
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [item.strip() for item in items if item.strip()]
-
-
-def read_options(spec: str, what: str, example: str) -> tuple[str, dict]:
-    """``NAME[:KEY=VALUE,...]`` -> (NAME, {KEY: VALUE}) with the values read as YAML."""
-    name, _, text = spec.partition(":")
-    options = {}
-    for item in split_options(text):
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip():
-            raise PixditError(f"{what} {spec}: '{item}' is not KEY=VALUE (e.g. {example})")
-        options[key.strip()] = yaml.safe_load(value)
-    return name, options
-
-
-def parse_variant(spec: str) -> Variant:
-    """``NAME[:KEY=VALUE,...]`` -> Variant, checked by building the backend once (pixdit.attention.build_attention)."""
-    from pixdit.attention import build_attention
-
-    name, options = read_options(spec, "--attention", "llsa:num_levels=2,topk=16")
-    config_file = ATTENTION_CONFIGS / f"{name}.yaml"
-    attention = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {"name": name}
-    attention.update(options)
-    try:
-        backend = build_attention(attention, **PROBE_DIMS)
-    except PixditError as error:
-        raise PixditError(f"--attention {spec}: {error}") from None
-    return Variant(spec, attention, backend.token_order or "raster")
 
 
 def parse_model(spec: str) -> ModelSpec:

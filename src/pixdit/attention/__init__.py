@@ -5,6 +5,7 @@
     llsa.py   `llsa`: Log-linear Sparse Attention
     vsa.py    `vsa`: Video Sparse Attention on 2-D tiles
     sla.py    `sla`: Sparse-Linear Attention
+    variants.py  `NAME[:KEY=VALUE,...]` variants of the benchmark scripts (parse_variant)
 
 Each backend is one class and one config file (`configs/attention/<name>.yaml`); importing this package registers
 them all. `attention.dense_blocks` keeps full attention in the listed blocks of the model (block_attention_configs). The methods are described in docs/algorithms.md, the interface in docs/architecture.md.
