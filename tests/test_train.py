@@ -737,3 +737,35 @@ def test_memory_check_before_the_first_step_and_out_of_memory_advice(h, tiny_sha
     with pytest.raises(PixditError, match=r"ran out of GPU memory at step 0 \(CUDA out of memory\)") as error:
         train.train(cfg, tmp_path / "oom")
     assert "data.batch_size=2 (now 4" in str(error.value) and "trainer=fsdp" in str(error.value)
+
+
+def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
+    """--profile's kind-of-kernel table: each pixdit kernel lands in its own row (qk_norm_rope's Triton kernels are
+    named _forward_kernel / _backward_kernel), CPU-side ops are not counted twice, the rest is "other"."""
+    from types import SimpleNamespace
+
+    bench = load_bench_train(h, monkeypatch)
+    events = [
+        ("_forward_kernel", "CUDA", 4000),
+        ("_backward_kernel", "CUDA", 6000),
+        ("_QKNormRope", "CPU", 9000),  # the autograd op that launched the kernel: not device time
+        ("_dkdv_kernel", "CUDA", 3000),
+        ("_pooled_topk_kernel", "CUDA", 1000),
+        ("triton_poi_fused_gelu_0", "CUDA", 2000),
+        ("nvjet_sm90_tst_192x192", "CUDA", 5000),
+        ("void at::native::reduce_kernel<...>", "CUDA", 500),
+    ]
+    prof = SimpleNamespace(
+        key_averages=lambda **_: [
+            SimpleNamespace(key=k, device_type=f"DeviceType.{t}", self_device_time_total=us) for k, t, us in events
+        ]
+    )
+    rows = {row["part"]: row["ms"] for row in bench.kernel_table(prof, cuda=True)}
+    assert rows == {
+        "qk-norm + RoPE": 10.0,
+        "matmul": 5.0,
+        "sparse attention (pixdit.kernels)": 3.0,
+        "Inductor fused elementwise": 2.0,
+        "block selection (top-k)": 1.0,
+        "other": 0.5,
+    }
