@@ -1,0 +1,233 @@
+"""Compile pixdit's Triton kernels for the H200 (sm_90) without a GPU: time, registers, spills, shared memory, SASS
+size per variant. The only performance signal on a machine without one; re-run it after a kernel change (a spill,
+a register jump that costs occupancy, or a jump in compile time shows here first).
+
+    python scripts/kernel_compile_report.py                      # selection (top-k) and the LLSA attention kernels
+    python scripts/kernel_compile_report.py --kernels attention --warps 4 8 --stages 2 3
+    python scripts/kernel_compile_report.py --kernels topk --head-dim 128 --dump /tmp/sass   # + PTX / SASS to read
+
+``topk``: ``k`` is a run-time argument of both selection kernels, so the rows are all the variants a sweep over k
+compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket). ``attention``: the block-sparse
+forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
+levels: 64-row tiles over the bank, the coarsest level as a dense tail), for each number of warps and pipeline
+stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
+Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
+the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. The Triton here may be
+newer than the GPU machine's: register counts can differ by a few between versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from pixdit.kernels import block_sparse, topk
+from pixdit.report import markdown_table
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+
+
+def one_shot_variant(head_dim: int, cand: int) -> tuple:
+    sig = {
+        "QP": "*fp32",
+        "KP": "*fp32",
+        "PAR": "*i32",
+        "OUT": "*i32",
+        "n_rows": "i32",
+        "n_cand": "i32",
+        "k": "i32",
+        "stride_qb": "i32",
+        "stride_kb": "i32",
+        "stride_pb": "i32",
+        "stride_ob": "i32",
+    }
+    const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, "CHILD": 0, "N_PARENTS": 1}
+    return topk._pooled_topk_kernel, sig, const, 4 if cand <= 256 else 8
+
+
+def streaming_variant(head_dim: int, slots: int) -> tuple:
+    sig = {
+        "QP": "*fp32",
+        "KP": "*fp32",
+        "OUT": "*i32",
+        "n_rows": "i32",
+        "n_cand": "i32",
+        "k": "i32",
+        "stride_qb": "i32",
+        "stride_kb": "i32",
+        "stride_ob": "i32",
+    }
+    const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "CHUNK": topk._STREAM_CHUNK, "SLOTS": slots}
+    return topk._streaming_topk_kernel, sig, const, 4
+
+
+def launch_variant(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
+    """Signature and attributes of a launch of ``fn`` with these run-time ``args`` (a pointer given as its type,
+    e.g. "*bf16"; ints and floats as example values): what the launcher derives, including the divisibility-by-16
+    hints of pointers and of ints that are multiples of 16 (they decide vector widths)."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            continue
+        value = args[name]
+        if isinstance(value, str):
+            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def compile_one(
+    fn,
+    signature: dict,
+    constexprs: dict,
+    num_warps: int,
+    dump: str | None,
+    label: str,
+    attrs: dict | None = None,
+    num_stages: int | None = None,
+) -> dict:
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    with tempfile.TemporaryDirectory() as cache:  # a fresh cache: the time is a real compile
+        os.environ["TRITON_CACHE_DIR"] = cache
+        t0 = time.perf_counter()
+        source = triton.compiler.ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(source, target=TARGET, options=options)
+        seconds = time.perf_counter() - t0
+    bin_dir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    row = {"compile s": f"{seconds:.1f}", "warps": num_warps, "smem KiB": f"{kernel.metadata.shared / 1024:.1f}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        ptxas = subprocess.run(
+            [os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        ).stderr
+        regs = re.search(r"Used (\d+) registers", ptxas)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+        row["registers"] = regs.group(1) if regs else "?"
+        row["spill st/ld B"] = f"{spill.group(1)}/{spill.group(2)}" if spill else "?"
+        sass = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True
+        ).stdout
+        row["SASS instr"] = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            for ext, text in (("ptx", kernel.asm["ptx"]), ("ttgir", kernel.asm["ttgir"]), ("sass", sass)):
+                with open(os.path.join(dump, f"{label}.{ext}"), "w") as f:
+                    f.write(text)
+    return row
+
+
+def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, run-time args, constexprs) of the block-sparse launches of one LLSA call at 256^2 tokens,
+    L = 2, B = K = 16 / 8, batch * heads = 12 (bf16): the fine level over k/v and the pooled levels over the bank."""
+    n, bank, d = 65536, 65536 // 16 + 65536 // 256, head_dim
+    common = dict(HEAD_DIM=d, PREC="tf32")
+    tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * 2.772588722239781 * 1.4426950408889634)
+    no_tail = dict(tail_lo=0, tail_hi=0, tail_bias=0.0)
+    strides = dict(stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_on=d, stride_db=n * d, stride_dn=d)
+
+    def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args):
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
+        args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
+        args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
+        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, HAS_INIT=has_init)
+        return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
+
+    def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args):
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32")
+        args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", stride_kb=n_k * d, stride_kn=d)
+        args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
+        args |= dict(qk_scale=0.18, sm_scale=0.125, **strides, **tail_args)
+        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
+        const |= dict(COMPUTE_DELTA=compute_delta, EVEN_K=True, N_SUB=1)
+        return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
+
+    def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
+        args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **strides)
+        args |= dict(stride_kb=n_k * d, stride_kn=d, stride_rb=n // 2, n_q=n, n_k=n_k, blk_lo=0, csc_lo=0)
+        args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
+        per_iter = max(1, 64 // query_block)
+        const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
+        return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
+
+    fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail)
+    fwd_pooled = fwd(64, bank, 8, "*bf16", True, True, tail)
+    dq_pooled = dq(64, bank, 8, "*fp32", False, True, True, tail)
+    dq_fine = dq(16, n, 8, "*bf16", True, False, False, no_tail)
+    rows = [
+        ("fwd fine (16-row blocks)", block_sparse._fwd_kernel, *fwd_fine),
+        ("fwd pooled (64-row tiles + tail)", block_sparse._fwd_kernel, *fwd_pooled),
+        ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
+        ("dq fine", block_sparse._dq_kernel, *dq_fine),
+        ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
+        ("dkdv pooled candidates", block_sparse._dkdv_kernel, *dkdv(64, bank, 1, 1, True, False)),
+        ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
+    ]
+    for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
+        want = {p.name for p in fn.params if p.is_constexpr}
+        assert set(const) == want, (label, sorted(want ^ set(const)))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention"])
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="attention kernels: warps per program")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2], help="attention kernels: pipeline stages")
+    parser.add_argument("--dump", default=None, help="folder for the PTX / TTGIR / SASS of each variant")
+    args = parser.parse_args(argv)
+    rows = []
+    if "attention" in args.kernels:
+        for label, fn, run_args, const in attention_variants(args.head_dim):
+            signature, attrs = launch_variant(fn, run_args, const)
+            for warps in args.warps:
+                for stages in args.stages:
+                    row = {"kernel": label, "head_dim": args.head_dim, "stages": stages}
+                    name = f"{fn.__name__}_{label.split(' (')[0].replace(' ', '_')}_w{warps}_s{stages}"
+                    row.update(compile_one(fn, signature, const, warps, args.dump, name, attrs, stages))
+                    rows.append(row)
+                    print(row, flush=True)
+    if "topk" not in args.kernels:
+        print(f"\ntriton {triton.__version__}, target sm_90\n")
+        print(markdown_table(rows))
+        return
+    variants = [
+        (f"one-shot cand={c}", one_shot_variant(args.head_dim, c))
+        for c in (64, 256, 512, 1024)
+        if c * args.head_dim <= topk._MAX_CAND_X_DIM
+    ]
+    variants += [
+        (f"streaming slots={s}", streaming_variant(args.head_dim, s))
+        for s in (topk._STREAM_MIN_SLOTS, 32, topk.STREAM_MAX_K)
+    ]
+    for label, (fn, sig, const, warps) in variants:
+        row = {"kernel": label, "head_dim": args.head_dim}
+        row.update(compile_one(fn, sig, const, warps, args.dump, label.replace(" ", "_").replace("=", "")))
+        rows.append(row)
+        print(row, flush=True)
+    print(f"\ntriton {triton.__version__}, target sm_90\n")
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

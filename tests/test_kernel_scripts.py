@@ -1,0 +1,45 @@
+"""The kernel scripts: scripts/ab_llsa.py (interleaved A/B of two kernel libraries in one process) runs end to end, a
+CPU smoke run with the repository's own kernels/ as the "before" side, loaded a second time under another module
+name; scripts/kernel_compile_report.py describes every argument of the attention kernels it compiles (a kernel that
+gains an argument must show up here, not as a broken report on the next device-free session)."""
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ab_llsa_quick_cpu():
+    run = subprocess.run(
+        [sys.executable, "scripts/ab_llsa.py", "--kernels-from", "kernels", "--quick", "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    header, rule, row = run.stdout.strip().splitlines()[-3:]
+    assert "before fwd ms" in header and "after fwd+bwd ms" in header and row.startswith("| 32² | 1 |")
+
+
+def test_ab_llsa_names_a_missing_library():
+    run = subprocess.run(
+        [sys.executable, "scripts/ab_llsa.py", "--kernels-from", "docs", "--quick", "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0 and "--kernels-from docs: no __init__.py there" in run.stderr
+
+
+def test_compile_report_gives_every_kernel_argument():
+    report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
+    variants = report["attention_variants"](64)
+    assert len(variants) == 7
+    for label, fn, args, constexprs in variants:
+        signature, attrs = report["launch_variant"](fn, args, constexprs)
+        assert len(signature) + len(constexprs) == len(fn.arg_names), label
+        assert signature["Q"] == "*bf16" and attrs, label  # pointers carry the divisibility hint
