@@ -4,6 +4,8 @@
 #
 #   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
+#   bash scripts/device_suite.sh ab DIR     # LLSA A/B: the kernels/ in DIR vs these, interleaved in one process
+#   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
 #   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, eager and compiled
@@ -14,7 +16,7 @@
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|train|train-compiled|profile|sampling|scaling|grow|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|ncu|train|train-compiled|profile|sampling|scaling|grow|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -33,7 +35,22 @@ case "$stage" in
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 15 "${TESTS_BUDGET_S:-540}" $PY -m pytest "${where[@]}" -m gpu -q \
       -p no:cacheprovider --timeout 300 --durations=15 -rfE 2>&1 | tee "$OUT/gpu_tests.log" ;;
   attention)
-    $PY scripts/bench_attention.py --backends sdpa,flash,llsa,vsa,sla --out "$OUT/attention" 2>&1 | tee "$OUT/bench_attention.log" ;;
+    # TRITON_PRINT_AUTOTUNING: the launch configuration the autotuner picks for each kernel goes into the log
+    TRITON_PRINT_AUTOTUNING=1 $PY scripts/bench_attention.py --backends sdpa,flash,llsa,vsa,sla --out "$OUT/attention" \
+      2>&1 | tee "$OUT/bench_attention.log" ;;
+  ab)
+    # Separate autotuned processes differ by up to 20% for the same kernels, so both versions run in one process,
+    # alternating, with one fixed launch configuration. DIR: another commit's kernels/ (git archive REV kernels).
+    base=${2:?usage: device_suite.sh ab DIR (e.g. git archive HEAD~1 kernels | tar -x -C /tmp/base; DIR=/tmp/base/kernels)}
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_llsa.py --kernels-from "$base" 2>&1 \
+      | tee "$OUT/ab_llsa.log" ;;
+  ncu)
+    # One LLSA fwd+bwd after warm-up under Nsight Compute (works on the Firecracker machines; clocks left alone).
+    # The per-kernel table of docs/kernel_notes.md v8 comes from this log. ~1.5 min.
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 200 ncu --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis $PY scripts/profile_llsa.py --size 256 --levels 2 > "$OUT/ncu_llsa256.txt" 2>&1
+    grep -E "^  [_a-z].*Context|Duration|Registers Per|Achieved Occupancy" "$OUT/ncu_llsa256.txt" | head -120 ;;
   train)
     # One process for every variant and size (Triton kernels compile once; speed-ups against full of the same run).
     # Full attention takes ~10 s per step at 512^2, hence fewer steps there (--steps-at). ~6 min on an H200.
@@ -113,6 +130,6 @@ case "$stage" in
       [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
     done ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, train, train-compiled, profile, sampling, scaling, grow or fsdp2" >&2
+    echo "unknown stage '$stage': use tests, attention, ab, ncu, train, train-compiled, profile, sampling, scaling, grow or fsdp2" >&2
     exit 2 ;;
 esac
