@@ -15,7 +15,9 @@ multiplicity (docs/algorithms.md, "LLSA") is ``log_weight = l * ln(B)``.
 Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_fwd_kernel``   query-major: one program per (query tile, batch*head); online softmax over its list; writes O and
                     the natural-log LSE (weights included). Can start from a previous partial result (O, LSE) of the
-                    same queries over other keys, which is how LLSA chains its fine and its pooled key banks.
+                    same queries over other keys, which is how LLSA chains its fine and its pooled key banks, and
+                    can end with a dense tail: key rows every query attends to, walked contiguously after the list
+                    (LLSA's coarsest level). ``_dq_kernel`` takes the same tail.
 * ``_dq_kernel``    query-major over the same lists (optionally adds into an existing fp32 dq).
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the

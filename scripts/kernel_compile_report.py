@@ -35,43 +35,26 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 
 def one_shot_variant(head_dim: int, cand: int) -> tuple:
-    sig = {
-        "QP": "*fp32",
-        "KP": "*fp32",
-        "PAR": "*i32",
-        "OUT": "*i32",
-        "n_rows": "i32",
-        "n_cand": "i32",
-        "k": "i32",
-        "stride_qb": "i32",
-        "stride_kb": "i32",
-        "stride_pb": "i32",
-        "stride_ob": "i32",
-    }
+    """The one-shot selection kernel for ``cand`` candidates (4,096 query rows, K = 8)."""
+    args = dict(QP="*fp32", KP="*fp32", PAR="*i32", OUT="*i32", n_rows=4096, n_cand=cand, k=8)
+    args |= dict(stride_qb=4096 * head_dim, stride_kb=cand * head_dim, stride_pb=0, stride_ob=4096 * 8)
     const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, "CHILD": 0, "N_PARENTS": 1}
-    return topk._pooled_topk_kernel, sig, const, 4 if cand <= 256 else 8
+    return topk._pooled_topk_kernel, args, const, 4 if cand <= 256 else 8
 
 
 def streaming_variant(head_dim: int, slots: int) -> tuple:
-    sig = {
-        "QP": "*fp32",
-        "KP": "*fp32",
-        "OUT": "*i32",
-        "n_rows": "i32",
-        "n_cand": "i32",
-        "k": "i32",
-        "stride_qb": "i32",
-        "stride_kb": "i32",
-        "stride_ob": "i32",
-    }
+    """The streaming selection kernel, one SLOTS bucket (4,096 rows and candidates)."""
+    args = dict(QP="*fp32", KP="*fp32", OUT="*i32", n_rows=4096, n_cand=4096, k=slots)
+    args |= dict(stride_qb=4096 * head_dim, stride_kb=4096 * head_dim, stride_ob=4096 * slots)
     const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "CHUNK": topk._STREAM_CHUNK, "SLOTS": slots}
-    return topk._streaming_topk_kernel, sig, const, 4
+    return topk._streaming_topk_kernel, args, const, 4
 
 
 def launch_variant(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
     """Signature and attributes of a launch of ``fn`` with these run-time ``args`` (a pointer given as its type,
     e.g. "*bf16"; ints and floats as example values): what the launcher derives, including the divisibility-by-16
     hints of pointers and of ints that are multiples of 16 (they decide vector widths)."""
+    unhinted = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}  # e.g. topk's k
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -83,7 +66,7 @@ def launch_variant(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if value % 16 == 0:
+            if value % 16 == 0 and name not in unhinted:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -220,9 +203,10 @@ def main(argv=None) -> None:
         (f"streaming slots={s}", streaming_variant(args.head_dim, s))
         for s in (topk._STREAM_MIN_SLOTS, 32, topk.STREAM_MAX_K)
     ]
-    for label, (fn, sig, const, warps) in variants:
+    for label, (fn, run_args, const, warps) in variants:
+        signature, attrs = launch_variant(fn, run_args, const)
         row = {"kernel": label, "head_dim": args.head_dim}
-        row.update(compile_one(fn, sig, const, warps, args.dump, label.replace(" ", "_").replace("=", "")))
+        row.update(compile_one(fn, signature, const, warps, args.dump, label.replace(" ", "_").replace("=", ""), attrs))
         rows.append(row)
         print(row, flush=True)
     print(f"\ntriton {triton.__version__}, target sm_90\n")

@@ -11,35 +11,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def ab_llsa(kernels_from: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "scripts/ab_llsa.py", "--kernels-from", kernels_from, "--quick", "--device", "cpu"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_ab_llsa_quick_cpu():
-    run = subprocess.run(
-        [sys.executable, "scripts/ab_llsa.py", "--kernels-from", "kernels", "--quick", "--device", "cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = ab_llsa("kernels")
     assert run.returncode == 0, run.stderr
     header, rule, row = run.stdout.strip().splitlines()[-3:]
     assert "before fwd ms" in header and "after fwd+bwd ms" in header and row.startswith("| 32² | 1 |")
 
 
 def test_ab_llsa_names_a_missing_library():
-    run = subprocess.run(
-        [sys.executable, "scripts/ab_llsa.py", "--kernels-from", "docs", "--quick", "--device", "cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = ab_llsa("docs")
     assert run.returncode != 0 and "--kernels-from docs: no __init__.py there" in run.stderr
 
 
 def test_compile_report_gives_every_kernel_argument():
     report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
     variants = report["attention_variants"](64)
-    assert len(variants) == 7
+    variants += [(label, *report["one_shot_variant"](64, 256)[:3]) for label in ["one-shot"]]
+    variants += [(label, *report["streaming_variant"](64, 32)[:3]) for label in ["streaming"]]
+    assert len(variants) == 9
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
-        assert signature["Q"] == "*bf16" and attrs, label  # pointers carry the divisibility hint
+        assert all(attrs.get((fn.arg_names.index(p),)) for p, t in signature.items() if t.startswith("*")), label
+    # the last one, the streaming kernel: k = 32 is a multiple of 16, but k is do_not_specialize: no hint
+    assert "k" in signature and (fn.arg_names.index("k"),) not in attrs
