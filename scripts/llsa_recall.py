@@ -5,6 +5,9 @@ fraction of the exact single-level top-K_l blocks (full pooled-score search over
 hierarchical selection I^(l) keeps (level L is a full search, so 1.0 by construction). The attention mass is the
 share of the dense softmax attention (fine queries, all N keys) that falls into the fine blocks selected
 hierarchically, by the exact single-level search, and by the best possible K_1 blocks (largest mass, an upper bound).
+"union of 4" is how much 4 neighbouring fine query blocks (a 64-row tile) share their selected blocks: the number
+of distinct blocks in their 4 lists over 4 K_1 (1 = nothing shared, 0.25 = identical lists). A kernel that gives a
+64-row tile the union of its blocks computes 4 K_1 x this value blocks per row instead of K_1.
 
     python scripts/llsa_recall.py                                # random smooth q/k, 128x128 tokens, B=16, K=8, L=2
     python scripts/llsa_recall.py --inputs iid --size 64 --num-levels 2 --layers 4
@@ -73,13 +76,21 @@ def captured_qk(args, device):
     return captured
 
 
+def sibling_union(fine_index: torch.Tensor, group: int) -> float:
+    """Mean number of distinct blocks in the lists of ``group`` consecutive fine query blocks, over group * K."""
+    b, h, n, k = fine_index.shape
+    ids = fine_index[:, :, : n - n % group].reshape(b, h, -1, group * k).sort(-1).values
+    distinct = 1 + (ids[..., 1:] != ids[..., :-1]).sum(-1)
+    return (distinct.float() / (group * k)).mean().item()
+
+
 def layer_stats(q, k, args):
     B = args.block_size
     cfg = llsa_check(q.shape[2], B, args.num_levels, args.topk)
     L, ks = cfg["num_levels"], cfg["topk"]
     index = llsa_select(q, k, B, ks, L)
     qf, kf = q.float(), k.float()
-    rows = {}
+    rows = {"union of 4": sibling_union(index[0], 4)}
     qp, kp = qf, kf
     for lvl in range(1, L + 1):
         qp, kp = block_mean(qp, B), block_mean(kp, B)

@@ -40,3 +40,14 @@ def test_compile_report_gives_every_kernel_argument():
         assert all(attrs.get((fn.arg_names.index(p),)) for p, t in signature.items() if t.startswith("*")), label
     # the last one, the streaming kernel: k = 32 is a multiple of 16, but k is do_not_specialize: no hint
     assert "k" in signature and (fn.arg_names.index("k"),) not in attrs
+
+
+def test_llsa_recall_sibling_union():
+    """llsa_recall.py's "union of 4": identical lists in a group of 4 -> 1/4, disjoint lists -> 1."""
+    import torch
+
+    union = runpy.run_path(str(ROOT / "scripts" / "llsa_recall.py"))["sibling_union"]
+    same = torch.arange(8).repeat(1, 1, 8, 1)  # 8 query blocks, all with the blocks 0..7
+    disjoint = torch.arange(64).view(1, 1, 8, 8)
+    half = torch.stack([torch.arange(8), torch.arange(8), torch.arange(8, 16), torch.arange(8, 16)]).repeat(2, 1)
+    assert union(same, 4) == 0.25 and union(disjoint, 4) == 1.0 and union(half[None, None], 4) == 0.5
