@@ -19,6 +19,7 @@ newer than the GPU machine's: register counts can differ by a few between versio
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -50,11 +51,25 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
     return topk._streaming_topk_kernel, args, const, 4
 
 
+def constexpr_names(fn) -> set[str]:
+    """The ``tl.constexpr`` parameters of a kernel, read off its Python function (``fn.fn``), so that this works on
+    a JITFunction and on the InterpretedFunction that TRITON_INTERPRET=1 makes of it alike."""
+    return {name for name, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+def unspecialized_names(fn) -> set[str]:
+    """The kernel's ``do_not_specialize`` arguments (names or indices, depending on the Triton version)."""
+    names = getattr(fn, "do_not_specialize", None)
+    if names is None:  # InterpretedFunction keeps the decorator's keyword arguments
+        names = getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return {fn.arg_names[i] if isinstance(i, int) else i for i in names}
+
+
 def launch_variant(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
     """Signature and attributes of a launch of ``fn`` with these run-time ``args`` (a pointer given as its type,
     e.g. "*bf16"; ints and floats as example values): what the launcher derives, including the divisibility-by-16
     hints of pointers and of ints that are multiples of 16 (they decide vector widths)."""
-    unhinted = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}  # e.g. topk's k
+    unhinted = unspecialized_names(fn)  # e.g. topk's k
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -166,7 +181,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
     ]
     for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
-        want = {p.name for p in fn.params if p.is_constexpr}
+        want = constexpr_names(fn)
         assert set(const) == want, (label, sorted(want ^ set(const)))
     return rows
 
@@ -179,6 +194,8 @@ def main(argv=None) -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2], help="attention kernels: pipeline stages")
     parser.add_argument("--dump", default=None, help="folder for the PTX / TTGIR / SASS of each variant")
     args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("kernel_compile_report.py compiles for sm_90: run it without TRITON_INTERPRET")
     rows = []
     if "attention" in args.kernels:
         for label, fn, run_args, const in attention_variants(args.head_dim):
