@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import re
 import subprocess
@@ -136,9 +137,10 @@ def compile_one(
 def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     """(label, kernel, run-time args, constexprs) of the block-sparse launches of one LLSA call at 256^2 tokens,
     L = 2, B = K = 16 / 8, batch * heads = 12 (bf16): the fine level over k/v and the pooled levels over the bank."""
+    # Example values: the kernel is compiled for their types, and for ints for whether they are multiples of 16
     n, bank, d = 65536, 65536 // 16 + 65536 // 256, head_dim
     common = dict(HEAD_DIM=d, PREC="tf32")
-    tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * 2.772588722239781 * 1.4426950408889634)
+    tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * math.log(16) * block_sparse.LOG2E)
     no_tail = dict(tail_lo=0, tail_hi=0, tail_bias=0.0)
     strides = dict(stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_on=d, stride_db=n * d, stride_dn=d)
 
