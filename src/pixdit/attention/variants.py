@@ -54,14 +54,14 @@ def read_options(spec: str, what: str, example: str) -> tuple[str, dict]:
     return name, options
 
 
-def parse_variant(spec: str, what: str = "--attention") -> Variant:
+def parse_variant(spec: str) -> Variant:
     """``NAME[:KEY=VALUE,...]`` -> Variant, checked by building the backend once (``build_attention``)."""
-    name, options = read_options(spec, what, "llsa:num_levels=2,topk=16")
+    name, options = read_options(spec, "--attention", "llsa:num_levels=2,topk=16")
     config_file = importlib.resources.files("pixdit.configs").joinpath("attention", f"{name}.yaml")
     attention = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {"name": name}
     attention.update(options)
     try:
         backend = build_attention(attention, **PROBE_DIMS)
     except PixditError as error:
-        raise PixditError(f"{what} {spec}: {error}") from None
+        raise PixditError(f"--attention {spec}: {error}") from None
     return Variant(spec, attention, backend.token_order or "raster")
