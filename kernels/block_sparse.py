@@ -79,6 +79,38 @@ def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
 
 
 @triton.jit
+def contiguous_fwd_step(
+    q,
+    k_base,
+    v_base,
+    krow,
+    stride_kn,
+    bias,
+    row_end,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One forward step over contiguous key rows ``krow`` with one scalar (base-2) ``bias``: a scalar-id block of the
+    list or a step of the dense tail. Rows ``>= row_end`` are masked unless ``EVEN`` (every row exists)."""
+    dims = tl.arange(0, q.shape[1])
+    kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
+    v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
+    if EVEN:
+        s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
+        v = tl.load(v_ptrs)
+    else:
+        k_ok = krow < row_end
+        kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
+        s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + bias, float("-inf"))
+        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+    return softmax_step(s, m_i, l_i, acc, v, PREC)
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -142,20 +174,13 @@ def _fwd_kernel(
         for j in range(0, list_len * N_SUB):
             blk = tl.load(list_base + j // N_SUB)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
-            kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
-            v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
-            if EVEN_K:  # Nk is a multiple of KEY_BLOCK: no row of a listed block is out of range
-                s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
-                v = tl.load(v_ptrs)
-            else:
-                k_ok = krow < n_k
-                kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
-                s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + bias, float("-inf"))
-                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
+            # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
+            m_i, l_i, acc = contiguous_fwd_step(
+                q, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, m_i, l_i, acc, EVEN_K, PREC
+            )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
@@ -169,19 +194,11 @@ def _fwd_kernel(
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
     if HAS_TAIL:  # then key rows [tail_lo, tail_hi), the same for every query: contiguous steps, one scalar weight
         toff = tl.arange(0, TAIL_STEP)
-        for t0 in range(tail_lo, tail_hi, TAIL_STEP):
+        for t0 in range(tail_lo, tail_hi, TAIL_STEP):  # EVEN_TAIL: the range is whole steps, no mask at all
             krow = (t0 + toff).to(tl.int64)
-            kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
-            v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
-            if EVEN_TAIL:  # the range is whole steps: no mask at all
-                s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + tail_bias
-                v = tl.load(v_ptrs)
-            else:
-                k_ok = krow < tail_hi
-                kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
-                s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + tail_bias, float("-inf"))
-                v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
+            m_i, l_i, acc = contiguous_fwd_step(
+                q, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, EVEN_TAIL, PREC
+            )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
@@ -189,6 +206,41 @@ def _fwd_kernel(
         O + bh * stride_ob + rows[:, None] * stride_on + dims[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None]
     )
     tl.store(LSE + bh * n_q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def contiguous_dq_step(
+    q,
+    do,
+    k_base,
+    v_base,
+    krow,
+    stride_kn,
+    bias,
+    row_end,
+    qk_scale,
+    lse2,
+    delta,
+    dq,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One dq step over contiguous key rows ``krow`` with one scalar (base-2) ``bias`` (see contiguous_fwd_step).
+    Padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0: no row mask needed."""
+    dims = tl.arange(0, q.shape[1])
+    kv_offs = krow[:, None] * stride_kn + dims[None, :]
+    if EVEN:
+        k = tl.load(k_base + kv_offs)
+        v = tl.load(v_base + kv_offs)
+    else:
+        k_ok = krow < row_end
+        k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
+        bias = tl.where(k_ok, bias, float("-inf"))[None, :]
+    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
 
 @triton.jit
@@ -257,23 +309,12 @@ def _dq_kernel(
         for j in range(0, list_len * N_SUB):
             blk = tl.load(list_base + j // N_SUB)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
-            kv_offs = krow[:, None] * stride_kn + dims[None, :]
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
-            if EVEN_K:
-                k = tl.load(k_base + kv_offs)
-                v = tl.load(v_base + kv_offs)
-            else:
-                k_ok = krow < n_k
-                k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
-                v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
-                bias = tl.where(k_ok, bias, float("-inf"))[None, :]
-            # padded query rows load q = dO = 0, so their ds is 0: no row mask needed
-            p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            dq = contiguous_dq_step(
+                q, do, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, lse2, delta, dq, EVEN_K, PREC
+            )
     else:
         for j in range(0, list_len, PER_ITER):
             blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
@@ -292,21 +333,9 @@ def _dq_kernel(
         toff = tl.arange(0, TAIL_STEP)
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):
             krow = (t0 + toff).to(tl.int64)
-            kv_offs = krow[:, None] * stride_kn + dims[None, :]
-            if EVEN_TAIL:
-                k = tl.load(k_base + kv_offs)
-                v = tl.load(v_base + kv_offs)
-                bias = tail_bias
-            else:
-                k_ok = krow < tail_hi
-                k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
-                v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
-                bias = tl.where(k_ok, tail_bias, float("-inf"))[None, :]
-            # padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0
-            p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            dq = contiguous_dq_step(
+                q, do, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, lse2, delta, dq, EVEN_TAIL, PREC
+            )
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     if ACCUMULATE:  # add an earlier pass's fp32 dq (other keys of the same queries)

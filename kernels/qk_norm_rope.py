@@ -89,7 +89,7 @@ def _rotation(COS, SIN, rows, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(
+def _qk_norm_rope_fwd_kernel(
     QKV,
     W,
     COS,
@@ -119,7 +119,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _qk_norm_rope_bwd_kernel(
     QKV,
     W,
     COS,
@@ -181,7 +181,7 @@ class _QKNormRope(torch.autograd.Function):
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
-        _forward_kernel[_grid(b, n, num_heads)](
+        _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads)](
             qkv,
             weights,
             cos,
@@ -220,7 +220,7 @@ class _QKNormRope(torch.autograd.Function):
             grads.append(g.contiguous())
         dqkv = torch.empty(b, n, width, device=qkv.device, dtype=qkv.dtype)
         dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
-        _backward_kernel[grid](
+        _qk_norm_rope_bwd_kernel[grid](
             qkv,
             weights,
             cos,

@@ -290,7 +290,7 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
 # Kernel (or op, on CPU) names -> the part of the step they belong to, first match wins. The Triton kernels of
 # pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
 KERNEL_CATEGORIES = (
-    ("qk-norm + RoPE", r"norm_rope|^_forward_kernel$|^_backward_kernel$"),  # the Triton kernels of qk_norm_rope.py
+    ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
     ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
     ("block selection (top-k)", r"topk|_select|bitonic|sort"),
     ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),

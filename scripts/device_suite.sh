@@ -86,14 +86,16 @@ case "$stage" in
     # DiT-XL runs with 18 heads of 64 (the Triton kernels take head dims 16/32/64/128; 16 x 72 has the same
     # parameters). Compilation (~30-60 s per row, not measured for L/XL) dominates: rows are written as they finish
     # and all tables are printed at the end, also when the budget (GROW_BUDGET_S, default 540 s) cuts the table short.
-    # To split it over two calls: SIZES=128 ... grow, then SIZES=256 ... grow (MODELS=... picks models).
+    # To split it over two calls: SIZES=256 ... grow, then SIZES=128 GROW_KNOBS=0 ... grow (MODELS=... picks models).
     budget=${GROW_BUDGET_S:-540}; start=$SECONDS
     MODELS=${MODELS:-DiT-S DiT-B DiT-L DiT-XL:num_heads=18}
     SIZES=${SIZES:-128 256}
     common=(--compile --warmup 2 --steps 3)
-    timeout 170 $PY scripts/bench_train.py --models DiT-XL:num_heads=18 --attention llsa:num_levels=2 --sizes 256 \
-      --tokens-per-step 524288 --grad-checkpointing true mlp "${common[@]}" --out "$OUT/grow_knobs" 2>&1 \
-      | tee "$OUT/grow.log"
+    if [[ ${GROW_KNOBS:-1} != 0 ]]; then  # GROW_KNOBS=0: the model-size table only (e.g. the second call)
+      timeout 170 $PY scripts/bench_train.py --models DiT-XL:num_heads=18 --attention llsa:num_levels=2 --sizes 256 \
+        --tokens-per-step 524288 --grad-checkpointing true mlp "${common[@]}" --out "$OUT/grow_knobs" 2>&1 \
+        | tee "$OUT/grow.log"
+    fi
     left=$(( budget - (SECONDS - start) ))
     if (( left > 30 )); then
       timeout $left $PY scripts/bench_train.py --models $MODELS --attention llsa:num_levels=2 full --sizes $SIZES \
