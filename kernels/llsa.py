@@ -265,7 +265,7 @@ class _LLSATriton(torch.autograd.Function):
         qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
         has_coarse = Le >= 1
         o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_dtype=torch.float32 if has_coarse else None)
-        logw = None
+        logw, tail = None, _bank_tail(N, B, L, Le)
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
             o, lse = bs.bsa_forward(
@@ -279,16 +279,16 @@ class _LLSATriton(torch.autograd.Function):
                 logw,
                 init=(o, lse),
                 out_dtype=q.dtype,
-                dense_tail=_bank_tail(N, B, L, Le),
+                dense_tail=tail,
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
-        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape)
+        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail)
         return o.view(b, h, N, d)
 
     @staticmethod
     def backward(ctx, do):
         qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
-        B, L, Le, scale, reference_l1_grad, shape = ctx.cfg
+        B, L, Le, scale, reference_l1_grad, shape, tail = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
         do = bs.flatten_heads(do.contiguous())
@@ -296,7 +296,6 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            tail = _bank_tail(N, B, L, Le)
             dq = bs.bsa_backward_dq(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
             )
