@@ -4,7 +4,8 @@ settings, measured in one process.
 Per (model, size, grad checkpointing, variant): images/s, pixel tokens/s, ms/step, peak GPU memory next to the
 estimate of pixdit.memory, MFU and the speed-up over full attention, as a markdown table (stdout), and with --out DIR
 as bench_train.md, bench_train.json (both rewritten after every row, so a run cut short keeps its rows) and
-bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens; and tokens/s vs tokens).
+bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens, and tokens/s vs tokens; with
+several models instead tokens/s and MFU vs parameters).
 
     # the figure of docs/benchmarks.md (H200); scripts/device_suite.sh train runs this
     python scripts/bench_train.py --attention full llsa:num_levels=1 llsa:num_levels=2 llsa:num_levels=3 vsa sla \\
@@ -17,6 +18,7 @@ bench_train.png (the LLSA paper's Fig. 3: speed-up over full attention vs tokens
     python scripts/bench_train.py --attention llsa --sizes 128 256             # one backend, table on stdout
     python scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --profile   # + top CUDA ops per run
     python scripts/bench_train.py --plot-from bench/train/bench_train.json      # redraw the PNG only (no GPU needed)
+    python scripts/bench_train.py --plot-from bench/grow128/bench_train.json bench/grow256/bench_train.json --out docs/img
     python scripts/bench_train.py --device cpu --quick --attention full llsa --out /tmp/bench   # CPU check
 
 Variants (``--attention``): ``NAME`` trains with configs/attention/NAME.yaml, as ``train.py attention=NAME`` does;
@@ -30,8 +32,8 @@ Every cell is a number or a one-line reason. A variant that cannot run at a size
 16^3 tokens) is a "skipped" row with the model's reason. Batch: ``--tokens-per-step`` / pixels per image (262,144:
 64 at 64^2, 16 at 128^2, 4 at 256^2, 1 at 512^2). Where that cannot fit, the row runs the largest batch that does and
 says so in its note: first the estimate (pixdit.memory, against the free GPU memory: the high bound for eager runs,
-the low one with --compile, which saves less) picks the batch, then each CUDA out-of-memory error halves it; at batch
-1 the row is "OOM".
+halfway between the bounds with --compile) picks the batch; a CUDA out-of-memory error then tries the largest batch
+the high bound allows, and every further one halves it; at batch 1 the row is "OOM".
 
 Each step is what DiffusionModule.training_step + the Trainer do per optimizer step: flow-matching loss under bf16
 autocast, backward, gradient clipping at 1.0, AdamW step (fused on GPU), EMA update; on synthetic images (no data
@@ -144,9 +146,11 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--plot-from",
+        nargs="+",
         default=None,
         metavar="JSON",
-        help="bench_train.json of an earlier run: only redraw its PNG (into --out, else next to it)",
+        help="bench_train.json of earlier runs: only redraw the PNG of their rows together (into --out, else next to "
+        "the first)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and step counts (CPU check)")
     return parser.parse_args(argv)
@@ -392,26 +396,30 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def first_batch(args, side: int, requested: int, config: dict) -> tuple[int, str, dict]:
+def first_batch(args, side: int, requested: int, config: dict) -> tuple[int, str, dict, int]:
     """The batch to try first: the requested one, or the largest that the estimate says fits the free memory (the
-    high bound for eager runs, the low one with --compile); with a note saying so, and the estimate's columns."""
+    high bound for eager runs, halfway between the bounds with --compile, where compiled runs peak at or below); with
+    a note saying so, the estimate's columns, and the batch to try after an out-of-memory error (the largest that fits
+    by the high bound; 0 = unknown: halve instead)."""
     from pixdit.memory import free_memory, largest_batch
 
     try:
         estimate = memory_estimate(args, side, requested, config)
     except PixditError:
-        return requested, "", {}  # measure() reports the reason
+        return requested, "", {}, 0  # measure() reports the reason
     digits = 1 if estimate.high >= GB else 3
     columns = {"est_gb": f"{estimate.low / GB:.{digits}f}-{estimate.high / GB:.{digits}f}"}
     free = free_memory(torch.device(args.device))
-    bound = "low" if args.compile else "high"
-    if free is None or (estimate.low if args.compile else estimate.high) <= free:
-        return requested, "", columns
-    fits = largest_batch(estimate, free, bound)
+    if free is None:
+        return requested, "", columns, 0
+    safe = largest_batch(estimate, free, "high")
+    fits = largest_batch(estimate, free, "mid" if args.compile else "high")
+    if fits >= requested:
+        return requested, "", columns, safe
     note = (
         f"{requested * side * side:,} tokens/step do not fit: estimated {columns['est_gb']} GB, {free / GB:.1f} GB free"
     )
-    return max(1, min(requested, fits)), note, columns
+    return max(1, fits), note, columns, safe
 
 
 def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Variant, warmup: int, steps: int) -> dict:
@@ -431,7 +439,7 @@ def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Vari
         "note": "",
         "requested_batch": requested,
     }
-    batch, note, columns = first_batch(args, side, requested, config)
+    batch, note, columns, after_oom = first_batch(args, side, requested, config)
     row.update(columns)
     notes = [note] if note else []
     while True:
@@ -449,7 +457,9 @@ def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Vari
         if batch == 1:
             row.update(status="OOM", note="CUDA out of memory at batch 1" + "".join(f"; {n}" for n in notes[:-1]))
             break
-        batch //= 2
+        # the high estimate's batch once (each try compiles anew, and halving can fall far below what fits), then halve
+        batch = after_oom if 0 < after_oom < batch else batch // 2
+        after_oom = 0
     row.update(batch=batch, tokens_per_step=batch * side * side)
     if row["status"] == "ok" and batch < requested:
         row["note"] = f"largest batch that fits: {batch} of {requested} ({'; '.join(notes)})"
@@ -566,7 +576,8 @@ def settings_line(args, models: list[ModelSpec], settings: list) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Left: speed-up over full attention vs tokens per image (the LLSA paper's Fig. 3); right: tokens/s."""
+    """The PNG of a run's measured rows: the model-size figure when they hold several models, else the token-count
+    figure."""
     try:
         import matplotlib
 
@@ -577,6 +588,19 @@ def plot(rows: list[dict], path: Path) -> None:
         print(f"matplotlib is missing: no {path.name} (redraw elsewhere with --plot-from bench_train.json)")
         return
     ok = [r for r in rows if r["status"] == "ok"]
+    if len({r.get("params_m") for r in ok}) > 1:  # several model sizes: the model-size figure instead
+        fig = plot_model_sizes(plt, ok)
+    else:
+        fig = plot_token_counts(plt, matplotlib.ticker, ok)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_token_counts(plt, ticker, ok: list[dict]):
+    """One model: speed-up over full attention (the LLSA paper's Fig. 3) and tokens/s, against tokens per image."""
 
     def line(row):  # one line per variant, or per (model, grad checkpointing, variant) when those vary
         model = f"{row.get('model', '')} " if len({r.get("model") for r in ok}) > 1 else ""
@@ -602,18 +626,47 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in (ax_speedup, ax_tokens):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(ticks), list(ticks.values()))
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # only the measured token counts
+        ax.xaxis.set_minor_locator(ticker.NullLocator())  # only the measured token counts
         ax.set_xlabel("tokens per image")
         ax.grid(True, which="both", alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
     if not ax_speedup.lines:
         ax_speedup.text(0.5, 0.5, "no full-attention baseline in this run", ha="center", transform=ax_speedup.transAxes)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    return fig
+
+
+def plot_model_sizes(plt, ok: list[dict]):
+    """Several models: tokens/s and MFU against parameters, one line per (size, grad checkpointing, variant); a
+    point whose batch is smaller than requested is hollow (the largest batch that fit)."""
+
+    def line(row):
+        ckpt = f" ckpt={row.get('grad_ckpt')}" if len({r.get("grad_ckpt") for r in ok}) > 1 else ""
+        return f"{row['side']}² {row['variant']}{ckpt}"
+
+    fig, (ax_tokens, ax_mfu) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for index, label in enumerate(dict.fromkeys(line(r) for r in sorted(ok, key=lambda r: r["side"]))):
+        mine = sorted((r for r in ok if line(r) == label), key=lambda r: r["params_m"])
+        params = [r["params_m"] for r in mine]
+        for ax, key in ((ax_tokens, "tokens_per_s"), (ax_mfu, "mfu_percent")):
+            ax.plot(params, [r[key] for r in mine], color=f"C{index % 10}", label=label)
+            for row in mine:
+                full = row["batch"] >= row.get("requested_batch", row["batch"])
+                ax.plot(row["params_m"], row[key], "o", color=f"C{index % 10}", mfc=None if full else "white")
+    names = {r["params_m"]: r["model"].split(":")[0] for r in ok}
+    ax_tokens.set_yscale("log")
+    ax_tokens.set_ylabel("pixel tokens / s")
+    ax_tokens.set_title("training throughput")
+    ax_mfu.set_ylabel("MFU % (no recomputation counted)")
+    ax_mfu.set_title("model FLOPs utilisation (hollow: smaller batch than asked)")
+    for ax in (ax_tokens, ax_mfu):
+        ax.set_xscale("log")
+        ax.set_xticks(list(names), [f"{name}\n{p:.0f}M" for p, name in names.items()])
+        ax.minorticks_off()
+        ax.set_xlabel("model (parameters)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
 
 
 def write_tables(out: Path, command: str, settings: str, variants: list[Variant], rows: list[dict]) -> None:
@@ -638,8 +691,9 @@ def write_tables(out: Path, command: str, settings: str, variants: list[Variant]
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
-        source = Path(args.plot_from)
-        plot(json.loads(source.read_text())["rows"], Path(args.out or source.parent) / "bench_train.png")
+        sources = [Path(name) for name in args.plot_from]
+        rows = [row for source in sources for row in json.loads(source.read_text())["rows"]]
+        plot(rows, Path(args.out or sources[0].parent) / "bench_train.png")
         return
     if args.quick:
         args.tokens_per_step, args.warmup, args.steps = 2048, 1, 3

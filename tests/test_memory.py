@@ -82,6 +82,17 @@ def test_largest_batch_is_the_largest_that_fits():
     free = 80 * GiB
     n = largest_batch(estimate, free)
     assert estimate_training_memory(dit_b, n).high <= free < estimate_training_memory(dit_b, n + 1).high
+    low = largest_batch(estimate, free, "low")
+    assert estimate_training_memory(dit_b, low).low <= free < estimate_training_memory(dit_b, low + 1).low
+
+    def mid(batch):  # halfway between the bounds
+        other = estimate_training_memory(dit_b, batch)
+        return (other.low + other.high) / 2
+
+    m = largest_batch(estimate, free, "mid")
+    assert n < m < low and mid(m) <= free < mid(m + 1)
+    with pytest.raises(ValueError, match="bound must be one of .*'mid'"):
+        largest_batch(estimate, free, "typical")
 
 
 def test_out_of_memory_becomes_one_error_with_the_advice():

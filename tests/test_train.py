@@ -453,8 +453,53 @@ def test_bench_train_table_mode_and_the_largest_batch_that_fits(h, capsys, tmp_p
     assert rows[2]["note"] == "largest batch that fits: 2 of 8 (OOM at batch 8; OOM at batch 4)"
     assert rows[1]["note"].startswith("CUDA out of memory at batch 1; OOM at batch 8; OOM at batch 4; OOM at batch 2")
     assert rows[0]["mfu_percent"] > 0 and rows[0]["est_gb"]
+    # several models: the model-size figure (tokens/s and MFU against parameters), also redrawn from two JSON files
+    assert (tmp_path / "bench_train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench.main(
+        [
+            "--plot-from",
+            str(tmp_path / "bench_train.json"),
+            str(tmp_path / "bench_train.json"),
+            "--out",
+            str(tmp_path / "re"),
+        ]
+    )
+    assert (tmp_path / "re" / "bench_train.png").is_file()
     with pytest.raises(SystemExit, match="model.grad_checkpointing=5 is out of range"):
         bench.main(["--device", "cpu", "--quick", "--grad-checkpointing", "5"])  # the quick model has 2 blocks
+
+
+def test_bench_train_after_an_oom_tries_the_high_estimates_batch(h, monkeypatch):
+    """With --compile the first batch is the largest that fits halfway between the estimate's bounds; an
+    out-of-memory error then tries the largest batch the high bound allows (not half), and only after that halves."""
+    import pixdit.memory
+
+    bench = load_bench_train(h, monkeypatch)
+    args = bench.parse_args(["--device", "cpu", "--quick", "--compile"])
+    args.tokens_per_step = 16 * 16 * 8  # 8 images of 16x16
+    model, variant = bench.parse_model("DiT-S"), bench.parse_variant("full")
+    config = bench.module_config(args, model, variant, False)
+    estimate = bench.memory_estimate(args, 16, 8, config)
+    low_image, high_image = estimate.bytes_per_image
+    mid_image = (low_image + high_image) / 2
+    free = (estimate.low + estimate.high) / 2 - 4 * mid_image + 1  # halfway, 4 of the 8 images fit
+    high_fits = pixdit.memory.largest_batch(estimate, free, "high")
+    assert pixdit.memory.largest_batch(estimate, free, "mid") == 4 and 1 < high_fits < 4
+    monkeypatch.setattr(pixdit.memory, "free_memory", lambda device: free)
+    tried = []
+
+    def fake_measure(args, side, batch, config, label, warmup, steps):
+        tried.append(batch)
+        if batch > high_fits - 1:  # even the high estimate's batch is one too many: then halving takes over
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"ms_per_step": 1.0}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    row = bench.run_row(args, model, 16, False, variant, 1, 1)
+    assert tried == [4, high_fits, high_fits // 2]
+    assert row["status"] == "ok" and row["batch"] == high_fits // 2
+    assert row["note"].startswith(f"largest batch that fits: {high_fits // 2} of 8 (2,048 tokens/step do not fit")
+    assert row["note"].endswith(f"; OOM at batch 4; OOM at batch {high_fits})")
 
 
 def test_loggers(h, tmp_path):

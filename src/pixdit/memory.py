@@ -24,8 +24,12 @@ output for the gate, then the same LN / modulation / fc1 input, fc1 output (4), 
 Low = what any fusion must keep (torch.compile recomputes the elementwise ops): the matmul inputs, qkv and q, k, v, o
 for the opaque kernels, and the two residual inputs = 16. The truth lies between: the check refuses to start only
 when the *low* estimate exceeds the free memory, and the first step's out-of-memory error carries the same advice.
-Measured error, so far one point: eager DiT-B at 256^2 with LLSA, 4 images per step, peaked at 131.9 GB = 122.8 GiB
-(max_memory_allocated) against a high estimate of 124.2 GiB (+1%); compiled runs should land nearer the low one.
+Measured on the H200 (max_memory_allocated; docs/benchmarks.md, "Model sizes"): eager DiT-B at 256^2 with LLSA, 4
+images per step, peaked at 122.8 GiB against a high estimate of 124.2 GiB (+1%). Compiled, without checkpointing,
+DiT-S/B/L/XL at 128^2 and 256^2 (8 runs, LLSA and full attention alike) peaked 41-45% of the way from the low to the
+high estimate; DiT-XL at 256^2 with grad_checkpointing=true at the low estimate (82.5 GB against 82.5-94.6), with mlp
+at 28% of the way. So the low bound is not a safe batch size for a compiled run, and halfway ("mid") is above every
+measured peak.
 Not counted: the allocator's fragmentation (reserved > allocated), the CUDA context, the sparse kernels' selection
 buffers, VSA's / SLA's own projections. scripts/bench_train.py prints both bounds next to every measured peak.
 """
@@ -131,11 +135,19 @@ def estimate_training_memory(
     return MemoryEstimate(persistent, batch_size, str(precision), strategy, world_size, dict(plan), image)
 
 
+BOUNDS = {"low": 0.0, "mid": 0.5, "high": 1.0}  # where between the two estimates: the fraction of (high - low)
+
+
 def largest_batch(estimate: MemoryEstimate, free_bytes: float, bound: str = "high") -> int:
-    """The largest batch whose estimate (``bound``: low | high) fits ``free_bytes``; 0 when not even one image."""
-    index = 0 if bound == "low" else 1
-    fixed = (estimate.low if index == 0 else estimate.high) - estimate.batch_size * estimate.bytes_per_image[index]
-    return max(0, int((free_bytes - fixed) // estimate.bytes_per_image[index]))
+    """The largest batch whose estimate fits ``free_bytes``; 0 when not even one image. ``bound``: low | mid | high,
+    mid = halfway between them (compiled runs peak at or below it, see the measurements above)."""
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {tuple(BOUNDS)}, got {bound!r}")
+    f = BOUNDS[bound]
+    total = estimate.low + f * (estimate.high - estimate.low)
+    per_image = estimate.bytes_per_image[0] + f * (estimate.bytes_per_image[1] - estimate.bytes_per_image[0])
+    fixed = total - estimate.batch_size * per_image
+    return max(0, int((free_bytes - fixed) // per_image))
 
 
 def advice(model, estimate: MemoryEstimate) -> str:
