@@ -41,7 +41,7 @@ import math
 import torch
 
 from .block_sparse import block_sparse_attention
-from .blocks import block_mean, exact_fp32_matmul, topk_desc
+from .blocks import block_mean, exact_fp32_matmul
 from .common import (
     check_block_size,
     check_qkv,
@@ -110,12 +110,10 @@ def sla_select(
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
         return critical, critical[..., :0]
-    with torch.no_grad(), exact_fp32_matmul():  # paper mode only: the full [T, T] scores for the bottom k_neg
-        scores = q_pool @ k_pool.transpose(-1, -2)
-    # the k_neg lowest scores, ties toward the larger id: top-k of the negated scores under reversed ids
-    reversed_ids = (t - 1 - torch.arange(t, device=q.device)).expand(scores.shape)
-    negligible = (t - 1) - topk_desc(-scores, k_neg, reversed_ids)
-    return critical, negligible.to(torch.int32)
+    # the k_neg lowest scores, ties toward the larger id: the top k_neg of the negated scores (negation is exact) over
+    # the key blocks in reverse order, through the same selection as the critical blocks (nothing [T, T] in memory)
+    reversed_ids = select_topk_blocks(-q_pool, k_pool.flip(-2), k_neg, use_triton_topk=use_triton(q, impl))
+    return critical, (t - 1) - reversed_ids
 
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)

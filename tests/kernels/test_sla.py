@@ -93,9 +93,12 @@ def test_zero_proj_still_trains_proj_and_sends_nothing_through_phi():
     torch.testing.assert_close(dq, dq_sparse)
 
 
-def test_selection_is_the_topk_of_the_smooth_k_scores_tie_tolerant():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_selection_is_the_topk_of_the_smooth_k_scores_tie_tolerant(impl):
+    """Critical = the K highest, negligible = the K_neg lowest smooth-K block scores (fp64 oracle), on both selection
+    paths (the negligible blocks go through the same streaming top-k as the critical ones, no [T, T] scores)."""
     q, k, _ = _inputs(2, 3, 150, 32, seed=5)
-    critical, negligible = sla_select(q, k, block_size=16, topk=3, negligible_ratio=0.3)
+    critical, negligible = sla_select(q, k, block_size=16, topk=3, negligible_ratio=0.3, impl=impl)
     scores = sla_reference_scores(q.double(), k.double(), 16)
     crit_scores = scores.gather(-1, critical.long())
     rest = scores.scatter(-1, critical.long(), float("-inf"))
@@ -105,9 +108,10 @@ def test_selection_is_the_topk_of_the_smooth_k_scores_tie_tolerant():
     assert negligible.shape[-1] == 3 and (neg_scores.max(-1).values <= rest.min(-1).values + 1e-5).all()
 
 
-def test_ties_critical_to_smaller_ids_negligible_to_larger_ids():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ties_critical_to_smaller_ids_negligible_to_larger_ids(impl):
     q, k = torch.zeros(1, 2, 96, 32), torch.randn(1, 2, 96, 32)  # pooled q = 0: every score is exactly 0
-    critical, negligible = sla_select(q, k, block_size=16, topk=2, negligible_ratio=0.34)
+    critical, negligible = sla_select(q, k, block_size=16, topk=2, negligible_ratio=0.34, impl=impl)
     assert critical.tolist() == [[[[0, 1]] * 6] * 2]
     assert negligible.tolist() == [[[[5, 4]] * 6] * 2]
 
