@@ -12,11 +12,12 @@
 #   bash scripts/device_suite.sh sampling   # sample-generation images/s: LLSA compiled + batch auto vs eager, 128/256 px
 #   bash scripts/device_suite.sh scaling    # 1 GPU x 2b vs 2 GPUs x b (needs 2 GPUs)
 #   bash scripts/device_suite.sh grow       # model-size table DiT-S/B/L/XL x 128/256 x full/LLSA, compiled; memory knobs
+#   bash scripts/device_suite.sh trainpy    # train.py as users run it vs bench_train.py's step, 256^2 LLSA, one call
 #   bash scripts/device_suite.sh fsdp2 [xl|s|b|all]   # 2 GPUs: DDP vs FSDP (DiT-XL); DDP 1 vs 2 GPUs (DiT-S, DiT-B)
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|ab|ncu|train|train-compiled|profile|sampling|scaling|grow|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -104,6 +105,18 @@ case "$stage" in
     for table in "$OUT/grow/bench_train.md" "$OUT/grow_knobs/bench_train.md"; do
       [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
     done ;;
+  trainpy)
+    # Is train.py within 5% of the bench? train.py (compile=auto, real webdataset loader, Lightning, EMA, logging) on
+    # quickstart crops at 256^2, DiT-S, LLSA L=2, 4 images (262,144 tokens) per step, 200 steps, then the same step
+    # in scripts/bench_train.py. tokens/s of train.py = its images/s (throughput monitor, median of windows) x 65,536.
+    $PY scripts/bench_scaling.py --out "$OUT/trainpy" --runs 1gpu --resolution 256 --model dit_s --per-gpu-batch 2 \
+      --steps 200 --val-points 1 --throughput-window 25 --timeout 420 -- attention=llsa attention.num_levels=2 2>&1 \
+      | tee "$OUT/trainpy.log"
+    timeout -k 10 120 $PY scripts/bench_train.py --compile --attention llsa:num_levels=2 --sizes 256 --warmup 2 \
+      --steps 5 --out "$OUT/trainpy_bench" 2>&1 | tee -a "$OUT/trainpy.log"
+    for table in "$OUT/trainpy/scaling.md" "$OUT/trainpy_bench/bench_train.md"; do
+      [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
+    done ;;
   fsdp2)
     # Two GPUs of one host (nvidia-h200-x2), train.py as users run it, compiled (compile=auto), on quickstart crops
     # at 256^2 (built into data/quickstart_256 on first use), LLSA L=2. Parts (second argument; each should fit one
@@ -132,6 +145,6 @@ case "$stage" in
       [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
     done ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, ab, ncu, train, train-compiled, profile, sampling, scaling, grow or fsdp2" >&2
+    echo "unknown stage '$stage': use tests, attention, ab, ncu, train, train-compiled, profile, sampling, scaling, grow, trainpy or fsdp2" >&2
     exit 2 ;;
 esac
