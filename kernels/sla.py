@@ -106,13 +106,14 @@ def sla_select(
     kk = resolve_topk(t, topk, topk_ratio)
     with torch.no_grad():
         q_pool, k_pool = _pooled_for_scores(q, k, block_size)
-    critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=use_triton(q, impl))
+    triton_topk = use_triton(q, impl)
+    critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=triton_topk)
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
         return critical, critical[..., :0]
     # the k_neg lowest scores, ties toward the larger id: the top k_neg of the negated scores (negation is exact) over
     # the key blocks in reverse order, through the same selection as the critical blocks (nothing [T, T] in memory)
-    reversed_ids = select_topk_blocks(-q_pool, k_pool.flip(-2), k_neg, use_triton_topk=use_triton(q, impl))
+    reversed_ids = select_topk_blocks(-q_pool, k_pool.flip(-2), k_neg, use_triton_topk=triton_topk)
     return critical, (t - 1) - reversed_ids
 
 
