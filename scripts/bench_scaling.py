@@ -44,6 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = ("1gpu", "2gpu", "2gpu_fsdp", "1gpu_seed1")
 
 
+def gpus_needed(runs) -> int:
+    """GPUs the chosen runs need: 2 for any 2-GPU run, else 1 (``--runs 1gpu`` times train.py on one GPU)."""
+    return 2 if any(name.startswith("2gpu") for name in runs) else 1
+
+
 def data_overrides(args) -> list[str]:
     """The quickstart data at --resolution (built if missing); nothing for other experiments or resolution 32."""
     if args.experiment != "quickstart" or any(o.startswith("data.root=") for o in args.extra):
@@ -224,9 +229,11 @@ def main() -> int:
     if not args.cpu:
         import torch
 
-        if torch.cuda.device_count() < 2:
+        needed = gpus_needed(args.runs)
+        if torch.cuda.device_count() < needed:
             print(
-                f"error: needs 2 GPUs, found {torch.cuda.device_count()} (use --cpu for a plumbing check)",
+                f"error: --runs {' '.join(args.runs)} needs {needed} GPU(s), found {torch.cuda.device_count()} "
+                "(use --runs 1gpu on one GPU, or --cpu for a plumbing check)",
                 file=sys.stderr,
             )
             return 2
