@@ -8,25 +8,34 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py                                    # H200: the table for docs/benchmarks.md
     python scripts/bench_sampling.py --attention full llsa vsa --sizes 128 256 512 --batch 8
     python scripts/bench_sampling.py --attention llsa:num_levels=2 --sizes 256 --batch 64 --compile   # a variant
+    python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
+
+Each row also says what the sampling of a 50,000-image FID costs on one such device ("50k h": hours at --steps
+Euler steps; the Inception pass over the samples is not included). With --out DIR: bench_sampling.md (rewritten
+after every row, so a run cut short keeps what it measured), bench_sampling.json and bench_sampling.png (images/s
+and hours per 50k against the image side, one line per attention variant).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from pixdit.attention.variants import parse_variant
 from pixdit.errors import PixditError
 from pixdit.eval.sampling import auto_batch_size, sampling_model
+from pixdit.files import atomic_write, write_json
 from pixdit.flow import RectifiedFlow
 from pixdit.models import DIT_MODELS, build_model
 from pixdit.report import markdown_table, time_median
 from pixdit.runtime import PRECISIONS, autocast
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
+FID_SAMPLES = 50_000  # the samples of the papers' FID protocol; "50k h" = their sampling time on one GPU
 
 
 def parse_args(argv=None):
@@ -54,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=None, help="write bench_sampling.md/.json/.png into this folder")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
     return parser.parse_args(argv)
 
@@ -85,6 +95,7 @@ def bench(args, attention: str, attention_config: dict, side: int) -> dict:
         "compiled": bool(args.compile and cuda),
         "batch s": seconds,
         "images/s": batch / seconds,
+        "50k h": FID_SAMPLES / (batch / seconds) / 3600,
         "peak GB": peak_gb,
     }
     del sample, model, noise
@@ -97,6 +108,56 @@ def markdown(rows: list[dict]) -> str:
     return markdown_table(rows, cell=lambda column, value: f"{value:,.3f}" if isinstance(value, float) else str(value))
 
 
+def write_files(out: Path, command: str, settings: str, rows: list[dict]) -> None:
+    """bench_sampling.md and .json (atomic: a run stopped by a time limit leaves the last complete table)."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = [r for r in rows if "images/s" in r]
+    table = markdown(done) if done else "every setting ran out of memory"
+    with atomic_write(out / "bench_sampling.md", "w") as f:
+        f.write(f"```\n{command}\n```\n\n{settings}\n\n{table}\n")
+    write_json(out / "bench_sampling.json", {"command": command, "settings": settings, "rows": rows})
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """images/s and hours per 50k samples against the image side, one line per attention variant."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is missing: no {path.name}")
+        return
+    done = [r for r in rows if "images/s" in r]
+    if not done:
+        return
+    fig, (ax_rate, ax_hours) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sides = sorted({int(r["size"].split("x")[0]) for r in done})
+    for index, attention in enumerate(dict.fromkeys(r["attention"] for r in done)):
+        mine = sorted((r for r in done if r["attention"] == attention), key=lambda r: int(r["size"].split("x")[0]))
+        x = [int(r["size"].split("x")[0]) for r in mine]
+        style = dict(marker="o", color=f"C{index % 10}", label=attention)
+        ax_rate.plot(x, [r["images/s"] for r in mine], **style)
+        ax_hours.plot(x, [r["50k h"] for r in mine], **style)
+    ax_rate.set_ylabel("images / s")
+    ax_rate.set_title("sample generation")
+    ax_hours.set_ylabel(f"hours of one device for {FID_SAMPLES:,} samples")
+    ax_hours.set_title("sampling cost of one FID evaluation")
+    for ax in (ax_rate, ax_hours):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sides, [f"{s}²" for s in sides])
+        ax.minorticks_off()
+        ax.set_xlabel("image side (pixels)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.quick:
@@ -107,6 +168,13 @@ def main(argv=None) -> list[dict]:
         configs = {spec: parse_variant(spec).attention for spec in args.attention}
     except PixditError as error:
         sys.exit(f"error: {error}")
+    command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    settings = (
+        f"{args.model}, {args.steps} Euler steps, {args.precision} autocast, eval mode, {device}, "
+        f"torch {torch.__version__}; median of {args.repeats} batches after {args.warmup} warm-up; "
+        f"50k h = sampling hours of one such device for {FID_SAMPLES:,} images"
+    )
     rows = []
     for side in args.sizes:
         for attention in args.attention:
@@ -116,11 +184,9 @@ def main(argv=None) -> list[dict]:
                 rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM"})
                 torch.cuda.empty_cache()
             print(rows[-1], file=sys.stderr, flush=True)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(
-        f"\n{args.model}, {args.steps} Euler steps, {args.precision} autocast, eval mode, {device}, "
-        f"torch {torch.__version__}; median of {args.repeats} batches after {args.warmup} warm-up\n"
-    )
+            if args.out:
+                write_files(args.out, command, settings, rows)
+    print(f"\n{settings}\n")
     done = [r for r in rows if "images/s" in r]
     print(markdown(done) if done else "every setting ran out of memory")
     for side in args.sizes:
@@ -132,7 +198,10 @@ def main(argv=None) -> list[dict]:
                     f"{name} {value / speed['full']:.2f}x full" for name, value in speed.items() if name != "full"
                 )
             )
-    print(f"\ncommand: python scripts/bench_sampling.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"\ncommand: {command}")
+    if args.out:
+        print(f"wrote {args.out / 'bench_sampling.md'} and {args.out / 'bench_sampling.json'}")
+        plot(rows, args.out / "bench_sampling.png")
     return rows
 
 

@@ -1,5 +1,6 @@
 """scripts/bench_sampling.py runs end to end (CPU smoke run; the real table is measured on a GPU)."""
 
+import json
 import runpy
 from pathlib import Path
 
@@ -21,3 +22,16 @@ def test_bench_sampling_reports_a_bad_variant_before_timing(capsys):
     with pytest.raises(SystemExit, match="--attention llsa:bogus=1: .*bogus"):
         script["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa:bogus=1"])
     assert "images/s" not in capsys.readouterr().err  # nothing was timed, not even the valid variant
+
+
+def test_bench_sampling_writes_its_files_and_the_cost_of_50k_samples(tmp_path, capsys):
+    script = runpy.run_path(str(SCRIPT))
+    out = tmp_path / "sampling"
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa", "--out", str(out)])
+    for row in rows:  # hours of one device for the 50,000 samples of an FID, from the measured rate
+        assert row["50k h"] == pytest.approx(50_000 / row["images/s"] / 3600)
+    table = (out / "bench_sampling.md").read_text()
+    assert "--out" in table and "| attention | size |" in table and "50k h" in table
+    saved = json.loads((out / "bench_sampling.json").read_text())
+    assert [r["attention"] for r in saved["rows"]] == ["full", "llsa"] and "50k h" in saved["settings"]
+    assert (out / "bench_sampling.png").stat().st_size > 0
