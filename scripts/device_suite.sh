@@ -73,9 +73,9 @@ case "$stage" in
     # qk_norm_rope (tests/kernels/test_qk_norm_rope.py::test_gpu_more_than_2_31_elements). ~5 min on an H200.
     # (At 256^2 a batch of 64 already fills the GPU; auto would pick up to 256, ~1 min per batch of 20 steps.)
     timeout -k 10 120 $PY scripts/bench_sampling.py --attention llsa --sizes 128 --batch auto --compile \
-      --warmup 1 --repeats 1 2>&1 | tee -a "$OUT/bench_sampling.log"
+      --warmup 1 --repeats 1 --out "$OUT/sampling_128" 2>&1 | tee -a "$OUT/bench_sampling.log"
     timeout -k 10 150 $PY scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile \
-      --warmup 1 --repeats 1 2>&1 | tee -a "$OUT/bench_sampling.log"
+      --warmup 1 --repeats 1 --out "$OUT/sampling_256" 2>&1 | tee -a "$OUT/bench_sampling.log"
     timeout -k 10 120 $PY scripts/bench_sampling.py --attention llsa --sizes 128 256 --batch 4 --warmup 1 --repeats 2 \
       2>&1 | tee -a "$OUT/bench_sampling.log" ;;
   scaling)
