@@ -35,7 +35,7 @@ from pixdit.report import markdown_table, time_median
 from pixdit.runtime import PRECISIONS, autocast
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
-FID_SAMPLES = 50_000  # the samples of the papers' FID protocol; "50k h" = their sampling time on one GPU
+FID_SAMPLES = 50_000  # the samples of the papers' FID protocol; "50k h" = their sampling time on one device
 
 
 def parse_args(argv=None):

@@ -215,10 +215,6 @@ def test_fsdp_resume_is_exact(tmp_path, data_root, straight_fsdp):
         assert_same_weights(straight_fsdp[0][r], resumed[r], f"FSDP rank {r}, straight vs resumed")
 
 
-if __name__ == "__main__":
-    run_rank(Path(sys.argv[1]), sys.argv[2:])
-
-
 @pytest.mark.parametrize(
     "runs, needed", [(["1gpu"], 1), (["1gpu", "1gpu_seed1"], 1), (["1gpu", "2gpu"], 2), (["2gpu_fsdp"], 2)]
 )
@@ -231,3 +227,7 @@ def test_bench_scaling_asks_only_for_the_gpus_its_runs_need(runs, needed, tmp_pa
     cmd = [sys.executable, "scripts/bench_scaling.py", "--out", str(tmp_path), "--runs", *runs]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and f"needs {needed} GPU(s), found {torch.cuda.device_count()}" in run.stderr
+
+
+if __name__ == "__main__":
+    run_rank(Path(sys.argv[1]), sys.argv[2:])
