@@ -14,7 +14,9 @@ Backends: ``sdpa`` (torch scaled_dot_product_attention), ``flash`` (pixdit.kerne
 block-sparse kernel with every block listed), ``llsa`` (one row per valid L), ``vsa`` / ``sla`` (K per image side
 from ``--baseline-topk``, one row per block size; VSA gated, SLA timed as ``o_sparse + o_linear``; selection
 included; tok/query counts the fine/sparse keys ``K * block``). ``bsa`` / ``flex``: ``block_sparse_attention`` and compiled FlexAttention on the same random block lists
-(``--bsa-cases``), so their ratio is measured in one run. Add a backend: write a
+(``--bsa-cases``), so their ratio is measured in one run; Flex twice: with its BlockMask built once outside the
+timing ("flex"), and built in every call ("flex+mask"), as a selection that changes per call needs it (ours builds
+its transposed lists inside every call). Add a backend: write a
 ``make_<name>(args, q, k, v) -> list[(label, fn, tokens_per_query)]`` function and list it in BACKENDS.
 """
 
@@ -130,6 +132,14 @@ def make_flex(args, q, k, v):
         err = ((o_flex.float() - o_ours.float()).norm() / o_ours.float().norm()).item()
         print(f"flex {blk} K={K}: relative difference to block_sparse_attention {err:.1e}")
         rows.append((f"flex {blk} K={K}", (lambda mask=mask: flex(q, k, v, block_mask=mask)), K * blk))
+
+        # What a selection that changes every call (VSA, LLSA) costs in Flex: the BlockMask, whose transposed
+        # index (Flex's backward walks it) is built per call, as block_sparse_attention builds its CSC per call.
+        def flex_and_mask(perm=perm, counts=counts, blk=blk):
+            mask = BlockMask.from_kv_blocks(torch.zeros_like(counts), perm, counts, perm, BLOCK_SIZE=blk)
+            return flex(q, k, v, block_mask=mask)
+
+        rows.append((f"flex+mask {blk} K={K}", flex_and_mask, K * blk))
     return rows
 
 
