@@ -5,19 +5,24 @@
     idx = pooled_topk(q_pooled, k_pooled, k=8, parents=I2, child_block=16)  # candidates: children of I2[r // 16]
 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
-(-0.0 ties with +0.0), deterministic. Scores are fp32 FMA products (``input_precision="ieee"``, never TF32). ``k``
-is a run-time argument everywhere: a new k compiles nothing new (one one-shot variant per candidate count, three streaming buckets).
-Three paths, one result:
+(-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the kernels, ``input_precision="ieee"``;
+cuBLAS with TF32 off in the two-pass and PyTorch paths), never TF32. ``k`` is a run-time argument everywhere: a new
+k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets).
+Four paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
-* ``_streaming_topk_kernel`` (every key row a candidate, any number of them, ``k <= 64``): scores a chunk of 128
-  candidates at a time and keeps each row's best k in registers (``SLOTS`` = 16, 32 or 64 slots, the power of two
-  >= k). Chunks come in ascending id order, so a newcomer enters only if it is *strictly* better than the worst
-  kept entry (on a tie the kept, smaller id wins); each chunk costs as many insertion rounds as its most-improved
-  row needs, which after the first chunks is a few. Nothing ``[T, T]`` is written (the PyTorch form materialises
-  805 MB of scores per call at 256x256 pixels with 16-token tiles).
-* PyTorch (CPU, ``k`` above 64 or equal to the number of candidates, or shapes the kernels do not take): chunked
+* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= 128``): the fp32 scores
+  of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score row per program:
+  the k-th largest score found by a 32-step search over the bits of order-preserving integer keys, the k winners
+  (ties at that score: the smaller ids) compacted and put in order pairwise. Its work per row does not grow with
+  how often the running top k changes, unlike the streaming kernel's insertion rounds.
+* ``_streaming_topk_kernel`` (every key row a candidate, more than the two-pass bound, ``k <= 64``): scores a chunk
+  of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` = 16, 32 or 64 slots, the power
+  of two >= k). Chunks come in ascending id order, so a newcomer enters only if it is *strictly* better than the
+  worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many insertion rounds as its
+  most-improved row needs. Nothing ``[T, T]`` is written.
+* PyTorch (CPU, larger ``k``, ``k`` equal to the number of candidates, or shapes the kernels do not take): chunked
   fp32 matmuls (TF32 off) + ``topk_desc_fast``; nothing to compile.
 
 Summation order differs between the paths, so on near-ties (differences ~1e-7 relative) they may pick different
@@ -32,7 +37,7 @@ import triton.language as tl
 
 from .blocks import exact_fp32_matmul, topk_desc
 
-__all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES", "STREAM_MAX_K"]
+__all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES", "STREAM_MAX_K", "ROW_SELECT_MAX_CANDIDATES"]
 
 MAX_CANDIDATES = 1024
 _MAX_CAND_X_DIM = 32768  # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
@@ -43,7 +48,11 @@ STREAM_MAX_K = 64
 _STREAM_MIN_SLOTS = 16
 _STREAM_ROWS = 32  # query rows per program: each loaded key chunk serves 32 rows
 _STREAM_CHUNK = 128  # candidates scored per step
-_TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch path (256 MiB)
+_TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch and two-pass paths (256 MiB)
+# Two-pass path: a score row of up to this many candidates is held by one program (16 warps at the largest), and
+# the k winners are put in order pairwise ([KMAX, KMAX] in registers), hence the bound on k.
+ROW_SELECT_MAX_CANDIDATES = 16384
+ROW_SELECT_MAX_K = 128
 
 
 @triton.jit(do_not_specialize=["k"])  # k only bounds a loop: one compiled kernel serves every k
@@ -154,6 +163,61 @@ def _streaming_topk_kernel(
         kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
 
 
+@triton.jit(do_not_specialize=["k"])  # k is a run-time value: one compiled kernel per (BLOCK, KMAX) bucket
+def _row_topk_kernel(S, OUT, n, k, stride_s, stride_o, BLOCK: tl.constexpr, KMAX: tl.constexpr):
+    """One row of precomputed fp32 scores per program: the k-th largest score by a 32-step bitwise search, the k
+    winners (ties at the threshold -> smaller ids) compacted into the output row, then put in order."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < n
+    s_row = S + row * stride_s
+    out_row = OUT + row * stride_o
+    s = tl.load(s_row + offs, mask=valid, other=0.0) + 0.0  # -0.0 -> +0.0: the two zeros tie
+    bits = s.to(tl.int32, bitcast=True)
+    # int32 that orders like the float (magnitude bits of negatives flipped), shifted to 0 .. 2^32 - 1; -1 = absent
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    key = tl.where(valid, key, -1)
+    # tau = the k-th largest key: the largest value with at least k keys >= it, built from the top bit down
+    tau = tl.zeros([], tl.int64)
+    for i in range(32):
+        cand = tau + (tl.full([], 1, tl.int64) << (31 - i))
+        tau = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, tau)
+    above = key > tau
+    eq = key == tau
+    # every key above tau, then the keys equal to tau in ascending id order until k are taken
+    sel = above | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)))
+    tl.store(out_row + tl.cumsum(sel.to(tl.int32), 0) - 1, offs, mask=sel)  # the k winners, ascending id
+    tl.debug_barrier()
+    j = tl.arange(0, KMAX)
+    live = j < k
+    ids = tl.load(out_row + j, mask=live, other=0)
+    bits_j = (tl.load(s_row + ids, mask=live, other=0.0) + 0.0).to(tl.int32, bitcast=True)
+    key_j = tl.where(bits_j < 0, bits_j ^ 0x7FFFFFFF, bits_j)
+    # place of each winner: how many winners come before it (score descending, ties -> smaller id)
+    before = (key_j[None, :] > key_j[:, None]) | ((key_j[None, :] == key_j[:, None]) & (ids[None, :] < ids[:, None]))
+    place = tl.sum((before & live[None, :]).to(tl.int32), 1)
+    tl.debug_barrier()  # every winner is read before any is moved
+    tl.store(out_row + place, ids, mask=live)
+
+
+def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]``."""
+    R, n = scores.shape
+    block = max(128, triton.next_power_of_2(n))
+    _row_topk_kernel[(R,)](
+        scores,
+        out,
+        n,
+        k,
+        scores.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        KMAX=max(16, triton.next_power_of_2(k)),
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+    )
+    return out
+
+
 def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
     """Launch ``_streaming_topk_kernel`` on contiguous fp32 ``[BH, R, d]`` / ``[BH, C, d]`` into int32 ``out``
     (``rows_per_program`` is a knob for scripts/bench_topk.py)."""
@@ -178,10 +242,12 @@ def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
 
 
 def _route(n_cand: int, d: int, k: int, child_block: int | None) -> str:
-    """Which path ``pooled_topk`` runs on the GPU: "one_shot", "streaming" or "torch" (module doc)."""
+    """Which path ``pooled_topk`` runs on the GPU: "one_shot", "two_pass", "streaming" or "torch" (module doc)."""
     cand = max(16, triton.next_power_of_2(n_cand))
     if cand <= MAX_CANDIDATES and cand * d <= _MAX_CAND_X_DIM and (child_block is None or child_block % _ROWS == 0):
         return "one_shot" if child_block is not None or k < n_cand else "torch"
+    if child_block is None and k < n_cand and n_cand <= ROW_SELECT_MAX_CANDIDATES and k <= ROW_SELECT_MAX_K:
+        return "two_pass"
     if child_block is None and k <= STREAM_MAX_K and k < n_cand:
         return "streaming"
     return "torch"  # includes k = n_cand without parents: every candidate selected, only their order is left
@@ -212,6 +278,9 @@ def pooled_topk(
     path = _route(n_cand, d, k, child_block if parents is not None else None) if use_triton else "torch"
     if path == "torch":
         return _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block)
+    if path == "two_pass":  # fp32 scores by cuBLAS (TF32 off), a chunk at a time, then the row-select kernel
+        with exact_fp32_matmul():
+            return _all_candidates_torch(q_pooled.float(), k_pooled.float(), k, select=_select_rows)
     qf = q_pooled.float().reshape(-1, R, d).contiguous()
     kf = k_pooled.float().reshape(-1, k_pooled.shape[-2], d).contiguous()
     BH = qf.shape[0]
@@ -269,8 +338,16 @@ def _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block):
         return _children_torch(qf, kf, k, parents, child_block)
 
 
-def _all_candidates_torch(qf, kf, k):
-    """Every key row a candidate: the ``[R, C]`` scores a chunk of rows at a time (at most ``_TORCH_MAX_SCORES``)."""
+def _select_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``topk_desc_fast`` semantics on a ``[..., n]`` fp32 score chunk, by the row-select kernel."""
+    rows = scores.reshape(-1, scores.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], k, device=scores.device, dtype=torch.int32)
+    return _rows_topk(rows, k, out).view(*scores.shape[:-1], k)
+
+
+def _all_candidates_torch(qf, kf, k, select=topk_desc_fast):
+    """Every key row a candidate: the ``[R, C]`` scores a chunk of rows at a time (at most ``_TORCH_MAX_SCORES``),
+    each chunk's top k by ``select(scores, k)``."""
     lead = qf.shape[:-2]
     R, d = qf.shape[-2:]
     q_rows, k_rows = qf.reshape(-1, R, d), kf.reshape(-1, kf.shape[-2], d)
@@ -279,14 +356,14 @@ def _all_candidates_torch(qf, kf, k):
     slices_per_chunk = _TORCH_MAX_SCORES // (R * n)  # whole (batch*head) slices per chunk
     if slices_per_chunk >= 1:
         for i in range(0, q_rows.shape[0], slices_per_chunk):
-            out[i : i + slices_per_chunk] = topk_desc_fast(
+            out[i : i + slices_per_chunk] = select(
                 q_rows[i : i + slices_per_chunk] @ k_rows[i : i + slices_per_chunk].transpose(-1, -2), k
             )
     else:  # split the rows of each slice too
         rows_per_chunk = max(1, _TORCH_MAX_SCORES // n)
         for i in range(q_rows.shape[0]):
             for r in range(0, R, rows_per_chunk):
-                out[i, r : r + rows_per_chunk] = topk_desc_fast(q_rows[i, r : r + rows_per_chunk] @ k_rows[i].T, k)
+                out[i, r : r + rows_per_chunk] = select(q_rows[i, r : r + rows_per_chunk] @ k_rows[i].T, k)
     return out.view(*lead, R, k)
 
 

@@ -4,9 +4,9 @@
     python scripts/bench_topk.py --baseline old/topk.py           # + another topk.py (A/B of a kernel change)
     python scripts/bench_topk.py --no-sweep                       # selection table only
 
-Selection table: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton`` (what ``pooled_topk`` runs by
-default), the streaming kernel at 16 and 32 query rows per program, and ``baseline`` (``--baseline``'s
-``pooled_topk``), at the shapes the backends use: [batch*heads, rows, head_dim] fp32 pooled queries against as many
+Selection table: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton (<path>)`` (what ``pooled_topk``
+runs by default, and which of its paths that is), the streaming kernel at 16 and 32 query rows per program wherever
+it can run, and ``baseline`` (``--baseline``'s ``pooled_topk``), at the shapes the backends use: [batch*heads, rows, head_dim] fp32 pooled queries against as many
 pooled keys (medians of 100 calls after 25 warm-up calls, CUDA events: ``pixdit.report.time_median``). Every variant's ids are checked against the
 ``torch`` row's (same exact selection up to fp32 near-ties, reported as a count of differing rows).
 
@@ -54,11 +54,12 @@ def selection_table(baseline, head_dim: int) -> list[dict]:
         q = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
         kp = torch.randn(bh, blocks, head_dim, device="cuda", generator=g)
         out = torch.empty(bh, blocks, k, device="cuda", dtype=torch.int32)
+        route = topk._route(blocks, head_dim, k, None)
         variants = {
             "torch": lambda: topk.pooled_topk(q, kp, k, impl="torch"),
-            "triton": lambda: topk.pooled_topk(q, kp, k, impl="triton"),
+            f"triton ({route})": lambda: topk.pooled_topk(q, kp, k, impl="triton"),
         }
-        if topk._route(blocks, head_dim, k, None) == "streaming":
+        if route in ("two_pass", "streaming") and k <= topk.STREAM_MAX_K:  # the streaming kernel takes it too
             for rows_per_program in (16, 32):
                 variants[f"streaming rows={rows_per_program}"] = lambda r=rows_per_program: topk._streaming_topk(
                     q, kp, k, out, r

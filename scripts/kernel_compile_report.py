@@ -6,8 +6,9 @@ a register jump that costs occupancy, or a jump in compile time shows here first
     python scripts/kernel_compile_report.py --kernels attention --warps 4 8 --stages 2 3
     python scripts/kernel_compile_report.py --kernels topk --head-dim 128 --dump /tmp/sass   # + PTX / SASS to read
 
-``topk``: ``k`` is a run-time argument of both selection kernels, so the rows are all the variants a sweep over k
-compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket). ``attention``: the block-sparse
+``topk``: ``k`` is a run-time argument of the selection kernels, so the rows are all the variants a sweep over k
+compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
+and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
 levels: 64-row tiles over the bank, the coarsest level as a dense tail), for each number of warps and pipeline
 stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
@@ -50,6 +51,13 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
     args |= dict(stride_qb=4096 * head_dim, stride_kb=4096 * head_dim, stride_ob=4096 * slots)
     const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "CHUNK": topk._STREAM_CHUNK, "SLOTS": slots}
     return topk._streaming_topk_kernel, args, const, 4
+
+
+def row_select_variant(block: int, kmax: int) -> tuple:
+    """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, a ``kmax`` bucket."""
+    args = dict(S="*fp32", OUT="*i32", n=block, k=kmax, stride_s=block, stride_o=kmax)
+    const = {"BLOCK": block, "KMAX": kmax}
+    return topk._row_topk_kernel, args, const, 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 def constexpr_names(fn) -> set[str]:
@@ -221,6 +229,9 @@ def main(argv=None) -> None:
     variants += [
         (f"streaming slots={s}", streaming_variant(args.head_dim, s))
         for s in (topk._STREAM_MIN_SLOTS, 32, topk.STREAM_MAX_K)
+    ]
+    variants += [
+        (f"row select n={b} kmax={km}", row_select_variant(b, km)) for b in (1024, 4096, 16384) for km in (32, 128)
     ]
     for label, (fn, run_args, const, warps) in variants:
         signature, attrs = launch_variant(fn, run_args, const)

@@ -38,9 +38,13 @@ def oracle(qp, kp, k):
 
 
 def test_route_sends_each_k_where_the_module_doc_says():
-    assert topk._route(4096, 64, 32, None) == "streaming"  # 256x256 VSA/SLA
-    assert topk._route(4096, 64, topk.STREAM_MAX_K, None) == "streaming"
-    assert topk._route(4096, 64, topk.STREAM_MAX_K + 1, None) == "torch"  # large k: nothing to compile
+    assert topk._route(4096, 64, 32, None) == "two_pass"  # 256x256 VSA/SLA
+    assert topk._route(1024, 64, 20, None) == "two_pass"  # 128x128 VSA/SLA ([d, 1024] is too big for one-shot)
+    assert topk._route(4096, 64, topk.ROW_SELECT_MAX_K, None) == "two_pass"
+    assert topk._route(4096, 64, topk.ROW_SELECT_MAX_K + 1, None) == "torch"  # large k: nothing to compile
+    big = topk.ROW_SELECT_MAX_CANDIDATES + 1  # longer score rows than a program holds: stream them
+    assert topk._route(big, 64, topk.STREAM_MAX_K, None) == "streaming"
+    assert topk._route(big, 64, topk.STREAM_MAX_K + 1, None) == "torch"
     assert topk._route(1100, 16, 1099, None) == "torch"
     assert topk._route(256, 64, 100, None) == "one_shot"  # 4,096 tokens, 16-token tiles
     assert topk._route(256, 64, 256, None) == "torch"  # every tile selected
@@ -91,6 +95,26 @@ def test_streaming_kernel_worst_kept_is_the_kth_best():
 
 
 @needs_interpreter
+@pytest.mark.parametrize(
+    "n,k", [(1, 1), (7, 7), (300, 1), (300, 16), (300, 17), (1000, 32), (1000, 33), (2100, 64), (2100, 65), (2100, 128)]
+)
+def test_row_select_kernel_matches_topk_desc(n, k):
+    """The two-pass path's row kernel on given fp32 scores, each KMAX bucket at its edges, k = n, a row length that
+    is not a power of two: continuous scores, and tie-heavy rows (a run of small integers, all-zero rows mixing
+    +0.0 and -0.0, +-inf entries) where the threshold score is shared by more ids than the k winners need."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    scores = torch.randn(6, n, generator=g)
+    scores[1:3] = torch.randint(-2, 3, (2, n), generator=g).float()
+    scores[3] = 0.0
+    scores[3, ::2] = -0.0
+    scores[4, : n // 2] = -0.0
+    scores[5, 0], scores[5, -1] = float("-inf"), float("inf")
+    out = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)  # poisoned: every slot must be written
+    got = topk._rows_topk(scores.to(DEVICE), k, out).cpu()
+    assert torch.equal(got, topk_desc(scores, k))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("k", [1, 5, 8, 9, 17, 128, 255])
 def test_one_shot_kernel_run_time_k(k):
     """All 256 candidates scored at once, k rounds in a run-time loop, up to k = candidates - 1."""
@@ -123,10 +147,16 @@ def compiled_variants(fn) -> int:
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
     q, kp = (x.cuda() for x in tie_heavy(6, 1024, 1024, 64, seed=0))  # exact scores: every path agrees
+    before = compiled_variants(topk._row_topk_kernel)
+    for k in range(4, topk.ROW_SELECT_MAX_K + 1, 4):
+        assert topk._route(1024, 64, k, None) == "two_pass"
+        got = topk.pooled_topk(q, kp, k)
+        assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
+    assert compiled_variants(topk._row_topk_kernel) - before <= 4  # KMAX 16, 32, 64, 128
     before = compiled_variants(topk._streaming_topk_kernel)
     for k in range(4, topk.STREAM_MAX_K + 1, 4):
-        assert topk._route(1024, 64, k, None) == "streaming"
-        got = topk.pooled_topk(q, kp, k)
+        out = torch.empty(6, 1024, k, device="cuda", dtype=torch.int32)
+        got = topk._streaming_topk(q, kp, k, out)
         assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
     assert compiled_variants(topk._streaming_topk_kernel) - before <= 3  # SLOTS 16, 32, 64
     q, kp = q[:, :256], kp[:, :256]
@@ -137,9 +167,12 @@ def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_streaming_matches_torch_at_the_256px_vsa_shape(mark):
+def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
     g = torch.Generator(device="cuda").manual_seed(1)
     q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
     for k in (8, 32, 64):
-        got, want = topk.pooled_topk(q, kp, k), topk.pooled_topk(q, kp, k, impl="torch")
-        assert (got != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (different summation order)
+        want = topk.pooled_topk(q, kp, k, impl="torch")
+        assert topk._route(4096, 64, k, None) == "two_pass"
+        assert torch.equal(topk.pooled_topk(q, kp, k), want)  # the same cuBLAS scores: the same ids
+        streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
+        assert (streamed != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (other summation order)
