@@ -12,12 +12,14 @@ Four paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
-* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= 128``): the fp32 scores
+* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= 128``; rows of more than
+  2,048 candidates with ``k <= 16`` stream instead, which measured faster there): the fp32 scores
   of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score row per program:
   the k-th largest score found by a 32-step search over the bits of order-preserving integer keys, the k winners
   (ties at that score: the smaller ids) compacted and put in order pairwise. Its work per row does not grow with
   how often the running top k changes, unlike the streaming kernel's insertion rounds.
-* ``_streaming_topk_kernel`` (every key row a candidate, more than the two-pass bound, ``k <= 64``): scores a chunk
+* ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``: long rows with small k, and rows beyond the
+  two-pass bound): scores a chunk
   of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` = 16, 32 or 64 slots, the power
   of two >= k). Chunks come in ascending id order, so a newcomer enters only if it is *strictly* better than the
   worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many insertion rounds as its
@@ -53,6 +55,12 @@ _TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch and two-
 # the k winners are put in order pairwise ([KMAX, KMAX] in registers), hence the bound on k.
 ROW_SELECT_MAX_CANDIDATES = 16384
 ROW_SELECT_MAX_K = 128
+# Which of the two is faster, measured on the H200 (docs/benchmarks.md, "Block selection alone"): the two-pass time
+# hardly depends on k (the fp32 scores by cuBLAS dominate it), the streaming kernel's grows with k. At 4,096
+# candidates streaming wins at k = 16 (3.21 vs 3.72 ms), two-pass from k = 32 (3.82 vs 4.04); at 1,024 two-pass wins
+# at k = 8 and 20.
+_STREAM_FASTER_UP_TO_K = 16
+_STREAM_FASTER_ABOVE_CANDIDATES = 2048
 
 
 @triton.jit(do_not_specialize=["k"])  # k only bounds a loop: one compiled kernel serves every k
@@ -163,7 +171,7 @@ def _streaming_topk_kernel(
         kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
 
 
-@triton.jit(do_not_specialize=["k"])  # k is a run-time value: one compiled kernel per (BLOCK, KMAX) bucket
+@triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, KMAX)
 def _row_topk_kernel(S, OUT, n, k, stride_s, stride_o, BLOCK: tl.constexpr, KMAX: tl.constexpr):
     """One row of precomputed fp32 scores per program: the k-th largest score by a 32-step bitwise search, the k
     winners (ties at the threshold -> smaller ids) compacted into the output row, then put in order."""
@@ -246,10 +254,13 @@ def _route(n_cand: int, d: int, k: int, child_block: int | None) -> str:
     cand = max(16, triton.next_power_of_2(n_cand))
     if cand <= MAX_CANDIDATES and cand * d <= _MAX_CAND_X_DIM and (child_block is None or child_block % _ROWS == 0):
         return "one_shot" if child_block is not None or k < n_cand else "torch"
-    if child_block is None and k < n_cand and n_cand <= ROW_SELECT_MAX_CANDIDATES and k <= ROW_SELECT_MAX_K:
-        return "two_pass"
-    if child_block is None and k <= STREAM_MAX_K and k < n_cand:
-        return "streaming"
+    if child_block is None and k < n_cand:
+        if k <= _STREAM_FASTER_UP_TO_K and n_cand > _STREAM_FASTER_ABOVE_CANDIDATES:
+            return "streaming"
+        if n_cand <= ROW_SELECT_MAX_CANDIDATES and k <= ROW_SELECT_MAX_K:
+            return "two_pass"
+        if k <= STREAM_MAX_K:
+            return "streaming"
     return "torch"  # includes k = n_cand without parents: every candidate selected, only their order is left
 
 

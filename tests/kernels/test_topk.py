@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pixdit.kernels import topk
-from pixdit.kernels.blocks import topk_desc
+from pixdit.kernels.blocks import exact_fp32_matmul, topk_desc
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -39,7 +39,11 @@ def oracle(qp, kp, k):
 
 def test_route_sends_each_k_where_the_module_doc_says():
     assert topk._route(4096, 64, 32, None) == "two_pass"  # 256x256 VSA/SLA
+    assert topk._route(4096, 64, 17, None) == "two_pass"
+    assert topk._route(4096, 64, 16, None) == "streaming"  # long rows, small k: measured faster streamed
+    assert topk._route(2048, 64, 16, None) == "two_pass"
     assert topk._route(1024, 64, 20, None) == "two_pass"  # 128x128 VSA/SLA ([d, 1024] is too big for one-shot)
+    assert topk._route(1024, 64, 8, None) == "two_pass"  # 512x512 LLSA L=2, coarsest level
     assert topk._route(4096, 64, topk.ROW_SELECT_MAX_K, None) == "two_pass"
     assert topk._route(4096, 64, topk.ROW_SELECT_MAX_K + 1, None) == "torch"  # large k: nothing to compile
     big = topk.ROW_SELECT_MAX_CANDIDATES + 1  # longer score rows than a program holds: stream them
@@ -172,7 +176,10 @@ def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
     q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
     for k in (8, 32, 64):
         want = topk.pooled_topk(q, kp, k, impl="torch")
-        assert topk._route(4096, 64, k, None) == "two_pass"
-        assert torch.equal(topk.pooled_topk(q, kp, k), want)  # the same cuBLAS scores: the same ids
+        with exact_fp32_matmul():  # the two-pass path whatever the route: the torch path's chunks of cuBLAS scores
+            two_pass = topk._all_candidates_torch(q, kp, k, select=topk._select_rows)
+        assert torch.equal(two_pass, want)  # the same scores: the same ids
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
         assert (streamed != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (other summation order)
+        routed = topk.pooled_topk(q, kp, k)
+        assert torch.equal(routed, two_pass if k > 16 else streamed), k  # k <= 16 streams at this length
