@@ -12,18 +12,17 @@ Four paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
-* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= 128``; rows of more than
-  2,048 candidates with ``k <= 16`` stream instead, which measured faster there): the fp32 scores
-  of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score row per program:
-  the k-th largest score found by a 32-step search over the bits of order-preserving integer keys, the k winners
-  (ties at that score: the smaller ids) compacted and put in order pairwise. Its work per row does not grow with
-  how often the running top k changes, unlike the streaming kernel's insertion rounds.
+* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= ROW_SELECT_MAX_K``;
+  rows of more than 2,048 candidates with ``k <= 16`` stream instead, which measured faster there): the fp32
+  scores of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score row per
+  program: the k-th largest score found by a 32-step search over the bits of order-preserving integer keys, the k
+  winners (ties at that score: the smaller ids) compacted and put in order pairwise. Its work per row does not
+  grow with k, unlike the streaming kernel's insertion rounds.
 * ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``: long rows with small k, and rows beyond the
-  two-pass bound): scores a chunk
-  of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` = 16, 32 or 64 slots, the power
-  of two >= k). Chunks come in ascending id order, so a newcomer enters only if it is *strictly* better than the
-  worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many insertion rounds as its
-  most-improved row needs. Nothing ``[T, T]`` is written.
+  two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
+  16, 32 or 64 slots, the power of two >= k). Chunks come in ascending id order, so a newcomer enters only if it
+  is *strictly* better than the worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many
+  insertion rounds as its most-improved row needs. Nothing ``[T, T]`` is written.
 * PyTorch (CPU, larger ``k``, ``k`` equal to the number of candidates, or shapes the kernels do not take): chunked
   fp32 matmuls (TF32 off) + ``topk_desc_fast``; nothing to compile.
 
@@ -39,7 +38,14 @@ import triton.language as tl
 
 from .blocks import exact_fp32_matmul, topk_desc
 
-__all__ = ["pooled_topk", "topk_desc_fast", "MAX_CANDIDATES", "STREAM_MAX_K", "ROW_SELECT_MAX_CANDIDATES"]
+__all__ = [
+    "pooled_topk",
+    "topk_desc_fast",
+    "MAX_CANDIDATES",
+    "STREAM_MAX_K",
+    "ROW_SELECT_MAX_CANDIDATES",
+    "ROW_SELECT_MAX_K",
+]
 
 MAX_CANDIDATES = 1024
 _MAX_CAND_X_DIM = 32768  # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
