@@ -173,8 +173,8 @@ def select_topk_blocks(
     """Per query block, the ``topk`` key blocks with the largest ``scale * q_pool . k_pool`` (fp32, TF32 off): int32
     ``[b, h, T, K]``, best first, ties toward the smaller id (``blocks.topk_desc`` semantics). No grad.
 
-    ``use_triton_topk``: the shared Triton selection ``topk.pooled_topk`` (nothing ``[T, T]`` in memory); otherwise
-    its PyTorch form (chunked fp32 scores + ``topk_desc_fast``).
+    ``use_triton_topk``: the shared Triton selection ``topk.pooled_topk`` (at most 256 MiB of scores at once);
+    otherwise its PyTorch form (chunked fp32 scores + ``topk_desc_fast``).
     """
     with torch.no_grad():
         # the scale goes on the [T, d] operand, not on the [T, T] scores (one pass less over the big matrix)

@@ -112,7 +112,7 @@ def sla_select(
     if k_neg == 0:
         return critical, critical[..., :0]
     # the k_neg lowest scores, ties toward the larger id: the top k_neg of the negated scores (negation is exact) over
-    # the key blocks in reverse order, through the same selection as the critical blocks (nothing [T, T] in memory)
+    # the key blocks in reverse order, through the same selection as the critical blocks (never all [T, T] at once)
     reversed_ids = select_topk_blocks(-q_pool, k_pool.flip(-2), k_neg, use_triton_topk=triton_topk)
     return critical, (t - 1) - reversed_ids
 

@@ -96,7 +96,7 @@ def test_zero_proj_still_trains_proj_and_sends_nothing_through_phi():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_selection_is_the_topk_of_the_smooth_k_scores_tie_tolerant(impl):
     """Critical = the K highest, negligible = the K_neg lowest smooth-K block scores (fp64 oracle), on both selection
-    paths (the negligible blocks go through the same streaming top-k as the critical ones, no [T, T] scores)."""
+    paths (the negligible blocks go through the same top-k as the critical ones, on negated scores)."""
     q, k, _ = _inputs(2, 3, 150, 32, seed=5)
     critical, negligible = sla_select(q, k, block_size=16, topk=3, negligible_ratio=0.3, impl=impl)
     scores = sla_reference_scores(q.double(), k.double(), 16)
