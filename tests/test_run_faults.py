@@ -333,7 +333,7 @@ def test_a_stopped_run_says_so(h, tiny_shards, tmp_path, how, exit_status, outco
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == exit_status, stderr[-3000:]
     record = status(run_dir)
-    assert record["status"] == outcome
+    assert record["status"] == outcome, record  # an unexpected outcome shows its error and traceback
     if outcome == "preempted":
         assert "Traceback" not in stderr and "stopped by SIGTERM at step" in stderr
         step = record["global_step"]
