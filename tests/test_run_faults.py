@@ -300,6 +300,60 @@ def test_sigterm_saves_the_current_step_and_resumes_exactly(h, tiny_shards, tmp_
         _assert_same(straight[key], resumed[key], key)
 
 
+def test_ctrl_c_in_a_finalizer_still_stops_the_run(h, tiny_shards, tmp_path, monkeypatch):
+    """A Ctrl-C that lands while a finalizer runs (as when a finished data loader shuts its workers down between
+    batches) was printed and dropped by Python's own handler ("Exception ignored in ... __del__"), and the run
+    trained on to max_steps. Now the run stops at that batch's end through Lightning's shutdown (exit status 1), and
+    the process's SIGINT handler is the one it had before."""
+    import pixdit.callbacks
+
+    class SigintInAFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs here, inside the finalizer
+                pass
+
+    steps = []
+
+    class CtrlCAtStep3(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            steps.append(trainer.global_step)
+            if trainer.global_step == 3:
+                SigintInAFinalizer()  # made and finalized at once
+
+    build_callbacks = pixdit.callbacks.build_callbacks
+    monkeypatch.setattr(
+        pixdit.callbacks, "build_callbacks", lambda cfg, run_dir: [*build_callbacks(cfg, run_dir), CtrlCAtStep3()]
+    )
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as stop:
+        train(h, tiny_shards, tmp_path / "run", "trainer.max_steps=40")
+    assert stop.value.code == 1 and steps[-1] == 3
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_second_ctrl_c_stops_at_once_and_loader_workers_ignore_it():
+    from pixdit.callbacks import StopOnCtrlC
+
+    stop = StopOnCtrlC()
+    before = signal.getsignal(signal.SIGINT)
+    stop.on_train_start(None, None)
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        assert handler is not before
+        handler(signal.SIGINT, None)  # the first: noted, nothing raised yet
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            stop.on_train_batch_start(None, None, None, 0)  # raised at the next batch boundary
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGINT, None)  # the second: at once
+        stop._pid = -1  # as a forked data-loader worker sees it
+        handler(signal.SIGINT, None)  # ignored there: the main process stops the workers
+    finally:
+        stop.teardown(None, None, "fit")
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.parametrize(
     "how, exit_status, outcome", [("SIGTERM to the process group", 143, "preempted"), ("SIGINT", 1, "interrupted")]
 )

@@ -15,12 +15,18 @@
   gets SIGTERM (preemption, ``kill``), after which the run stops (pixdit-train exits with status 143). It overwrites
   its own files (no ``last-v1.ckpt``), so a resumed run, also one whose directory was moved or copied, goes on
   writing ``last.ckpt``.
+* ``StopOnCtrlC``: Ctrl-C (SIGINT) stops the run at the next batch boundary, through Lightning's own interrupt
+  handling (exit status 1, status "interrupted"); a second Ctrl-C stops at once. Always on (pixdit-train adds it).
 * ``build_callbacks(cfg.callbacks, run_dir)`` turns ``configs/callbacks/*.yaml`` into these, the progress bar and
   ``pixdit.eval.callback.FIDCallback``, through the name -> class table ``CALLBACKS``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -242,6 +248,67 @@ CALLBACKS = {
 CALLBACK_DEFAULTS = {
     "checkpoint": {"filename": "step={step}", "auto_insert_metric_name": False, "save_last": True, "save_top_k": -1}
 }
+
+
+class StopOnCtrlC(Callback):
+    """Ctrl-C stops training at the next batch boundary; a second Ctrl-C raises at once.
+
+    Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread happens to be. When that is a
+    finalizer (a finished data loader shutting down its workers, which happens between training and validation
+    batches), Python prints the exception and drops it, and the run trains on as if nothing had happened. This handler
+    only takes note; the next batch hook raises KeyboardInterrupt, which Lightning turns into its usual shutdown (exit
+    status 1, status.json "interrupted"). Forked data-loader workers ignore the signal: the main process stops them.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+        self._pid = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked data-loader worker: the main process stops it
+            return
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after the current batch (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+    def _install(self) -> None:
+        if self._previous is None and threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _stop_if_requested(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    # Installed once Lightning has registered its own signal handlers (it restores what it found then, at its
+    # teardown), so that the handler found before the run is the one left after it.
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._install()
+
+    def on_validation_start(self, trainer, pl_module) -> None:  # also trainer.validate() on its own
+        self._install()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._stop_if_requested()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._stop_if_requested()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._stop_if_requested()
 
 
 def build_callbacks(cfg, run_dir: str | Path) -> list[Callback]:

@@ -23,7 +23,8 @@ A run directory belongs to one run (pixdit.rundir): a second pixdit-train into i
 naming the first; a new run (no ckpt_path) into a directory that holds a run is refused unless overwrite=true.
 Faults while training (docs/reliability.md): a NaN / inf loss or gradient norm stops the run with one message naming
 the last good checkpoint (exit 2, nothing written after it); SIGTERM (preemption, `kill`) saves the current step and
-exits with status 143 (resume it with ckpt_path=last); Ctrl-C stops at once (exit 1, status "interrupted").
+exits with status 143 (resume it with ckpt_path=last); Ctrl-C stops after the current batch, a second Ctrl-C at once
+(exit 1, status "interrupted").
 
 Resuming (`ckpt_path=last` or a .ckpt path) restores exactly: the model, the EMA (weights and update count), AdamW's
 state, the LR schedule, the step / epoch / batch counters, the data position (ShardDataModule.state_dict: same
@@ -212,7 +213,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, build_callbacks
+    from pixdit.callbacks import AtomicCheckpointIO, SampleGrid, StopOnCtrlC, build_callbacks
     from pixdit.data.datamodule import ShardDataModule
     from pixdit.memory import check_training_memory, explain_out_of_memory
     from pixdit.module import DiffusionModule, check_seed
@@ -255,7 +256,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
         else:
             log.info(module.init_from(cfg.init_from, use_ema=cfg.init_from_ema))
 
-    callbacks = build_callbacks(cfg.callbacks, run_dir)
+    callbacks = [*build_callbacks(cfg.callbacks, run_dir), StopOnCtrlC()]
     loggers = build_loggers(cfg.logger, run_dir, resuming=ckpt_path is not None)
     check_accelerator(plain(cfg.trainer))
     try:
