@@ -328,3 +328,15 @@ def test_a_head_dim_the_kernels_cannot_take_is_named_at_build(attention):
         build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention)
     build_model("DiT-XL", input_size=(16, 16), depth=1, attention=attention, num_heads=18)
     build_model("DiT-XL", input_size=(16, 16), depth=1, attention={"name": "full"})  # SDPA takes any head dim
+
+
+@pytest.mark.parametrize("name", ["vsa", "sla"])
+def test_topk_ratio_on_top_of_the_configs_topk_says_to_clear_topk(name):
+    """configs/attention/{vsa,sla}.yaml set topk, so `attention.topk_ratio=0.1` alone gives both: the message says to
+    pass attention.topk=null too; with it the ratio is used."""
+    options = dict(OmegaConf.to_container(OmegaConf.load(CONFIGS / f"attention/{name}.yaml")), topk_ratio=0.1)
+    with pytest.raises(PixditError, match=rf"attention={name}: topk=32 and topk_ratio=0.1 are both set.*topk=null"):
+        build_attention(options, dim=64, num_heads=2)
+    backend = build_attention({**options, "topk": None}, dim=64, num_heads=2)
+    extra = {"vsa": 256**2 / 4096, "sla": 32}[name]  # VSA's coarse stage, SLA's linear branch (head dim 32)
+    assert backend.tokens_per_query(64 * 64) == 26 * 16 + extra  # K = ceil(0.1 * 256 tiles) = 26, not 32

@@ -199,6 +199,18 @@ def check_kernel_options(backend_name: str, head_dim: int, block_size, call: Cal
         raise PixditError(f"attention={backend_name}: {error}") from None
 
 
+def check_one_of_topk(backend_name: str, topk, topk_ratio) -> None:
+    """K comes from ``topk`` or from ``topk_ratio``, never both. The backend's config file and the experiments set
+    ``topk``, so a user who passes only ``attention.topk_ratio`` gets both: say which override also goes on the
+    command line."""
+    if topk is not None and topk_ratio is not None:
+        raise PixditError(
+            f"attention={backend_name}: topk={topk!r} and topk_ratio={topk_ratio!r} are both set, and K comes from "
+            f"one of them. configs/attention/{backend_name}.yaml and the experiments set topk, so to use the ratio "
+            f"pass attention.topk=null too (or drop attention.topk_ratio)"
+        )
+
+
 def uninitialized_linear(in_features: int, out_features: int) -> nn.Linear:
     """An ``nn.Linear`` for a backend's ``reset_parameters`` to fill. ``skip_init`` skips nn.Linear's own random
     init, so building it draws nothing from the random stream (the rest of the model initialises as without it)."""

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
+from pixdit.attention.base import (
+    AttentionBackend,
+    check_kernel_options,
+    check_one_of_topk,
+    register_attention,
+    uninitialized_linear,
+)
 from pixdit.kernels import sla_attention
 from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk
 
@@ -43,6 +49,7 @@ class SLAAttention(AttentionBackend):
         negligible_ratio: float = 0.0,
     ):
         super().__init__(dim, num_heads)
+        check_one_of_topk("sla", topk, topk_ratio)
         self.options = dict(
             block_size=block_size,
             topk=topk,

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pixdit.attention.base import AttentionBackend, check_kernel_options, register_attention, uninitialized_linear
+from pixdit.attention.base import (
+    AttentionBackend,
+    check_kernel_options,
+    check_one_of_topk,
+    register_attention,
+    uninitialized_linear,
+)
 from pixdit.errors import PixditError
 from pixdit.kernels import vsa_attention
 from pixdit.kernels.common import HEAD_DIMS, num_blocks, resolve_topk, topk_from_fraction
@@ -62,6 +68,7 @@ class VSAAttention(AttentionBackend):
     ):
         super().__init__(dim, num_heads)
         self.block_size, self.topk, self.topk_ratio = block_size, topk, topk_ratio
+        check_one_of_topk("vsa", topk, topk_ratio)
         check_kernel_options(
             "vsa",
             self.head_dim,
