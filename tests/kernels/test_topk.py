@@ -100,11 +100,13 @@ def test_streaming_kernel_worst_kept_is_the_kth_best():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "n,k", [(1, 1), (7, 7), (300, 1), (300, 16), (300, 17), (1000, 32), (1000, 33), (2100, 64), (2100, 65), (2100, 128)]
+    "n,k",
+    [(1, 1), (7, 7), (300, 1), (300, 16), (300, 17), (1000, 32), (1000, 33), (2100, 64), (2100, 65), (2100, 128)]
+    + [(9000, 40)],  # the longest bucket (BLOCK 16,384, 16 warps on the GPU: 512^2 VSA with 16-token tiles)
 )
 def test_row_select_kernel_matches_topk_desc(n, k):
-    """The two-pass path's row kernel on given fp32 scores, each KMAX bucket at its edges, k = n, a row length that
-    is not a power of two: continuous scores, and tie-heavy rows (a run of small integers, all-zero rows mixing
+    """The two-pass path's row kernel on given fp32 scores, each KMAX bucket at its edges, k = n, row lengths that
+    are not powers of two: continuous scores, and tie-heavy rows (a run of small integers, all-zero rows mixing
     +0.0 and -0.0, +-inf entries) where the threshold score is shared by more ids than the k winners need."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     scores = torch.randn(6, n, generator=g)
