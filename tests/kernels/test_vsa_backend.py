@@ -110,7 +110,7 @@ def test_annealing_backend_needs_the_step_and_checkpoints_it():
     [
         ({"block_size": 8}, "block_size"),
         ({"topk": 0}, "topk"),
-        ({"topk": 4, "topk_ratio": 0.5}, "exactly one"),
+        ({"topk": 4, "topk_ratio": 0.5}, "both set.*attention.topk=null"),
         ({"anneal_every": -1}, "anneal_every"),
     ],
 )
