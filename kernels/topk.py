@@ -214,6 +214,11 @@ def _row_topk_kernel(S, OUT, n, k, stride_s, stride_o, BLOCK: tl.constexpr, KMAX
     tl.store(out_row + place, ids, mask=live)
 
 
+def _row_warps(block: int) -> int:
+    """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's)."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
 def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]``."""
     R, n = scores.shape
@@ -227,7 +232,7 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         BLOCK=block,
         KMAX=max(16, triton.next_power_of_2(k)),
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        num_warps=_row_warps(block),
     )
     return out
 

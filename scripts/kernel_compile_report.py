@@ -57,7 +57,7 @@ def row_select_variant(block: int, kmax: int) -> tuple:
     """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, a ``kmax`` bucket."""
     args = dict(S="*fp32", OUT="*i32", n=block, k=kmax, stride_s=block, stride_o=kmax)
     const = {"BLOCK": block, "KMAX": kmax}
-    return topk._row_topk_kernel, args, const, 4 if block <= 2048 else 8 if block <= 8192 else 16
+    return topk._row_topk_kernel, args, const, topk._row_warps(block)
 
 
 def constexpr_names(fn) -> set[str]:
