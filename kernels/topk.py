@@ -7,19 +7,19 @@
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
 (-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the kernels, ``input_precision="ieee"``;
 cuBLAS with TF32 off in the two-pass and PyTorch paths), never TF32. ``k`` is a run-time argument everywhere: a new
-k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets).
+k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets per
+row length).
 Four paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
-* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= ROW_SELECT_MAX_K``;
-  rows of more than 2,048 candidates with ``k <= 16`` stream instead, which measured faster there): the fp32
-  scores of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score row per
-  program: the k-th largest score found by a 32-step search over the bits of order-preserving integer keys, the k
-  winners (ties at that score: the smaller ids) compacted and put in order pairwise. Its work per row does not
-  grow with k, unlike the streaming kernel's insertion rounds.
-* ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``: long rows with small k, and rows beyond the
-  two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
+* two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= ROW_SELECT_MAX_K``):
+  the fp32 scores of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score
+  row per program: a search over the bits of order-preserving int32 keys narrows the k-th largest score down until
+  at most ``_row_cap(k)`` keys are at or above its lower bound (on continuous scores after ~10 of the 32 bits);
+  those candidates are compacted and ranked pairwise (score descending, ties -> smaller id). Only when more keys
+  tie at the k-th score than that does the search run all 32 bits and a search over the ids pick the smallest.
+* ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``, rows beyond the two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
   16, 32 or 64 slots, the power of two >= k). Chunks come in ascending id order, so a newcomer enters only if it
   is *strictly* better than the worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many
   insertion rounds as its most-improved row needs. Nothing ``[T, T]`` is written.
@@ -57,16 +57,11 @@ _STREAM_MIN_SLOTS = 16
 _STREAM_ROWS = 32  # query rows per program: each loaded key chunk serves 32 rows
 _STREAM_CHUNK = 128  # candidates scored per step
 _TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch and two-pass paths (256 MiB)
-# Two-pass path: a score row of up to this many candidates is held by one program (16 warps at the largest), and
-# the k winners are put in order pairwise ([KMAX, KMAX] in registers), hence the bound on k.
+# Two-pass path: a score row of up to this many candidates is held by one program, and up to 2 * 128 candidates
+# are ranked pairwise ([256, 32] compares at a time), hence the bound on k. Where both run, it is faster than the
+# streaming kernel at every k (docs/benchmarks.md, "Block selection alone").
 ROW_SELECT_MAX_CANDIDATES = 16384
 ROW_SELECT_MAX_K = 128
-# Which of the two is faster, measured on the H200 (docs/benchmarks.md, "Block selection alone"): the two-pass time
-# hardly depends on k (the fp32 scores by cuBLAS dominate it), the streaming kernel's grows with k. At 4,096
-# candidates streaming wins at k = 16 (3.21 vs 3.72 ms), two-pass from k = 32 (3.82 vs 4.04); at 1,024 two-pass wins
-# at k = 8 and 20.
-_STREAM_FASTER_UP_TO_K = 16
-_STREAM_FASTER_ABOVE_CANDIDATES = 2048
 
 
 @triton.jit(do_not_specialize=["k"])  # k only bounds a loop: one compiled kernel serves every k
@@ -177,10 +172,11 @@ def _streaming_topk_kernel(
         kept = tl.where(kept_id == sel[:, None], float("-inf"), kept)
 
 
-@triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, KMAX)
-def _row_topk_kernel(S, OUT, n, k, stride_s, stride_o, BLOCK: tl.constexpr, KMAX: tl.constexpr):
-    """One row of precomputed fp32 scores per program: the k-th largest score by a 32-step bitwise search, the k
-    winners (ties at the threshold -> smaller ids) compacted into the output row, then put in order."""
+@triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, CAP)
+def _row_topk_kernel(S, OUT, SCRATCH, n, k, stride_s, stride_o, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """One row of precomputed fp32 scores per program: a bitwise search for the k-th largest score that stops once
+    at most CAP keys are at or above its lower bound; those candidates are compacted (ascending id) and ranked
+    pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     valid = offs < n
@@ -188,50 +184,87 @@ def _row_topk_kernel(S, OUT, n, k, stride_s, stride_o, BLOCK: tl.constexpr, KMAX
     out_row = OUT + row * stride_o
     s = tl.load(s_row + offs, mask=valid, other=0.0) + 0.0  # -0.0 -> +0.0: the two zeros tie
     bits = s.to(tl.int32, bitcast=True)
-    # int32 that orders like the float (magnitude bits of negatives flipped), shifted to 0 .. 2^32 - 1; -1 = absent
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
-    key = tl.where(valid, key, -1)
-    # tau = the k-th largest key: the largest value with at least k keys >= it, built from the top bit down
+    # int32 that orders like the float (magnitude bits of negatives flipped); absent = INT32_MIN, below every score.
+    # int32, not int64: a search step is one compare, one select and one add per key
+    key = tl.where(valid, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
+    # Search over u = key + 2^31 (0 .. 2^32 - 1) from the top bit down for the k-th largest u: tau only rises and
+    # c_lo = #(u >= tau) stays >= k. Continuous scores leave at most CAP keys >= tau after the sign, the exponent
+    # and a few mantissa bits, so the search stops there instead of running all 32 steps.
     tau = tl.zeros([], tl.int64)
-    for i in range(32):
-        cand = tau + (tl.full([], 1, tl.int64) << (31 - i))
-        tau = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, tau)
-    above = key > tau
-    eq = key == tau
-    # every key above tau, then the keys equal to tau in ascending id order until k are taken
-    sel = above | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)))
-    tl.store(out_row + tl.cumsum(sel.to(tl.int32), 0) - 1, offs, mask=sel)  # the k winners, ascending id
+    c_lo = tl.zeros([], tl.int32) + n
+    c_hi = tl.zeros([], tl.int32)  # #(u >= tau + 2^(32 - step)): < k, all of them winners
+    step = tl.zeros([], tl.int32)
+    while (step < 32) & (c_lo > CAP):
+        cand = tau + (tl.full([], 1, tl.int64) << (31 - step).to(tl.int64))
+        c = tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), 0)
+        take = c >= k
+        tau = tl.where(take, cand, tau)
+        c_lo = tl.where(take, c, c_lo)
+        c_hi = tl.where(take, c_hi, c)
+        step += 1
+    lo = (tau - 2147483648).to(tl.int32)
+    # The candidates: every key >= lo. Only when more than CAP keys tie at the k-th score (the search then ran all
+    # 32 steps and lo is that score): the keys above it and the first k - c_hi ids of the tied ones, i.e. exactly
+    # the k winners, found by a search over the ids.
+    last = tl.zeros([], tl.int32) + BLOCK  # ids of tied keys up to `last` (exclusive) are candidates
+    if c_lo > CAP:
+        tied = valid & (key == lo)
+        last = tl.zeros([], tl.int32)  # the largest t with fewer than k - c_hi tied ids below t
+        for i in tl.static_range(15):  # ids below 2^15 > ROW_SELECT_MAX_CANDIDATES, from the top bit down
+            t = last + (1 << (14 - i))
+            last = tl.where(tl.sum((tied & (offs < t)).to(tl.int32), 0) < k - c_hi, t, last)
+        last += 1
+    is_cand = valid & ((key > lo) | ((key == lo) & (offs < last)))
+    n_cand = tl.where(c_lo > CAP, k, c_lo)
+    # compaction into the scratch row (ascending id, so a smaller position means a smaller id), then the ranks
+    keys_at = SCRATCH + row * (2 * CAP)
+    ids_at = keys_at + CAP
+    pos = tl.cumsum(is_cand.to(tl.int32), 0) - 1
+    tl.store(keys_at + pos, key, mask=is_cand)
+    tl.store(ids_at + pos, offs, mask=is_cand)
     tl.debug_barrier()
-    j = tl.arange(0, KMAX)
-    live = j < k
-    ids = tl.load(out_row + j, mask=live, other=0)
-    bits_j = (tl.load(s_row + ids, mask=live, other=0.0) + 0.0).to(tl.int32, bitcast=True)
-    key_j = tl.where(bits_j < 0, bits_j ^ 0x7FFFFFFF, bits_j)
-    # place of each winner: how many winners come before it (score descending, ties -> smaller id)
-    before = (key_j[None, :] > key_j[:, None]) | ((key_j[None, :] == key_j[:, None]) & (ids[None, :] < ids[:, None]))
-    place = tl.sum((before & live[None, :]).to(tl.int32), 1)
-    tl.debug_barrier()  # every winner is read before any is moved
-    tl.store(out_row + place, ids, mask=live)
+    i = tl.arange(0, CAP)
+    i_ok = i < n_cand
+    key_i = tl.load(keys_at + i, mask=i_ok, other=-2147483648)
+    place = tl.zeros([CAP], tl.int32)  # how many candidates come first: higher score, or equal and smaller id
+    for c in tl.static_range(0, CAP, 32):  # [CAP, 32] at a time: the full square costs registers
+        j = c + tl.arange(0, 32)
+        key_j = tl.load(keys_at + j, mask=j < n_cand, other=-2147483648)
+        first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None]))
+        place += tl.sum((first & (j < n_cand)[None, :]).to(tl.int32), 1)
+    tl.store(out_row + place, tl.load(ids_at + i, mask=i_ok, other=0), mask=i_ok & (place < k))
 
 
 def _row_warps(block: int) -> int:
-    """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's)."""
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+    """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's).
+    Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4 warps
+    1.25x faster than 8, 16 warps slower still. At 16,384 slots 8 and 16 warps measured the same, 16 spill less."""
+    return 4 if block <= 8192 else 16
+
+
+def _row_cap(k: int) -> int:
+    """Candidates a ``_row_topk_kernel`` program ranks pairwise (its search stops at this many): twice the power of
+    two >= k, at least 32. The ranking costs CAP^2 compares, one more search step halves the candidates; one
+    compiled variant per value and row length, so a sweep over k compiles four (32, 64, 128, 256)."""
+    return max(32, 2 * triton.next_power_of_2(k))
 
 
 def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]``."""
     R, n = scores.shape
     block = max(128, triton.next_power_of_2(n))
+    cap = _row_cap(k)
+    scratch = torch.empty(R, 2 * cap, device=scores.device, dtype=torch.int32)
     _row_topk_kernel[(R,)](
         scores,
         out,
+        scratch,
         n,
         k,
         scores.stride(0),
         out.stride(0),
         BLOCK=block,
-        KMAX=max(16, triton.next_power_of_2(k)),
+        CAP=cap,
         num_warps=_row_warps(block),
     )
     return out
@@ -266,8 +299,6 @@ def _route(n_cand: int, d: int, k: int, child_block: int | None) -> str:
     if cand <= MAX_CANDIDATES and cand * d <= _MAX_CAND_X_DIM and (child_block is None or child_block % _ROWS == 0):
         return "one_shot" if child_block is not None or k < n_cand else "torch"
     if child_block is None and k < n_cand:
-        if k <= _STREAM_FASTER_UP_TO_K and n_cand > _STREAM_FASTER_ABOVE_CANDIDATES:
-            return "streaming"
         if n_cand <= ROW_SELECT_MAX_CANDIDATES and k <= ROW_SELECT_MAX_K:
             return "two_pass"
         if k <= STREAM_MAX_K:

@@ -231,7 +231,7 @@ def run(args):
                 if label.startswith("flash") and N > args.max_dense_ours:
                     continue
                 t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick, graph=args.graph)
-                if args.profile and label.split()[0] in ("llsa", "vsa", "sla"):
+                if args.profile and label.split()[0] in ("llsa", "vsa", "sla", "block_sparse", "flex"):
                     profile(fn, q, k, v, f"{label} at {side}^2")
                 if label == "sdpa":
                     sdpa_ms = (t_fwd, t_fb)
@@ -340,7 +340,7 @@ def main(argv=None):
         default=None,
         help="query rows per program of LLSA's pooled-level pass (a tuning experiment; default: the library's)",
     )
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse row")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per sparse or Flex row")
     p.add_argument("--plot-from", default=None, help="JSON written by an earlier run: only draw the plot")
     args = p.parse_args(argv)
     if args.kernels_from:

@@ -53,10 +53,11 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
     return topk._streaming_topk_kernel, args, const, 4
 
 
-def row_select_variant(block: int, kmax: int) -> tuple:
-    """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, a ``kmax`` bucket."""
-    args = dict(S="*fp32", OUT="*i32", n=block, k=kmax, stride_s=block, stride_o=kmax)
-    const = {"BLOCK": block, "KMAX": kmax}
+def row_select_variant(block: int, k: int) -> tuple:
+    """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, the ``CAP`` bucket of
+    ``k``."""
+    args = dict(S="*fp32", OUT="*i32", SCRATCH="*i32", n=block, k=k, stride_s=block, stride_o=k)
+    const = {"BLOCK": block, "CAP": topk._row_cap(k)}
     return topk._row_topk_kernel, args, const, topk._row_warps(block)
 
 
@@ -231,7 +232,9 @@ def main(argv=None) -> None:
         for s in (topk._STREAM_MIN_SLOTS, 32, topk.STREAM_MAX_K)
     ]
     variants += [
-        (f"row select n={b} kmax={km}", row_select_variant(b, km)) for b in (1024, 4096, 16384) for km in (32, 128)
+        (f"row select n={b} cap={topk._row_cap(k)}", row_select_variant(b, k))
+        for b in (1024, 4096, 16384)
+        for k in (64, 128)
     ]
     for label, (fn, run_args, const, warps) in variants:
         signature, attrs = launch_variant(fn, run_args, const)

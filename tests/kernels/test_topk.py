@@ -40,7 +40,8 @@ def oracle(qp, kp, k):
 def test_route_sends_each_k_where_the_module_doc_says():
     assert topk._route(4096, 64, 32, None) == "two_pass"  # 256x256 VSA/SLA
     assert topk._route(4096, 64, 17, None) == "two_pass"
-    assert topk._route(4096, 64, 16, None) == "streaming"  # long rows, small k: measured faster streamed
+    assert topk._route(4096, 64, 16, None) == "two_pass"
+    assert topk._route(4096, 64, 1, None) == "two_pass"
     assert topk._route(2048, 64, 16, None) == "two_pass"
     assert topk._route(1024, 64, 20, None) == "two_pass"  # 128x128 VSA/SLA ([d, 1024] is too big for one-shot)
     assert topk._route(1024, 64, 8, None) == "two_pass"  # 512x512 LLSA L=2, coarsest level
@@ -105,7 +106,7 @@ def test_streaming_kernel_worst_kept_is_the_kth_best():
     + [(9000, 40)],  # the longest bucket (BLOCK 16,384, 16 warps on the GPU: 512^2 VSA with 16-token tiles)
 )
 def test_row_select_kernel_matches_topk_desc(n, k):
-    """The two-pass path's row kernel on given fp32 scores, each KMAX bucket at its edges, k = n, row lengths that
+    """The two-pass path's row kernel on given fp32 scores, each CAP bucket at its edges (k = 16 | 17, 32 | 33, 64 | 65), k = n, row lengths that
     are not powers of two: continuous scores, and tie-heavy rows (a run of small integers, all-zero rows mixing
     +0.0 and -0.0, +-inf entries) where the threshold score is shared by more ids than the k winners need."""
     g = torch.Generator().manual_seed(n * 1000 + k)
@@ -158,7 +159,7 @@ def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
         assert topk._route(1024, 64, k, None) == "two_pass"
         got = topk.pooled_topk(q, kp, k)
         assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
-    assert compiled_variants(topk._row_topk_kernel) - before <= 4  # KMAX 16, 32, 64, 128
+    assert compiled_variants(topk._row_topk_kernel) - before <= 4  # CAP 32, 64, 128, 256
     before = compiled_variants(topk._streaming_topk_kernel)
     for k in range(4, topk.STREAM_MAX_K + 1, 4):
         out = torch.empty(6, 1024, k, device="cuda", dtype=torch.int32)
@@ -183,5 +184,4 @@ def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
         assert torch.equal(two_pass, want)  # the same scores: the same ids
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
         assert (streamed != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (other summation order)
-        routed = topk.pooled_topk(q, kp, k)
-        assert torch.equal(routed, two_pass if k > 16 else streamed), k  # k <= 16 streams at this length
+        assert torch.equal(topk.pooled_topk(q, kp, k), two_pass), k  # the route at this length
