@@ -38,8 +38,12 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
     x: ``[..., tokens, dim]`` -> ``[..., ceil(tokens / block_size), dim]`` float32. When ``tokens`` is not a multiple
     of ``block_size`` the last block is the mean over its real tokens only (SLA's tail block).
-    Differentiable (the adjoint broadcasts ``grad / count`` to the block's tokens).
+    Differentiable: the adjoint gives each token its block's ``grad / count`` in x's dtype.
     """
+    return _BlockMean.apply(x, block_size)
+
+
+def _block_mean_values(x: torch.Tensor, block_size: int) -> torch.Tensor:
     n, d = x.shape[-2], x.shape[-1]
     full = n // block_size
     if full * block_size == n:  # one reduction, fp32 accumulation without an fp32 copy of x
@@ -47,6 +51,28 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
     tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True, dtype=torch.float32)
     return torch.cat([out, tail], dim=-2)
+
+
+class _BlockMean(torch.autograd.Function):
+    """``block_mean`` with a one-pass adjoint. Autograd's own (of ``mean(dtype=float32)``) writes an fp32 gradient
+    as large as x, then casts it to x's dtype: two extra passes over a full-size tensor, ~0.2 ms per q, k or v
+    at 65,536 tokens x 12 heads (VSA's coarse stage differentiates all three). Here the small ``grad / count`` is
+    computed in fp32 and broadcast into x's dtype by one copy: the same values, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, block_size):
+        ctx.block_size, ctx.shape, ctx.dtype = block_size, x.shape, x.dtype
+        return _block_mean_values(x, block_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        B, (n, d), lead = ctx.block_size, ctx.shape[-2:], ctx.shape[:-2]
+        full = n // B
+        gx = grad.new_empty(ctx.shape, dtype=ctx.dtype)
+        gx[..., : full * B, :].view(*lead, full, B, d).copy_(grad[..., :full, None, :] / B)
+        if full * B < n:
+            gx[..., full * B :, :].copy_(grad[..., full:, :] / (n - full * B))
+        return gx, None
 
 
 def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

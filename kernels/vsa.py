@@ -103,18 +103,32 @@ def vsa_attention(
         )
     else:  # exact fp32
         out_coarse = torch.softmax(scale * q_pool @ k_pool.transpose(-1, -2), -1) @ v_pool
-    b, h, t, d = out_coarse.shape
-    out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]
 
     # fine stage: block-sparse FlashAttention over each query tile's K selected key tiles (shared kernel)
     if triton_path:
         out_fine = block_sparse_attention(q, k, v, tile_idx, query_block=c, key_block=c, scale=scale, impl="triton")
         if gate_fine is not None:
             out_fine = out_fine * gate_fine
-        return out_fine + (out_coarse if gate is None else out_coarse * gate)
+        return _add_coarse(out_fine, out_coarse, gate, c)
+    b, h, t, d = out_coarse.shape
+    out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]
     out_fine = block_sparse_attention(
         q.float(), k.float(), v.float(), tile_idx, query_block=c, key_block=c, scale=scale, impl="torch"
     )
     if gate_fine is not None:
         out_fine = out_fine * gate_fine.float()
     return (out_fine + (out_coarse if gate is None else out_coarse * gate.float())).to(q.dtype)
+
+
+def _add_coarse(out_fine, out_coarse, gate, c):
+    """``out_fine + gate * O_coarse`` with each tile's coarse output ``[b, h, t, d]`` broadcast to its ``c`` tokens.
+    When the tiles are whole, the broadcast is never written: one ``addcmul`` over a ``[b, h, t, c, d]`` view (its
+    backward sums over the tile axis); a partial last tile takes the materialised broadcast."""
+    b, h, t, d = out_coarse.shape
+    n = out_fine.shape[2]
+    if n != t * c:
+        out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]
+        return out_fine + (out_coarse if gate is None else out_coarse * gate)
+    fine, coarse = out_fine.view(b, h, t, c, d), out_coarse[:, :, :, None]
+    out = fine + coarse if gate is None else torch.addcmul(fine, coarse, gate.reshape(b, h, t, c, d))
+    return out.view(b, h, n, d)

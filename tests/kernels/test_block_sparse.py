@@ -64,6 +64,25 @@ def test_block_mean_fp32_and_partial_tail():
     assert torch.allclose(m[:, :, 0], x[:, :, :16].float().mean(2))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [5, 16, 64, 70])
+def test_block_mean_adjoint_equals_autograds_of_the_plain_mean_bit_for_bit(dtype, n):
+    """block_mean's one-pass backward against autograd through ``mean(dtype=float32)`` (and the mean of the tail
+    block over its real tokens), also on a non-contiguous input."""
+    x = torch.randn(2, n, 3, 8, dtype=dtype).requires_grad_()
+    xt = x.transpose(1, 2)  # [2, 3, n, 8], not contiguous
+    full = n // 16
+    parts = [xt[:, :, : 16 * full].reshape(2, 3, full, 16, 8).mean(3, dtype=torch.float32)]
+    if 16 * full < n:
+        parts.append(xt[:, :, 16 * full :].mean(2, keepdim=True, dtype=torch.float32))
+    plain = torch.cat(parts, 2)
+    ours = block_mean(xt, 16)
+    assert torch.equal(ours, plain)
+    g = torch.randn_like(plain)
+    got, want = (torch.autograd.grad(y, x, g)[0] for y in (ours, plain))
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_pooled_topk_children_mode(impl):
     g = torch.Generator().manual_seed(2)
