@@ -13,7 +13,7 @@ The Triton block-sparse attention that consumes these tables lives in ``block_sp
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -22,12 +22,17 @@ __all__ = ["block_mean", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
 
 @contextmanager
 def exact_fp32_matmul():
-    """Selection scores are fp32 (docs/algorithms.md): keep TF32 off inside (restores the caller's setting)."""
+    """Selection scores are fp32 (docs/algorithms.md): TF32 and autocast off inside (the caller's settings come
+    back after). Under a training step's autocast a matmul of fp32 tensors would otherwise run in bf16."""
     old = torch.get_float32_matmul_precision()
     if old != "highest":
         torch.set_float32_matmul_precision("highest")
     try:
-        yield
+        with ExitStack() as stack:
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
+            yield
     finally:
         if old != "highest":
             torch.set_float32_matmul_precision(old)

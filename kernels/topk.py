@@ -251,6 +251,8 @@ def _row_cap(k: int) -> int:
 
 def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]``."""
+    if scores.dtype != torch.float32:  # the kernel reads the bits of fp32 scores
+        raise TypeError(f"_rows_topk: scores must be float32, got {scores.dtype} (computed under autocast?)")
     R, n = scores.shape
     block = max(128, triton.next_power_of_2(n))
     cap = _row_cap(k)

@@ -138,6 +138,20 @@ def test_torch_path_for_all_candidates_and_large_k(n_cand, k):
     assert got.shape == (2, 20, k) and torch.equal(got, oracle(qp, kp, k))
 
 
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_scores_stay_fp32_under_autocast(impl):
+    """A training step runs under autocast, which would turn the fp32 score matmul into a bf16 one: a different
+    selection on the PyTorch path, and bf16 scores the two-pass row kernel cannot read (it crashed VSA / SLA
+    training). 600 candidates at head_dim 64 take the two-pass route."""
+    assert topk._route(600, 64, 20, None) == "two_pass"
+    g = torch.Generator().manual_seed(5)
+    qp, kp = torch.randn(2, 40, 64, generator=g), torch.randn(2, 600, 64, generator=g)
+    want = oracle(qp, kp, 20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), 20, impl=impl).cpu()
+    assert torch.equal(got, want)
+
+
 def test_pooled_topk_rejects_k_outside_the_candidates():
     qp, kp = torch.randn(1, 4, 16), torch.randn(1, 40, 16)
     for bad in (0, 41, 2.5, True):
@@ -185,3 +199,5 @@ def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
         assert (streamed != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (other summation order)
         assert torch.equal(topk.pooled_topk(q, kp, k), two_pass), k  # the route at this length
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # as in a training step: the scores stay fp32
+            assert torch.equal(topk.pooled_topk(q, kp, k), two_pass), k
