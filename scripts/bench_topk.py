@@ -1,7 +1,8 @@
 """Block selection (pooled scores + exact top-k) on its own, then a sweep over K through VSA and SLA, in one run.
 
     python scripts/bench_topk.py                                  # selection table + K sweep (GPU)
-    python scripts/bench_topk.py --baseline old/topk.py           # + another topk.py (A/B of a kernel change)
+    python scripts/bench_topk.py --baseline old/topk.py           # + another topk.py (A/B of a kernel change; with a
+                                                                  #   row kernel there, also that kernel alone)
     python scripts/bench_topk.py --no-sweep                       # selection table only
 
 Selection table: ``torch`` (chunked fp32 matmul + ``topk_desc_fast``), ``triton (<path>)`` (what ``pooled_topk``
@@ -25,6 +26,7 @@ import time
 import torch
 
 from pixdit.kernels import sla_attention, topk, vsa_attention
+from pixdit.kernels.blocks import exact_fp32_matmul
 from pixdit.report import markdown_table, time_median
 
 # (label, batch*heads, blocks, k): VSA/SLA at 128^2 (K=20) and 256^2 (K=16 / 32 / 64: the three streaming buckets),
@@ -86,6 +88,55 @@ def selection_table(baseline, head_dim: int) -> list[dict]:
     return rows
 
 
+# (label, rows, candidates, k, kind) for the row kernel alone: one 256 MiB chunk of scores where the rows are long
+ROW_CASES = [
+    ("128² VSA/SLA", 49152, 1024, 20, "scores"),
+    ("256² VSA/SLA", 16384, 4096, 16, "scores"),
+    ("256² VSA/SLA", 16384, 4096, 32, "scores"),
+    ("256² VSA/SLA", 16384, 4096, 64, "scores"),
+    ("256² VSA/SLA", 16384, 4096, 128, "scores"),
+    ("256², rows sorted ascending", 16384, 4096, 32, "sorted"),
+    ("256², integer scores in [-3, 3]", 16384, 4096, 32, "ties"),
+    ("512² LLSA L=2 top", 6144, 1024, 8, "scores"),
+    ("512² VSA", 16384, 16384, 32, "scores"),
+]
+
+
+def row_kernel_table(baseline) -> list[dict]:
+    """The two-pass path's row kernel alone on the same precomputed fp32 scores, this one and ``--baseline``'s
+    (continuous scores, the same sorted within each row, and tie-heavy integer scores)."""
+    rows = []
+    for label, n_rows, n, k, kind in ROW_CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        if kind == "ties":
+            scores = torch.randint(-3, 4, (n_rows, n), device="cuda", generator=g).float()
+        else:
+            q = torch.randn(n_rows // n, n, 64, device="cuda", generator=g)
+            kp = torch.randn(n_rows // n, n, 64, device="cuda", generator=g)
+            with exact_fp32_matmul():
+                scores = (q @ kp.transpose(-1, -2)).reshape(n_rows, n)
+            if kind == "sorted":
+                scores = scores.sort(-1).values
+        scores = scores.contiguous()
+        out = torch.empty(n_rows, k, device="cuda", dtype=torch.int32)
+        times, ids = {}, {}
+        for name, module in (("this", topk), ("baseline", baseline)):
+            ids[name] = module._rows_topk(scores, k, out).clone()
+            times[name] = 1000 * time_median(lambda m=module: m._rows_topk(scores, k, out), 10, 50, "cuda")[0]
+        rows.append(
+            {
+                "scores": label,
+                "rows x candidates, k": f"{n_rows} x {n}, {k}",
+                "baseline ms": f"{times['baseline']:.3f}",
+                "this ms": f"{times['this']:.3f}",
+                "speed-up": f"{times['baseline'] / times['this']:.2f}x",
+                "same ids": bool(torch.equal(ids["this"], ids["baseline"])),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def sweep_table() -> tuple[list[dict], float]:
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, up = (torch.randn(*SWEEP_SHAPE, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
@@ -122,9 +173,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     baseline = load_module(args.baseline) if args.baseline else None
     selection = selection_table(baseline, args.head_dim)
+    row_kernel = row_kernel_table(baseline) if baseline is not None and hasattr(baseline, "_rows_topk") else []
     sweep, seconds = sweep_table() if not args.no_sweep else ([], 0.0)
     print()
     print(markdown_table(selection))
+    if row_kernel:
+        print("\nThe two-pass path's row kernel alone, this topk.py vs --baseline's:\n")
+        print(markdown_table(row_kernel))
     if sweep:
         print(f"\nK sweep, {SWEEP_SHAPE} bf16, 16-token tiles: {seconds:.1f} s in all (first calls included)\n")
         print(markdown_table(sweep))
