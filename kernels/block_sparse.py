@@ -31,14 +31,12 @@ CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exac
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .blocks import csr_to_csc
-from .common import INTERPRET, autocast_inputs, check_qkv, use_triton
+from .blocks import block_mean_adjoint, csr_to_csc
+from .common import AUTOTUNE, autocast_inputs, autotuned, check_qkv, use_triton
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
@@ -256,6 +254,7 @@ def _dq_kernel(
     DQ,
     LIST,
     LOGW,
+    ADD_Q,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -278,6 +277,7 @@ def _dq_kernel(
     PER_ITER: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr,
     PREC: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -340,6 +340,9 @@ def _dq_kernel(
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     if ACCUMULATE:  # add an earlier pass's fp32 dq (other keys of the same queries)
         dq += tl.load(DQ_IN + dq_offs, mask=row_ok[:, None], other=0.0)
+    if HAS_ADD:  # mean-pool adjoint: + (gradient of this tile's pooled token) / (the tile's real rows)
+        a = tl.load(ADD_Q + (bh * tl.num_programs(0) + tile) * HEAD_DIM + dims)
+        dq += a[None, :] / tl.minimum(n_q - tile * BLOCK_M, BLOCK_M).to(tl.float32)
     tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -447,39 +450,37 @@ def _dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     dk = dk * sm_scale
-    if HAS_ADD:  # mean-pool adjoint: + (gradient of the pooled token that contains this key) / KEY_BLOCK
-        a_offs = bh * tl.cdiv(n_k, KEY_BLOCK) * HEAD_DIM + (krow // KEY_BLOCK)[:, None] * HEAD_DIM + dims[None, :]
-        dk += tl.load(ADD_K + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
-        dv += tl.load(ADD_V + a_offs, mask=k_ok[:, None], other=0.0) * (1.0 / KEY_BLOCK)
+    if HAS_ADD:  # mean-pool adjoint: + (gradient of the pooled token that contains this key) / (its block's real keys)
+        kblk = krow // KEY_BLOCK
+        a_offs = bh * tl.cdiv(n_k, KEY_BLOCK) * HEAD_DIM + kblk[:, None] * HEAD_DIM + dims[None, :]
+        count = tl.maximum(tl.minimum(n_k - kblk * KEY_BLOCK, KEY_BLOCK), 1).to(tl.float32)[:, None]
+        dk += tl.load(ADD_K + a_offs, mask=k_ok[:, None], other=0.0) / count
+        dv += tl.load(ADD_V + a_offs, mask=k_ok[:, None], other=0.0) / count
     # target [N_SPLIT, BH, out_rows, d]: rows [out_row0, out_row0 + out_rows) of dk/dv of this split
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
-# On the GPU the three kernels are autotuned over a few warp/stage counts (keyed by the tile shapes: a few seconds
-# of compiling per new shape). PIXDIT_KERNELS_AUTOTUNE=0 (set by tests/kernels/conftest.py) and the interpreter
-# (TRITON_INTERPRET=1, CPU tests) launch them directly with 4 warps and 2 stages. Results are bitwise reproducible
-# within a process either way; across processes only with autotuning off (the timing-picked config may differ).
-_AUTOTUNE = not INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
+# The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 4 warps and 2 stages.
 _CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 2))]
+_TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
-def _tuned(kernel, key):
-    return triton.autotune(configs=_CONFIGS, key=key)(kernel) if _AUTOTUNE else kernel
-
-
-_fwd = _tuned(
-    _fwd_kernel, ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "HAS_INIT", "HAS_LOGW", "PREC", "EVEN_K", "HAS_TAIL"]
+_fwd = autotuned(
+    _fwd_kernel,
+    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL"],
+    _CONFIGS,
 )
-_dq = _tuned(
+_dq = autotuned(
     _dq_kernel,
-    ["HEAD_DIM", "BLOCK_M", "KEY_BLOCK", "PER_ITER", "ACCUMULATE", "COMPUTE_DELTA", "PREC", "EVEN_K", "HAS_TAIL"],
+    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL"],
+    _CONFIGS,
 )
-_dkdv = _tuned(
-    _dkdv_kernel, ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_ADD", "PREC", "EVEN_Q"]
+_dkdv = autotuned(
+    _dkdv_kernel, _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q"], _CONFIGS
 )
-_LAUNCH = {} if _AUTOTUNE else {"num_warps": 4, "num_stages": 2}
+_LAUNCH = {} if AUTOTUNE else {"num_warps": 4, "num_stages": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -600,10 +601,12 @@ def bsa_backward_dq(
     o=None,
     out_dtype=torch.float32,
     dense_tail=None,
+    pooled_add=None,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
     With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
-    ``dense_tail`` as in ``bsa_forward``."""
+    ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
+    tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
     accumulate = dq is not None
@@ -622,6 +625,7 @@ def bsa_backward_dq(
         dq,
         lists,
         log_weights if log_weights is not None else lse,
+        pooled_add if pooled_add is not None else lse,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -641,6 +645,7 @@ def bsa_backward_dq(
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
+        HAS_ADD=pooled_add is not None,
         **_tail_args(dense_tail, k.shape[1]),
         COMPUTE_DELTA=o is not None,
         PREC=_prec(q.dtype),
@@ -767,10 +772,99 @@ def delta_rows(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return (o.float() * do.float()).sum(-1)
 
 
+def bsa_backward(
+    qf,
+    kf,
+    vf,
+    do,
+    o,
+    lse,
+    lists,
+    query_block,
+    key_block,
+    scale,
+    log_weights=None,
+    csc=None,
+    dlse=None,
+    pooled_add=None,
+    out_dtype=None,
+):
+    """dq, dk, dv (``out_dtype``, default the input dtype) of one block-sparse pass over flattened ``[BH, N, d]``
+    tensors. ``csc``: the lists' transpose when it is shared by all key blocks (``shared_csc``), else sorted here.
+    ``dlse``: the gradient of the returned LSE, if any. ``pooled_add = (gq, gk, gv)`` (fp32 ``[BH, tiles or blocks,
+    d]``): the gradients of mean-pooled copies of q, k and v (pooled over the query tiles and key blocks), whose
+    adjoint is added to dq, dk and dv inside the kernels' epilogues instead of as three full-size passes."""
+    out_dtype = out_dtype or qf.dtype
+    do = do.contiguous()
+    if dlse is None:  # Δ = rowsum(dO * O) is computed by the dq kernel (no fp32 copies of O and dO)
+        delta, o_for_delta = torch.empty(lse.shape, device=lse.device, dtype=torch.float32), o
+    else:  # d lse_i / d s_it = P_it: the same as an extra -dlse_i in Δ
+        delta, o_for_delta = delta_rows(o, do) - dlse.reshape(lse.shape).float(), None
+    if kf.stride() != vf.stride():
+        kf, vf = kf.contiguous(), vf.contiguous()
+    n_k = kf.shape[1]
+    n_blocks = triton.cdiv(n_k, key_block)
+    shared = csc is not None
+    csc = csc if shared else csr_to_csc(lists, n_blocks)
+    add_q, add_k, add_v = pooled_add if pooled_add is not None else (None, None, None)
+    dq = bsa_backward_dq(
+        qf,
+        kf,
+        vf,
+        do,
+        lse,
+        delta,
+        lists,
+        query_block,
+        key_block,
+        scale,
+        log_weights,
+        o=o_for_delta,
+        out_dtype=out_dtype,
+        pooled_add=add_q,
+    )
+    n_split = split_count(qf.shape[0] * n_blocks, lists.shape[1])
+    dk, dv = bsa_backward_dkdv(
+        qf,
+        kf,
+        vf,
+        do,
+        lse,
+        delta,
+        csc,
+        query_block,
+        key_block,
+        scale,
+        log_weights,
+        n_split=n_split,
+        shared_list=shared,
+        pooled_add=(add_k, add_v) if add_k is not None and n_split == 1 else None,
+        out_dtype=out_dtype if n_split == 1 else torch.float32,
+    )
+    if n_split > 1:  # split lists sum in fp32 first; the pooled adjoint (if any) is added to that sum
+        if add_k is not None:
+            dk += block_mean_adjoint(add_k, dk.shape, torch.float32, key_block)
+            dv += block_mean_adjoint(add_v, dv.shape, torch.float32, key_block)
+        dk, dv = dk.to(out_dtype), dv.to(out_dtype)
+    return dq, dk, dv
+
+
+DENSE_BLOCK = 64  # the tile of dense attention through the block-sparse kernels
+
+
+def dense_lists(n_q: int, n_k: int, block: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Lists for dense attention through the block-sparse kernels: every query tile lists every key block (one table
+    ``[1, tiles, blocks]`` for all heads) and all key blocks share one CSC list (no sort, no per-block copy)."""
+    n_tiles, n_blocks = triton.cdiv(n_q, block), triton.cdiv(n_k, block)
+    lists = torch.arange(n_blocks, device=device, dtype=torch.int32).expand(1, n_tiles, n_blocks)
+    return lists, shared_csc(n_tiles, device)
+
+
 # ------------------------------------------------------------------------------------------------------- public API
 class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc):
+        ctx.set_materialize_grads(False)  # an unused LSE gets no zero gradient to subtract
         b, h, n_q, d = q.shape
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
@@ -783,46 +877,24 @@ class _BlockSparseFn(torch.autograd.Function):
     def backward(ctx, do, dlse):
         qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
         query_block, key_block, scale, q_shape, k_shape = ctx.cfg
-        do = flatten_heads(do.contiguous())
-        delta = delta_rows(o, do)
-        if dlse is not None:  # d lse_i / d s_it = P_it: the same as an extra -dlse_i in Δ
-            delta = delta - dlse.reshape(delta.shape).float()
-        if kf.stride() != vf.stride():
-            kf, vf = kf.contiguous(), vf.contiguous()
-        n_blocks = triton.cdiv(kf.shape[1], key_block)
-        shared = ctx.csc is not None
-        csc = ctx.csc if shared else csr_to_csc(lf, n_blocks)
-        dq = bsa_backward_dq(
-            qf, kf, vf, do, lse, delta, lf, query_block, key_block, scale, log_weights, out_dtype=qf.dtype
-        )
-        n_split = split_count(qf.shape[0] * n_blocks, lf.shape[1])
-        dk, dv = bsa_backward_dkdv(
+        if do is None:  # only the LSE is used downstream
+            do = torch.zeros_like(o)
+        dq, dk, dv = bsa_backward(
             qf,
             kf,
             vf,
-            do,
+            flatten_heads(do),
+            o,
             lse,
-            delta,
-            csc,
+            lf,
             query_block,
             key_block,
             scale,
             log_weights,
-            n_split=n_split,
-            shared_list=shared,
-            out_dtype=kf.dtype if n_split == 1 else torch.float32,
+            ctx.csc,
+            dlse,
         )
-        return (
-            dq.view(q_shape),
-            dk.view(k_shape).to(kf.dtype),
-            dv.view(k_shape).to(vf.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, None, None, None, None, None
 
 
 def block_sparse_attention_torch(
@@ -905,12 +977,12 @@ def block_sparse_attention(
             q, k, v, block_lists, query_block, key_block, scale, block_log_weights, return_lse
         )
     o, lse = _BlockSparseFn.apply(
-        q, k, v, _flat_lists(block_lists, q), query_block, key_block, scale, _log_weights(block_log_weights), None
+        q, k, v, flat_lists(block_lists, q), query_block, key_block, scale, _log_weights(block_log_weights), None
     )
     return (o, lse) if return_lse else o
 
 
-def _flat_lists(block_lists: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def flat_lists(block_lists: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """int32 [b*h, tiles, len], or [1, tiles, len] (stride 0 over heads) when one table serves every head."""
     lists = block_lists.to(torch.int32)
     if lists.shape[0] == 1 and lists.shape[1] == 1:
@@ -927,15 +999,13 @@ def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
 def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     """Dense softmax attention through the block-sparse kernel with every key block listed (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
-    block = 64
-    n_tiles = triton.cdiv(q.shape[2], block)
-    n_blocks = triton.cdiv(k.shape[2], block)
-    lists = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
+    lists, csc = dense_lists(q.shape[2], k.shape[2], DENSE_BLOCK, q.device)
     if not use_triton(q, impl):
-        return block_sparse_attention(q, k, v, lists, query_block=block, key_block=block, scale=scale, impl=impl)
+        return block_sparse_attention(
+            q, k, v, lists[None], query_block=DENSE_BLOCK, key_block=DENSE_BLOCK, scale=scale, impl=impl
+        )
     q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v, name="flash_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    # "every tile sees every block": all key blocks share one CSC list (no sort, no per-block copy)
-    o, _ = _BlockSparseFn.apply(q, k, v, lists[0], block, block, scale, None, shared_csc(n_tiles, q.device))
+    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_BLOCK, DENSE_BLOCK, scale, None, csc)
     return o

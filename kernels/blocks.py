@@ -3,7 +3,7 @@
 Everything here is plain PyTorch, runs on CPU and CUDA, and is deterministic:
 
 * ``block_mean(x, block_size)``            fp32 mean over consecutive blocks of tokens (a partial last block is
-                                            averaged over its real tokens).
+                                            averaged over its real tokens); ``block_mean_adjoint`` its gradient.
 * ``topk_desc(scores, k, ids=None)``        top-k ids by descending score, ties -> smaller id, bitwise reproducible.
 * ``csr_to_csc(index, num_cols)``           transpose of a per-row list of column ids (CSR) into per-column lists of
                                             row ids (CSC), rows ascending inside a column; no float atomics.
@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-__all__ = ["block_mean", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
+__all__ = ["block_mean", "block_mean_adjoint", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
 
 
 @contextmanager
@@ -71,13 +71,19 @@ class _BlockMean(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        B, (n, d), lead = ctx.block_size, ctx.shape[-2:], ctx.shape[:-2]
-        full = n // B
-        gx = grad.new_empty(ctx.shape, dtype=ctx.dtype)
-        gx[..., : full * B, :].view(*lead, full, B, d).copy_(grad[..., :full, None, :] / B)
-        if full * B < n:
-            gx[..., full * B :, :].copy_(grad[..., full:, :] / (n - full * B))
-        return gx, None
+        return block_mean_adjoint(grad, ctx.shape, ctx.dtype, ctx.block_size), None
+
+
+def block_mean_adjoint(grad: torch.Tensor, shape, dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """The gradient of ``block_mean`` for an input of ``shape``: each token gets its block's ``grad / count`` (the
+    block's real tokens), written once in ``dtype``. grad: ``[..., ceil(tokens / block_size), dim]``."""
+    B, (n, d), lead = block_size, shape[-2:], shape[:-2]
+    full = n // B
+    gx = grad.new_empty(shape, dtype=dtype)
+    gx[..., : full * B, :].view(*lead, full, B, d).copy_(grad[..., :full, None, :] / B)
+    if full * B < n:
+        gx[..., full * B :, :].copy_(grad[..., full:, :] / (n - full * B))
+    return gx
 
 
 def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import math
 import os
 
 import torch
+import triton
 
 from . import topk as shared_topk
 
@@ -25,6 +26,8 @@ __all__ = [
     "DTYPES",
     "BLOCK_SIZES",
     "INTERPRET",
+    "AUTOTUNE",
+    "autotuned",
     "use_triton",
     "autocast_inputs",
     "check_qkv",
@@ -44,6 +47,18 @@ IMPLS = ("auto", "triton", "torch")
 # The Triton interpreter runs the kernels on CPU tensors (tests); TRITON_INTERPRET=1 must be set before pixdit.kernels
 # is imported (the @triton.jit functions are created then).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# On the GPU the attention kernels are autotuned over a few warp/stage counts (keyed by their tile shapes: a few
+# seconds of compiling per new shape). PIXDIT_KERNELS_AUTOTUNE=0 (set by tests/kernels/conftest.py) and the
+# interpreter (CPU tests) launch them directly with one fixed configuration. Results are bitwise reproducible within
+# a process either way; across processes only with autotuning off (the timing-picked config may differ).
+AUTOTUNE = not INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
+
+
+def autotuned(kernel, key: list[str], configs: list):
+    """``kernel`` autotuned over ``configs`` (keyed by the argument names ``key``) when AUTOTUNE is on, else as is
+    (its launcher then passes the fixed ``num_warps`` / ``num_stages``)."""
+    return triton.autotune(configs=configs, key=key)(kernel) if AUTOTUNE else kernel
 
 
 # ------------------------------------------------------------------------------------------- Triton or PyTorch

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .block_sparse import list_walk_start, listed_key_rows
 from .blocks import csr_to_csc
-from .common import pad_to_blocks
+from .common import AUTOTUNE, autotuned, pad_to_blocks
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
 ALL_SCOPE_EPS = 1e-5
@@ -436,6 +436,19 @@ def _num_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
+# The three list-walking kernels are autotuned on the GPU (common.AUTOTUNE), like the block-sparse ones; otherwise
+# launched with _num_warps(head_dim) and Triton's default stages.
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
+_fwd = autotuned(_fwd_kernel, _KEYS, _CONFIGS)
+_dq = autotuned(_dq_kernel, _KEYS, _CONFIGS)
+_dk_dv = autotuned(_dk_dv_kernel, _KEYS, _CONFIGS)
+
+
+def _walk_launch(head_dim: int) -> dict:
+    return {} if AUTOTUNE else {"num_warps": _num_warps(head_dim)}
+
+
 class _LinearAttention(torch.autograd.Function):
     """``(q, k, v, lists) -> o_linear`` in the input dtype; inputs ``[BH, N, D]`` contiguous, one dtype; ``lists``
     int32 ``[BH, T, E]`` (distinct ids per row) of the excluded key blocks, or None for ``linear_scope="all"``.
@@ -452,7 +465,7 @@ class _LinearAttention(torch.autograd.Function):
         phi_q, o = torch.empty_like(q), torch.empty_like(q)
         inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _fwd_kernel[(t, bh)](
+        _fwd[(t, bh)](
             q,
             phi_k,
             v,
@@ -470,7 +483,7 @@ class _LinearAttention(torch.autograd.Function):
             FEATURE=feature_map_name,
             EXCLUDE=exclude,
             PREC=prec,
-            num_warps=_num_warps(d),
+            **_walk_launch(d),
         )
         ctx.save_for_backward(q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists)
         ctx.config = (block_size, feature_map_name)
@@ -492,12 +505,12 @@ class _LinearAttention(torch.autograd.Function):
             FEATURE=feature_map_name,
             EXCLUDE=exclude,
             PREC=prec,
-            num_warps=_num_warps(d),
+            **_walk_launch(d),
         )
         dq = torch.empty_like(q)
         delta = torch.empty_like(inv_den)
         list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _dq_kernel[(t, bh)](q, phi_k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
+        _dq[(t, bh)](q, phi_k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
         _, d_kv_total, d_z_total = _feature_sums(phi_q, do, feature_map_name, prec, inv_den, delta)
         if exclude:
             offsets, rows = csr_to_csc(lists, t)
@@ -506,7 +519,7 @@ class _LinearAttention(torch.autograd.Function):
             csc_args = (inv_den, inv_den, 0, 0, n)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         scaled_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
-        _dk_dv_kernel[(t, bh)](
+        _dk_dv[(t, bh)](
             phi_q,
             k,
             phi_k,

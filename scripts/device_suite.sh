@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
-#   bash scripts/device_suite.sh ab DIR     # LLSA A/B: the kernels/ in DIR vs these, interleaved in one process
+#   bash scripts/device_suite.sh ab DIR [CASES]  # LLSA, VSA, SLA A/B: the kernels/ in DIR vs these, interleaved in one process
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
@@ -43,8 +43,9 @@ case "$stage" in
     # Separate autotuned processes differ by up to 20% for the same kernels, so both versions run in one process,
     # alternating, with one fixed launch configuration. DIR: another commit's kernels/ (git archive REV kernels).
     base=${2:?usage: device_suite.sh ab DIR (e.g. git archive HEAD~1 kernels | tar -x -C /tmp/base; DIR=/tmp/base/kernels)}
-    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_llsa.py --kernels-from "$base" 2>&1 \
-      | tee "$OUT/ab_llsa.log" ;;
+    cases=(); [ $# -gt 2 ] && cases=(--cases "${@:3}")  # e.g. vsa:256 sla:256 (default: four LLSA cases)
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" "${cases[@]}" 2>&1 \
+      | tee "$OUT/ab_attention.log" ;;
   ncu)
     # One LLSA fwd+bwd after warm-up under Nsight Compute (works on the Firecracker machines; clocks left alone).
     # The per-kernel table of docs/kernel_notes.md v8 comes from this log. ~1.5 min.

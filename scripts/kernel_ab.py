@@ -2,7 +2,7 @@
 library in DIR (a copy of another commit's ``kernels/``, e.g. ``git archive HEAD~1 kernels | tar -x -C /tmp/base``)
 in place of the installed ``pixdit.kernels``. Must run before anything imports ``pixdit.kernels``.
 ``load_kernels_as(DIR, name)`` loads DIR next to the installed library instead, under another module name, so that
-one process can interleave the two versions (scripts/ab_llsa.py)."""
+one process can interleave the two versions (scripts/ab_attention.py)."""
 
 from __future__ import annotations
 

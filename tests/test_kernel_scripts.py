@@ -1,4 +1,4 @@
-"""The kernel scripts: scripts/ab_llsa.py (interleaved A/B of two kernel libraries in one process) runs end to end, a
+"""The kernel scripts: scripts/ab_attention.py (interleaved A/B of two kernel libraries in one process) runs end to end, a
 CPU smoke run with the repository's own kernels/ as the "before" side, loaded a second time under another module
 name; scripts/kernel_compile_report.py describes every argument of the attention kernels it compiles (a kernel that
 gains an argument must show up here, not as a broken report on the next device-free session)."""
@@ -11,21 +11,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def ab_llsa(kernels_from: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "scripts/ab_llsa.py", "--kernels-from", kernels_from, "--quick", "--device", "cpu"]
+def ab_attention(kernels_from: str, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "scripts/ab_attention.py",
+        *extra,
+        "--kernels-from",
+        kernels_from,
+        "--quick",
+        "--device",
+        "cpu",
+    ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_ab_llsa_quick_cpu():
-    run = ab_llsa("kernels")
+def test_ab_attention_quick_cpu():
+    run = ab_attention("kernels")
     assert run.returncode == 0, run.stderr
-    header, rule, row = run.stdout.strip().splitlines()[-3:]
-    assert "before fwd ms" in header and "after fwd+bwd ms" in header and row.startswith("| 32² | 1 |")
+    header, rule, llsa, vsa = run.stdout.strip().splitlines()[-4:]
+    assert "before fwd ms" in header and "after fwd+bwd ms" in header
+    assert llsa.startswith("| llsa | 32² | L=1 |") and vsa.startswith("| vsa | 32² | K=2 |")
 
 
-def test_ab_llsa_names_a_missing_library():
-    run = ab_llsa("docs")
+def test_ab_attention_names_a_missing_library():
+    run = ab_attention("docs")
     assert run.returncode != 0 and "--kernels-from docs: no __init__.py there" in run.stderr
+
+
+def test_ab_attention_names_a_bad_case():
+    run = ab_attention("kernels", "--cases", "vsa:big")
+    assert run.returncode != 0 and "--cases 'vsa:big': expected METHOD:SIDE[:X]" in run.stderr
 
 
 def test_compile_report_gives_every_kernel_argument():

@@ -180,6 +180,30 @@ def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail):
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("used", ["o", "lse"])
+def test_block_sparse_gradients_when_only_one_output_is_used(impl, used):
+    # the backward computes Δ in the dq kernel when the LSE is unused, and starts from dO = 0 when only the LSE is
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d, blk = 1, 2, 96, 32, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    lists = torch.stack([torch.randperm(n // blk, generator=g)[:2] for _ in range(b * h * (n // blk))])
+    lists = lists.view(b, h, n // blk, 2).int()
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o, lse = block_sparse_attention(
+        *leaves, lists.to(DEVICE), query_block=blk, key_block=blk, return_lse=True, impl=impl
+    )
+    (o.square().sum() if used == "o" else lse.sum()).backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ro, rl = dense_masked_reference(*ref_leaves, lists, blk, blk, None)
+    (ro.square().sum() if used == "o" else rl.sum()).backward()
+    for a, r in zip(leaves, ref_leaves):
+        if r.grad is None:  # the LSE does not depend on v
+            assert a.grad is None or not a.grad.any()
+        else:
+            assert rel(a.grad, r.grad) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_flash_attention_is_dense_softmax(impl):
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 130, 32, generator=g) for _ in range(3))

@@ -1,0 +1,138 @@
+"""Interleaved A/B of the sparse attentions (LLSA, VSA, SLA): another commit's kernel library against the installed
+one, in one process.
+
+Separate benchmark processes with Triton autotuning differ by up to 20% on the H200 for the same kernels (the
+timing-picked launch configuration and the card's state change between runs), more than a typical kernel change.
+This script loads both libraries side by side (``kernel_ab.load_kernels_as``), alternates them for ``--rounds`` rounds
+on the same inputs, and reports the median of the rounds' ``do_bench`` medians and their spread. Run it with
+``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration.
+
+    git archive HEAD~1 kernels | tar -x -C /tmp/base
+    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels
+    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --cases vsa:256 sla:256
+    python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
+
+A case is ``METHOD:SIDE[:X]`` (tokens = SIDE², blocks of 16, head_dim 64): ``llsa:256:2`` is LLSA with K = 8 and
+L = 2; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles and the K of ``bench_attention.py``'s
+VSA/SLA rows (``--baseline-topk``), or ``vsa:256:64`` for K = 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from kernel_ab import load_kernels_as
+
+import pixdit.kernels as current
+from pixdit.report import markdown_table
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels-from", required=True, metavar="DIR", help="the other commit's kernels/ folder")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=["llsa:128:2", "llsa:256:2", "llsa:256:3", "llsa:512:2"],
+        help="METHOD:SIDE[:X]: llsa:SIDE:LEVELS, vsa:SIDE[:K], sla:SIDE[:K]",
+    )
+    p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="CPU check: 32^2 cases, 2 rounds, tiny heads")
+    args = p.parse_args(argv)
+    args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
+    if args.quick:
+        args.tokens_total, args.heads, args.head_dim, args.rounds = 1024, 1, 16, 2
+        args.cases = [parse_case(case) for case in ("llsa:32:1", "vsa:32:2")]
+    return args
+
+
+DEFAULT_K = {64: 8, 128: 20, 256: 32, 512: 32}  # VSA / SLA top-K per image side, as bench_attention.py's rows
+METHODS = ("llsa", "vsa", "sla")
+
+
+def parse_case(case: str) -> tuple[str, int, int]:
+    """``METHOD:SIDE[:X]`` -> (method, side, X): X = levels for LLSA (required), top-K for VSA / SLA."""
+    parts = case.split(":")
+    ok = len(parts) in (2, 3) and parts[0] in METHODS and all(p.isdigit() for p in parts[1:])
+    if not ok or (parts[0] == "llsa" and len(parts) != 3):
+        raise SystemExit(
+            f"--cases {case!r}: expected METHOD:SIDE[:X] with METHOD in {METHODS} (llsa:SIDE:LEVELS, vsa:SIDE[:K], "
+            "sla:SIDE[:K]), e.g. llsa:256:2 or vsa:256"
+        )
+    side = int(parts[1])
+    return parts[0], side, int(parts[2]) if len(parts) == 3 else DEFAULT_K.get(side, 32)
+
+
+def attention_call(lib, method: str, x: int, q, k, v, gate):
+    """The timed call of one library: its output (a tensor to differentiate)."""
+    if method == "llsa":
+        return lib.llsa_attention(q, k, v, block_size=16, topk=8, num_levels=x)
+    if method == "vsa":
+        return lib.vsa_attention(q, k, v, block_size=16, topk=x, gate=gate)
+    return sum(lib.sla_attention(q, k, v, block_size=16, topk=x))
+
+
+def timer(args):
+    if args.device.startswith("cuda"):
+        import triton.testing
+
+        return lambda fn, rep: triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    import time
+
+    def wall_ms(fn, rep):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall_ms
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    base = load_kernels_as(args.kernels_from, "pixdit_kernels_base")
+    time_ms = timer(args)
+    times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]
+    for round_ in range(args.rounds):
+        for case in args.cases:
+            method, side, x = case
+            n = side * side
+            g = torch.Generator(device=args.device).manual_seed(round_)
+            shape = (max(1, args.tokens_total // n), args.heads, n, args.head_dim)
+            dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+            q, k, v = (
+                torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)
+            )
+            do, gate = torch.randn_like(q), torch.randn(shape, device=args.device, dtype=dtype, generator=g)
+            for version, lib in (("before", base), ("after", current)):
+
+                def forward(lib=lib):
+                    return attention_call(lib, method, x, q, k, v, gate)
+
+                def forward_backward(forward=forward):
+                    return torch.autograd.grad(forward(), (q, k, v), do)
+
+                entry = (time_ms(forward, 100), time_ms(forward_backward, 200))
+                times.setdefault((case, version), []).append(entry)
+    rows = []
+    for case in args.cases:
+        method, side, x = case
+        row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}"}
+        for i, what in enumerate(("fwd", "fwd+bwd")):
+            before = statistics.median(t[i] for t in times[(case, "before")])
+            after = statistics.median(t[i] for t in times[(case, "after")])
+            spread = [t[i] for t in times[(case, "before")] + times[(case, "after")]]
+            row |= {f"before {what} ms": before, f"after {what} ms": after, f"{what} speed-up": before / after}
+            row[f"{what} spread ms"] = f"{min(spread):.3f}-{max(spread):.3f}"
+        rows.append(row)
+    print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
