@@ -135,7 +135,7 @@ class _VSATriton(torch.autograd.Function):
     ``[b, h, T, d]`` in the input dtype. Its backward runs the coarse (pooled) pass first and hands the pooled
     tokens' fp32 gradients to the fine pass's dq and dk/dv kernels, which add each tile's ``g / count`` in their
     epilogues: without this node autograd would broadcast three pooled gradients to token size and add them to the
-    fine gradients, six extra full-size passes (~0.65 ms at 65,536 tokens x 12 heads on an H200)."""
+    fine gradients, six extra full-size passes (docs/kernel_notes.md v12)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lists, block_size, scale, q_pool, k_pool, v_pool):
