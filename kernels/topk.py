@@ -183,9 +183,11 @@ def _order_key(s):
 def _candidate_keys(s_row, ids_at, j, j_ok, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.constexpr):
     """The keys of compacted candidates ``j``: from the scratch row, or read back from the score row by id."""
     if KEYS_IN_SCRATCH:
-        return tl.load(ids_at + CAP + j, mask=j_ok, other=-2147483648)
-    ids = tl.load(ids_at + j, mask=j_ok, other=0)
-    return tl.where(j_ok, _order_key(tl.load(s_row + ids, mask=j_ok, other=0.0)), -2147483648)
+        keys = tl.load(ids_at + CAP + j, mask=j_ok, other=-2147483648)
+    else:
+        ids = tl.load(ids_at + j, mask=j_ok, other=0)
+        keys = tl.where(j_ok, _order_key(tl.load(s_row + ids, mask=j_ok, other=0.0)), -2147483648)
+    return keys
 
 
 @triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, CAP)
