@@ -13,8 +13,9 @@ forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine
 levels: 64-row tiles over the bank, the coarsest level as a dense tail), for each number of warps and pipeline
 stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
-the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. The Triton here may be
-newer than the GPU machine's: register counts can differ by a few between versions.
+the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend
+on the Triton version (the two-pass row kernel: 216 with Triton 3.8, 141 with 3.6, the same source), so for a
+decision run it with the GPU machine's version, e.g. ``pip install triton==3.6.0`` in a side environment.
 """
 
 from __future__ import annotations
