@@ -156,3 +156,15 @@ def test_gpu_deterministic_bitwise(scope, feature_map, mark):
     b = _run(q, k, v, up_s, up_l, **kwargs)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_under_autocast_at_the_two_pass_size(mark):
+    # 4,096 blocks (256^2 tokens): the two-pass selection under a training step's autocast keeps fp32 scores
+    q, k, v, up_s, up_l = _inputs(1, 2, 65536, 64, torch.float32, "cuda", seed=6)
+    want = sla_select(q, k, block_size=16, topk=32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = sla_select(q, k, block_size=16, topk=32)
+        grads = _run(q, k, v, up_s, up_l, block_size=16, topk=32)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.isfinite(x).all() for x in grads)

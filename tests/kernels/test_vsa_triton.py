@@ -88,3 +88,19 @@ def test_gpu_deterministic_bitwise(mark):
     b = _run(q, k, v, gate, upstream.detach(), block_size=16, topk=20)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_under_autocast_at_the_two_pass_size(mark):
+    # 4,096 tiles (256^2 tokens): the selection takes the two-pass route, whose scores must stay fp32 under a training
+    # step's autocast; fp32 inputs are pooled in fp32 and then attended in bf16
+    q, k, v, gate, upstream = _inputs(1, 2, 65536, 64, torch.float32, "cuda", seed=5)
+    want_idx = vsa_select(q, k, block_size=16, topk=32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.equal(vsa_select(q, k, block_size=16, topk=32), want_idx)
+        got = _run(q, k, v, gate, upstream.detach(), block_size=16, topk=32)
+    same = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v, gate)]
+    want = _run(*same, upstream.detach().to(torch.bfloat16), block_size=16, tile_idx=want_idx)
+    for name, a, r in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, r) < TOL[torch.bfloat16], (name, _rel(a, r))
