@@ -180,14 +180,15 @@ def _order_key(s):
 
 
 @triton.jit
-def _candidate_keys(s_row, ids_at, j, j_ok, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.constexpr):
-    """The keys of compacted candidates ``j``: from the scratch row, or read back from the score row by id."""
+def _candidates(s_row, ids_at, j, j_ok, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.constexpr):
+    """Ids and keys of the compacted candidates ``j``: keys from the scratch row, or read back from the score row by
+    id (a caller that uses only the keys leaves the id load dead, and the compiler drops it)."""
+    ids = tl.load(ids_at + j, mask=j_ok, other=0)
     if KEYS_IN_SCRATCH:
         keys = tl.load(ids_at + CAP + j, mask=j_ok, other=-2147483648)
     else:
-        ids = tl.load(ids_at + j, mask=j_ok, other=0)
         keys = tl.where(j_ok, _order_key(tl.load(s_row + ids, mask=j_ok, other=0.0)), -2147483648)
-    return keys
+    return ids, keys
 
 
 @triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, CAP)
@@ -246,13 +247,12 @@ def _row_topk_kernel(
     tl.debug_barrier()
     i = tl.arange(0, CAP)
     i_ok = i < n_cand
-    id_i = tl.load(ids_at + i, mask=i_ok, other=0)
-    key_i = _candidate_keys(s_row, ids_at, i, i_ok, CAP, KEYS_IN_SCRATCH)
+    id_i, key_i = _candidates(s_row, ids_at, i, i_ok, CAP, KEYS_IN_SCRATCH)
     place = tl.zeros([CAP], tl.int32)  # how many candidates come first: higher score, or equal and smaller id
     for c in tl.static_range(0, CAP, 32):  # [CAP, 32] at a time: the full square costs registers
         j = c + tl.arange(0, 32)
         j_ok = j < n_cand
-        key_j = _candidate_keys(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
+        _, key_j = _candidates(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
         first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None]))
         place += tl.sum((first & j_ok[None, :]).to(tl.int32), 1)
     tl.store(out_row + place, id_i, mask=i_ok & (place < k))
