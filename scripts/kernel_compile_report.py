@@ -161,13 +161,13 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, HAS_INIT=has_init)
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
-    def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args, has_add=False):
+    def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32")
         args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", ADD_Q="*fp32", stride_kb=n_k * d, stride_kn=d)
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
         args |= dict(qk_scale=0.18, sm_scale=0.125, **strides, **tail_args)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
-        const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=has_add, EVEN_K=True, N_SUB=1)
+        const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
