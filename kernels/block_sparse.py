@@ -242,6 +242,16 @@ def contiguous_dq_step(
 
 
 @triton.jit
+def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, PREC: tl.constexpr):
+    """One dq step over gathered key rows ``k``, ``v`` with their base-2 logits ``s`` (bias included); ``ok`` masks
+    missing keys and padded query rows."""
+    p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+
+
+@triton.jit
 def _dq_kernel(
     Q,
     K,
@@ -324,11 +334,7 @@ def _dq_kernel(
             if HAS_LOGW:
                 w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                 s += w[None, :] * 1.4426950408889634
-            p = tl.math.exp2(s - lse2[:, None])
-            p = tl.where(k_ok[None, :] & row_ok[:, None], p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
         toff = tl.arange(0, TAIL_STEP)
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):

@@ -13,25 +13,24 @@ Two forms:
 
 * ``linear_attention_torch`` (CPU, exact): per-block ``h_j = phi(K_j)^T V_j`` summed over the kept blocks with a
   ``[T, T]`` block mask (direct sums, no cancellation; ``O(T^2 D^2)``, fine at CPU sizes).
-* ``linear_attention_triton`` (CUDA; CPU under ``TRITON_INTERPRET=1``): one autograd Function, ``global sums -
-  excluded part``, five Triton launches (plus the small partial-sum reductions and the CSC sort) and no ``[N, D]``
-  fp32 intermediates. ``linear_scope="all"`` skips the list walks (no excluded part, ``+1e-5`` instead of the
-  empty-row rule).
+* Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``, no ``[N, D]`` fp32
+  intermediates. The list walks run inside SLA's fused kernels (``sla_triton.py``), which walk the critical lists
+  once for both branches; this module holds the linear branch's pieces. ``linear_scope="all"`` skips the walks (no
+  excluded part, ``+1e-5`` instead of the empty-row rule).
 
-  forward  1. ``_feature_sums_kernel``: ``phi(k)`` (stored once, input dtype) and per chunk of 1024 keys the partial
-              ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; the partials are added by ``torch.sum`` (fixed
-              order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-           2. ``_fwd_kernel``, one program per query block: ``phi(q)`` in registers (fp32 math, one rounding to the
-              input dtype, stored for the backward walk), the global term ``phi(q) . [KV_total | Z_total]``, minus
-              the excluded part ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two
-              tensor-core dots per block, like the sparse branch without exponentials), the empty-row rule, and
-              ``o_linear`` stored in the input dtype with fp32 ``1/den`` per row (0 for an empty row).
-  backward 3. ``_dq_kernel`` (query-major, same list walk): ``delta_t = dO_t . o_t``, ``dphi(q)`` and ``dq`` through
-              phi's Jacobian in registers.
-           4. ``_feature_sums_kernel`` again: the gradients of the two global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and
-              ``sum phi(q_t) (-delta_t/den_t)``, by chunks as in 1.
-           5. ``_dk_dv_kernel`` (key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the global
-              terms minus the excluded ones, ``dk`` through phi's Jacobian. One writer per gradient row.
+  * ``_feature_sums_kernel`` (``feature_sums``): forward, ``phi(k)`` (stored once, input dtype) and per chunk of
+    1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
+    global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
+    ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
+  * query-major steps for the fused forward and dq: ``phi_rows`` (``phi(q)`` in registers, fp32 math, one rounding
+    to the input dtype), ``excluded_fwd_step`` (``sum_{u in E(i)} w_tu (v_u, 1)``: two tensor-core dots per step,
+    like the sparse branch without exponentials), ``linear_output`` (the global term ``phi(q) . [KV_total |
+    Z_total]`` minus the excluded part, the empty-row rule, fp32 ``1/den`` per row, 0 for an empty row),
+    ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through phi's Jacobian,
+    ``phi_rows_backward``).
+  * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
+    global terms minus the excluded ones, ``dk`` through phi's Jacobian, plus the sparse branch's dk, dv added in
+    its epilogue. One writer per gradient row.
 
   The lists are the same ``K`` (+ negligible) blocks as the sparse branch, so the cost is ``O(N * K * block * D)``,
   the same order as the sparse branch, instead of the ``O(T * K * D^2)`` reads of materialised ``h_j`` blocks (4x
@@ -55,7 +54,6 @@ import triton
 import triton.language as tl
 
 from .block_sparse import list_walk_start, listed_key_rows
-from .blocks import csr_to_csc
 from .common import AUTOTUNE, autotuned, pad_to_blocks
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
@@ -125,7 +123,7 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 
 
 @triton.jit
-def _phi(x, row_ok, FEATURE: tl.constexpr):
+def phi_rows(x, row_ok, FEATURE: tl.constexpr):
     """The feature map along the last axis of an fp32 ``[rows, D]`` tile; rows with ``row_ok`` false give 0
     (the masked tail of a partial block: softmax would give 1/D there)."""
     if FEATURE == "softmax":
@@ -139,7 +137,7 @@ def _phi(x, row_ok, FEATURE: tl.constexpr):
 
 
 @triton.jit
-def _phi_backward(x, a, da, FEATURE: tl.constexpr):
+def phi_rows_backward(x, a, da, FEATURE: tl.constexpr):
     """``d/dx`` of the feature map applied to the gradient ``da``, given ``a = phi(x)`` (fp32, unrounded)."""
     if FEATURE == "softmax":
         dx = a * (da - tl.sum(da * a, 1)[:, None])
@@ -193,13 +191,73 @@ def _feature_sums_kernel(
             total += tl.sum(at * (-delta * inv_den)[None, :], 1)
         else:
             x = tl.load(X + base + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-            a = _phi(x.to(tl.float32), ok, FEATURE).to(x.dtype)  # one rounding, stored for the walks
+            a = phi_rows(x.to(tl.float32), ok, FEATURE).to(x.dtype)  # one rounding, stored for the walks
             tl.store(PHI + base + rows[:, None] * HEAD_DIM + dims[None, :], a, mask=ok[:, None])
             outer += tl.dot(tl.trans(a), y, input_precision=PREC)
             total += tl.sum(a.to(tl.float32), 0)
     part = bh * tl.num_programs(0) + c
     tl.store(OUTER + part * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :], outer)
     tl.store(TOTAL + part * HEAD_DIM + dims, total)
+
+
+@triton.jit
+def excluded_fwd_step(a, b, v, num, den, PREC: tl.constexpr):
+    """One step of the forward's excluded part: ``w = phi(q) phi(k)^T`` over the step's keys (``b`` = phi(k), 0 on
+    missing keys), ``num += w v`` and ``den += rowsum(w)``."""
+    w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [rows, keys of the step]
+    return num + tl.dot(w.to(v.dtype), v, input_precision=PREC), den + tl.sum(w, 1)
+
+
+@triton.jit
+def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
+    """One step of dq's excluded part: ``acc += (dO v^T - delta) phi(k)`` over the step's keys."""
+    dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]
+    # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
+    dw = tl.where(k_ok[None, :], dw, 0.0)
+    return acc + tl.dot(dw.to(b.dtype), b, input_precision=PREC)
+
+
+@triton.jit
+def linear_output(
+    a,
+    num_excluded,
+    den_excluded,
+    KV_TOTAL,
+    Z_TOTAL,
+    bh,
+    all_scope_eps,
+    empty_row_rel_eps,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``(o_linear, 1/den)`` of a query tile from ``a = phi(q)`` (input dtype) and its excluded sums: the global term
+    ``phi(q) . [KV_total | Z_total]`` minus the excluded part, with the empty-row rule (output 0, ``1/den = 0``,
+    which zeroes every gradient of the row) or, without exclusion, ``+ all_scope_eps`` in the denominator."""
+    d: tl.constexpr = a.shape[1]
+    dims = tl.arange(0, d)
+    af = a.to(tl.float32)
+    kv_total = tl.load(KV_TOTAL + bh * d * d + dims[:, None] * d + dims[None, :])
+    z_total = tl.load(Z_TOTAL + bh * d + dims)
+    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
+    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
+    if EXCLUDE:
+        num -= num_excluded
+        remaining = den - den_excluded
+        keep = remaining > empty_row_rel_eps * den
+        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
+    else:
+        inv_den = 1.0 / (den + all_scope_eps)
+    return num * inv_den[:, None], inv_den
+
+
+@triton.jit
+def linear_dphi(do, delta, KV_TOTAL, Z_TOTAL, bh, PREC: tl.constexpr):
+    """The global part of ``d phi(q)`` (times den): ``dO KV_total^T - delta Z_total``, with ``delta = dO . o``."""
+    d: tl.constexpr = do.shape[1]
+    dims = tl.arange(0, d)
+    kv_total_t = tl.load(KV_TOTAL + bh * d * d + dims[None, :] * d + dims[:, None])  # [j, i]
+    z_total = tl.load(Z_TOTAL + bh * d + dims)
+    return tl.dot(do.to(tl.float32), kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
 
 
 @triton.jit
@@ -226,6 +284,7 @@ def _fwd_kernel(
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    # One program per query block: phi(q), the global term minus the excluded blocks' part (linear_output).
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -234,94 +293,22 @@ def _fwd_kernel(
     base = bh * n * HEAD_DIM
     tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
     x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
-    a = _phi(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)  # phi(q) in the input dtype (one rounding)
+    a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)  # phi(q) in the input dtype (one rounding)
     tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])  # for the key-major backward walk
-    af = a.to(tl.float32)
-    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
-    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
-    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
-    if EXCLUDE:  # minus sum_{u in E(i)} w_tu (v_u, 1)
-        num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        den_excluded = tl.zeros([BLOCK], tl.float32)
+    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    den_excluded = tl.zeros([BLOCK], tl.float32)
+    if EXCLUDE:
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            _, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
-            den_excluded += tl.sum(w, 1)
-            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
-        num -= num_excluded
-        remaining = den - den_excluded
-        # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
-        keep = remaining > empty_row_rel_eps * den
-        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
-    else:
-        inv_den = 1.0 / (den + all_scope_eps)
-    o = num * inv_den[:, None]
+            num_excluded, den_excluded = excluded_fwd_step(a, b, v, num_excluded, den_excluded, PREC)
+    o, inv_den = linear_output(
+        a, num_excluded, den_excluded, KV_TOTAL, Z_TOTAL, bh, all_scope_eps, empty_row_rel_eps, EXCLUDE, PREC
+    )
     tl.store(O + tile_offsets, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
-
-
-@triton.jit
-def _dq_kernel(
-    Q,
-    PHI_K,
-    V,
-    O,
-    DO,
-    KV_TOTAL,
-    Z_TOTAL,
-    INV_DEN,
-    DELTA,
-    DQ,
-    LIST,
-    stride_lb,
-    stride_lt,
-    n,
-    list_len,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    FEATURE: tl.constexpr,
-    EXCLUDE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # with delta_t = dO_t . o_t and L(t) the linear set of row t:
-    #   dphi(q_t) = (sum_{u in L(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
-    #             = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < n
-    dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM
-    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
-    do = tl.load(DO + tile_offsets, mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + tile_offsets, mask=row_ok[:, None], other=0.0)
-    inv_den = tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(DELTA + bh * n + rows, delta, mask=row_ok)
-    kv_total_t = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[None, :] * HEAD_DIM + dims[:, None])  # [j, i]
-    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    dphi = tl.dot(do.to(tl.float32), kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
-    if EXCLUDE:
-        excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
-        for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
-            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]  # [BLOCK, BLOCK * PER_ITER]
-            # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
-            dw = tl.where(k_ok[None, :], dw, 0.0)
-            excluded += tl.dot(dw.to(b.dtype), b, input_precision=PREC)
-        dphi -= excluded
-    dphi = dphi * inv_den[:, None]
-    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    dq = _phi_backward(x, _phi(x, row_ok, FEATURE), dphi, FEATURE)
-    tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -339,6 +326,8 @@ def _dk_dv_kernel(
     DV,
     OFFSETS,
     ROWS,
+    ADD_K,
+    ADD_V,
     stride_ob,
     stride_rb,
     n,
@@ -349,6 +338,7 @@ def _dk_dv_kernel(
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
     SCALED_DTYPE: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
     # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
     # list holds key block j (CSC transpose), the excluded part:
@@ -392,7 +382,10 @@ def _dk_dv_kernel(
             dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)
             dv -= tl.dot(wt.to(SCALED_DTYPE), do.to(SCALED_DTYPE), input_precision=PREC)
     xk = xk.to(tl.float32)
-    dk = _phi_backward(xk, _phi(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at the unrounded phi(k)
+    dk = phi_rows_backward(xk, phi_rows(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at the unrounded phi(k)
+    if HAS_ADD:  # the sparse branch's fp32 dk, dv of the same keys: one rounding of the sum, no extra pass
+        dk += tl.load(ADD_K + key_offsets, mask=k_ok[:, None], other=0.0)
+        dv += tl.load(ADD_V + key_offsets, mask=k_ok[:, None], other=0.0)
     tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -401,7 +394,7 @@ SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per h
 SUM_TILE = 64
 
 
-def _feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
+def feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
     """Deterministic chunked sums in fp32. Forward (x = k, y = v): ``(phi(k), sum phi(k)^T v [BH, D, D],
     sum phi(k) [BH, D])``. Backward (x = phi(q), y = dO, per-row ``1/den`` and ``delta``): the gradients of the two
     global sums, ``(None, sum (phi(q)/den)^T dO, sum phi(q) (-delta/den))``."""
@@ -427,130 +420,104 @@ def _feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
         FEATURE=feature_map_name,
         BACKWARD=backward,
         PREC=prec,
-        num_warps=_num_warps(d),
+        num_warps=num_warps(d),
     )
     return phi, outer.sum(1), total.sum(1)
 
 
-def _num_warps(head_dim: int) -> int:
+def num_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
-# The three list-walking kernels are autotuned on the GPU (common.AUTOTUNE), like the block-sparse ones; otherwise
-# launched with _num_warps(head_dim) and Triton's default stages.
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
-_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
-_fwd = autotuned(_fwd_kernel, _KEYS, _CONFIGS)
-_dq = autotuned(_dq_kernel, _KEYS, _CONFIGS)
-_dk_dv = autotuned(_dk_dv_kernel, _KEYS, _CONFIGS)
+# The list-walking kernels (this one and SLA's fused forward and dq, sla_triton.py) are autotuned on the GPU
+# (common.AUTOTUNE), like the block-sparse ones; otherwise launched with num_warps(head_dim) and Triton's default
+# stages.
+WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
+_fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
+_dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
 
 
-def _walk_launch(head_dim: int) -> dict:
-    return {} if AUTOTUNE else {"num_warps": _num_warps(head_dim)}
+def walk_launch(head_dim: int) -> dict:
+    """Launch options of a list-walking kernel: none when autotuned, else the warps for ``head_dim``."""
+    return {} if AUTOTUNE else {"num_warps": num_warps(head_dim)}
 
 
-class _LinearAttention(torch.autograd.Function):
-    """``(q, k, v, lists) -> o_linear`` in the input dtype; inputs ``[BH, N, D]`` contiguous, one dtype; ``lists``
-    int32 ``[BH, T, E]`` (distinct ids per row) of the excluded key blocks, or None for ``linear_scope="all"``.
-    Saved for backward: the inputs, ``phi(q)``, ``phi(k)`` and ``o`` (input dtype), fp32 ``1/den`` per row and
-    the two fp32 global sums."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lists, block_size, feature_map_name):
-        bh, n, d = q.shape
-        t = triton.cdiv(n, block_size)
-        per_iter, prec = _launch_cfg(block_size, q.dtype)
-        exclude = lists is not None
-        phi_k, kv_total, z_total = _feature_sums(k, v, feature_map_name, prec)
-        phi_q, o = torch.empty_like(q), torch.empty_like(q)
-        inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
-        list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _fwd[(t, bh)](
-            q,
-            phi_k,
-            v,
-            kv_total,
-            z_total,
-            phi_q,
-            o,
-            inv_den,
-            *list_args,
-            ALL_SCOPE_EPS,
-            EMPTY_ROW_REL_EPS,
-            HEAD_DIM=d,
-            BLOCK=block_size,
-            PER_ITER=per_iter,
-            FEATURE=feature_map_name,
-            EXCLUDE=exclude,
-            PREC=prec,
-            **_walk_launch(d),
-        )
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists)
-        ctx.config = (block_size, feature_map_name)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, phi_q, phi_k, o, inv_den, kv_total, z_total, lists = ctx.saved_tensors
-        block_size, feature_map_name = ctx.config
-        bh, n, d = q.shape
-        t = triton.cdiv(n, block_size)
-        per_iter, prec = _launch_cfg(block_size, q.dtype)
-        exclude = lists is not None
-        do = do.to(q.dtype).contiguous()
-        common = dict(
-            HEAD_DIM=d,
-            BLOCK=block_size,
-            PER_ITER=per_iter,
-            FEATURE=feature_map_name,
-            EXCLUDE=exclude,
-            PREC=prec,
-            **_walk_launch(d),
-        )
-        dq = torch.empty_like(q)
-        delta = torch.empty_like(inv_den)
-        list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-        _dq[(t, bh)](q, phi_k, v, o, do, kv_total, z_total, inv_den, delta, dq, *list_args, **common)
-        _, d_kv_total, d_z_total = _feature_sums(phi_q, do, feature_map_name, prec, inv_den, delta)
-        if exclude:
-            offsets, rows = csr_to_csc(lists, t)
-            csc_args = (offsets, rows, offsets.stride(0), rows.stride(0), n)
-        else:
-            csc_args = (inv_den, inv_den, 0, 0, n)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        scaled_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
-        _dk_dv[(t, bh)](
-            phi_q,
-            k,
-            phi_k,
-            v,
-            do,
-            inv_den,
-            delta,
-            d_kv_total,
-            d_z_total,
-            dk,
-            dv,
-            *csc_args,
-            SCALED_DTYPE=scaled_dtype,
-            **common,
-        )
-        return dq, dk, dv, None, None, None
+def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):
+    """The linear branch's forward over flattened ``[BH, N, D]`` inputs: ``(o_linear, phi(q), phi(k), 1/den,
+    KV_total, Z_total)``; ``lists``: int32 ``[BH, T, E]`` excluded blocks per query block, or None (no exclusion)."""
+    bh, n, d = q.shape
+    per_iter, prec = launch_cfg(block_size, q.dtype)
+    phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name, prec)
+    phi_q, o = torch.empty_like(q), torch.empty_like(q)
+    inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
+    exclude = lists is not None
+    list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
+    _fwd[(triton.cdiv(n, block_size), bh)](
+        q,
+        phi_k,
+        v,
+        kv_total,
+        z_total,
+        phi_q,
+        o,
+        inv_den,
+        *list_args,
+        ALL_SCOPE_EPS,
+        EMPTY_ROW_REL_EPS,
+        HEAD_DIM=d,
+        BLOCK=block_size,
+        PER_ITER=per_iter,
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        PREC=prec,
+        **walk_launch(d),
+    )
+    return o, phi_q, phi_k, inv_den, kv_total, z_total
 
 
-def _launch_cfg(block_size: int, dtype: torch.dtype):
-    per_iter = max(1, 64 // block_size)  # >= 64-wide dots for the tensor cores
-    return per_iter, ("ieee" if dtype == torch.float32 else "tf32")
+def linear_dk_dv(
+    phi_q, k, phi_k, v, do, inv_den, delta, lists_csc, d_kv_total, d_z_total, block_size, feature_map_name, add=None
+):
+    """dk, dv of the linear branch (input dtype), key-major over ``lists_csc`` (the CSC of the excluded blocks, or
+    None without exclusion), plus ``add = (dk, dv)`` (fp32, e.g. the sparse branch's) inside the kernel."""
+    bh, n, d = k.shape
+    t = triton.cdiv(n, block_size)
+    per_iter, prec = launch_cfg(block_size, k.dtype)
+    exclude = lists_csc is not None
+    if exclude:
+        offsets, rows = lists_csc
+        csc_args = (offsets, rows, *(add if add is not None else (k, k)), offsets.stride(0), rows.stride(0), n)
+    else:
+        csc_args = (inv_den, inv_den, *(add if add is not None else (k, k)), 0, 0, n)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _dk_dv[(t, bh)](
+        phi_q,
+        k,
+        phi_k,
+        v,
+        do,
+        inv_den,
+        delta,
+        d_kv_total,
+        d_z_total,
+        dk,
+        dv,
+        *csc_args,
+        HEAD_DIM=d,
+        BLOCK=block_size,
+        PER_ITER=per_iter,
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        PREC=prec,
+        SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
+        HAS_ADD=add is not None,
+        **walk_launch(d),
+    )
+    return dk, dv
 
 
-def linear_attention_triton(q, k, v, block_size: int, feature_map_name: str, excluded_idx=None) -> torch.Tensor:
-    """The linear branch ``[B, H, N, D]`` in the input dtype (fused Triton kernels); arguments as
-    ``linear_attention_torch``. Needs ``head_dim`` in {16, 32, 64, 128}."""
-    if feature_map_name not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map_name!r}")
-    b, h, n, d = q.shape
-    flat = [x.reshape(b * h, n, d).contiguous() for x in (q, k, v)]
-    lists = None
-    if excluded_idx is not None:
-        lists = excluded_idx.to(torch.int32).reshape(b * h, excluded_idx.shape[2], -1).contiguous()
-    return _LinearAttention.apply(*flat, lists, block_size, feature_map_name).view(b, h, n, d)
+def launch_cfg(block_size: int, dtype: torch.dtype):
+    """``(blocks per step, dot precision)`` of the list walks: >= 64-wide dots for the tensor cores; tf32 products
+    of the fp32 terms for half inputs (``phi(q)/den`` can leave fp16's range)."""
+    return max(1, 64 // block_size), ("ieee" if dtype == torch.float32 else "tf32")

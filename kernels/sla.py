@@ -27,10 +27,10 @@ K rule: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``topk_ratio`` (
 number of tokens >= 1.
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the
-Triton path: the sparse branch is the shared block-sparse FlashAttention (``block_sparse.py``), the linear branch
-``linear_attention.linear_attention_triton`` (one fused autograd Function: global sums minus a block-sparse pass
-over the excluded blocks, feature maps in-kernel, output in the input dtype), both with deterministic backward
-passes over the CSC transpose of the block lists (no dense mask, no float atomics).
+Triton path (``sla_triton.py``): one autograd Function whose forward and dq kernels walk each query block's critical
+list once for both branches (the block-sparse FlashAttention's online softmax and the linear branch's "global sums
+minus the excluded blocks", ``linear_attention.py``), with deterministic key-major dk/dv passes over the CSC
+transpose of the lists (no dense mask, no float atomics).
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py tests/kernels/test_sla_triton.py``.
 """
 
@@ -43,6 +43,7 @@ import torch
 from .block_sparse import block_sparse_attention
 from .blocks import block_mean, exact_fp32_matmul
 from .common import (
+    autocast_inputs,
     check_block_size,
     check_qkv,
     check_selection,
@@ -51,7 +52,8 @@ from .common import (
     select_topk_blocks,
     use_triton,
 )
-from .linear_attention import FEATURE_MAPS, linear_attention_torch, linear_attention_triton
+from .linear_attention import FEATURE_MAPS, linear_attention_torch
+from .sla_triton import sla_triton
 
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
@@ -147,12 +149,13 @@ def sla_attention(
         check_selection(critical, q, block_size, "selection[0] (critical)")
         check_selection(negligible, q, block_size, "selection[1] (negligible)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
     c = block_size
-    if triton_path:
-        o_sparse = block_sparse_attention(q, k, v, critical, query_block=c, key_block=c, scale=scale, impl="triton")
-        o_linear = linear_attention_triton(q, k, v, c, feature_map, excluded)
+    if triton_path:  # both branches in one walk per direction (sla_triton.py)
+        o_sparse, o_linear = sla_triton(
+            *autocast_inputs(q, k, v), critical, negligible, c, feature_map, scale, exclude=linear_scope != "all"
+        )
     else:  # exact fp32
+        excluded = None if linear_scope == "all" else torch.cat([critical, negligible], -1)
         o_sparse = block_sparse_attention(
             q.float(), k.float(), v.float(), critical, query_block=c, key_block=c, scale=scale, impl="torch"
         )

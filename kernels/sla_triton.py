@@ -1,0 +1,238 @@
+"""SLA's Triton path: one autograd Function for both branches, whose backward walks the critical lists once.
+
+Both branches walk the same critical lists: the sparse branch attends to the listed key blocks, the linear branch
+subtracts them from its global sums (``linear_attention.py``; with ``linear_scope="marginal"`` it also subtracts
+the negligible blocks, walked after the critical ones, and with ``"all"`` it walks nothing).
+
+  forward  the two branches' own kernels: ``block_sparse.bsa_forward`` (o_sparse, LSE) and
+           ``linear_attention.linear_forward`` (o_linear, 1/den, phi(q), phi(k), the global sums). One kernel for
+           both was measured slower (docs/kernel_notes.md, v13): 130 registers per thread against 64 for the
+           sparse forward cost more resident programs than the shared loads saved.
+  backward ``_sla_dq_kernel``: per step of the walk K, phi(K) and V are loaded once for the sparse dq
+           (``block_sparse.gathered_dq_step``) and the linear one (``linear_attention.excluded_dq_step``); Δ of both
+           branches, dq of both summed in fp32 and rounded once. Then the global sums' gradients
+           (``feature_sums``), the sparse dk/dv (``block_sparse.bsa_backward_dkdv``, fp32) and the linear dk/dv
+           walk (``linear_attention.linear_dk_dv``), which adds the sparse ones in its epilogue, over one CSC
+           transpose of the lists when the excluded blocks are the critical ones. No full-size gradient sums
+           outside the kernels.
+
+Every gradient row has one writer and sums run in a fixed order: bitwise deterministic. The exact PyTorch form of
+both branches stays the oracle (``sla.py``'s ``impl="torch"``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_sparse import (
+    LOG2E,
+    bsa_backward_dkdv,
+    bsa_forward,
+    gathered_dq_step,
+    list_walk_start,
+    listed_key_rows,
+    split_count,
+)
+from .blocks import csr_to_csc
+from .common import autotuned
+from .linear_attention import (
+    WALK_CONFIGS,
+    WALK_KEYS,
+    excluded_dq_step,
+    feature_sums,
+    launch_cfg,
+    linear_dk_dv,
+    linear_dphi,
+    linear_forward,
+    phi_rows,
+    phi_rows_backward,
+    walk_launch,
+)
+
+
+@triton.jit
+def _sla_dq_kernel(
+    Q,
+    K,
+    V,
+    PHI_K,
+    DO_S,
+    O_S,
+    LSE,
+    DELTA_S,
+    DO_L,
+    O_L,
+    INV_DEN,
+    DELTA_L,
+    KV_TOTAL,
+    Z_TOTAL,
+    DQ,
+    LIST,
+    NEG,
+    stride_lb,
+    stride_lt,
+    stride_nb,
+    stride_nt,
+    n,
+    list_len,
+    neg_len,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # sparse: dq_s = scale * sum_u P_tu (dO_t . v_u - Δ_t) k_u over the critical keys (block_sparse._dq_kernel)
+    # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < n
+    dims = tl.arange(0, HEAD_DIM)
+    base = bh * n * HEAD_DIM
+    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+    q = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    do_s = tl.load(DO_S + tile_offsets, mask=row_ok[:, None], other=0.0)
+    o_s = tl.load(O_S + tile_offsets, mask=row_ok[:, None], other=0.0)
+    delta_s = tl.sum(o_s.to(tl.float32) * do_s.to(tl.float32), 1)
+    tl.store(DELTA_S + bh * n + rows, delta_s, mask=row_ok)
+    lse2 = tl.load(LSE + bh * n + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    do_l = tl.load(DO_L + tile_offsets, mask=row_ok[:, None], other=0.0)
+    dq_s = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
+    delta_l = tl.sum(do_l.to(tl.float32) * o_l.to(tl.float32), 1)
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+    for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
+        _, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+        key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        dq_s = gathered_dq_step(s, k, v, do_s, lse2, delta_s, k_ok[None, :] & row_ok[:, None], dq_s, PREC)
+        if EXCLUDE:
+            b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
+            excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
+    if EXCLUDE:  # the negligible blocks ("marginal" scope): the linear branch only
+        koff, slot, neg_base = list_walk_start(NEG, bh, tile, stride_nb, stride_nt, BLOCK, PER_ITER)
+        for j in range(0, neg_len, PER_ITER):
+            _, krow, k_ok = listed_key_rows(neg_base, j, koff, slot, neg_len, n, BLOCK)
+            key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
+            b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
+            excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
+    tl.store(DELTA_L + bh * n + rows, delta_l, mask=row_ok)
+    dphi = linear_dphi(do_l, delta_l, KV_TOTAL, Z_TOTAL, bh, PREC)
+    dphi = (dphi - excluded) * tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)[:, None]
+    x = q.to(tl.float32)
+    dq = dq_s * sm_scale + phi_rows_backward(x, phi_rows(x, row_ok, FEATURE), dphi, FEATURE)
+    tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+_dq = autotuned(_sla_dq_kernel, WALK_KEYS, WALK_CONFIGS)
+
+
+def _list_args(critical: torch.Tensor, negligible: torch.Tensor) -> tuple:
+    return critical, negligible, critical.stride(0), critical.stride(1), negligible.stride(0), negligible.stride(1)
+
+
+class _SLATriton(torch.autograd.Function):
+    """``(q, k, v, critical, negligible) -> (o_sparse, o_linear)`` in the input dtype; q, k, v ``[BH, N, D]``
+    contiguous, one dtype; ``critical`` int32 ``[BH, T, K]``; ``negligible`` int32 ``[BH, T, K_neg]`` (may be empty);
+    ``exclude``: whether the linear branch leaves out the critical and negligible blocks (False: ``"all"`` scope)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude):
+        o_s, lse = bsa_forward(q, k, v, critical, block_size, block_size, scale)
+        excluded = None
+        if exclude:
+            excluded = critical if negligible.shape[2] == 0 else torch.cat([critical, negligible], -1)
+        o_l, phi_q, phi_k, inv_den, kv_total, z_total = linear_forward(q, k, v, excluded, block_size, feature_map_name)
+        ctx.save_for_backward(
+            q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded
+        )
+        ctx.config = (block_size, feature_map_name, scale, exclude)
+        return o_s, o_l
+
+    @staticmethod
+    def backward(ctx, do_s, do_l):
+        saved = ctx.saved_tensors
+        q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded = saved
+        block_size, feature_map_name, scale, exclude = ctx.config
+        bh, n, d = q.shape
+        t = triton.cdiv(n, block_size)
+        per_iter, prec = launch_cfg(block_size, q.dtype)
+        do_s, do_l = do_s.to(q.dtype).contiguous(), do_l.to(q.dtype).contiguous()
+        dq = torch.empty_like(q)
+        delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
+        _dq[(t, bh)](
+            q,
+            k,
+            v,
+            phi_k,
+            do_s,
+            o_s,
+            lse,
+            delta_s,
+            do_l,
+            o_l,
+            inv_den,
+            delta_l,
+            kv_total,
+            z_total,
+            dq,
+            *_list_args(critical, negligible),
+            n,
+            critical.shape[2],
+            negligible.shape[2] if exclude else 0,
+            scale * LOG2E,
+            scale,
+            HEAD_DIM=d,
+            BLOCK=block_size,
+            PER_ITER=per_iter,
+            FEATURE=feature_map_name,
+            EXCLUDE=exclude,
+            PREC=prec,
+            **walk_launch(d),
+        )
+        _, d_kv_total, d_z_total = feature_sums(phi_q, do_l, feature_map_name, prec, inv_den, delta_l)
+        csc = csr_to_csc(critical, t)
+        n_split = split_count(bh * t, critical.shape[2])
+        dk_s, dv_s = bsa_backward_dkdv(
+            q, k, v, do_s, lse, delta_s, csc, block_size, block_size, scale, n_split=n_split
+        )  # fp32
+        excluded_csc = None
+        if exclude:
+            excluded_csc = csc if excluded is critical else csr_to_csc(excluded, t)
+        dk, dv = linear_dk_dv(
+            phi_q,
+            k,
+            phi_k,
+            v,
+            do_l,
+            inv_den,
+            delta_l,
+            excluded_csc,
+            d_kv_total,
+            d_z_total,
+            block_size,
+            feature_map_name,
+            add=(dk_s, dv_s),
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def sla_triton(q, k, v, critical, negligible, block_size: int, feature_map_name: str, scale: float, exclude: bool):
+    """``(o_sparse, o_linear)`` ``[B, H, N, D]`` in the input dtype: both SLA branches through the fused kernels.
+    ``critical`` / ``negligible``: int ``[B, H, T, K]`` / ``[B, H, T, K_neg]`` from ``sla_select``; ``exclude``:
+    False for ``linear_scope="all"`` (the linear branch over every key)."""
+    b, h, n, d = q.shape
+    q, k, v = (x.reshape(b * h, n, d).contiguous() for x in (q, k, v))
+    lists = [x.to(torch.int32).reshape(b * h, x.shape[2], x.shape[3]).contiguous() for x in (critical, negligible)]
+    o_s, o_l = _SLATriton.apply(q, k, v, *lists, block_size, feature_map_name, scale, exclude)
+    return o_s.view(b, h, n, d), o_l.view(b, h, n, d)
