@@ -14,20 +14,20 @@ Two forms:
 * ``linear_attention_torch`` (CPU, exact): per-block ``h_j = phi(K_j)^T V_j`` summed over the kept blocks with a
   ``[T, T]`` block mask (direct sums, no cancellation; ``O(T^2 D^2)``, fine at CPU sizes).
 * Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``, no ``[N, D]`` fp32
-  intermediates. The list walks run inside SLA's fused kernels (``sla_triton.py``), which walk the critical lists
-  once for both branches; this module holds the linear branch's pieces. ``linear_scope="all"`` skips the walks (no
-  excluded part, ``+1e-5`` instead of the empty-row rule).
+  intermediates; SLA's autograd Function (``sla_triton.py``) runs these pieces and walks the critical lists once for
+  both branches in its dq kernel. ``linear_scope="all"`` skips the walks (no excluded part, ``+1e-5`` instead of
+  the empty-row rule).
 
   * ``_feature_sums_kernel`` (``feature_sums``): forward, ``phi(k)`` (stored once, input dtype) and per chunk of
     1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
     global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
     ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-  * query-major steps for the fused forward and dq: ``phi_rows`` (``phi(q)`` in registers, fp32 math, one rounding
-    to the input dtype), ``excluded_fwd_step`` (``sum_{u in E(i)} w_tu (v_u, 1)``: two tensor-core dots per step,
-    like the sparse branch without exponentials), ``linear_output`` (the global term ``phi(q) . [KV_total |
-    Z_total]`` minus the excluded part, the empty-row rule, fp32 ``1/den`` per row, 0 for an empty row),
-    ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through phi's Jacobian,
-    ``phi_rows_backward``).
+  * ``_fwd_kernel`` (``linear_forward``), one program per query block: ``phi_rows`` (``phi(q)`` in registers, fp32
+    math, one rounding to the input dtype), ``excluded_fwd_step`` (``sum_{u in E(i)} w_tu (v_u, 1)``: two
+    tensor-core dots per step, like the sparse branch without exponentials), ``linear_output`` (the global term
+    ``phi(q) . [KV_total | Z_total]`` minus the excluded part, the empty-row rule, fp32 ``1/den`` per row, 0 for an
+    empty row). For SLA's dq kernel: ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through
+    phi's Jacobian, ``phi_rows_backward``).
   * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
     global terms minus the excluded ones, ``dk`` through phi's Jacobian, plus the sparse branch's dk, dv added in
     its epilogue. One writer per gradient row.
@@ -420,18 +420,17 @@ def feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
         FEATURE=feature_map_name,
         BACKWARD=backward,
         PREC=prec,
-        num_warps=num_warps(d),
+        num_warps=walk_warps(d),
     )
     return phi, outer.sum(1), total.sum(1)
 
 
-def num_warps(head_dim: int) -> int:
+def walk_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
-# The list-walking kernels (this one and SLA's fused forward and dq, sla_triton.py) are autotuned on the GPU
-# (common.AUTOTUNE), like the block-sparse ones; otherwise launched with num_warps(head_dim) and Triton's default
-# stages.
+# The list-walking kernels (these two and SLA's dq kernel, sla_triton.py) are autotuned on the GPU (common.AUTOTUNE),
+# like the block-sparse ones; otherwise launched with walk_warps(head_dim) and Triton's default stages.
 WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
 _fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
@@ -440,7 +439,7 @@ _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
 
 def walk_launch(head_dim: int) -> dict:
     """Launch options of a list-walking kernel: none when autotuned, else the warps for ``head_dim``."""
-    return {} if AUTOTUNE else {"num_warps": num_warps(head_dim)}
+    return {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
 
 
 def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):

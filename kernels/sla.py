@@ -27,9 +27,9 @@ K rule: exactly one of ``topk`` (int >= 1, clamped to ``T``) or ``topk_ratio`` (
 number of tokens >= 1.
 
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, outputs in the input dtype); CUDA tensors the
-Triton path (``sla_triton.py``): one autograd Function whose forward and dq kernels walk each query block's critical
-list once for both branches (the block-sparse FlashAttention's online softmax and the linear branch's "global sums
-minus the excluded blocks", ``linear_attention.py``), with deterministic key-major dk/dv passes over the CSC
+Triton path (``sla_triton.py``): one autograd Function over the block-sparse FlashAttention (``block_sparse.py``)
+and the linear branch's "global sums minus the excluded blocks" (``linear_attention.py``), whose dq kernel walks each
+query block's critical list once for both branches, with deterministic key-major dk/dv passes over the CSC
 transpose of the lists (no dense mask, no float atomics).
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_sla.py tests/kernels/test_sla_triton.py``.
 """
@@ -150,7 +150,7 @@ def sla_attention(
         check_selection(negligible, q, block_size, "selection[1] (negligible)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     c = block_size
-    if triton_path:  # both branches in one walk per direction (sla_triton.py)
+    if triton_path:  # both branches in one autograd Function (sla_triton.py)
         o_sparse, o_linear = sla_triton(
             *autocast_inputs(q, k, v), critical, negligible, c, feature_map, scale, exclude=linear_scope != "all"
         )
