@@ -504,7 +504,9 @@ def flatten_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return kf, vf
 
 
-def _prec(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the kernels' dots: exact fp32 for fp32 inputs, tf32 for the fp32 operands of half
+    inputs (their own dots run on the tensor cores whatever this says)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -513,7 +515,7 @@ def _bstride(x: torch.Tensor) -> int:
     return x.stride(0) if x.shape[0] > 1 else 0
 
 
-def _per_iter(block: int) -> int:
+def blocks_per_step(block: int) -> int:
     """Blocks gathered per step: small blocks are gathered until a step has 64 rows."""
     return max(1, 64 // block)
 
@@ -552,7 +554,7 @@ def bsa_forward(
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
     o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
-    per_iter = _per_iter(key_block)
+    per_iter = blocks_per_step(key_block)
     o_init, lse_init = init if init is not None else (o, lse)
     _fwd[(n_tiles, BH)](
         q,
@@ -583,7 +585,7 @@ def bsa_forward(
         HAS_LOGW=log_weights is not None,
         HAS_INIT=init is not None,
         **_tail_args(dense_tail, n_k),
-        PREC=_prec(q.dtype),
+        PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
         **_LAUNCH,
@@ -618,7 +620,7 @@ def bsa_backward_dq(
     accumulate = dq is not None
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
-    per_iter = _per_iter(key_block)
+    per_iter = blocks_per_step(key_block)
     _dq[(n_tiles, BH)](
         q,
         k,
@@ -654,7 +656,7 @@ def bsa_backward_dq(
         HAS_ADD=pooled_add is not None,
         **_tail_args(dense_tail, k.shape[1]),
         COMPUTE_DELTA=o is not None,
-        PREC=_prec(q.dtype),
+        PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
         **_LAUNCH,
@@ -703,7 +705,7 @@ def bsa_backward_dkdv(
         return dk, dv
     offsets, rows = csc
     n_groups = triton.cdiv(hi - lo, group)
-    per_iter = _per_iter(query_block)
+    per_iter = blocks_per_step(query_block)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
     if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)
@@ -750,7 +752,7 @@ def bsa_backward_dkdv(
         N_SPLIT=n_split,
         HAS_LOGW=log_weights is not None,
         HAS_ADD=pooled_add is not None,
-        PREC=_prec(q.dtype),
+        PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
         **_LAUNCH,

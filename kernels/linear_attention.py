@@ -22,12 +22,13 @@ Two forms:
     1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
     global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
     ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-  * ``_fwd_kernel`` (``linear_forward``), one program per query block: ``phi_rows`` (``phi(q)`` in registers, fp32
-    math, one rounding to the input dtype), ``excluded_fwd_step`` (``sum_{u in E(i)} w_tu (v_u, 1)``: two
-    tensor-core dots per step, like the sparse branch without exponentials), ``linear_output`` (the global term
-    ``phi(q) . [KV_total | Z_total]`` minus the excluded part, the empty-row rule, fp32 ``1/den`` per row, 0 for an
-    empty row). For SLA's dq kernel: ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through
-    phi's Jacobian, ``phi_rows_backward``).
+  * ``_fwd_kernel`` (``linear_forward``), one program per query block: ``phi(q)`` in registers (fp32 math, one
+    rounding to the input dtype, stored for the backward walk), the global term ``phi(q) . [KV_total | Z_total]``,
+    minus the excluded part ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two
+    tensor-core dots per block, like the sparse branch without exponentials), the empty-row rule, and ``o_linear``
+    stored in the input dtype with fp32 ``1/den`` per row (0 for an empty row).
+  * for SLA's dq kernel: ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through phi's Jacobian,
+    ``phi_rows_backward``).
   * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
     global terms minus the excluded ones, ``dk`` through phi's Jacobian, plus the sparse branch's dk, dv added in
     its epilogue. One writer per gradient row.
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .block_sparse import list_walk_start, listed_key_rows
+from .block_sparse import blocks_per_step, dot_precision, list_walk_start, listed_key_rows
 from .common import AUTOTUNE, autotuned, pad_to_blocks
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
@@ -201,53 +202,12 @@ def _feature_sums_kernel(
 
 
 @triton.jit
-def excluded_fwd_step(a, b, v, num, den, PREC: tl.constexpr):
-    """One step of the forward's excluded part: ``w = phi(q) phi(k)^T`` over the step's keys (``b`` = phi(k), 0 on
-    missing keys), ``num += w v`` and ``den += rowsum(w)``."""
-    w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [rows, keys of the step]
-    return num + tl.dot(w.to(v.dtype), v, input_precision=PREC), den + tl.sum(w, 1)
-
-
-@triton.jit
 def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
     """One step of dq's excluded part: ``acc += (dO v^T - delta) phi(k)`` over the step's keys."""
     dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]
     # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
     dw = tl.where(k_ok[None, :], dw, 0.0)
     return acc + tl.dot(dw.to(b.dtype), b, input_precision=PREC)
-
-
-@triton.jit
-def linear_output(
-    a,
-    num_excluded,
-    den_excluded,
-    KV_TOTAL,
-    Z_TOTAL,
-    bh,
-    all_scope_eps,
-    empty_row_rel_eps,
-    EXCLUDE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """``(o_linear, 1/den)`` of a query tile from ``a = phi(q)`` (input dtype) and its excluded sums: the global term
-    ``phi(q) . [KV_total | Z_total]`` minus the excluded part, with the empty-row rule (output 0, ``1/den = 0``,
-    which zeroes every gradient of the row) or, without exclusion, ``+ all_scope_eps`` in the denominator."""
-    d: tl.constexpr = a.shape[1]
-    dims = tl.arange(0, d)
-    af = a.to(tl.float32)
-    kv_total = tl.load(KV_TOTAL + bh * d * d + dims[:, None] * d + dims[None, :])
-    z_total = tl.load(Z_TOTAL + bh * d + dims)
-    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
-    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
-    if EXCLUDE:
-        num -= num_excluded
-        remaining = den - den_excluded
-        keep = remaining > empty_row_rel_eps * den
-        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
-    else:
-        inv_den = 1.0 / (den + all_scope_eps)
-    return num * inv_den[:, None], inv_den
 
 
 @triton.jit
@@ -284,7 +244,6 @@ def _fwd_kernel(
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    # One program per query block: phi(q), the global term minus the excluded blocks' part (linear_output).
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -295,18 +254,30 @@ def _fwd_kernel(
     x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)  # phi(q) in the input dtype (one rounding)
     tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])  # for the key-major backward walk
-    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    den_excluded = tl.zeros([BLOCK], tl.float32)
-    if EXCLUDE:
+    af = a.to(tl.float32)
+    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
+    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
+    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
+    if EXCLUDE:  # minus sum_{u in E(i)} w_tu (v_u, 1)
+        num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        den_excluded = tl.zeros([BLOCK], tl.float32)
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
         for j in range(0, list_len, PER_ITER):
-            _, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            num_excluded, den_excluded = excluded_fwd_step(a, b, v, num_excluded, den_excluded, PREC)
-    o, inv_den = linear_output(
-        a, num_excluded, den_excluded, KV_TOTAL, Z_TOTAL, bh, all_scope_eps, empty_row_rel_eps, EXCLUDE, PREC
-    )
+            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
+            den_excluded += tl.sum(w, 1)
+            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+        num -= num_excluded
+        remaining = den - den_excluded
+        # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
+        keep = remaining > empty_row_rel_eps * den
+        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
+    else:
+        inv_den = 1.0 / (den + all_scope_eps)
+    o = num * inv_den[:, None]
     tl.store(O + tile_offsets, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
@@ -394,7 +365,7 @@ SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per h
 SUM_TILE = 64
 
 
-def feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
+def feature_sums(x, y, feature_map_name, inv_den=None, delta=None):
     """Deterministic chunked sums in fp32. Forward (x = k, y = v): ``(phi(k), sum phi(k)^T v [BH, D, D],
     sum phi(k) [BH, D])``. Backward (x = phi(q), y = dO, per-row ``1/den`` and ``delta``): the gradients of the two
     global sums, ``(None, sum (phi(q)/den)^T dO, sum phi(q) (-delta/den))``."""
@@ -419,7 +390,7 @@ def feature_sums(x, y, feature_map_name, prec, inv_den=None, delta=None):
         TILE=SUM_TILE,
         FEATURE=feature_map_name,
         BACKWARD=backward,
-        PREC=prec,
+        PREC=dot_precision(x.dtype),
         num_warps=walk_warps(d),
     )
     return phi, outer.sum(1), total.sum(1)
@@ -437,17 +408,27 @@ _fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
 
 
-def walk_launch(head_dim: int) -> dict:
-    """Launch options of a list-walking kernel: none when autotuned, else the warps for ``head_dim``."""
-    return {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
+def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude: bool, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of a list-walking kernel (these two and SLA's dq kernel): >= 64-wide dots for
+    the tensor cores (blocks gathered per step as in the block-sparse kernels); tf32 products of the fp32 terms for
+    half inputs (``phi(q)/den`` can leave fp16's range); fixed warps for ``head_dim`` unless autotuned."""
+    launch = {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK=block_size,
+        PER_ITER=blocks_per_step(block_size),
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        PREC=dot_precision(dtype),
+        **launch,
+    )
 
 
 def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):
     """The linear branch's forward over flattened ``[BH, N, D]`` inputs: ``(o_linear, phi(q), phi(k), 1/den,
     KV_total, Z_total)``; ``lists``: int32 ``[BH, T, E]`` excluded blocks per query block, or None (no exclusion)."""
     bh, n, d = q.shape
-    per_iter, prec = launch_cfg(block_size, q.dtype)
-    phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name, prec)
+    phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name)
     phi_q, o = torch.empty_like(q), torch.empty_like(q)
     inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
     exclude = lists is not None
@@ -464,13 +445,7 @@ def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):
         *list_args,
         ALL_SCOPE_EPS,
         EMPTY_ROW_REL_EPS,
-        HEAD_DIM=d,
-        BLOCK=block_size,
-        PER_ITER=per_iter,
-        FEATURE=feature_map_name,
-        EXCLUDE=exclude,
-        PREC=prec,
-        **walk_launch(d),
+        **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
     )
     return o, phi_q, phi_k, inv_den, kv_total, z_total
 
@@ -481,16 +456,11 @@ def linear_dk_dv(
     """dk, dv of the linear branch (input dtype), key-major over ``lists_csc`` (the CSC of the excluded blocks, or
     None without exclusion), plus ``add = (dk, dv)`` (fp32, e.g. the sparse branch's) inside the kernel."""
     bh, n, d = k.shape
-    t = triton.cdiv(n, block_size)
-    per_iter, prec = launch_cfg(block_size, k.dtype)
     exclude = lists_csc is not None
-    if exclude:
-        offsets, rows = lists_csc
-        csc_args = (offsets, rows, *(add if add is not None else (k, k)), offsets.stride(0), rows.stride(0), n)
-    else:
-        csc_args = (inv_den, inv_den, *(add if add is not None else (k, k)), 0, 0, n)
+    offsets, rows = lists_csc if exclude else (inv_den, inv_den)  # (unused pointers without exclusion)
+    add_k, add_v = add if add is not None else (k, k)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _dk_dv[(t, bh)](
+    _dk_dv[(triton.cdiv(n, block_size), bh)](
         phi_q,
         k,
         phi_k,
@@ -502,21 +472,15 @@ def linear_dk_dv(
         d_z_total,
         dk,
         dv,
-        *csc_args,
-        HEAD_DIM=d,
-        BLOCK=block_size,
-        PER_ITER=per_iter,
-        FEATURE=feature_map_name,
-        EXCLUDE=exclude,
-        PREC=prec,
+        offsets,
+        rows,
+        add_k,
+        add_v,
+        offsets.stride(0) if exclude else 0,
+        rows.stride(0) if exclude else 0,
+        n,
         SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
         HAS_ADD=add is not None,
-        **walk_launch(d),
+        **walk_options(d, block_size, feature_map_name, exclude, k.dtype),
     )
     return dk, dv
-
-
-def launch_cfg(block_size: int, dtype: torch.dtype):
-    """``(blocks per step, dot precision)`` of the list walks: >= 64-wide dots for the tensor cores; tf32 products
-    of the fp32 terms for half inputs (``phi(q)/den`` can leave fp16's range)."""
-    return max(1, 64 // block_size), ("ieee" if dtype == torch.float32 else "tf32")

@@ -42,13 +42,12 @@ from .linear_attention import (
     WALK_KEYS,
     excluded_dq_step,
     feature_sums,
-    launch_cfg,
     linear_dk_dv,
     linear_dphi,
     linear_forward,
     phi_rows,
     phi_rows_backward,
-    walk_launch,
+    walk_options,
 )
 
 
@@ -166,7 +165,6 @@ class _SLATriton(torch.autograd.Function):
         block_size, feature_map_name, scale, exclude = ctx.config
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
-        per_iter, prec = launch_cfg(block_size, q.dtype)
         do_s, do_l = do_s.to(q.dtype).contiguous(), do_l.to(q.dtype).contiguous()
         dq = torch.empty_like(q)
         delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
@@ -192,15 +190,9 @@ class _SLATriton(torch.autograd.Function):
             negligible.shape[2] if exclude else 0,
             scale * LOG2E,
             scale,
-            HEAD_DIM=d,
-            BLOCK=block_size,
-            PER_ITER=per_iter,
-            FEATURE=feature_map_name,
-            EXCLUDE=exclude,
-            PREC=prec,
-            **walk_launch(d),
+            **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
         )
-        _, d_kv_total, d_z_total = feature_sums(phi_q, do_l, feature_map_name, prec, inv_den, delta_l)
+        _, d_kv_total, d_z_total = feature_sums(phi_q, do_l, feature_map_name, inv_den, delta_l)
         csc = csr_to_csc(critical, t)
         n_split = split_count(bh * t, critical.shape[2])
         dk_s, dv_s = bsa_backward_dkdv(
@@ -208,7 +200,7 @@ class _SLATriton(torch.autograd.Function):
         )  # fp32
         excluded_csc = None
         if exclude:
-            excluded_csc = csc if excluded is critical else csr_to_csc(excluded, t)
+            excluded_csc = csc if negligible.shape[2] == 0 else csr_to_csc(excluded, t)
         dk, dv = linear_dk_dv(
             phi_q,
             k,
