@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pixdit.kernels import vsa_attention, vsa_select
 from pixdit.kernels.reference import vsa_reference
+from pixdit.kernels.vsa import _add_coarse
 
 CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
@@ -62,6 +63,44 @@ def test_interpreted_triton_all_tiles_is_full_attention_and_deterministic():
     torch.testing.assert_close(a[0], full.detach(), atol=1e-5, rtol=1e-5)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def _combine_case(b, h, n, d, c, gated, dtype, device, seed=0):
+    """The gated combination ``O_fine + gate * O_coarse`` (tile broadcast) against the same expression in fp64
+    PyTorch: output and the gradients of all three inputs. The gate is a head-split view of a ``[b, n, h, d]``
+    projection (not contiguous), as the model passes it."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = -(-n // c)
+    fine = torch.randn(b, h, n, d, generator=g, device=device).to(dtype).requires_grad_()
+    coarse = torch.randn(b, h, t, d, generator=g, device=device).to(dtype).requires_grad_()
+    gate = torch.randn(b, n, h, d, generator=g, device=device).to(dtype).transpose(1, 2) if gated else None
+    inputs = [fine, coarse] + ([gate.requires_grad_()] if gated else [])
+    upstream = torch.randn(b, h, n, d, generator=g, device=device).to(dtype)
+    out = _add_coarse(fine, coarse, gate, c)
+    got = [out] + list(torch.autograd.grad(out, inputs, upstream))
+    exact = [x.detach().double().requires_grad_() for x in inputs]
+    broadcast = exact[1].repeat_interleave(c, dim=2)[:, :, :n]
+    ref = exact[0] + (broadcast * exact[2] if gated else broadcast)
+    want = [ref] + list(torch.autograd.grad(ref, exact, upstream.double()))
+    for name, a, r in zip(("out", "d_fine", "d_coarse", "d_gate"), got, want):
+        assert a.dtype == dtype and a.shape == r.shape, name
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(a.double(), r, atol=tol, rtol=tol, msg=name)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "n,d,c,gated", [(70, 32, 16, True), (130, 16, 64, True), (64, 64, 32, False), (5, 16, 16, True)]
+)
+def test_interpreted_gated_combination(n, d, c, gated):
+    _combine_case(2, 3, n, d, c, gated, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_gated_combination(dtype, mark):
+    _combine_case(2, 6, 65536 - 7, 64, 16, True, dtype, "cuda")
+    _combine_case(1, 2, 4096, 128, 32, False, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
