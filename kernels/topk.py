@@ -17,7 +17,8 @@ Four paths, one result:
   the fp32 scores of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score
   row per program: a search over the bits of order-preserving int32 keys narrows the k-th largest score down until
   at most ``_row_cap(k)`` keys are at or above its lower bound (on continuous scores after ~10 of the 32 bits);
-  those candidates are compacted and ranked pairwise (score descending, ties -> smaller id). Only when more keys
+  those candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
+  ranked pairwise (score descending, ties -> smaller id). Only when more keys
   tie at the k-th score than that does the search run all 32 bits and a search over the ids pick the smallest.
 * ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``, rows beyond the two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
   16, 32 or 64 slots, the power of two >= k). Chunks come in ascending id order, so a newcomer enters only if it
@@ -193,11 +194,23 @@ def _candidates(s_row, ids_at, j, j_ok, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.c
 
 @triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, CAP)
 def _row_topk_kernel(
-    S, OUT, SCRATCH, n, k, stride_s, stride_o, BLOCK: tl.constexpr, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.constexpr
+    S,
+    OUT,
+    SCRATCH,
+    COUNT,
+    n,
+    k,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    KEYS_IN_SCRATCH: tl.constexpr,
+    ATOMIC_SLOTS: tl.constexpr,
 ):
     """One row of precomputed fp32 scores per program: a bitwise search for the k-th largest score that stops once
-    at most CAP keys are at or above its lower bound; those candidates' ids are compacted (ascending) and ranked
-    pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id)."""
+    at most CAP keys are at or above its lower bound; those candidates' ids are compacted into a scratch row and
+    ranked pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id).
+    ``COUNT``: one zeroed int32 per row, the scratch row's fill counter when ``ATOMIC_SLOTS``."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     valid = offs < n
@@ -234,13 +247,17 @@ def _row_topk_kernel(
         last += 1
     is_cand = valid & ((key > lo) | ((key == lo) & (offs < last)))
     n_cand = tl.where(c_lo > CAP, k, c_lo)
-    # Compaction of the candidates' ids (ascending, so a smaller position means a smaller id). Their keys go into
-    # the scratch too only for short rows (KEYS_IN_SCRATCH): on long rows, scattering both holds two address vectors
-    # (at 4,096 slots 141 registers against 111 with Triton 3.6, 216 against 80 with 3.8), so there the keys are read
-    # back from the score row (just loaded, in cache); on short rows those dependent reads cost more than the
-    # registers save (_row_keys_in_scratch).
+    # Compaction of the candidates' ids: a block-wide prefix sum (ascending, so a smaller position means a smaller
+    # id), or on the longest rows (ATOMIC_SLOTS, _row_atomic_slots) a slot per candidate from the row's counter, in
+    # any order, so that there the ranking breaks ties by id. Their keys go into the scratch too only for short rows
+    # (KEYS_IN_SCRATCH): on long rows, scattering both holds two address vectors (at 4,096 slots 141 registers
+    # against 111 with Triton 3.6, 216 against 80 with 3.8), so there the keys are read back from the score row (just
+    # loaded, in cache); on short rows those dependent reads cost more than the registers save (_row_keys_in_scratch).
     ids_at = SCRATCH + row * (2 * CAP)
-    pos = tl.cumsum(is_cand.to(tl.int32), 0) - 1
+    if ATOMIC_SLOTS:
+        pos = tl.atomic_add(COUNT + row + tl.zeros([BLOCK], tl.int32), 1, mask=is_cand, sem="relaxed")
+    else:
+        pos = tl.cumsum(is_cand.to(tl.int32), 0) - 1
     tl.store(ids_at + pos, offs, mask=is_cand)
     if KEYS_IN_SCRATCH:
         tl.store(ids_at + CAP + pos, key, mask=is_cand)
@@ -252,8 +269,12 @@ def _row_topk_kernel(
     for c in tl.static_range(0, CAP, 32):  # [CAP, 32] at a time: the full square costs registers
         j = c + tl.arange(0, 32)
         j_ok = j < n_cand
-        _, key_j = _candidates(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
-        first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None]))
+        id_j, key_j = _candidates(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
+        if ATOMIC_SLOTS:
+            before = id_j[None, :] < id_i[:, None]
+        else:  # slots in id order (the id loads are dead code here)
+            before = j[None, :] < i[:, None]
+        first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & before)
         place += tl.sum((first & j_ok[None, :]).to(tl.int32), 1)
     tl.store(out_row + place, id_i, mask=i_ok & (place < k))
 
@@ -272,6 +293,13 @@ def _row_keys_in_scratch(block: int) -> bool:
     return block <= 2048
 
 
+def _row_atomic_slots(block: int) -> bool:
+    """Whether a ``_row_topk_kernel`` program of ``block`` slots compacts its candidates through a per-row atomic
+    counter instead of a block-wide prefix sum. Measured on the H200 (counter vs prefix sum, docs/kernel_notes.md
+    v14): 1.30x at 16,384 slots (16 warps), but 0.77-0.96x at 1,024-4,096 slots (4 warps)."""
+    return block > 8192
+
+
 def _row_cap(k: int) -> int:
     """Candidates a ``_row_topk_kernel`` program ranks pairwise (its search stops at this many): twice the power of
     two >= k, at least 32. The ranking costs CAP^2 compares, one more search step halves the candidates; one
@@ -287,10 +315,13 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     block = max(128, triton.next_power_of_2(n))
     cap = _row_cap(k)
     scratch = torch.empty(R, 2 * cap, device=scores.device, dtype=torch.int32)
+    atomic = _row_atomic_slots(block)
+    count = torch.zeros(R, device=scores.device, dtype=torch.int32) if atomic else scratch  # (unused: no fill launch)
     _row_topk_kernel[(R,)](
         scores,
         out,
         scratch,
+        count,
         n,
         k,
         scores.stride(0),
@@ -298,6 +329,7 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
         BLOCK=block,
         CAP=cap,
         KEYS_IN_SCRATCH=_row_keys_in_scratch(block),
+        ATOMIC_SLOTS=atomic,
         num_warps=_row_warps(block),
     )
     return out

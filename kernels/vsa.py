@@ -184,7 +184,7 @@ class _VSATriton(torch.autograd.Function):
 # ------------------------------------------------------------------------------ out = O_fine + gate * O_coarse
 # One Triton pass each way instead of PyTorch's broadcast addcmul, whose backward runs the gate's product, the coarse
 # output's product and the sum over each tile as separate passes; with the gate's gradient (training), measured on the
-# H200 at 256²: 0.46-0.59 ms -> 0.28-0.35 ms per call (docs/kernel_notes.md v14).
+# H200 at 128² and 256²: 0.46-0.59 ms -> 0.24-0.35 ms per call (docs/kernel_notes.md v14).
 _COMBINE_ROWS = 64  # token rows per program (whole tiles: the tile size divides it)
 
 

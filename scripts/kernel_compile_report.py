@@ -57,8 +57,9 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
 def row_select_variant(block: int, k: int) -> tuple:
     """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, the ``CAP`` bucket of
     ``k``."""
-    args = dict(S="*fp32", OUT="*i32", SCRATCH="*i32", n=block, k=k, stride_s=block, stride_o=k)
+    args = dict(S="*fp32", OUT="*i32", SCRATCH="*i32", COUNT="*i32", n=block, k=k, stride_s=block, stride_o=k)
     const = {"BLOCK": block, "CAP": topk._row_cap(k), "KEYS_IN_SCRATCH": topk._row_keys_in_scratch(block)}
+    const["ATOMIC_SLOTS"] = topk._row_atomic_slots(block)
     return topk._row_topk_kernel, args, const, topk._row_warps(block)
 
 
