@@ -1,6 +1,7 @@
 """The selection kernels of ``pixdit.kernels.topk`` against ``blocks.topk_desc`` (descending fp32 score, ties ->
 smaller id) for every k bucket and path; on CPU through the Triton interpreter (tests/kernels/conftest.py), on the
-GPU with ``-m gpu`` (k is a run-time argument: a sweep over k compiles at most one variant per size bucket).
+GPU natively, all of them with ``-m gpu`` (k is a run-time argument: a sweep over k compiles at most one variant per
+size bucket).
 
     .venv/bin/python -m pytest tests/kernels/test_topk.py -q
 """
@@ -13,6 +14,9 @@ import torch
 from pixdit.kernels import topk
 from pixdit.kernels.blocks import exact_fp32_matmul, topk_desc
 
+# Every test here also runs under `pytest -m gpu`: the kernel tests below run natively on CUDA, and there the row
+# kernel's longest rows take their slots from atomics in any order, which only the tie-heavy rows on the GPU check.
+pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_interpreter = pytest.mark.skipif(
