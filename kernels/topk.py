@@ -272,7 +272,7 @@ def _row_topk_kernel(
         id_j, key_j = _candidates(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
         if ATOMIC_SLOTS:
             before = id_j[None, :] < id_i[:, None]
-        else:  # slots in id order (the id loads are dead code here)
+        else:  # slots in id order (id_j unused)
             before = j[None, :] < i[:, None]
         first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & before)
         place += tl.sum((first & j_ok[None, :]).to(tl.int32), 1)
@@ -296,7 +296,7 @@ def _row_keys_in_scratch(block: int) -> bool:
 def _row_atomic_slots(block: int) -> bool:
     """Whether a ``_row_topk_kernel`` program of ``block`` slots compacts its candidates through a per-row atomic
     counter instead of a block-wide prefix sum. Measured on the H200 (counter vs prefix sum, docs/kernel_notes.md
-    v14): 1.30x at 16,384 slots (16 warps), but 0.77-0.96x at 1,024-4,096 slots (4 warps)."""
+    v14): 1.30x at 16,384 slots (16 warps), but 0.69-0.96x at 1,024-4,096 slots (4 warps)."""
     return block > 8192
 
 
