@@ -189,6 +189,29 @@ _COMBINE_ROWS = 64  # token rows per program (whole tiles: the tile size divides
 
 
 @triton.jit
+def _combine_rows(n, D: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ``ROWS`` token rows of one (batch, head): ``(bh, rows, row mask [ROWS, 1], dims, their offsets
+    in a contiguous [BH, n, D] tensor)``."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, D)
+    return bh, rows, (rows < n)[:, None], dims, bh * n * D + rows[:, None] * D + dims[None, :]
+
+
+@triton.jit
+def _coarse_of_rows(COARSE, bh, rows, ok, dims, t, D: tl.constexpr, C: tl.constexpr):
+    """Each row's tile output, gathered from the per-tile ``[BH, t, D]`` rows (the broadcast, never written)."""
+    return tl.load(COARSE + bh * t * D + (rows // C)[:, None] * D + dims[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _gate_of_rows(GATE, bh, rows, ok, dims, heads, stride_gb, stride_gh, stride_gn):
+    """The rows of the gate ``[b, h, n, D]``, any layout with a unit last stride (``_gate_strides``)."""
+    gate_rows = (bh // heads) * stride_gb + (bh % heads) * stride_gh + rows[:, None] * stride_gn
+    return tl.load(GATE + gate_rows + dims[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _combine_fwd_kernel(
     FINE,
     COARSE,
@@ -205,16 +228,11 @@ def _combine_fwd_kernel(
     ROWS: tl.constexpr,
     HAS_GATE: tl.constexpr,
 ):
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    ok = (rows < n)[:, None]
-    dims = tl.arange(0, D)
-    offsets = bh * n * D + rows[:, None] * D + dims[None, :]
-    coarse = tl.load(COARSE + bh * t * D + (rows // C)[:, None] * D + dims[None, :], mask=ok, other=0.0)
+    bh, rows, ok, dims, offsets = _combine_rows(n, D, ROWS)
+    coarse = _coarse_of_rows(COARSE, bh, rows, ok, dims, t, D, C)
     out = tl.load(FINE + offsets, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
-        gate_rows = (bh // heads) * stride_gb + (bh % heads) * stride_gh + rows[:, None] * stride_gn
-        gate = tl.load(GATE + gate_rows + dims[None, :], mask=ok, other=0.0)
+        gate = _gate_of_rows(GATE, bh, rows, ok, dims, heads, stride_gb, stride_gh, stride_gn)
         out += gate.to(tl.float32) * coarse.to(tl.float32)
     else:
         out += coarse.to(tl.float32)
@@ -241,18 +259,13 @@ def _combine_bwd_kernel(
     GATE_GRAD: tl.constexpr,
 ):
     # d_gate = dO * coarse (broadcast); d_coarse[tile] = sum over its tokens of dO * gate, in fp32 in a fixed order
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    ok = (rows < n)[:, None]
-    dims = tl.arange(0, D)
-    offsets = bh * n * D + rows[:, None] * D + dims[None, :]
+    bh, rows, ok, dims, offsets = _combine_rows(n, D, ROWS)
     go = tl.load(GO + offsets, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
         if GATE_GRAD:
-            coarse = tl.load(COARSE + bh * t * D + (rows // C)[:, None] * D + dims[None, :], mask=ok, other=0.0)
+            coarse = _coarse_of_rows(COARSE, bh, rows, ok, dims, t, D, C)
             tl.store(D_GATE + offsets, (go * coarse.to(tl.float32)).to(D_GATE.dtype.element_ty), mask=ok)
-        gate_rows = (bh // heads) * stride_gb + (bh % heads) * stride_gh + rows[:, None] * stride_gn
-        go *= tl.load(GATE + gate_rows + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+        go *= _gate_of_rows(GATE, bh, rows, ok, dims, heads, stride_gb, stride_gh, stride_gn).to(tl.float32)
     TILES: tl.constexpr = ROWS // C
     d_coarse = tl.sum(tl.reshape(go, [TILES, C, D]), 1)  # masked rows hold 0
     tiles = tl.program_id(0).to(tl.int64) * TILES + tl.arange(0, TILES)
