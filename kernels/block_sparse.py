@@ -468,8 +468,10 @@ def _dkdv_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
-# The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 4 warps and 2 stages.
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 2))]
+# The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and 4 warps (8 for
+# tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). 8 warps with 4 stages
+# is what 128-row dense tiles pick on the H200 (docs/kernel_notes.md v15).
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4), (2, 2))]
 _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
@@ -486,7 +488,11 @@ _dq = autotuned(
 _dkdv = autotuned(
     _dkdv_kernel, _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q"], _CONFIGS
 )
-_LAUNCH = {} if AUTOTUNE else {"num_warps": 4, "num_stages": 2}
+
+
+def _launch(rows: int) -> dict:
+    """Launch options of a program of ``rows`` query or key rows (none when autotuned)."""
+    return {} if AUTOTUNE else {"num_warps": 8 if rows >= 128 else 4, "num_stages": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -588,7 +594,7 @@ def bsa_forward(
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
-        **_LAUNCH,
+        **_launch(query_block),
     )
     return o, lse
 
@@ -659,7 +665,7 @@ def bsa_backward_dq(
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
-        **_LAUNCH,
+        **_launch(query_block),
     )
     return dq
 
@@ -755,7 +761,7 @@ def bsa_backward_dkdv(
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
-        **_LAUNCH,
+        **_launch(key_block * group),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
@@ -796,12 +802,16 @@ def bsa_backward(
     dlse=None,
     pooled_add=None,
     out_dtype=None,
+    dkdv_block=None,
 ):
     """dq, dk, dv (``out_dtype``, default the input dtype) of one block-sparse pass over flattened ``[BH, N, d]``
     tensors. ``csc``: the lists' transpose when it is shared by all key blocks (``shared_csc``), else sorted here.
     ``dlse``: the gradient of the returned LSE, if any. ``pooled_add = (gq, gk, gv)`` (fp32 ``[BH, tiles or blocks,
     d]``): the gradients of mean-pooled copies of q, k and v (pooled over the query tiles and key blocks), whose
-    adjoint is added to dq, dk and dv inside the kernels' epilogues instead of as three full-size passes."""
+    adjoint is added to dq, dk and dv inside the kernels' epilogues instead of as three full-size passes.
+    ``dkdv_block``: with a shared ``csc`` over query tiles of this many rows (dense attention, ``dense_lists``), the
+    dk/dv pass's own query tile and key block; the dq pass keeps ``query_block`` / ``key_block``."""
+    assert dkdv_block is None or (csc is not None and pooled_add is None)
     out_dtype = out_dtype or qf.dtype
     do = do.contiguous()
     if dlse is None:  # Δ = rowsum(dO * O) is computed by the dq kernel (no fp32 copies of O and dO)
@@ -811,7 +821,8 @@ def bsa_backward(
     if kf.stride() != vf.stride():
         kf, vf = kf.contiguous(), vf.contiguous()
     n_k = kf.shape[1]
-    n_blocks = triton.cdiv(n_k, key_block)
+    kv_query_block, kv_key_block = (dkdv_block, dkdv_block) if dkdv_block is not None else (query_block, key_block)
+    n_blocks = triton.cdiv(n_k, kv_key_block)
     shared = csc is not None
     csc = csc if shared else csr_to_csc(lists, n_blocks)
     add_q, add_k, add_v = pooled_add if pooled_add is not None else (None, None, None)
@@ -831,7 +842,7 @@ def bsa_backward(
         out_dtype=out_dtype,
         pooled_add=add_q,
     )
-    n_split = split_count(qf.shape[0] * n_blocks, lists.shape[1])
+    n_split = split_count(qf.shape[0] * n_blocks, triton.cdiv(qf.shape[1], kv_query_block))
     dk, dv = bsa_backward_dkdv(
         qf,
         kf,
@@ -840,8 +851,8 @@ def bsa_backward(
         lse,
         delta,
         csc,
-        query_block,
-        key_block,
+        kv_query_block,
+        kv_key_block,
         scale,
         log_weights,
         n_split=n_split,
@@ -857,34 +868,41 @@ def bsa_backward(
     return dq, dk, dv
 
 
-DENSE_BLOCK = 64  # the tile of dense attention through the block-sparse kernels
+# Tiles of dense attention through the block-sparse kernels (flash_attention, VSA's coarse stage). The query-major
+# passes (forward, dq) run 128-row query tiles over 128-key blocks; the key-major dk/dv pass keeps 64 keys per
+# program over 64-row query tiles, its fastest shape (H200, 65,536 tokens x 12, autotuned: forward 35.5 -> 34.4 ms
+# with 128-row tiles, dk/dv 62.9 ms at 64 keys per program against 80 with 128; docs/kernel_notes.md v15).
+DENSE_TILE = 128
+DENSE_KV_TILE = 64
 
 
-def dense_lists(n_q: int, n_k: int, block: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Lists for dense attention through the block-sparse kernels: every query tile lists every key block (one table
-    ``[1, tiles, blocks]`` for all heads) and all key blocks share one CSC list (no sort, no per-block copy)."""
-    n_tiles, n_blocks = triton.cdiv(n_q, block), triton.cdiv(n_k, block)
+def dense_lists(n_q: int, n_k: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Lists for dense attention: every ``DENSE_TILE``-row query tile lists every ``DENSE_TILE``-key block (one
+    table ``[1, tiles, blocks]`` for all heads), and the dk/dv pass's ``DENSE_KV_TILE`` key blocks share one CSC
+    list of all ``DENSE_KV_TILE``-row query tiles (no sort, no per-block copy): pass ``dkdv_block=DENSE_KV_TILE``
+    to ``bsa_backward``."""
+    n_tiles, n_blocks = triton.cdiv(n_q, DENSE_TILE), triton.cdiv(n_k, DENSE_TILE)
     lists = torch.arange(n_blocks, device=device, dtype=torch.int32).expand(1, n_tiles, n_blocks)
-    return lists, shared_csc(n_tiles, device)
+    return lists, shared_csc(triton.cdiv(n_q, DENSE_KV_TILE), device)
 
 
 # ------------------------------------------------------------------------------------------------------- public API
 class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc):
+    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc, dkdv_block=None):
         ctx.set_materialize_grads(False)  # an unused LSE gets no zero gradient to subtract
         b, h, n_q, d = q.shape
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
         ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
         ctx.csc = csc
-        ctx.cfg = (query_block, key_block, scale, q.shape, k.shape)
+        ctx.cfg = (query_block, key_block, scale, q.shape, k.shape, dkdv_block)
         return o.view(b, h, n_q, d), lse.view(b, h, n_q)
 
     @staticmethod
     def backward(ctx, do, dlse):
         qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
-        query_block, key_block, scale, q_shape, k_shape = ctx.cfg
+        query_block, key_block, scale, q_shape, k_shape, dkdv_block = ctx.cfg
         if do is None:  # only the LSE is used downstream
             do = torch.zeros_like(o)
         dq, dk, dv = bsa_backward(
@@ -901,8 +919,9 @@ class _BlockSparseFn(torch.autograd.Function):
             log_weights,
             ctx.csc,
             dlse,
+            dkdv_block=dkdv_block,
         )
-        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, None, None, None, None, None
+        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), *([None] * 7)
 
 
 def block_sparse_attention_torch(
@@ -1007,13 +1026,13 @@ def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
 def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     """Dense softmax attention through the block-sparse kernel with every key block listed (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
-    lists, csc = dense_lists(q.shape[2], k.shape[2], DENSE_BLOCK, q.device)
+    lists, csc = dense_lists(q.shape[2], k.shape[2], q.device)
     if not use_triton(q, impl):
         return block_sparse_attention(
-            q, k, v, lists[None], query_block=DENSE_BLOCK, key_block=DENSE_BLOCK, scale=scale, impl=impl
+            q, k, v, lists[None], query_block=DENSE_TILE, key_block=DENSE_TILE, scale=scale, impl=impl
         )
     q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v, name="flash_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_BLOCK, DENSE_BLOCK, scale, None, csc)
+    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_TILE, DENSE_TILE, scale, None, csc, DENSE_KV_TILE)
     return o

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from .block_sparse import (
-    DENSE_BLOCK,
+    DENSE_KV_TILE,
+    DENSE_TILE,
     block_sparse_attention,
     bsa_backward,
     bsa_forward,
@@ -149,8 +150,8 @@ class _VSATriton(torch.autograd.Function):
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         # coarse stage: our dense FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
         pq, pk, pv = (x.to(q.dtype).reshape(b * h, t, d) for x in (q_pool, k_pool, v_pool))
-        dense, dense_csc = dense_lists(t, t, DENSE_BLOCK, q.device)
-        o_coarse, lse_coarse = bsa_forward(pq, pk, pv, dense, DENSE_BLOCK, DENSE_BLOCK, scale)
+        dense, dense_csc = dense_lists(t, t, q.device)
+        o_coarse, lse_coarse = bsa_forward(pq, pk, pv, dense, DENSE_TILE, DENSE_TILE, scale)
         # fine stage: each query tile over its K selected key tiles (the shared block-sparse kernel)
         o_fine, lse_fine = bsa_forward(qf, kf, vf, lists, block_size, block_size, scale)
         ctx.save_for_backward(qf, kf, vf, lists, o_fine, lse_fine, pq, pk, pv, o_coarse, lse_coarse)
@@ -169,11 +170,12 @@ class _VSATriton(torch.autograd.Function):
             o_coarse,
             lse_coarse,
             dense,
-            DENSE_BLOCK,
-            DENSE_BLOCK,
+            DENSE_TILE,
+            DENSE_TILE,
             scale,
             csc=dense_csc,
             out_dtype=torch.float32,
+            dkdv_block=DENSE_KV_TILE,
         )
         grads = bsa_backward(
             qf, kf, vf, flatten_heads(do_fine), o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads
