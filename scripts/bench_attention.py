@@ -207,6 +207,8 @@ def profile(fn, q, k, v, label):
     for _ in range(3):
         fn().backward(do)
     torch.cuda.synchronize()
+    for x in (q, k, v):  # as bench_one: no accumulation into .grad (three full-size adds that are not attention)
+        x.grad = None
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn().backward(do)
         torch.cuda.synchronize()
