@@ -469,9 +469,9 @@ def _dkdv_kernel(
 
 
 # The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and 4 warps (8 for
-# tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). No 4-stage configs: with
-# the list's ids loaded in the loop, Triton 3.6 builds the same binary at 3 and 4 stages (docs/kernel_notes.md v15).
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (2, 2))]
+# tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). 4 stages deepen only a
+# dense-tail walk (a list walk, with its ids loaded in the loop, compiles to the 3-stage binary; kernel_notes v15).
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4), (2, 2))]
 _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
@@ -803,14 +803,16 @@ def bsa_backward(
     pooled_add=None,
     out_dtype=None,
     dkdv_block=None,
+    dense_tail=None,
 ):
     """dq, dk, dv (``out_dtype``, default the input dtype) of one block-sparse pass over flattened ``[BH, N, d]``
     tensors. ``csc``: the lists' transpose when it is shared by all key blocks (``shared_csc``), else sorted here.
     ``dlse``: the gradient of the returned LSE, if any. ``pooled_add = (gq, gk, gv)`` (fp32 ``[BH, tiles or blocks,
     d]``): the gradients of mean-pooled copies of q, k and v (pooled over the query tiles and key blocks), whose
     adjoint is added to dq, dk and dv inside the kernels' epilogues instead of as three full-size passes.
-    ``dkdv_block``: with a shared ``csc`` over query tiles of this many rows (dense attention, ``dense_lists``), the
-    dk/dv pass's own query tile and key block; the dq pass keeps ``query_block`` / ``key_block``."""
+    ``dkdv_block``: with a shared ``csc`` over query tiles of this many rows (dense attention, ``dense_walk``), the
+    dk/dv pass's own query tile and key block; the dq pass keeps ``query_block`` / ``key_block``. ``dense_tail``:
+    as in ``bsa_forward``, for the dq pass (the dk/dv pass takes those keys' queries from ``csc``)."""
     assert dkdv_block is None or (csc is not None and pooled_add is None)
     out_dtype = out_dtype or qf.dtype
     do = do.contiguous()
@@ -841,6 +843,7 @@ def bsa_backward(
         o=o_for_delta,
         out_dtype=out_dtype,
         pooled_add=add_q,
+        dense_tail=dense_tail,
     )
     n_split = split_count(qf.shape[0] * n_blocks, triton.cdiv(qf.shape[1], kv_query_block))
     dk, dv = bsa_backward_dkdv(
@@ -868,41 +871,41 @@ def bsa_backward(
     return dq, dk, dv
 
 
-# Tiles of dense attention through the block-sparse kernels (flash_attention, VSA's coarse stage). The query-major
-# passes (forward, dq) run 128-row query tiles over 128-key blocks; the key-major dk/dv pass keeps 64 keys per
-# program over 64-row query tiles, its fastest shape (H200, 65,536 tokens x 12, autotuned: forward 35.5 -> 34.4 ms
-# with 128-row tiles, dk/dv 62.9 ms at 64 keys per program against 80 with 128; docs/kernel_notes.md v15).
+# Dense attention through the block-sparse kernels (flash_attention, VSA's coarse stage). The query-major passes
+# (forward, dq) run 128-row query tiles with no listed blocks and every key walked as one contiguous range (the dense
+# tail: addresses known in advance, so the loads pipeline deeper than a list walk's: 1.09x forward, 1.06x forward +
+# backward on the H200 at 65,536 tokens); the key-major dk/dv pass keeps 64 keys per program over 64-row query tiles,
+# its fastest shape (62.9 ms at 64 keys per program against 80 with 128; docs/kernel_notes.md v15).
 DENSE_TILE = 128
 DENSE_KV_TILE = 64
 
 
-def dense_lists(n_q: int, n_k: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Lists for dense attention: every ``DENSE_TILE``-row query tile lists every ``DENSE_TILE``-key block (one
-    table ``[1, tiles, blocks]`` for all heads), and the dk/dv pass's ``DENSE_KV_TILE`` key blocks share one CSC
-    list of all ``DENSE_KV_TILE``-row query tiles (no sort, no per-block copy): pass ``dkdv_block=DENSE_KV_TILE``
-    to ``bsa_backward``."""
-    n_tiles, n_blocks = triton.cdiv(n_q, DENSE_TILE), triton.cdiv(n_k, DENSE_TILE)
-    lists = torch.arange(n_blocks, device=device, dtype=torch.int32).expand(1, n_tiles, n_blocks)
-    return lists, shared_csc(triton.cdiv(n_q, DENSE_KV_TILE), device)
+def dense_walk(n_q: int, n_k: int, device) -> tuple[torch.Tensor, tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """``(lists, dense_tail, csc)`` of dense attention: empty lists of ``DENSE_TILE``-row query tiles (one table
+    ``[1, tiles, 0]`` for all heads), all ``n_k`` keys as the dense tail (``bsa_forward`` / ``bsa_backward``'s
+    ``dense_tail``), and the dk/dv pass's CSC: every ``DENSE_KV_TILE``-key block lists every ``DENSE_KV_TILE``-row
+    query tile (shared, no sort; pass ``dkdv_block=DENSE_KV_TILE`` to ``bsa_backward``)."""
+    lists = torch.empty(1, triton.cdiv(n_q, DENSE_TILE), 0, device=device, dtype=torch.int32)
+    return lists, (0, n_k, 0.0), shared_csc(triton.cdiv(n_q, DENSE_KV_TILE), device)
 
 
 # ------------------------------------------------------------------------------------------------------- public API
 class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc, dkdv_block=None):
+    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc, dkdv_block=None, dense_tail=None):
         ctx.set_materialize_grads(False)  # an unused LSE gets no zero gradient to subtract
         b, h, n_q, d = q.shape
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
-        o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights)
+        o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights, dense_tail=dense_tail)
         ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
         ctx.csc = csc
-        ctx.cfg = (query_block, key_block, scale, q.shape, k.shape, dkdv_block)
+        ctx.cfg = (query_block, key_block, scale, q.shape, k.shape, dkdv_block, dense_tail)
         return o.view(b, h, n_q, d), lse.view(b, h, n_q)
 
     @staticmethod
     def backward(ctx, do, dlse):
         qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
-        query_block, key_block, scale, q_shape, k_shape, dkdv_block = ctx.cfg
+        query_block, key_block, scale, q_shape, k_shape, dkdv_block, dense_tail = ctx.cfg
         if do is None:  # only the LSE is used downstream
             do = torch.zeros_like(o)
         dq, dk, dv = bsa_backward(
@@ -920,8 +923,9 @@ class _BlockSparseFn(torch.autograd.Function):
             ctx.csc,
             dlse,
             dkdv_block=dkdv_block,
+            dense_tail=dense_tail,
         )
-        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), *([None] * 7)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), *([None] * 8)
 
 
 def block_sparse_attention_torch(
@@ -1024,15 +1028,17 @@ def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
 
 @torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
-    """Dense softmax attention through the block-sparse kernel with every key block listed (``attention=full
+    """Dense softmax attention through the block-sparse kernels, every key walked as one range (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
-    lists, csc = dense_lists(q.shape[2], k.shape[2], q.device)
-    if not use_triton(q, impl):
+    if not use_triton(q, impl):  # the exact gather form with every key block listed
+        n_tiles, n_blocks = triton.cdiv(q.shape[2], DENSE_TILE), triton.cdiv(k.shape[2], DENSE_TILE)
+        every = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
         return block_sparse_attention(
-            q, k, v, lists[None], query_block=DENSE_TILE, key_block=DENSE_TILE, scale=scale, impl=impl
+            q, k, v, every, query_block=DENSE_TILE, key_block=DENSE_TILE, scale=scale, impl=impl
         )
     q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v, name="flash_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_TILE, DENSE_TILE, scale, None, csc, DENSE_KV_TILE)
+    lists, tail, csc = dense_walk(q.shape[2], k.shape[2], q.device)
+    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_TILE, DENSE_TILE, scale, None, csc, DENSE_KV_TILE, tail)
     return o

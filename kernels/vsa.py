@@ -23,7 +23,7 @@ as ``0.3 * 10 = 3.0000000000000004`` does not add a tile). ``block_size`` in {16
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, gather form, output in the input dtype); CUDA
 tensors the Triton path: the fine stage is the shared block-sparse FlashAttention (``block_sparse.py``, backward
 over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage our dense
-FlashAttention (same kernel, every block listed) over the pooled tokens in the input dtype; both stages are one
+FlashAttention (same kernels, every key walked as one range) over the pooled tokens in the input dtype; both stages are one
 autograd node whose fine backward kernels add the pooled tokens' gradients in their epilogues, and the gated sum is one
 Triton pass each way (``_GatedCombine``: the coarse output is never broadcast in memory). ``impl="triton"`` forces
 Triton (CPU under TRITON_INTERPRET=1), ``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is
@@ -45,7 +45,7 @@ from .block_sparse import (
     block_sparse_attention,
     bsa_backward,
     bsa_forward,
-    dense_lists,
+    dense_walk,
     flat_lists,
     flatten_heads,
     flatten_kv,
@@ -150,18 +150,18 @@ class _VSATriton(torch.autograd.Function):
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         # coarse stage: our dense FlashAttention over the T pooled tokens, in the input dtype (no [T, T] kept)
         pq, pk, pv = (x.to(q.dtype).reshape(b * h, t, d) for x in (q_pool, k_pool, v_pool))
-        dense, dense_csc = dense_lists(t, t, q.device)
-        o_coarse, lse_coarse = bsa_forward(pq, pk, pv, dense, DENSE_TILE, DENSE_TILE, scale)
+        dense, dense_tail, dense_csc = dense_walk(t, t, q.device)
+        o_coarse, lse_coarse = bsa_forward(pq, pk, pv, dense, DENSE_TILE, DENSE_TILE, scale, dense_tail=dense_tail)
         # fine stage: each query tile over its K selected key tiles (the shared block-sparse kernel)
         o_fine, lse_fine = bsa_forward(qf, kf, vf, lists, block_size, block_size, scale)
         ctx.save_for_backward(qf, kf, vf, lists, o_fine, lse_fine, pq, pk, pv, o_coarse, lse_coarse)
-        ctx.cfg = (block_size, scale, q.shape, dense, dense_csc)
+        ctx.cfg = (block_size, scale, q.shape, dense, dense_tail, dense_csc)
         return o_fine.view(b, h, n, d), o_coarse.view(b, h, t, d)
 
     @staticmethod
     def backward(ctx, do_fine, do_coarse):
         qf, kf, vf, lists, o_fine, lse_fine, pq, pk, pv, o_coarse, lse_coarse = ctx.saved_tensors
-        c, scale, shape, dense, dense_csc = ctx.cfg
+        c, scale, shape, dense, dense_tail, dense_csc = ctx.cfg
         pooled_grads = bsa_backward(  # fp32 gradients of the pooled tokens, first
             pq,
             pk,
@@ -176,6 +176,7 @@ class _VSATriton(torch.autograd.Function):
             csc=dense_csc,
             out_dtype=torch.float32,
             dkdv_block=DENSE_KV_TILE,
+            dense_tail=dense_tail,
         )
         grads = bsa_backward(
             qf, kf, vf, flatten_heads(do_fine), o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads

@@ -222,8 +222,8 @@ def test_flash_attention_is_dense_softmax(impl):
 @needs_interpreter
 def test_flash_attention_split_key_major_lists():
     """1,100 tokens, one head: the dk/dv pass (64-key programs over the shared list of 18 query tiles of 64 rows)
-    splits each list over 2 programs and sums their fp32 parts; the forward and dq run 128-row tiles over 128-key
-    blocks, the last ones partial."""
+    splits each list over 2 programs and sums their fp32 parts; the forward and dq walk all keys as one range in
+    128-row tiles, the last tile and the last 64-key step partial."""
     from pixdit.kernels.block_sparse import DENSE_KV_TILE, split_count
 
     n = 1100

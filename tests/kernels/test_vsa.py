@@ -62,10 +62,9 @@ def test_forward_and_grads_match_oracle(block_size, head_dim, num_tokens, topk, 
         "torch",
         pytest.param(
             "triton",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                reason="needs CUDA or the interpreter",
-            ),
+            # CPU tensors through the Triton path: the interpreter only (on a GPU machine without it the call is
+            # rightly refused); the fine gate is a PyTorch product around the kernels, whose GPU tests are elsewhere
+            marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
         ),
     ],
 )

@@ -20,7 +20,7 @@ class FullAttention(AttentionBackend):
     """Dense softmax attention (scale 1/sqrt(head_dim)).
 
     kernel: "sdpa"   torch.nn.functional.scaled_dot_product_attention (FlashAttention / cuDNN / efficient on GPU)
-            "triton" pixdit.kernels.flash_attention (our block-sparse kernel with every block listed: the
+            "triton" pixdit.kernels.flash_attention (our block-sparse kernels with every key attended: the
                      like-for-like baseline of the sparse methods)
     """
 
