@@ -23,11 +23,11 @@ as ``0.3 * 10 = 3.0000000000000004`` does not add a tile). ``block_size`` in {16
 ``impl="auto"``: CPU tensors run the exact PyTorch path (fp32 math, gather form, output in the input dtype); CUDA
 tensors the Triton path: the fine stage is the shared block-sparse FlashAttention (``block_sparse.py``, backward
 over the deterministic CSC transpose of the tile lists, no float atomics, no dense mask), the coarse stage our dense
-FlashAttention (same kernels, every key walked as one range) over the pooled tokens in the input dtype; both stages are one
-autograd node whose fine backward kernels add the pooled tokens' gradients in their epilogues, and the gated sum is one
-Triton pass each way (``_GatedCombine``: the coarse output is never broadcast in memory). ``impl="triton"`` forces
-Triton (CPU under TRITON_INTERPRET=1), ``impl="torch"`` the PyTorch path. Selection (fp32 pooled scores, chunked) is
-not differentiable; gradients reach q, k, v through both stages and reach ``gate``.
+FlashAttention (same kernels, every key walked as one range) over the pooled tokens in the input dtype; both stages
+are one autograd node whose fine backward kernels add the pooled tokens' gradients in their epilogues, and the gated
+sum is one Triton pass each way (``_GatedCombine``: the coarse output is never broadcast in memory).
+``impl="triton"`` forces Triton (CPU under TRITON_INTERPRET=1), ``impl="torch"`` the PyTorch path. Selection (fp32
+pooled scores, chunked) is not differentiable; gradients reach q, k, v through both stages and reach ``gate``.
 Tests: ``.venv/bin/python -m pytest tests/kernels/test_vsa.py tests/kernels/test_vsa_triton.py``.
 """
 
