@@ -108,7 +108,9 @@ def main(argv=None) -> list[dict]:
             q, k, v = (
                 torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)
             )
-            do, gate = torch.randn_like(q), torch.randn(shape, device=args.device, dtype=dtype, generator=g)
+            # VSA's gate with a gradient, as in training (its backward then computes d_gate)
+            do = torch.randn_like(q)
+            gate = torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_()
             for version, lib in (("before", base), ("after", current)):
 
                 def forward(lib=lib):

@@ -65,11 +65,14 @@ def _baseline_topk(args, N):
 def make_vsa(args, q, k, v):
     from pixdit.kernels import vsa_attention
 
-    K, gate = _baseline_topk(args, q.shape[2]), torch.randn_like(q)  # gate: the layer's G_c projection output
-    return [
-        (f"vsa C={C} K={K}", (lambda C=C: vsa_attention(q, k, v, block_size=C, topk=K, gate=gate)), K * C)
-        for C in args.vsa_block_sizes
-    ]
+    K = _baseline_topk(args, q.shape[2])
+    gate = torch.randn_like(q).requires_grad_(q.requires_grad)  # the layer's G_c output: trained, so with a gradient
+
+    def call(C):
+        gate.grad = None  # a leaf like q, k, v (bench_one clears theirs): no accumulation into .grad is timed
+        return vsa_attention(q, k, v, block_size=C, topk=K, gate=gate)
+
+    return [(f"vsa C={C} K={K}", (lambda C=C: call(C)), K * C) for C in args.vsa_block_sizes]
 
 
 def make_sla(args, q, k, v):
