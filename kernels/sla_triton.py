@@ -41,14 +41,15 @@ from .linear_attention import (
     WALK_CONFIGS,
     WALK_KEYS,
     excluded_dq_step,
-    feature_sums,
     linear_dk_dv,
     linear_dphi,
     linear_forward,
+    linear_global_grads,
     phi_rows,
     phi_rows_backward,
     walk_options,
 )
+from .ops import custom_op
 
 
 @triton.jit
@@ -166,9 +167,7 @@ class _SLATriton(torch.autograd.Function):
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
         do_s, do_l = do_s.to(q.dtype).contiguous(), do_l.to(q.dtype).contiguous()
-        dq = torch.empty_like(q)
-        delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
-        _dq[(t, bh)](
+        dq, delta_s, delta_l = _sla_backward_dq_op(
             q,
             k,
             v,
@@ -176,23 +175,19 @@ class _SLATriton(torch.autograd.Function):
             do_s,
             o_s,
             lse,
-            delta_s,
             do_l,
             o_l,
             inv_den,
-            delta_l,
             kv_total,
             z_total,
-            dq,
-            *_list_args(critical, negligible),
-            n,
-            critical.shape[2],
-            negligible.shape[2] if exclude else 0,
-            scale * LOG2E,
+            critical,
+            negligible,
+            block_size,
+            feature_map_name,
             scale,
-            **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+            exclude,
         )
-        _, d_kv_total, d_z_total = feature_sums(phi_q, do_l, feature_map_name, inv_den, delta_l)
+        d_kv_total, d_z_total = linear_global_grads(phi_q, do_l, feature_map_name, inv_den, delta_l)
         csc = csr_to_csc(critical, t)
         n_split = split_count(bh * t, critical.shape[2])
         dk_s, dv_s = bsa_backward_dkdv(
@@ -209,14 +204,73 @@ class _SLATriton(torch.autograd.Function):
             do_l,
             inv_den,
             delta_l,
-            excluded_csc,
+            *(excluded_csc if excluded_csc is not None else (None, None)),
             d_kv_total,
             d_z_total,
+            dk_s,
+            dv_s,
             block_size,
             feature_map_name,
-            add=(dk_s, dv_s),
         )
         return dq, dk, dv, None, None, None, None, None, None
+
+
+# Returns (dq, Δ of the sparse branch, Δ of the linear branch); the kernel computes both Δ on the way.
+@custom_op("sla_backward_dq")
+def _sla_backward_dq_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_k: torch.Tensor,
+    do_s: torch.Tensor,
+    o_s: torch.Tensor,
+    lse: torch.Tensor,
+    do_l: torch.Tensor,
+    o_l: torch.Tensor,
+    inv_den: torch.Tensor,
+    kv_total: torch.Tensor,
+    z_total: torch.Tensor,
+    critical: torch.Tensor,
+    negligible: torch.Tensor,
+    block_size: int,
+    feature_map_name: str,
+    scale: float,
+    exclude: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bh, n, d = q.shape
+    t = triton.cdiv(n, block_size)
+    dq = torch.empty_like(q)
+    delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
+    _dq[(t, bh)](
+        q,
+        k,
+        v,
+        phi_k,
+        do_s,
+        o_s,
+        lse,
+        delta_s,
+        do_l,
+        o_l,
+        inv_den,
+        delta_l,
+        kv_total,
+        z_total,
+        dq,
+        *_list_args(critical, negligible),
+        n,
+        critical.shape[2],
+        negligible.shape[2] if exclude else 0,
+        scale * LOG2E,
+        scale,
+        **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+    )
+    return dq, delta_s, delta_l
+
+
+@_sla_backward_dq_op.register_fake
+def _(q, k, v, phi_k, do_s, o_s, lse, *args):
+    return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
 
 
 def sla_triton(q, k, v, critical, negligible, block_size: int, feature_map_name: str, scale: float, exclude: bool):
