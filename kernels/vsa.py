@@ -300,9 +300,8 @@ class _GatedCombine(torch.autograd.Function):
         c, fine_dtype = ctx.cfg
         go = grad_out.contiguous()
         gate_grad = gate is not None and ctx.needs_input_grad[2]
-        d_gate = torch.empty(go.shape, device=go.device, dtype=gate.dtype) if gate_grad else None
-        d_coarse = _combine_backward_op(go, coarse, gate, d_gate, c)
-        return go.to(fine_dtype), d_coarse, d_gate, None
+        d_coarse, *d_gate = _combine_backward_op(go, coarse, gate, c, gate_grad)
+        return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None
 
 
 def _combine_dtype(fine, coarse, gate):
@@ -336,18 +335,19 @@ def _(fine, coarse, gate, c):
     return fine.new_empty(fine.shape, dtype=_combine_dtype(fine, coarse, gate))
 
 
-# Returns the coarse output's gradient; writes the gate's into ``d_gate`` when given.
-@custom_op("vsa_combine_backward", mutates_args=("d_gate",))
+# Returns ``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient).
+@custom_op("vsa_combine_backward")
 def _combine_backward_op(
-    go: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, d_gate: torch.Tensor | None, c: int
-) -> torch.Tensor:
+    go: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int, gate_grad: bool
+) -> list[torch.Tensor]:
     b, h, n, d = go.shape
     d_coarse = torch.empty_like(coarse)
+    d_gate = torch.empty(go.shape, device=go.device, dtype=gate.dtype) if gate_grad else None
     _combine_bwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
         go,
         coarse,
         gate if gate is not None else go,
-        d_gate if d_gate is not None else go,
+        d_gate if gate_grad else go,
         d_coarse,
         n,
         coarse.shape[2],
@@ -357,14 +357,15 @@ def _combine_backward_op(
         C=c,
         ROWS=_COMBINE_ROWS,
         HAS_GATE=gate is not None,
-        GATE_GRAD=d_gate is not None,
+        GATE_GRAD=gate_grad,
     )
-    return d_coarse
+    return [d_coarse, d_gate] if gate_grad else [d_coarse]
 
 
 @_combine_backward_op.register_fake
-def _(go, coarse, gate, d_gate, c):
-    return torch.empty_like(coarse)
+def _(go, coarse, gate, c, gate_grad):
+    d_coarse = torch.empty_like(coarse)
+    return [d_coarse, go.new_empty(go.shape, dtype=gate.dtype)] if gate_grad else [d_coarse]
 
 
 def _add_coarse(out_fine, out_coarse, gate, c):
