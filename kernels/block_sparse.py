@@ -515,8 +515,10 @@ def _dkdv_kernel(
 
 # The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and 4 warps (8 for
 # tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). 4 stages deepen only a
-# dense-tail walk (a list walk, with its ids loaded in the loop, compiles to the 3-stage binary; kernel_notes v15).
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4), (2, 2))]
+# walk whose addresses do not come from a load inside the loop: a dense tail or a list in registers (listed_ids).
+_CONFIGS = [
+    triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (2, 2))
+]
 _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
