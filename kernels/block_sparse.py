@@ -94,6 +94,36 @@ def step_key_rows(ids, step, koff, n_k, KEY_BLOCK: tl.constexpr, PER_ITER: tl.co
 
 
 @triton.jit
+def walk_key_rows(
+    ids,
+    list_base,
+    j,
+    koff,
+    slot,
+    list_len,
+    n_k,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+):
+    """The key rows of the step at list slot ``j`` (``listed_key_rows``), from the ids in registers when the walk
+    loaded them (``LIST_SLOTS > 0``, ``listed_ids``), else loaded now."""
+    if LIST_SLOTS > 0:
+        return step_key_rows(ids, j // PER_ITER, koff, n_k, KEY_BLOCK, PER_ITER)
+    else:
+        return listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+
+
+@triton.jit
+def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
+    """The block id at list slot ``slot`` of a scalar-id walk (one block per step), as ``walk_key_rows``."""
+    if LIST_SLOTS > 0:
+        return tl.sum(step_ids(ids, slot))
+    else:
+        return tl.load(list_base + slot)
+
+
+@triton.jit
 def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
     """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -201,10 +231,7 @@ def _fwd_kernel(
         # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            if LIST_SLOTS > 0:
-                blk = tl.sum(step_ids(ids, j // N_SUB))
-            else:
-                blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -215,10 +242,9 @@ def _fwd_kernel(
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
-            if LIST_SLOTS > 0:
-                blk, krow, k_ok = step_key_rows(ids, j // PER_ITER, koff, n_k, KEY_BLOCK, PER_ITER)
-            else:
-                blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if HAS_LOGW:
@@ -356,10 +382,7 @@ def _dq_kernel(
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            if LIST_SLOTS > 0:
-                blk = tl.sum(step_ids(ids, j // N_SUB))
-            else:
-                blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -369,10 +392,9 @@ def _dq_kernel(
             )
     else:
         for j in range(0, list_len, PER_ITER):
-            if LIST_SLOTS > 0:
-                blk, krow, k_ok = step_key_rows(ids, j // PER_ITER, koff, n_k, KEY_BLOCK, PER_ITER)
-            else:
-                blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
