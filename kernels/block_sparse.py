@@ -66,6 +66,65 @@ def listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK: tl.const
 
 
 @triton.jit
+def listed_ids(list_base, list_len, LIST_SLOTS: tl.constexpr, PER_ITER: tl.constexpr):
+    """A query tile's whole list, loaded before its walk as ``[LIST_SLOTS // PER_ITER, PER_ITER]`` ids, one row per
+    step (-1 past the list's end). Triton pipelines a walk whose addresses come from registers deeper than one whose
+    ids are loaded inside the loop (two K/V buffers then, whatever ``num_stages`` says; docs/kernel_notes.md v15).
+    ``LIST_SLOTS = 0``: not loaded here (long lists are read step by step)."""
+    if LIST_SLOTS > 0:
+        slots = tl.arange(0, LIST_SLOTS // PER_ITER)[:, None] * PER_ITER + tl.arange(0, PER_ITER)[None, :]
+        return tl.load(list_base + slots, mask=slots < list_len, other=-1)
+    else:
+        return tl.full([1, PER_ITER], -1, tl.int32)
+
+
+@triton.jit
+def step_ids(ids, step):
+    """Row ``step`` of ``listed_ids``: the ``PER_ITER`` block ids of one step (a masked sum: no load)."""
+    steps = tl.arange(0, ids.shape[0])
+    return tl.sum(tl.where(steps[:, None] == step, ids, 0), 0)
+
+
+@triton.jit
+def step_key_rows(ids, step, koff, n_k, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr):
+    """``listed_key_rows`` of step ``step`` from the ids in registers (``listed_ids``)."""
+    row = step_ids(ids, step)
+    blk = tl.reshape(tl.broadcast_to(row[:, None], [PER_ITER, KEY_BLOCK]), [PER_ITER * KEY_BLOCK])
+    krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
+    return blk, krow, (blk >= 0) & (krow < n_k)
+
+
+@triton.jit
+def walk_key_rows(
+    ids,
+    list_base,
+    j,
+    koff,
+    slot,
+    list_len,
+    n_k,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+):
+    """The key rows of the step at list slot ``j`` (``listed_key_rows``), from the ids in registers when the walk
+    loaded them (``LIST_SLOTS > 0``, ``listed_ids``), else loaded now."""
+    if LIST_SLOTS > 0:
+        return step_key_rows(ids, j // PER_ITER, koff, n_k, KEY_BLOCK, PER_ITER)
+    else:
+        return listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+
+
+@triton.jit
+def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
+    """The block id at list slot ``slot`` of a scalar-id walk (one block per step), as ``walk_key_rows``."""
+    if LIST_SLOTS > 0:
+        return tl.sum(step_ids(ids, slot))
+    else:
+        return tl.load(list_base + slot)
+
+
+@triton.jit
 def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
     """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -146,6 +205,7 @@ def _fwd_kernel(
     N_SUB: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -164,6 +224,7 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     if PER_ITER == 1:  # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
@@ -171,7 +232,7 @@ def _fwd_kernel(
         # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -182,7 +243,9 @@ def _fwd_kernel(
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if HAS_LOGW:
@@ -295,6 +358,7 @@ def _dq_kernel(
     N_SUB: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -313,12 +377,13 @@ def _dq_kernel(
         delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -328,7 +393,9 @@ def _dq_kernel(
             )
     else:
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -471,19 +538,22 @@ def _dkdv_kernel(
 
 # The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and 4 warps (8 for
 # tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). 4 stages deepen only a
-# dense-tail walk (a list walk, with its ids loaded in the loop, compiles to the 3-stage binary; kernel_notes v15).
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4), (2, 2))]
+# walk whose addresses do not come from a load inside the loop: a dense tail or a list in registers (listed_ids).
+_CONFIGS = [
+    triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (2, 2))
+]
 _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
 _fwd = autotuned(
     _fwd_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL"],
+    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
 )
 _dq = autotuned(
     _dq_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL"],
+    _TUNED_KEYS
+    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
 )
 _dkdv = autotuned(
@@ -525,6 +595,20 @@ def _bstride(x: torch.Tensor) -> int:
 def blocks_per_step(block: int) -> int:
     """Blocks gathered per step: small blocks are gathered until a step has 64 rows."""
     return max(1, 64 // block)
+
+
+# Lists up to this many ids are loaded into registers before the walk (``listed_ids``); longer ones step by step,
+# where a register copy would cost more (a masked sum over it per step) than the deeper pipelining saves.
+LIST_IN_REGISTERS = 128
+
+
+def list_slots(list_len: int, per_iter: int) -> int:
+    """``LIST_SLOTS`` of a walk over ``list_len`` ids: the power of two >= it (and >= ``per_iter``) when the list is
+    loaded before the walk, 0 when it is read step by step (empty or longer than ``LIST_IN_REGISTERS``). Power-of-two
+    buckets: one compilation serves every length up to the bucket."""
+    if list_len == 0 or list_len > LIST_IN_REGISTERS:
+        return 0
+    return max(per_iter, triton.next_power_of_2(list_len))
 
 
 def _n_sub(block: int) -> int:
@@ -635,6 +719,7 @@ def _bsa_forward_op(
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         **_launch(query_block),
     )
     return o, lse
@@ -753,6 +838,7 @@ def _bsa_backward_dq_op(
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         **_launch(query_block),
     )
     return dq

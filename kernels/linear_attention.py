@@ -54,7 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .block_sparse import blocks_per_step, dot_precision, list_walk_start, listed_key_rows
+from .block_sparse import blocks_per_step, dot_precision, list_slots, list_walk_start, listed_ids, walk_key_rows
 from .common import AUTOTUNE, autotuned, pad_to_blocks
 from .ops import custom_op
 
@@ -244,6 +244,7 @@ def _fwd_kernel(
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -264,8 +265,9 @@ def _fwd_kernel(
         num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         den_excluded = tl.zeros([BLOCK], tl.float32)
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+        ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            blk, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
@@ -403,7 +405,7 @@ def walk_warps(head_dim: int) -> int:
 
 # The list-walking kernels (these two and SLA's dq kernel, sla_triton.py) are autotuned on the GPU (common.AUTOTUNE),
 # like the block-sparse ones; otherwise launched with walk_warps(head_dim) and Triton's default stages.
-WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
 _fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
@@ -456,6 +458,7 @@ def linear_forward(
         ALL_SCOPE_EPS,
         EMPTY_ROW_REL_EPS,
         **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+        LIST_SLOTS=list_slots(lists.shape[2], blocks_per_step(block_size)) if exclude else 0,
     )
     return o, phi_q, phi_k, inv_den, kv_total, z_total
 

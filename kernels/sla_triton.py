@@ -28,12 +28,15 @@ import triton.language as tl
 
 from .block_sparse import (
     LOG2E,
+    blocks_per_step,
     bsa_backward_dkdv,
     bsa_forward,
     gathered_dq_step,
+    list_slots,
     list_walk_start,
-    listed_key_rows,
+    listed_ids,
     split_count,
+    walk_key_rows,
 )
 from .blocks import csr_to_csc
 from .common import autotuned
@@ -86,6 +89,8 @@ def _sla_dq_kernel(
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    NEG_SLOTS: tl.constexpr,
 ):
     # sparse: dq_s = scale * sum_u P_tu (dO_t . v_u - Δ_t) k_u over the critical keys (block_sparse._dq_kernel)
     # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
@@ -108,8 +113,9 @@ def _sla_dq_kernel(
     o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
     delta_l = tl.sum(do_l.to(tl.float32) * o_l.to(tl.float32), 1)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
-        _, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+        _, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
         key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
         v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
@@ -120,8 +126,9 @@ def _sla_dq_kernel(
             excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
     if EXCLUDE:  # the negligible blocks ("marginal" scope): the linear branch only
         koff, slot, neg_base = list_walk_start(NEG, bh, tile, stride_nb, stride_nt, BLOCK, PER_ITER)
+        neg_ids = listed_ids(neg_base, neg_len, NEG_SLOTS, PER_ITER)
         for j in range(0, neg_len, PER_ITER):
-            _, krow, k_ok = listed_key_rows(neg_base, j, koff, slot, neg_len, n, BLOCK)
+            _, krow, k_ok = walk_key_rows(neg_ids, neg_base, j, koff, slot, neg_len, n, BLOCK, PER_ITER, NEG_SLOTS)
             key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
             v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
@@ -264,6 +271,8 @@ def _sla_backward_dq_op(
         scale * LOG2E,
         scale,
         **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+        LIST_SLOTS=list_slots(critical.shape[2], blocks_per_step(block_size)),
+        NEG_SLOTS=list_slots(negligible.shape[2], blocks_per_step(block_size)) if exclude else 0,
     )
     return dq, delta_s, delta_l
 
