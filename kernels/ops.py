@@ -17,5 +17,13 @@ NAMESPACE = "pixdit" if __package__ == "pixdit.kernels" else re.sub(r"\W", "_", 
 
 
 def custom_op(name: str, mutates_args: tuple[str, ...] = ()):
-    """``torch.library.custom_op`` in this library's namespace (a decorator)."""
-    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)
+    """``torch.library.custom_op`` in this library's namespace (a decorator).
+
+    Tagged ``needs_exact_strides``: Inductor must hand every op its inputs with the strides eager mode gives them.
+    The launchers index some inputs implicitly (LSE, Δ, lists, pooled gradients: contiguous rows), so a buffer that
+    Inductor padded for alignment (it pads rows of over 1,024 elements to 128 bytes on the GPU) or laid out in
+    another order would be read wrongly. Explicit, whatever the installed torch's default for custom ops is.
+    """
+    return torch.library.custom_op(
+        f"{NAMESPACE}::{name}", mutates_args=mutates_args, tags=(torch.Tag.needs_exact_strides,)
+    )
