@@ -287,7 +287,7 @@ def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps):
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     programs = triton.cdiv(n, ROWS_PER_PROGRAM)
-    return torch.empty_like(qkv), qkv.new_empty((2, b * num_heads, programs, head_dim), dtype=torch.float32)
+    return qkv.new_empty((b, n, width)), qkv.new_empty((2, b * num_heads, programs, head_dim), dtype=torch.float32)
 
 
 def qk_norm_rope(

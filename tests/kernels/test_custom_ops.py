@@ -183,10 +183,11 @@ def _recorded_calls():
         for n, call, make_extra in CASES.values():
             q, k, v = _inputs(n)
             _run(call, q, k, v, make_extra(q) if make_extra else [])
-        qkv = torch.randn(2, 16, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        # qkv dense but not contiguous (tokens-major memory): the fake rules must give the real outputs' strides
+        qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
         angles = torch.rand(16, 4, device=DEVICE)
-        out = qk_norm_rope(qkv, 2, *weights, angles.cos(), angles.sin(), impl="triton")
+        out = qk_norm_rope(qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton")
         _loss(out).backward()
     return mode.calls
 
