@@ -227,3 +227,23 @@ def test_opcheck(recorded, op, device):
 def test_every_op_is_checked():
     registered = {name for name in dir(torch.ops.pixdit) if not name.startswith("_")} - {"name"}
     assert registered == set(OPS), f"ops without an opcheck: {registered - set(OPS)}; stale: {set(OPS) - registered}"
+
+
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_it(monkeypatch):
+    """A plain eager call runs the launcher itself; under a dispatch mode (what make_fx and FakeTensorMode use) the
+    call goes through the op, so tracing sees it."""
+    from pixdit.kernels import block_sparse
+
+    kernel_op = block_sparse._bsa_forward_op
+    seen = []
+    monkeypatch.setattr(kernel_op, "op", lambda *a, **k: seen.append("op") or kernel_op.launcher(*a, **k))
+    n, call, make_extra = CASES["block_sparse"]
+    q, k, v = _inputs(n)
+    extra = make_extra(q)
+    with torch.no_grad():
+        eager = call(q, k, v, extra)
+        assert seen == [], "an eager call went through the custom op"
+        with _RecordOps():
+            traced = call(q, k, v, extra)
+    assert seen == ["op"], "a call under a dispatch mode skipped the custom op"
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
