@@ -3,9 +3,12 @@
     from pixdit.kernels import llsa_attention
     o = llsa_attention(q, k, v, block_size=16, topk=8)      # q, k, v: [batch, heads, tokens, head_dim]
 
-torch.compile: the public functions are wrapped in ``torch.compiler.disable``, so a compiled model runs each call
-eagerly (one graph break) and compiles what surrounds it (qk-norm, RoPE, layout changes). Traced instead, Dynamo hands
-the Triton kernels to Inductor, which types their float arguments as fp64 and fails to build them (torch 2.11).
+torch.compile: every kernel launcher is a torch custom op (``torch.ops.pixdit.*``, with a fake-tensor rule and its
+mutated arguments declared), opaque to the compiler; everything around the launches (pooling, selection tables, CSC
+transposes, layout changes, the autograd Functions) is traced, so a model with any backend compiles as one graph
+(``fullgraph=True``) and Inductor fuses that glue with the model's own elementwise work. Opaque rather than traced
+into: Dynamo would hand the Triton kernels to Inductor, which types their float arguments as fp64 and fails to build
+them (torch 2.11), and their host logic (autotuning, routing between selection paths) is not traceable.
 """
 
 from .block_sparse import block_sparse_attention, flash_attention

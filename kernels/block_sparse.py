@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .blocks import block_mean_adjoint, csr_to_csc
 from .common import AUTOTUNE, autocast_inputs, autotuned, check_qkv, use_triton
+from .ops import custom_op
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
@@ -62,6 +63,65 @@ def listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK: tl.const
     blk = tl.load(list_base + j + slot, mask=(j + slot) < list_len, other=-1)
     krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
     return blk, krow, (blk >= 0) & (krow < n_k)
+
+
+@triton.jit
+def listed_ids(list_base, list_len, LIST_SLOTS: tl.constexpr, PER_ITER: tl.constexpr):
+    """A query tile's whole list, loaded before its walk as ``[LIST_SLOTS // PER_ITER, PER_ITER]`` ids, one row per
+    step (-1 past the list's end). Triton pipelines a walk whose addresses come from registers deeper than one whose
+    ids are loaded inside the loop (two K/V buffers then, whatever ``num_stages`` says; docs/kernel_notes.md v15).
+    ``LIST_SLOTS = 0``: not loaded here (long lists are read step by step)."""
+    if LIST_SLOTS > 0:
+        slots = tl.arange(0, LIST_SLOTS // PER_ITER)[:, None] * PER_ITER + tl.arange(0, PER_ITER)[None, :]
+        return tl.load(list_base + slots, mask=slots < list_len, other=-1)
+    else:
+        return tl.full([1, PER_ITER], -1, tl.int32)
+
+
+@triton.jit
+def step_ids(ids, step):
+    """Row ``step`` of ``listed_ids``: the ``PER_ITER`` block ids of one step (a masked sum: no load)."""
+    steps = tl.arange(0, ids.shape[0])
+    return tl.sum(tl.where(steps[:, None] == step, ids, 0), 0)
+
+
+@triton.jit
+def step_key_rows(ids, step, koff, n_k, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr):
+    """``listed_key_rows`` of step ``step`` from the ids in registers (``listed_ids``)."""
+    row = step_ids(ids, step)
+    blk = tl.reshape(tl.broadcast_to(row[:, None], [PER_ITER, KEY_BLOCK]), [PER_ITER * KEY_BLOCK])
+    krow = blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK)
+    return blk, krow, (blk >= 0) & (krow < n_k)
+
+
+@triton.jit
+def walk_key_rows(
+    ids,
+    list_base,
+    j,
+    koff,
+    slot,
+    list_len,
+    n_k,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+):
+    """The key rows of the step at list slot ``j`` (``listed_key_rows``), from the ids in registers when the walk
+    loaded them (``LIST_SLOTS > 0``, ``listed_ids``), else loaded now."""
+    if LIST_SLOTS > 0:
+        return step_key_rows(ids, j // PER_ITER, koff, n_k, KEY_BLOCK, PER_ITER)
+    else:
+        return listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+
+
+@triton.jit
+def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
+    """The block id at list slot ``slot`` of a scalar-id walk (one block per step), as ``walk_key_rows``."""
+    if LIST_SLOTS > 0:
+        return tl.sum(step_ids(ids, slot))
+    else:
+        return tl.load(list_base + slot)
 
 
 @triton.jit
@@ -145,6 +205,7 @@ def _fwd_kernel(
     N_SUB: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -163,6 +224,7 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     if PER_ITER == 1:  # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
@@ -170,7 +232,7 @@ def _fwd_kernel(
         # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -181,7 +243,9 @@ def _fwd_kernel(
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if HAS_LOGW:
@@ -294,6 +358,7 @@ def _dq_kernel(
     N_SUB: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -312,12 +377,13 @@ def _dq_kernel(
         delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
-            blk = tl.load(list_base + j // N_SUB)
+            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
             krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -327,7 +393,9 @@ def _dq_kernel(
             )
     else:
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK)
+            blk, krow, k_ok = walk_key_rows(
+                ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
+            )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -470,19 +538,22 @@ def _dkdv_kernel(
 
 # The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and 4 warps (8 for
 # tiles of 128 rows, whose fp32 logit and accumulator tiles would not fit 4 warps' registers). 4 stages deepen only a
-# dense-tail walk (a list walk, with its ids loaded in the loop, compiles to the 3-stage binary; kernel_notes v15).
-_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4), (2, 2))]
+# walk whose addresses do not come from a load inside the loop: a dense tail or a list in registers (listed_ids).
+_CONFIGS = [
+    triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (2, 2))
+]
 _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 
 _fwd = autotuned(
     _fwd_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL"],
+    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
 )
 _dq = autotuned(
     _dq_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL"],
+    _TUNED_KEYS
+    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
 )
 _dkdv = autotuned(
@@ -526,24 +597,45 @@ def blocks_per_step(block: int) -> int:
     return max(1, 64 // block)
 
 
+# Lists up to this many ids are loaded into registers before the walk (``listed_ids``); longer ones step by step,
+# where a register copy would cost more (a masked sum over it per step) than the deeper pipelining saves.
+LIST_IN_REGISTERS = 128
+
+
+def list_slots(list_len: int, per_iter: int) -> int:
+    """``LIST_SLOTS`` of a walk over ``list_len`` ids: the power of two >= it (and >= ``per_iter``) when the list is
+    loaded before the walk, 0 when it is read step by step (empty or longer than ``LIST_IN_REGISTERS``). Power-of-two
+    buckets: one compilation serves every length up to the bucket."""
+    if list_len == 0 or list_len > LIST_IN_REGISTERS:
+        return 0
+    return max(per_iter, triton.next_power_of_2(list_len))
+
+
 def _n_sub(block: int) -> int:
     """Steps per block: a block of more than 64 rows is walked in tiles of 64."""
     return max(1, block // 64)
 
 
-def _tail_args(dense_tail, n_k):
-    """Kernel arguments of ``dense_tail = (row_lo, row_hi, log_weight)`` (or None): key rows every query attends to
-    after its listed blocks, with one log weight, walked in contiguous steps of TAIL_STEP rows."""
+def _tail_tuple(dense_tail) -> tuple[int, int, float]:
+    """``dense_tail = (row_lo, row_hi, log_weight)`` or None as the ops' three arguments (no tail: ``row_hi = 0``)."""
     if dense_tail is None:
-        return {"tail_lo": 0, "tail_hi": 0, "tail_bias": 0.0, "HAS_TAIL": False, "EVEN_TAIL": True}
+        return 0, 0, 0.0
     lo, hi, log_weight = dense_tail
-    assert 0 <= lo < hi <= n_k, (dense_tail, n_k)
+    return int(lo), int(hi), float(log_weight)
+
+
+def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> dict:
+    """Kernel arguments of a dense tail (``_tail_tuple``): key rows every query attends to after its listed blocks,
+    with one log weight, walked in contiguous steps of TAIL_STEP rows."""
+    if tail_hi == 0:
+        return {"tail_lo": 0, "tail_hi": 0, "tail_bias": 0.0, "HAS_TAIL": False, "EVEN_TAIL": True}
+    assert 0 <= tail_lo < tail_hi <= n_k, (tail_lo, tail_hi, n_k)
     return {
-        "tail_lo": lo,
-        "tail_hi": hi,
-        "tail_bias": float(log_weight) * LOG2E,
+        "tail_lo": tail_lo,
+        "tail_hi": tail_hi,
+        "tail_bias": tail_log_weight * LOG2E,
         "HAS_TAIL": True,
-        "EVEN_TAIL": (hi - lo) % TAIL_STEP.value == 0,
+        "EVEN_TAIL": (tail_hi - tail_lo) % TAIL_STEP.value == 0,
     }
 
 
@@ -554,14 +646,47 @@ def bsa_forward(
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
     name them). Returns (o, lse)."""
+    o_init, lse_init = init if init is not None else (None, None)
+    return _bsa_forward_op(
+        q,
+        k,
+        v,
+        lists,
+        log_weights,
+        o_init,
+        lse_init,
+        query_block,
+        key_block,
+        scale,
+        out_dtype or q.dtype,
+        *_tail_tuple(dense_tail),
+    )
+
+
+@custom_op("bsa_forward")
+def _bsa_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lists: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    o_init: torch.Tensor | None,
+    lse_init: torch.Tensor | None,
+    query_block: int,
+    key_block: int,
+    scale: float,
+    out_dtype: torch.dtype,
+    tail_lo: int,
+    tail_hi: int,
+    tail_log_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
-    o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype or q.dtype)
+    o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = blocks_per_step(key_block)
-    o_init, lse_init = init if init is not None else (o, lse)
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -570,8 +695,8 @@ def bsa_forward(
         lse,
         lists,
         log_weights if log_weights is not None else lse,
-        o_init,
-        lse_init,
+        o_init if o_init is not None else o,
+        lse_init if lse_init is not None else lse,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -589,14 +714,20 @@ def bsa_forward(
         KEY_BLOCK=key_block,
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
-        HAS_INIT=init is not None,
-        **_tail_args(dense_tail, n_k),
+        HAS_INIT=o_init is not None,
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         **_launch(query_block),
     )
     return o, lse
+
+
+@_bsa_forward_op.register_fake
+def _(q, k, v, lists, log_weights, o_init, lse_init, query_block, key_block, scale, out_dtype, *tail):
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def bsa_backward_dq(
@@ -621,6 +752,48 @@ def bsa_backward_dq(
     With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
     ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
     tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
+    return _bsa_backward_dq_op(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        lists,
+        log_weights,
+        dq,
+        o,
+        pooled_add,
+        query_block,
+        key_block,
+        scale,
+        out_dtype,
+        *_tail_tuple(dense_tail),
+    )
+
+
+# ``delta`` is written when ``o`` is given (Δ computed on the way) and only read otherwise; declared mutated either way.
+@custom_op("bsa_backward_dq", mutates_args=("delta",))
+def _bsa_backward_dq_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    lists: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    dq: torch.Tensor | None,
+    o: torch.Tensor | None,
+    pooled_add: torch.Tensor | None,
+    query_block: int,
+    key_block: int,
+    scale: float,
+    out_dtype: torch.dtype,
+    tail_lo: int,
+    tail_hi: int,
+    tail_log_weight: float,
+) -> torch.Tensor:
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
     accumulate = dq is not None
@@ -660,14 +833,20 @@ def bsa_backward_dq(
         HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
         HAS_ADD=pooled_add is not None,
-        **_tail_args(dense_tail, k.shape[1]),
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),
         COMPUTE_DELTA=o is not None,
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         **_launch(query_block),
     )
     return dq
+
+
+@_bsa_backward_dq_op.register_fake
+def _(q, k, v, do, lse, delta, lists, log_weights, dq, o, pooled_add, query_block, key_block, scale, out_dtype, *tail):
+    return q.new_empty(q.shape, dtype=out_dtype)
 
 
 def bsa_backward_dkdv(
@@ -698,18 +877,66 @@ def bsa_backward_dkdv(
     ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
     so ``offsets`` is just ``[[0, n]]``. ``pooled_add = (gk, gv)`` (fp32 [BH, ceil(Nk / key_block), d], n_split 1
     only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused)."""
-    BH, n_q, d = q.shape
-    n_k = k.shape[1]
-    n_blocks = triton.cdiv(n_k, key_block)
+    n_blocks = triton.cdiv(k.shape[1], key_block)
     lo, hi = blk_range if blk_range is not None else (0, n_blocks)
     if dk is None:  # every row of the range is written (zeros for blocks nobody attends)
         alloc = torch.empty if (lo, hi) == (0, n_blocks) else torch.zeros
-        dk = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
-        dv = alloc(BH, n_k, d, device=q.device, dtype=out_dtype)
+        dk = alloc(k.shape, device=q.device, dtype=out_dtype)
+        dv = alloc(k.shape, device=q.device, dtype=out_dtype)
     assert pooled_add is None or n_split == 1
-    if hi <= lo:
-        return dk, dv
-    offsets, rows = csc
+    if hi > lo:
+        gk, gv = pooled_add if pooled_add is not None else (None, None)
+        _bsa_backward_dkdv_op(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            *csc,
+            dk,
+            dv,
+            log_weights,
+            gk,
+            gv,
+            query_block,
+            key_block,
+            scale,
+            lo,
+            hi,
+            group,
+            n_split,
+            shared_list,
+        )
+    return dk, dv
+
+
+@custom_op("bsa_backward_dkdv", mutates_args=("dk", "dv"))
+def _bsa_backward_dkdv_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    pooled_k: torch.Tensor | None,
+    pooled_v: torch.Tensor | None,
+    query_block: int,
+    key_block: int,
+    scale: float,
+    lo: int,
+    hi: int,
+    group: int,
+    n_split: int,
+    shared_list: bool,
+) -> None:
+    BH, n_q, d = q.shape
+    n_k = k.shape[1]
     n_groups = triton.cdiv(hi - lo, group)
     per_iter = blocks_per_step(query_block)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
@@ -732,7 +959,8 @@ def bsa_backward_dkdv(
         offsets,
         rows,
         log_weights if log_weights is not None else lse,
-        *(pooled_add if pooled_add is not None else (lse, lse)),
+        pooled_k if pooled_k is not None else lse,
+        pooled_v if pooled_v is not None else lse,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -757,7 +985,7 @@ def bsa_backward_dkdv(
         PER_ITER=per_iter,
         N_SPLIT=n_split,
         HAS_LOGW=log_weights is not None,
-        HAS_ADD=pooled_add is not None,
+        HAS_ADD=pooled_k is not None,
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
@@ -766,12 +994,18 @@ def bsa_backward_dkdv(
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
         dv[:, r0:r1] = tgt_v.sum(0)
-    return dk, dv
+
+
+@_bsa_backward_dkdv_op.register_fake
+def _(*args):
+    return None
 
 
 def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The CSC of "every query tile lists this block", for ``shared_list=True``."""
-    offsets = torch.tensor([[0, n_tiles]], device=device, dtype=torch.int32)
+    # [[0, n_tiles]] built on the device: a tensor from a Python list is a blocking host-to-device copy (a stream
+    # sync in every LLSA backward)
+    offsets = torch.arange(2, device=device, dtype=torch.int32).mul_(n_tiles)[None]
     return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
 
 
@@ -892,18 +1126,23 @@ def dense_walk(n_q: int, n_k: int, device) -> tuple[torch.Tensor, tuple, tuple[t
 # ------------------------------------------------------------------------------------------------------- public API
 class _BlockSparseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc, dkdv_block=None, dense_tail=None):
-        ctx.set_materialize_grads(False)  # an unused LSE gets no zero gradient to subtract
+    def forward(
+        ctx, q, k, v, lists, query_block, key_block, scale, log_weights, csc, dkdv_block, dense_tail, return_lse
+    ):
+        # The LSE is an output only when asked for: an unused one would get a zero gradient to subtract (under
+        # torch.compile even with set_materialize_grads(False)), i.e. Δ as an extra PyTorch pass.
+        ctx.set_materialize_grads(False)
         b, h, n_q, d = q.shape
         qf, (kf, vf) = flatten_heads(q), flatten_kv(k, v)
         o, lse = bsa_forward(qf, kf, vf, lists, query_block, key_block, scale, log_weights, dense_tail=dense_tail)
         ctx.save_for_backward(qf, kf, vf, lists, o, lse, log_weights)
         ctx.csc = csc
         ctx.cfg = (query_block, key_block, scale, q.shape, k.shape, dkdv_block, dense_tail)
-        return o.view(b, h, n_q, d), lse.view(b, h, n_q)
+        o = o.view(b, h, n_q, d)
+        return (o, lse.view(b, h, n_q)) if return_lse else o
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse=None):
         qf, kf, vf, lf, o, lse, log_weights = ctx.saved_tensors
         query_block, key_block, scale, q_shape, k_shape, dkdv_block, dense_tail = ctx.cfg
         if do is None:  # only the LSE is used downstream
@@ -925,7 +1164,7 @@ class _BlockSparseFn(torch.autograd.Function):
             dkdv_block=dkdv_block,
             dense_tail=dense_tail,
         )
-        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), *([None] * 8)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), *([None] * 10)
 
 
 def block_sparse_attention_torch(
@@ -958,7 +1197,6 @@ def block_sparse_attention_torch(
     return (o, lse) if return_lse else o
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def block_sparse_attention(
     q,
     k,
@@ -1007,10 +1245,10 @@ def block_sparse_attention(
         return block_sparse_attention_torch(
             q, k, v, block_lists, query_block, key_block, scale, block_log_weights, return_lse
         )
-    o, lse = _BlockSparseFn.apply(
-        q, k, v, flat_lists(block_lists, q), query_block, key_block, scale, _log_weights(block_log_weights), None
+    lists, log_weights = flat_lists(block_lists, q), _log_weights(block_log_weights)
+    return _BlockSparseFn.apply(
+        q, k, v, lists, query_block, key_block, scale, log_weights, None, None, None, return_lse
     )
-    return (o, lse) if return_lse else o
 
 
 def flat_lists(block_lists: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -1026,7 +1264,6 @@ def _log_weights(w: torch.Tensor | None) -> torch.Tensor | None:
     return w.float().contiguous() if w is not None else None
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     """Dense softmax attention through the block-sparse kernels, every key walked as one range (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
@@ -1040,5 +1277,4 @@ def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     check_qkv(q, k, v, name="flash_attention", self_attention=False, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     lists, tail, csc = dense_walk(q.shape[2], k.shape[2], q.device)
-    o, _ = _BlockSparseFn.apply(q, k, v, lists, DENSE_TILE, DENSE_TILE, scale, None, csc, DENSE_KV_TILE, tail)
-    return o
+    return _BlockSparseFn.apply(q, k, v, lists, DENSE_TILE, DENSE_TILE, scale, None, csc, DENSE_KV_TILE, tail, False)

@@ -145,8 +145,10 @@ def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ block layout
 def num_blocks(num_tokens: int, block_size: int) -> int:
-    """Number of blocks of ``block_size`` consecutive tokens (the last one may be partial)."""
-    return -(-num_tokens // block_size)
+    """Number of blocks of ``block_size`` consecutive tokens (the last one may be partial). Written as a plain
+    ceiling division: under torch.compile with dynamic shapes, ``-(-n // b)`` made the sympy evaluation of SLA's
+    negligible count fail."""
+    return (num_tokens + block_size - 1) // block_size
 
 
 def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -54,8 +54,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .block_sparse import blocks_per_step, dot_precision, list_walk_start, listed_key_rows
+from .block_sparse import blocks_per_step, dot_precision, list_slots, list_walk_start, listed_ids, walk_key_rows
 from .common import AUTOTUNE, autotuned, pad_to_blocks
+from .ops import custom_op
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
 ALL_SCOPE_EPS = 1e-5
@@ -243,6 +244,7 @@ def _fwd_kernel(
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -263,8 +265,9 @@ def _fwd_kernel(
         num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
         den_excluded = tl.zeros([BLOCK], tl.float32)
         koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+        ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
         for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+            blk, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
@@ -402,7 +405,7 @@ def walk_warps(head_dim: int) -> int:
 
 # The list-walking kernels (these two and SLA's dq kernel, sla_triton.py) are autotuned on the GPU (common.AUTOTUNE),
 # like the block-sparse ones; otherwise launched with walk_warps(head_dim) and Triton's default stages.
-WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
 _fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
@@ -424,7 +427,16 @@ def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude:
     )
 
 
-def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):
+# The host functions below are torch custom ops (opaque to torch.compile, which traces the code around them).
+@custom_op("linear_forward")
+def linear_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lists: torch.Tensor | None,
+    block_size: int,
+    feature_map_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The linear branch's forward over flattened ``[BH, N, D]`` inputs: ``(o_linear, phi(q), phi(k), 1/den,
     KV_total, Z_total)``; ``lists``: int32 ``[BH, T, E]`` excluded blocks per query block, or None (no exclusion)."""
     bh, n, d = q.shape
@@ -446,19 +458,67 @@ def linear_forward(q, k, v, lists, block_size: int, feature_map_name: str):
         ALL_SCOPE_EPS,
         EMPTY_ROW_REL_EPS,
         **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+        LIST_SLOTS=list_slots(lists.shape[2], blocks_per_step(block_size)) if exclude else 0,
     )
     return o, phi_q, phi_k, inv_den, kv_total, z_total
 
 
+@linear_forward.register_fake
+def _(q, k, v, lists, block_size, feature_map_name):
+    bh, n, d = q.shape
+    sums = q.new_empty((bh, d, d), dtype=torch.float32), q.new_empty((bh, d), dtype=torch.float32)
+    return (
+        torch.empty_like(q),
+        torch.empty_like(q),
+        torch.empty_like(k),
+        q.new_empty((bh, n), dtype=torch.float32),
+        *sums,
+    )
+
+
+@custom_op("linear_global_grads")
+def linear_global_grads(
+    phi_q: torch.Tensor, do: torch.Tensor, feature_map_name: str, inv_den: torch.Tensor, delta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the two global sums, ``(d KV_total [BH, D, D], d Z_total [BH, D])`` (``feature_sums``'
+    backward form)."""
+    _, d_kv_total, d_z_total = feature_sums(phi_q, do, feature_map_name, inv_den, delta)
+    return d_kv_total, d_z_total
+
+
+@linear_global_grads.register_fake
+def _(phi_q, do, feature_map_name, inv_den, delta):
+    bh, _, d = phi_q.shape
+    return phi_q.new_empty((bh, d, d), dtype=torch.float32), phi_q.new_empty((bh, d), dtype=torch.float32)
+
+
+@custom_op("linear_dk_dv")
 def linear_dk_dv(
-    phi_q, k, phi_k, v, do, inv_den, delta, lists_csc, d_kv_total, d_z_total, block_size, feature_map_name, add=None
-):
-    """dk, dv of the linear branch (input dtype), key-major over ``lists_csc`` (the CSC of the excluded blocks, or
-    None without exclusion), plus ``add = (dk, dv)`` (fp32, e.g. the sparse branch's) inside the kernel."""
+    phi_q: torch.Tensor,
+    k: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    inv_den: torch.Tensor,
+    delta: torch.Tensor,
+    offsets: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    d_kv_total: torch.Tensor,
+    d_z_total: torch.Tensor,
+    add_k: torch.Tensor | None,
+    add_v: torch.Tensor | None,
+    block_size: int,
+    feature_map_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk, dv of the linear branch (input dtype), key-major over ``(offsets, rows)`` (the CSC of the excluded blocks,
+    or None without exclusion), plus ``add_k``, ``add_v`` (fp32, e.g. the sparse branch's) inside the kernel."""
     bh, n, d = k.shape
-    exclude = lists_csc is not None
-    offsets, rows = lists_csc if exclude else (inv_den, inv_den)  # (unused pointers without exclusion)
-    add_k, add_v = add if add is not None else (k, k)
+    exclude = offsets is not None
+    has_add = add_k is not None
+    if not exclude:  # (unused pointers)
+        offsets, rows = inv_den, inv_den
+    if not has_add:
+        add_k, add_v = k, k
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _dk_dv[(triton.cdiv(n, block_size), bh)](
         phi_q,
@@ -480,7 +540,12 @@ def linear_dk_dv(
         rows.stride(0) if exclude else 0,
         n,
         SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
-        HAS_ADD=add is not None,
+        HAS_ADD=has_add,
         **walk_options(d, block_size, feature_map_name, exclude, k.dtype),
     )
     return dk, dv
+
+
+@linear_dk_dv.register_fake
+def _(phi_q, k, phi_k, v, do, inv_den, delta, offsets, rows, d_kv_total, d_z_total, add_k, add_v, *options):
+    return torch.empty_like(k), torch.empty_like(v)

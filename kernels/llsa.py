@@ -21,7 +21,6 @@ exact gather form in fp32 with autograd.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -127,7 +126,6 @@ def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> li
     return index
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def llsa_select(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,8 +229,9 @@ def _bank_tail(N, B, L, Le):
     return offsets[L - 1], total, L * math.log(B)
 
 
-@functools.lru_cache(maxsize=64)
 def _bank_log_weights(N, B, L, Le, device):
+    """fp32 ``[bank blocks]``: each bank block's log multiplicity ``l ln B``. Built per call (a few tiny fills), not
+    cached: a cached tensor would be state that torch.compile cannot trace."""
     offsets, total = _bank_layout(N, B, L, Le)
     w = torch.empty(triton.cdiv(total, B), device=device, dtype=torch.float32)
     for lvl in range(1, min(Le, L) + 1):
@@ -390,7 +389,6 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
 
 
 # ------------------------------------------------------------------------------------------------------ public API
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def llsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import use_triton
+from .ops import custom_op
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
@@ -176,26 +177,9 @@ def _grid(b, n, num_heads):
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps):
-        b, n, width = qkv.shape
-        head_dim = width // (3 * num_heads)
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
-        _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads)](
-            qkv,
-            weights,
-            cos,
-            sin,
-            out,
-            n,
-            num_heads,
-            qkv.stride(0),
-            qkv.stride(1),
-            eps,
-            HEAD_DIM=head_dim,
-            DIM_PAD=triton.next_power_of_2(head_dim),
-            ROWS=ROWS_PER_PROGRAM,
-        )
+        out = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps)
         ctx.save_for_backward(qkv, weights, cos, sin)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
         return out[0], out[1], out[2]
@@ -206,7 +190,6 @@ class _QKNormRope(torch.autograd.Function):
         b, n, width = qkv.shape
         num_heads = ctx.num_heads
         head_dim = width // (3 * num_heads)
-        grid = _grid(b, n, num_heads)
         zeros = None
         grads = []
         for g in (dq, dk, dv):  # a q/k/v that did not reach the loss has no gradient
@@ -218,33 +201,95 @@ class _QKNormRope(torch.autograd.Function):
                 )
                 g = zeros
             grads.append(g.contiguous())
-        dqkv = torch.empty(b, n, width, device=qkv.device, dtype=qkv.dtype)
-        dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
-        _qk_norm_rope_bwd_kernel[grid](
-            qkv,
-            weights,
-            cos,
-            sin,
-            *grads,
-            dqkv,
-            dw_partial,
-            n,
-            num_heads,
-            qkv.stride(0),
-            qkv.stride(1),
-            dqkv.stride(0),
-            dqkv.stride(1),
-            ctx.eps,
-            HEAD_DIM=head_dim,
-            DIM_PAD=triton.next_power_of_2(head_dim),
-            ROWS=ROWS_PER_PROGRAM,
-        )
+        dqkv, dw_partial = _qk_norm_rope_backward_op(qkv, weights, cos, sin, *grads, num_heads, ctx.eps)
         dw = dw_partial.sum(dim=(1, 2))  # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
         return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
+# The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). The forward
+# returns q, k, v stacked ``[3, b, heads, n, head_dim]``.
+@custom_op("qk_norm_rope")
+def _qk_norm_rope_op(
+    qkv: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float
+) -> torch.Tensor:
+    b, n, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
+    _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads)](
+        qkv,
+        weights,
+        cos,
+        sin,
+        out,
+        n,
+        num_heads,
+        qkv.stride(0),
+        qkv.stride(1),
+        eps,
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        ROWS=ROWS_PER_PROGRAM,
+    )
+    return out
+
+
+@_qk_norm_rope_op.register_fake
+def _(qkv, weights, cos, sin, num_heads, eps):
+    b, n, width = qkv.shape
+    return qkv.new_empty((3, b, num_heads, n, width // (3 * num_heads)))
+
+
+# Returns (d qkv, the weights' per-program partial gradients fp32 [2, b * heads, programs, head_dim]).
+@custom_op("qk_norm_rope_backward")
+def _qk_norm_rope_backward_op(
+    qkv: torch.Tensor,
+    weights: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, n, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    grid = _grid(b, n, num_heads)
+    dqkv = torch.empty(b, n, width, device=qkv.device, dtype=qkv.dtype)
+    dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
+    _qk_norm_rope_bwd_kernel[grid](
+        qkv,
+        weights,
+        cos,
+        sin,
+        dq,
+        dk,
+        dv,
+        dqkv,
+        dw_partial,
+        n,
+        num_heads,
+        qkv.stride(0),
+        qkv.stride(1),
+        dqkv.stride(0),
+        dqkv.stride(1),
+        eps,
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        ROWS=ROWS_PER_PROGRAM,
+    )
+    return dqkv, dw_partial
+
+
+@_qk_norm_rope_backward_op.register_fake
+def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps):
+    b, n, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    programs = triton.cdiv(n, ROWS_PER_PROGRAM)
+    return qkv.new_empty((b, n, width)), qkv.new_empty((2, b * num_heads, programs, head_dim), dtype=torch.float32)
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     num_heads: int,

@@ -93,7 +93,6 @@ def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
         )
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def sla_select(
     q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0, impl: str = "auto"
 ):
@@ -119,7 +118,6 @@ def sla_select(
     return critical, (t - 1) - reversed_ids
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def sla_attention(
     q,
     k,

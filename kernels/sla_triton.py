@@ -28,12 +28,15 @@ import triton.language as tl
 
 from .block_sparse import (
     LOG2E,
+    blocks_per_step,
     bsa_backward_dkdv,
     bsa_forward,
     gathered_dq_step,
+    list_slots,
     list_walk_start,
-    listed_key_rows,
+    listed_ids,
     split_count,
+    walk_key_rows,
 )
 from .blocks import csr_to_csc
 from .common import autotuned
@@ -41,14 +44,15 @@ from .linear_attention import (
     WALK_CONFIGS,
     WALK_KEYS,
     excluded_dq_step,
-    feature_sums,
     linear_dk_dv,
     linear_dphi,
     linear_forward,
+    linear_global_grads,
     phi_rows,
     phi_rows_backward,
     walk_options,
 )
+from .ops import custom_op
 
 
 @triton.jit
@@ -85,6 +89,8 @@ def _sla_dq_kernel(
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    NEG_SLOTS: tl.constexpr,
 ):
     # sparse: dq_s = scale * sum_u P_tu (dO_t . v_u - Δ_t) k_u over the critical keys (block_sparse._dq_kernel)
     # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
@@ -107,8 +113,9 @@ def _sla_dq_kernel(
     o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
     delta_l = tl.sum(do_l.to(tl.float32) * o_l.to(tl.float32), 1)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
-        _, krow, k_ok = listed_key_rows(list_base, j, koff, slot, list_len, n, BLOCK)
+        _, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
         key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
         v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
@@ -119,8 +126,9 @@ def _sla_dq_kernel(
             excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
     if EXCLUDE:  # the negligible blocks ("marginal" scope): the linear branch only
         koff, slot, neg_base = list_walk_start(NEG, bh, tile, stride_nb, stride_nt, BLOCK, PER_ITER)
+        neg_ids = listed_ids(neg_base, neg_len, NEG_SLOTS, PER_ITER)
         for j in range(0, neg_len, PER_ITER):
-            _, krow, k_ok = listed_key_rows(neg_base, j, koff, slot, neg_len, n, BLOCK)
+            _, krow, k_ok = walk_key_rows(neg_ids, neg_base, j, koff, slot, neg_len, n, BLOCK, PER_ITER, NEG_SLOTS)
             key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
             v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
@@ -166,9 +174,7 @@ class _SLATriton(torch.autograd.Function):
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
         do_s, do_l = do_s.to(q.dtype).contiguous(), do_l.to(q.dtype).contiguous()
-        dq = torch.empty_like(q)
-        delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
-        _dq[(t, bh)](
+        dq, delta_s, delta_l = _sla_backward_dq_op(
             q,
             k,
             v,
@@ -176,23 +182,19 @@ class _SLATriton(torch.autograd.Function):
             do_s,
             o_s,
             lse,
-            delta_s,
             do_l,
             o_l,
             inv_den,
-            delta_l,
             kv_total,
             z_total,
-            dq,
-            *_list_args(critical, negligible),
-            n,
-            critical.shape[2],
-            negligible.shape[2] if exclude else 0,
-            scale * LOG2E,
+            critical,
+            negligible,
+            block_size,
+            feature_map_name,
             scale,
-            **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+            exclude,
         )
-        _, d_kv_total, d_z_total = feature_sums(phi_q, do_l, feature_map_name, inv_den, delta_l)
+        d_kv_total, d_z_total = linear_global_grads(phi_q, do_l, feature_map_name, inv_den, delta_l)
         csc = csr_to_csc(critical, t)
         n_split = split_count(bh * t, critical.shape[2])
         dk_s, dv_s = bsa_backward_dkdv(
@@ -209,14 +211,75 @@ class _SLATriton(torch.autograd.Function):
             do_l,
             inv_den,
             delta_l,
-            excluded_csc,
+            *(excluded_csc if excluded_csc is not None else (None, None)),
             d_kv_total,
             d_z_total,
+            dk_s,
+            dv_s,
             block_size,
             feature_map_name,
-            add=(dk_s, dv_s),
         )
         return dq, dk, dv, None, None, None, None, None, None
+
+
+# Returns (dq, Δ of the sparse branch, Δ of the linear branch); the kernel computes both Δ on the way.
+@custom_op("sla_backward_dq")
+def _sla_backward_dq_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_k: torch.Tensor,
+    do_s: torch.Tensor,
+    o_s: torch.Tensor,
+    lse: torch.Tensor,
+    do_l: torch.Tensor,
+    o_l: torch.Tensor,
+    inv_den: torch.Tensor,
+    kv_total: torch.Tensor,
+    z_total: torch.Tensor,
+    critical: torch.Tensor,
+    negligible: torch.Tensor,
+    block_size: int,
+    feature_map_name: str,
+    scale: float,
+    exclude: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bh, n, d = q.shape
+    t = triton.cdiv(n, block_size)
+    dq = torch.empty_like(q)
+    delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
+    _dq[(t, bh)](
+        q,
+        k,
+        v,
+        phi_k,
+        do_s,
+        o_s,
+        lse,
+        delta_s,
+        do_l,
+        o_l,
+        inv_den,
+        delta_l,
+        kv_total,
+        z_total,
+        dq,
+        *_list_args(critical, negligible),
+        n,
+        critical.shape[2],
+        negligible.shape[2] if exclude else 0,
+        scale * LOG2E,
+        scale,
+        **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
+        LIST_SLOTS=list_slots(critical.shape[2], blocks_per_step(block_size)),
+        NEG_SLOTS=list_slots(negligible.shape[2], blocks_per_step(block_size)) if exclude else 0,
+    )
+    return dq, delta_s, delta_l
+
+
+@_sla_backward_dq_op.register_fake
+def _(q, k, v, phi_k, do_s, o_s, lse, *args):
+    return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
 
 
 def sla_triton(q, k, v, critical, negligible, block_size: int, feature_map_name: str, scale: float, exclude: bool):

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .blocks import exact_fp32_matmul, topk_desc
+from .ops import custom_op
 
 __all__ = [
     "pooled_topk",
@@ -386,12 +387,22 @@ def pooled_topk(
     children ``p * child_block + j`` of each ``p`` in ``parents[..., r // child_block, :]``. ``k``: 1 to the number
     of candidates. Returns int32 ``[..., R, k]``. ``impl``: "auto" (Triton on CUDA), "triton", "torch".
     """
-    lead = q_pooled.shape[:-2]
-    R, d = q_pooled.shape[-2:]
     n_cand = k_pooled.shape[-2] if parents is None else parents.shape[-1] * child_block
     if isinstance(k, bool) or int(k) != k or not 1 <= k <= n_cand:
         raise ValueError(f"pooled_topk: k must be an int in [1, {n_cand}] (the number of candidates), got {k!r}")
-    k = int(k)
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"pooled_topk: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    return _pooled_topk_op(q_pooled, k_pooled, int(k), parents, child_block or 0, impl)
+
+
+# One opaque op for every path: torch.compile traces around the selection, not into its kernels and host logic.
+@custom_op("pooled_topk")
+def _pooled_topk_op(
+    q_pooled: torch.Tensor, k_pooled: torch.Tensor, k: int, parents: torch.Tensor | None, child_block: int, impl: str
+) -> torch.Tensor:
+    lead = q_pooled.shape[:-2]
+    R, d = q_pooled.shape[-2:]
+    n_cand = k_pooled.shape[-2] if parents is None else parents.shape[-1] * child_block
     use_triton = (impl == "triton" or (impl == "auto" and q_pooled.is_cuda)) and d >= 16
     path = _route(n_cand, d, k, child_block if parents is not None else None) if use_triton else "torch"
     if path == "torch":
@@ -428,6 +439,11 @@ def pooled_topk(
     else:
         _streaming_topk(qf, kf, k, out)
     return out.view(*lead, R, k)
+
+
+@_pooled_topk_op.register_fake
+def _(q_pooled, k_pooled, k, parents, child_block, impl):
+    return q_pooled.new_empty((*q_pooled.shape[:-1], k), dtype=torch.int32)
 
 
 def topk_desc_fast(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -61,9 +61,9 @@ from .common import (
     select_topk_blocks,
     use_triton,
 )
+from .ops import custom_op
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def vsa_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=None, impl: str = "auto") -> torch.Tensor:
     """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
     check_qkv(q, k, k, name="vsa_select", scale=scale)
@@ -75,7 +75,6 @@ def vsa_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=Non
     )
 
 
-@torch.compiler.disable  # opaque to torch.compile (see pixdit.kernels)
 def vsa_attention(
     q,
     k,
@@ -288,58 +287,85 @@ class _GatedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fine, coarse, gate, c):
-        b, h, n, d = fine.shape
-        t = coarse.shape[2]
         fine, coarse = fine.contiguous(), coarse.contiguous()
         if gate is not None and gate.stride(-1) != 1:
             gate = gate.contiguous()
-        dtypes = [fine.dtype, coarse.dtype] + ([gate.dtype] if gate is not None else [])
-        out = torch.empty(b, h, n, d, device=fine.device, dtype=functools.reduce(torch.promote_types, dtypes))
-        _combine_fwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
-            fine,
-            coarse,
-            gate if gate is not None else fine,
-            out,
-            n,
-            t,
-            h,
-            *_gate_strides(gate),
-            D=d,
-            C=c,
-            ROWS=_COMBINE_ROWS,
-            HAS_GATE=gate is not None,
-        )
         ctx.save_for_backward(coarse, gate)
         ctx.cfg = (c, fine.dtype)
-        return out
+        return _combine_op(fine, coarse, gate, c)
 
     @staticmethod
     def backward(ctx, grad_out):
         coarse, gate = ctx.saved_tensors
         c, fine_dtype = ctx.cfg
-        b, h, n, d = grad_out.shape
-        t = coarse.shape[2]
         go = grad_out.contiguous()
         gate_grad = gate is not None and ctx.needs_input_grad[2]
-        d_gate = torch.empty(b, h, n, d, device=go.device, dtype=gate.dtype) if gate_grad else None
-        d_coarse = torch.empty_like(coarse)
-        _combine_bwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
-            go,
-            coarse,
-            gate if gate is not None else go,
-            d_gate if gate_grad else go,
-            d_coarse,
-            n,
-            t,
-            h,
-            *_gate_strides(gate),
-            D=d,
-            C=c,
-            ROWS=_COMBINE_ROWS,
-            HAS_GATE=gate is not None,
-            GATE_GRAD=gate_grad,
-        )
-        return go.to(fine_dtype), d_coarse, d_gate, None
+        d_coarse, *d_gate = _combine_backward_op(go, coarse, gate, c, gate_grad)
+        return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None
+
+
+def _combine_dtype(fine, coarse, gate):
+    dtypes = [fine.dtype, coarse.dtype] + ([gate.dtype] if gate is not None else [])
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+@custom_op("vsa_combine")
+def _combine_op(fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int) -> torch.Tensor:
+    b, h, n, d = fine.shape
+    out = torch.empty(b, h, n, d, device=fine.device, dtype=_combine_dtype(fine, coarse, gate))
+    _combine_fwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
+        fine,
+        coarse,
+        gate if gate is not None else fine,
+        out,
+        n,
+        coarse.shape[2],
+        h,
+        *_gate_strides(gate),
+        D=d,
+        C=c,
+        ROWS=_COMBINE_ROWS,
+        HAS_GATE=gate is not None,
+    )
+    return out
+
+
+@_combine_op.register_fake
+def _(fine, coarse, gate, c):
+    return fine.new_empty(fine.shape, dtype=_combine_dtype(fine, coarse, gate))
+
+
+# Returns ``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient).
+@custom_op("vsa_combine_backward")
+def _combine_backward_op(
+    go: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int, gate_grad: bool
+) -> list[torch.Tensor]:
+    b, h, n, d = go.shape
+    d_coarse = torch.empty_like(coarse)
+    d_gate = torch.empty(go.shape, device=go.device, dtype=gate.dtype) if gate_grad else None
+    _combine_bwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
+        go,
+        coarse,
+        gate if gate is not None else go,
+        d_gate if gate_grad else go,
+        d_coarse,
+        n,
+        coarse.shape[2],
+        h,
+        *_gate_strides(gate),
+        D=d,
+        C=c,
+        ROWS=_COMBINE_ROWS,
+        HAS_GATE=gate is not None,
+        GATE_GRAD=gate_grad,
+    )
+    return [d_coarse, d_gate] if gate_grad else [d_coarse]
+
+
+@_combine_backward_op.register_fake
+def _(go, coarse, gate, c, gate_grad):
+    d_coarse = torch.empty_like(coarse)
+    return [d_coarse, go.new_empty(go.shape, dtype=gate.dtype)] if gate_grad else [d_coarse]
 
 
 def _add_coarse(out_fine, out_coarse, gate, c):

@@ -160,6 +160,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, HAS_INIT=has_init)
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args):
@@ -169,6 +170,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(qk_scale=0.18, sm_scale=0.125, **strides, **tail_args)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
         const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):

@@ -1,9 +1,9 @@
 """torch.compile of the DiT with every attention backend gives the eager model's output and gradients.
 
-The sparse kernels are opaque to torch.compile (one graph break per call; see the pixdit.kernels docstring), and the
-model lays q, k, v out for them inside the compiled region. On CPU the check runs Dynamo + AOTAutograd without code
-generation (backend "aot_eager": no C++ compiler needed) over the kernels' PyTorch path; on CUDA it runs Inductor, the
-real ``compile=true`` of train.py, over the Triton kernels under bf16 autocast.
+The kernels are torch custom ops, opaque to torch.compile, which traces everything around them: the whole model
+compiles as one graph (``fullgraph=True``, no graph break; see the pixdit.kernels docstring). On CPU the check runs
+Dynamo + AOTAutograd without code generation (backend "aot_eager": no C++ compiler needed) over the kernels' PyTorch
+path; on CUDA it runs Inductor, the real ``compile=true`` of train.py, over the Triton kernels under bf16 autocast.
 
     .venv/bin/python -m pytest tests/test_compile.py            # CPU part
     .venv/bin/python -m pytest -m gpu tests/test_compile.py     # CUDA part
@@ -52,7 +52,7 @@ def check_compiled_matches_eager(attention: dict, device: str, backend: str, sid
     eager = live_model(attention, side, device)
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
-    compiled.compile(backend=backend)
+    compiled.compile(backend=backend, fullgraph=True)  # no graph break: the kernels are custom ops
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, side, side, generator=generator).to(device)
     t = (torch.rand(2, generator=generator) * 1000).to(device)

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from pixdit.kernels import block_mean, block_sparse_attention, blocks, csr_to_csc, flash_attention, topk_desc
+from pixdit.kernels import block_sparse as block_sparse_module
 from pixdit.kernels.topk import pooled_topk
 
 needs_interpreter = pytest.mark.skipif(
@@ -149,7 +150,13 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
 @pytest.mark.parametrize(
     "qb,kb,nq,tail", [(16, 16, 200, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0), (128, 64, 256, 0)]
 )
-def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail):
+# the Triton walks read short lists from registers (listed_ids) and long ones step by step: both, on the same lists
+@pytest.mark.parametrize("ids_in_registers", [True, False])
+def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, ids_in_registers, monkeypatch):
+    if impl == "torch" and not ids_in_registers:
+        pytest.skip("the PyTorch path walks no lists")
+    if not ids_in_registers:
+        monkeypatch.setattr(block_sparse_module, "LIST_IN_REGISTERS", 0)
     g = torch.Generator().manual_seed(3)
     b, h, d = 2, 2, 32
     nk = nq - tail  # partial last key block when tail > 0

@@ -1,0 +1,61 @@
+"""The kernels' torch custom ops: ``custom_op(name, mutates_args)`` registers a launcher as ``pixdit::name``.
+
+As custom ops, the launchers are opaque to torch.compile, which traces everything around them (see the package
+docstring); each comes with a fake-tensor rule (``register_fake``: output shapes and dtypes without running it) and
+declares the arguments it writes into. Only tracing needs the op: a plain eager call runs the launcher directly
+(``KernelOp``). The namespace is ``pixdit`` for the installed library; a second copy of the
+library loaded under another package name (two kernel versions interleaved in one process, scripts/kernel_ab.py)
+registers its ops under that name instead of clashing with the installed ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+NAMESPACE = "pixdit" if __package__ == "pixdit.kernels" else re.sub(r"\W", "_", __package__ or "kernels")
+
+
+class KernelOp:
+    """A launcher and its custom op (``.op``). Called, it goes through the op whenever something traces or
+    intercepts the call (torch.compile, a TorchDispatchMode such as FakeTensorMode or make_fx, a tensor subclass
+    such as DTensor) and runs the launcher directly otherwise: the same computation, without the custom op's
+    per-call cost in eager mode (its Python autograd and dispatch layers cost ~0.2 ms a call on the H200's host, which
+    made an eager LLSA forward+backward ~20% slower; docs/kernel_notes.md v16)."""
+
+    def __init__(self, launcher, op):
+        functools.update_wrapper(self, launcher)
+        self.launcher, self.op = launcher, op
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or _has_tensor_subclass(args, kwargs):
+            return self.op(*args, **kwargs)
+        return self.launcher(*args, **kwargs)
+
+    def register_fake(self, fn):
+        return self.op.register_fake(fn)
+
+
+def _has_tensor_subclass(args, kwargs) -> bool:
+    return any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in (*args, *kwargs.values()))
+
+
+def custom_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """``torch.library.custom_op`` in this library's namespace, wrapped in a ``KernelOp`` (a decorator).
+
+    Tagged ``needs_exact_strides``: Inductor must hand every op its inputs with the strides eager mode gives them.
+    The launchers index some inputs implicitly (LSE, Δ, lists, pooled gradients: contiguous rows), so a buffer that
+    Inductor padded for alignment (it pads rows of over 1,024 elements to 128 bytes on the GPU) or laid out in
+    another order would be read wrongly. Explicit, whatever the installed torch's default for custom ops is.
+    """
+
+    def wrap(launcher) -> KernelOp:
+        op = torch.library.custom_op(
+            f"{NAMESPACE}::{name}", mutates_args=mutates_args, tags=(torch.Tag.needs_exact_strides,)
+        )(launcher)
+        return KernelOp(launcher, op)
+
+    return wrap

@@ -1,0 +1,249 @@
+"""The Triton launchers are torch custom ops (``torch.ops.pixdit.*``): torch.compile traces every backend whole.
+
+Two checks, on CPU under the Triton interpreter and on the GPU:
+
+* every backend's Triton path compiles with ``fullgraph=True`` (no graph break anywhere: selection, glue, kernels)
+  and gives the eager call's output and gradients bit for bit (backend "aot_eager": Dynamo + AOTAutograd, which
+  run the ops' fake-tensor rules and functionalize their mutations);
+* ``torch.library.opcheck`` on every op as the backends call it (schema and declared mutations, the fake-tensor rule
+  against the real output's shape / dtype / strides, tracing with dynamic shapes).
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_custom_ops.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pixdit.kernels as K
+from pixdit.kernels.qk_norm_rope import qk_norm_rope
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def _lists(n_tiles: int, n_blocks: int, width: int, seed: int) -> torch.Tensor:
+    """[1, 1, n_tiles, width] distinct block ids per tile, one empty slot (-1) in the last tile."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.stack([torch.randperm(n_blocks, generator=g)[:width] for _ in range(n_tiles)]).to(torch.int32)
+    rows[-1, -1] = -1
+    return rows[None, None].to(DEVICE)
+
+
+def _gate(q):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(q.shape, generator=g).to(DEVICE, DTYPE).requires_grad_(True)
+
+
+# name -> (number of tokens, call(q, k, v, extra) -> tensor or tuple of tensors, make_extra(q) -> extra arguments)
+CASES = {
+    "block_sparse": (
+        160,  # 10 query tiles of 16 over 5 key blocks of 32: a partial last block, and the LSE returned
+        lambda q, k, v, x: K.block_sparse_attention(
+            q, k, v, x[0], query_block=16, key_block=32, block_log_weights=x[1], return_lse=True, impl="triton"
+        ),
+        lambda q: [_lists(10, 5, 3, 0), torch.linspace(0.0, 1.0, 5, device=DEVICE)],
+    ),
+    "flash": (144, lambda q, k, v, x: K.flash_attention(q, k, v, impl="triton"), None),
+    "llsa": (
+        256,
+        lambda q, k, v, x: K.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton"),
+        None,
+    ),
+    "vsa": (
+        152,  # a partial last tile
+        lambda q, k, v, x: K.vsa_attention(q, k, v, block_size=16, topk=3, gate=x[0], impl="triton"),
+        lambda q: [_gate(q)],
+    ),
+    "sla": (
+        160,
+        lambda q, k, v, x: K.sla_attention(
+            q, k, v, block_size=16, topk=3, linear_scope="marginal", negligible_ratio=0.2, impl="triton"
+        ),
+        None,
+    ),
+}
+
+
+def _inputs(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, 32, generator=g).to(DEVICE, DTYPE).requires_grad_(True) for _ in range(3)]  # q, k, v
+
+
+def _loss(out) -> torch.Tensor:
+    parts = out if isinstance(out, tuple) else (out,)
+    return sum((p.float() * torch.linspace(-1, 1, p.shape[-1], device=p.device)).square().sum() for p in parts)
+
+
+def _run(fn, q, k, v, extra):
+    leaves = [q, k, v, *(x for x in extra if x.requires_grad)]
+    for t in leaves:
+        t.grad = None
+    out = fn(q, k, v, extra)
+    _loss(out).backward()
+    outs = out if isinstance(out, tuple) else (out,)
+    return [o.detach().clone() for o in outs], [t.grad.clone() for t in leaves]
+
+
+def _close(a, b, exact: bool) -> bool:
+    if exact:
+        return torch.equal(a, b)
+    tolerance = 1e-5 if a.dtype == torch.float32 else 2e-2  # bf16 outputs: a rounding step apart at most
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item() < tolerance
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fullgraph_compile_matches_eager(name, backend):
+    """aot_eager runs the traced graph op by op: bit for bit. Inductor generates code for the traced glue (the
+    real compile=true; on CPU it needs a C++ compiler) and may sum in another order: close."""
+    if backend == "inductor" and DEVICE == "cpu" and shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("Inductor's CPU code generation needs a C++ compiler (g++ or $CXX)")
+    check_fullgraph(name, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CASES))
+def test_fullgraph_compile_gpu(name):
+    check_fullgraph(name, "inductor")
+
+
+def check_fullgraph(name: str, backend: str):
+    n, call, make_extra = CASES[name]
+    q, k, v = _inputs(n)
+    extra = make_extra(q) if make_extra else []
+    outs_ref, grads_ref = _run(call, q, k, v, extra)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend=backend, fullgraph=True)
+    outs, grads = _run(compiled, q, k, v, extra)
+    exact = backend == "aot_eager"
+    for a, b in zip(outs, outs_ref, strict=True):
+        assert _close(a, b, exact), f"{name}: compiled output differs from eager"
+    for i, (a, b) in enumerate(zip(grads, grads_ref, strict=True)):
+        assert b.abs().max() > 0, f"{name}: input {i} gets no gradient: the check would be vacuous"
+        assert _close(a, b, exact), f"{name}: compiled gradient of input {i} differs from eager"
+
+
+# name -> call, and two token counts: one graph compiled with dynamic shapes serves both (validation batches, a
+# sweep over image sizes in one process); selection counts that depend on the size are specialized, not traced.
+DYNAMIC = {
+    "flash": (lambda q, k, v: K.flash_attention(q, k, v, impl="triton"), (144, 200)),
+    "llsa": (
+        lambda q, k, v: K.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton"),
+        (256, 512),
+    ),
+    "vsa": (lambda q, k, v: K.vsa_attention(q, k, v, block_size=16, topk_ratio=0.3, impl="triton"), (152, 200)),
+    "sla": (
+        lambda q, k, v: K.sla_attention(
+            q, k, v, block_size=16, topk=3, linear_scope="marginal", negligible_ratio=0.2, impl="triton"
+        ),
+        (160, 208),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC))
+def test_dynamic_shapes_compile_matches_eager(name):
+    call, sizes = DYNAMIC[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True, dynamic=True)
+    for n in sizes:
+        q, k, v = _inputs(n)
+        outs_ref, grads_ref = _run(lambda q, k, v, x: call(q, k, v), q, k, v, [])
+        outs, grads = _run(lambda q, k, v, x: compiled(q, k, v), q, k, v, [])
+        for a, b in zip(outs + grads, outs_ref + grads_ref, strict=True):
+            assert torch.equal(a, b), f"{name} at {n} tokens: the dynamic-shape graph differs from eager"
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records every ``pixdit::`` op call with detached copies of its arguments (taken before the call: some ops
+    write into theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "pixdit" and func not in self.calls:
+            copy = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+            self.calls[func] = copy
+        return func(*args, **kwargs)
+
+
+def _recorded_calls():
+    mode = _RecordOps()
+    with mode:
+        for n, call, make_extra in CASES.values():
+            q, k, v = _inputs(n)
+            _run(call, q, k, v, make_extra(q) if make_extra else [])
+        # qkv dense but not contiguous (tokens-major memory): the fake rules must give the real outputs' strides
+        qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
+        angles = torch.rand(16, 4, device=DEVICE)
+        out = qk_norm_rope(qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton")
+        _loss(out).backward()
+    return mode.calls
+
+
+OPS = [
+    "bsa_forward",
+    "bsa_backward_dq",
+    "bsa_backward_dkdv",
+    "pooled_topk",
+    "vsa_combine",
+    "vsa_combine_backward",
+    "linear_forward",
+    "linear_global_grads",
+    "linear_dk_dv",
+    "sla_backward_dq",
+    "qk_norm_rope",
+    "qk_norm_rope_backward",
+]
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return _recorded_calls()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_opcheck(recorded, op, device):
+    if device != DEVICE:
+        pytest.skip(f"the ops run on {DEVICE} here")
+    matches = [f for f in recorded if f.name().split("::")[1].split(".")[0] == op]
+    assert matches, f"pixdit::{op} was not called by any backend: the check would be vacuous"
+    args, kwargs = recorded[matches[0]]
+    torch.library.opcheck(matches[0], args, kwargs)
+
+
+def test_every_op_is_checked():
+    registered = {name for name in dir(torch.ops.pixdit) if not name.startswith("_")} - {"name"}
+    assert registered == set(OPS), f"ops without an opcheck: {registered - set(OPS)}; stale: {set(OPS) - registered}"
+
+
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_it(monkeypatch):
+    """A plain eager call runs the launcher itself; under a dispatch mode (what make_fx and FakeTensorMode use) the
+    call goes through the op, so tracing sees it."""
+    from pixdit.kernels import block_sparse
+
+    kernel_op = block_sparse._bsa_forward_op
+    seen = []
+    monkeypatch.setattr(kernel_op, "op", lambda *a, **k: seen.append("op") or kernel_op.launcher(*a, **k))
+    n, call, make_extra = CASES["block_sparse"]
+    q, k, v = _inputs(n)
+    extra = make_extra(q)
+    with torch.no_grad():
+        eager = call(q, k, v, extra)
+        assert seen == [], "an eager call went through the custom op"
+        with _RecordOps():
+            traced = call(q, k, v, extra)
+    assert seen == ["op"], "a call under a dispatch mode skipped the custom op"
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
