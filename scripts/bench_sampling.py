@@ -25,14 +25,19 @@ from pathlib import Path
 
 import torch
 
-from pixdit.attention.variants import parse_variant
-from pixdit.errors import PixditError
-from pixdit.eval.sampling import auto_batch_size, sampling_model
-from pixdit.files import atomic_write, write_json
-from pixdit.flow import RectifiedFlow
-from pixdit.models import DIT_MODELS, build_model
-from pixdit.report import markdown_table, time_median
-from pixdit.runtime import PRECISIONS, autocast
+if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel library before pixdit imports it
+    from kernel_ab import apply_from_argv
+
+    apply_from_argv(sys.argv)
+
+from pixdit.attention.variants import parse_variant  # noqa: E402
+from pixdit.errors import PixditError  # noqa: E402
+from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
+from pixdit.files import atomic_write, write_json  # noqa: E402
+from pixdit.flow import RectifiedFlow  # noqa: E402
+from pixdit.models import DIT_MODELS, build_model  # noqa: E402
+from pixdit.report import markdown_table, time_median  # noqa: E402
+from pixdit.runtime import PRECISIONS, autocast  # noqa: E402
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
 FID_SAMPLES = 50_000  # the samples of the papers' FID protocol; "50k h" = their sampling time on one device
@@ -65,6 +70,12 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="write bench_sampling.md/.json/.png into this folder")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
+    parser.add_argument(
+        "--kernels-from",
+        default=None,
+        metavar="DIR",
+        help="sample with the kernel library in DIR (another commit's kernels/) instead of the installed one",
+    )
     return parser.parse_args(argv)
 
 
