@@ -207,15 +207,31 @@ class _QKNormRope(torch.autograd.Function):
         return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None
 
 
-# The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). The forward
-# returns q, k, v stacked ``[3, b, heads, n, head_dim]``.
+# The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). Each op's
+# outputs are allocated by one function that its fake-tensor rule returns too, so the two cannot disagree on a shape
+# or a layout.
+def _forward_out(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """q, k, v stacked ``[3, b, heads, n, head_dim]`` in qkv's dtype."""
+    b, n, width = qkv.shape
+    return qkv.new_empty((3, b, num_heads, n, width // (3 * num_heads)))
+
+
+def _backward_out(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d qkv (contiguous ``[b, n, width]``, whatever qkv's layout) and the weights' per-program partial gradients
+    (fp32 ``[2, b * heads, programs, head_dim]``)."""
+    b, n, width = qkv.shape
+    programs = _grid(b, n, num_heads)[0]
+    dw_partial = qkv.new_empty((2, b * num_heads, programs, width // (3 * num_heads)), dtype=torch.float32)
+    return qkv.new_empty((b, n, width)), dw_partial
+
+
 @custom_op("qk_norm_rope")
 def _qk_norm_rope_op(
     qkv: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float
 ) -> torch.Tensor:
-    b, n, width = qkv.shape
-    head_dim = width // (3 * num_heads)
-    out = torch.empty(3, b, num_heads, n, head_dim, device=qkv.device, dtype=qkv.dtype)
+    b, n, _ = qkv.shape
+    out = _forward_out(qkv, num_heads)
+    head_dim = out.shape[-1]
     _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads)](
         qkv,
         weights,
@@ -236,11 +252,10 @@ def _qk_norm_rope_op(
 
 @_qk_norm_rope_op.register_fake
 def _(qkv, weights, cos, sin, num_heads, eps):
-    b, n, width = qkv.shape
-    return qkv.new_empty((3, b, num_heads, n, width // (3 * num_heads)))
+    return _forward_out(qkv, num_heads)
 
 
-# Returns (d qkv, the weights' per-program partial gradients fp32 [2, b * heads, programs, head_dim]).
+# Returns ``_backward_out``'s two tensors, filled.
 @custom_op("qk_norm_rope_backward")
 def _qk_norm_rope_backward_op(
     qkv: torch.Tensor,
@@ -253,12 +268,10 @@ def _qk_norm_rope_backward_op(
     num_heads: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, n, width = qkv.shape
-    head_dim = width // (3 * num_heads)
-    grid = _grid(b, n, num_heads)
-    dqkv = torch.empty(b, n, width, device=qkv.device, dtype=qkv.dtype)
-    dw_partial = torch.empty(2, b * num_heads, grid[0], head_dim, device=qkv.device, dtype=torch.float32)
-    _qk_norm_rope_bwd_kernel[grid](
+    b, n, _ = qkv.shape
+    dqkv, dw_partial = _backward_out(qkv, num_heads)
+    head_dim = dw_partial.shape[-1]
+    _qk_norm_rope_bwd_kernel[_grid(b, n, num_heads)](
         qkv,
         weights,
         cos,
@@ -284,10 +297,7 @@ def _qk_norm_rope_backward_op(
 
 @_qk_norm_rope_backward_op.register_fake
 def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps):
-    b, n, width = qkv.shape
-    head_dim = width // (3 * num_heads)
-    programs = triton.cdiv(n, ROWS_PER_PROGRAM)
-    return qkv.new_empty((b, n, width)), qkv.new_empty((2, b * num_heads, programs, head_dim), dtype=torch.float32)
+    return _backward_out(qkv, num_heads)
 
 
 def qk_norm_rope(

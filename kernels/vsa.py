@@ -304,15 +304,24 @@ class _GatedCombine(torch.autograd.Function):
         return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None
 
 
-def _combine_dtype(fine, coarse, gate):
+# The two gated-sum launches as custom ops. Each op's outputs are allocated by one function that its fake-tensor rule
+# returns too, so the two cannot disagree on a shape or a dtype.
+def _combine_out(fine, coarse, gate) -> torch.Tensor:
+    """The gated sum, ``fine``'s shape in the promoted dtype of the inputs."""
     dtypes = [fine.dtype, coarse.dtype] + ([gate.dtype] if gate is not None else [])
-    return functools.reduce(torch.promote_types, dtypes)
+    return fine.new_empty(fine.shape, dtype=functools.reduce(torch.promote_types, dtypes))
+
+
+def _combine_backward_out(go, coarse, gate, gate_grad: bool) -> list[torch.Tensor]:
+    """``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient)."""
+    d_coarse = torch.empty_like(coarse)
+    return [d_coarse, go.new_empty(go.shape, dtype=gate.dtype)] if gate_grad else [d_coarse]
 
 
 @custom_op("vsa_combine")
 def _combine_op(fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int) -> torch.Tensor:
     b, h, n, d = fine.shape
-    out = torch.empty(b, h, n, d, device=fine.device, dtype=_combine_dtype(fine, coarse, gate))
+    out = _combine_out(fine, coarse, gate)
     _combine_fwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
         fine,
         coarse,
@@ -332,23 +341,22 @@ def _combine_op(fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | N
 
 @_combine_op.register_fake
 def _(fine, coarse, gate, c):
-    return fine.new_empty(fine.shape, dtype=_combine_dtype(fine, coarse, gate))
+    return _combine_out(fine, coarse, gate)
 
 
-# Returns ``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient).
+# Returns ``_combine_backward_out``'s list, filled.
 @custom_op("vsa_combine_backward")
 def _combine_backward_op(
     go: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int, gate_grad: bool
 ) -> list[torch.Tensor]:
     b, h, n, d = go.shape
-    d_coarse = torch.empty_like(coarse)
-    d_gate = torch.empty(go.shape, device=go.device, dtype=gate.dtype) if gate_grad else None
+    grads = _combine_backward_out(go, coarse, gate, gate_grad)
     _combine_bwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
         go,
         coarse,
         gate if gate is not None else go,
-        d_gate if gate_grad else go,
-        d_coarse,
+        grads[1] if gate_grad else go,
+        grads[0],
         n,
         coarse.shape[2],
         h,
@@ -359,13 +367,12 @@ def _combine_backward_op(
         HAS_GATE=gate is not None,
         GATE_GRAD=gate_grad,
     )
-    return [d_coarse, d_gate] if gate_grad else [d_coarse]
+    return grads
 
 
 @_combine_backward_op.register_fake
 def _(go, coarse, gate, c, gate_grad):
-    d_coarse = torch.empty_like(coarse)
-    return [d_coarse, go.new_empty(go.shape, dtype=gate.dtype)] if gate_grad else [d_coarse]
+    return _combine_backward_out(go, coarse, gate, gate_grad)
 
 
 def _add_coarse(out_fine, out_coarse, gate, c):
