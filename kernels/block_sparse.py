@@ -315,6 +315,13 @@ def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, PREC: tl.constexpr):
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
 
+# 16-row blocks in the backward. Hopper's wgmma needs >= 64 rows in the M dimension of a dot; a dot with 16 rows in M
+# runs on the older mma.sync, whose operands pass through registers (ldmatrix). The query-major dq of 16-row query
+# blocks and the key-major dk/dv of 16-key blocks therefore compute their products transposed, with the rows they
+# walk (64 gathered keys, or a 64-row query step) in M and their own 16 rows in N: S^T = K Q^T, dQ^T += K^T dS^T in
+# dq; S = Q K^T, dV^T += dO^T P, dK^T += Q^T dS in dk/dv. Same products, the same fp32 sums: bit for bit the gradients
+# of the untransposed form, measured 1.04-1.08x faster for LLSA's forward + backward (docs/kernel_notes.md, v17). The
+# forward keeps its 16 rows in M: transposed, its online softmax reduces across warps every step (measured slower).
 @triton.jit
 def _dq_kernel(
     Q,
@@ -376,6 +383,7 @@ def _dq_kernel(
     else:
         delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for blocks of < 64 rows
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
@@ -398,11 +406,23 @@ def _dq_kernel(
             )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            if HAS_LOGW:
-                w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-                s += w[None, :] * 1.4426950408889634
-            dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
+            if BLOCK_M < 64:  # rows in N: see the note on 16-row blocks above _dq_kernel
+                st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+                if HAS_LOGW:
+                    w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+                    st += w[:, None] * 1.4426950408889634
+                pt = tl.where(k_ok[:, None] & row_ok[None, :], tl.math.exp2(st - lse2[None, :]), 0.0)
+                dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+                dst = pt * (dpt - delta[None, :])
+                dqt += tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=PREC)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                if HAS_LOGW:
+                    w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+                    s += w[None, :] * 1.4426950408889634
+                dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
+        if BLOCK_M < 64:
+            dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
         toff = tl.arange(0, TAIL_STEP)
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):
@@ -487,6 +507,8 @@ def _dkdv_kernel(
     s1 = tl.minimum(s0 + chunk, end)
     dk = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
     dv = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
+    dkt = tl.zeros([HEAD_DIM, KEY_ROWS], tl.float32)  # dk, dv transposed, for groups of < 64 keys
+    dvt = tl.zeros([HEAD_DIM, KEY_ROWS], tl.float32)
     roff = tl.arange(0, QROWS)
     slot = roff // QUERY_BLOCK
     rows_base = ROWS + bh * stride_rb
@@ -513,16 +535,31 @@ def _dkdv_kernel(
             do = tl.load(DO + do_offs, mask=r_ok[:, None], other=0.0)
             lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        if HAS_LOGW:
-            st += w[:, None]
-        pt = tl.math.exp2(st - lse2[None, :])
-        if PER_ITER > 1 or not EVEN_Q:
-            pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        if KEY_ROWS < 64:  # keys in N: see the note on 16-row blocks above _dq_kernel
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            if HAS_LOGW:
+                s += w[None, :]
+            p = tl.math.exp2(s - lse2[:, None])
+            if PER_ITER > 1 or not EVEN_Q:
+                p = tl.where(r_ok[:, None] & k_ok[None, :], p, 0.0)
+            dvt += tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dkt += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PREC)
+        else:
+            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            if HAS_LOGW:
+                st += w[:, None]
+            pt = tl.math.exp2(st - lse2[None, :])
+            if PER_ITER > 1 or not EVEN_Q:
+                pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    if KEY_ROWS < 64:
+        dk = tl.trans(dkt)
+        dv = tl.trans(dvt)
     dk = dk * sm_scale
     if HAS_ADD:  # mean-pool adjoint: + (gradient of the pooled token that contains this key) / (its block's real keys)
         kblk = krow // KEY_BLOCK

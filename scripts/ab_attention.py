@@ -10,6 +10,7 @@ on the same inputs, and reports the median of the rounds' ``do_bench`` medians a
     git archive HEAD~1 kernels | tar -x -C /tmp/base
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --cases vsa:256 sla:256
+    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
 A case is ``METHOD:SIDE[:X]`` (tokens = SIDE², blocks of 16, head_dim 64): ``llsa:256:2`` is LLSA with K = 8 and
@@ -26,7 +27,7 @@ import torch
 from kernel_ab import load_kernels_as
 
 import pixdit.kernels as current
-from pixdit.report import markdown_table
+from pixdit.report import kernel_ms, markdown_table
 
 
 def parse_args(argv=None):
@@ -44,8 +45,16 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="CPU check: 32^2 cases, 2 rounds, tiny heads")
+    p.add_argument(
+        "--kernel-time",
+        action="store_true",
+        help="time the GPU kernels of each call (torch.profiler), without the host path (at 256^2 an eager sparse "
+        "call is host-bound, so eager times mix the kernels with Python)",
+    )
     args = p.parse_args(argv)
     args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
+    if args.kernel_time and not args.device.startswith("cuda"):
+        raise SystemExit(f"--kernel-time times CUDA kernels, got --device {args.device}; drop --kernel-time")
     if args.quick:
         args.tokens_total, args.heads, args.head_dim, args.rounds = 1024, 1, 16, 2
         args.cases = [parse_case(case) for case in ("llsa:32:1", "vsa:32:2")]
@@ -98,6 +107,7 @@ def main(argv=None) -> list[dict]:
     base = load_kernels_as(args.kernels_from, "pixdit_kernels_base")
     time_ms = timer(args)
     times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]
+    results = {}  # (case, version) -> output and gradients of round 0, to compare the two versions
     for round_ in range(args.rounds):
         for case in args.cases:
             method, side, x = case
@@ -119,7 +129,13 @@ def main(argv=None) -> list[dict]:
                 def forward_backward(forward=forward):
                     return torch.autograd.grad(forward(), (q, k, v), do)
 
-                entry = (time_ms(forward, 100), time_ms(forward_backward, 200))
+                if round_ == 0:
+                    out = forward()
+                    results[(case, version)] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+                if args.kernel_time:
+                    entry = (kernel_ms(forward), kernel_ms(forward_backward))
+                else:
+                    entry = (time_ms(forward, 100), time_ms(forward_backward, 200))
                 times.setdefault((case, version), []).append(entry)
     rows = []
     for case in args.cases:
@@ -131,6 +147,13 @@ def main(argv=None) -> list[dict]:
             spread = [t[i] for t in times[(case, "before")] + times[(case, "after")]]
             row |= {f"before {what} ms": before, f"after {what} ms": after, f"{what} speed-up": before / after}
             row[f"{what} spread ms"] = f"{min(spread):.3f}-{max(spread):.3f}"
+        # the two versions should compute the same function: the largest difference of the output and the
+        # gradients, relative to the largest value (0 = bit for bit; bf16 rounding is ~4e-3)
+        pairs = zip(results[(case, "before")], results[(case, "after")])
+        row["max rel. diff o, dq, dk, dv"] = ", ".join(
+            f"{((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item():.1e}"
+            for a, b in pairs
+        )
         rows.append(row)
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
     return rows

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from pixdit.report import time_median
+from pixdit.report import kernel_ms, time_median
 
 
 def make_sdpa(args, q, k, v):
@@ -157,21 +157,7 @@ BACKENDS = {
 }
 
 
-def cuda_graph(fn):
-    """Capture ``fn`` (warmed up on a side stream first, as torch.cuda.graphs requires); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def bench_one(fn, q, k, v, quick, graph=False):
+def bench_one(fn, q, k, v, quick, kernel_time=False):
     warm, rep = (10, 30) if quick else (25, 100)  # calls
     o = fn()
     do = torch.randn_like(o)
@@ -184,16 +170,11 @@ def bench_one(fn, q, k, v, quick, graph=False):
     with torch.no_grad():
         t_fwd = 1000 * time_median(fn, warm, rep, q.device)[0]
     t_fb = 1000 * time_median(fwd_bwd, warm, rep, q.device)[0]
-    if graph:  # the same calls replayed from a CUDA graph: eager minus graph = host and launch overhead
-        parts = []
-        for name, call, eager in (("fwd", fn, t_fwd), ("fwd+bwd", fwd_bwd, t_fb)):
-            try:
-                with torch.set_grad_enabled(name != "fwd"):
-                    replayed = 1000 * time_median(cuda_graph(call), warm, rep, q.device)[0]
-                parts.append(f"{name} {replayed:.3f} ms (eager {eager:.3f})")
-            except Exception as err:  # capture needs no host syncs; say why it failed instead of stopping the run
-                parts.append(f"{name} capture failed ({type(err).__name__}: {str(err).splitlines()[0][:150]})")
-        print("  cuda graph: " + "; ".join(parts))
+    if kernel_time:  # the kernels alone: eager minus this = the host path's share
+        with torch.no_grad():
+            fwd_gpu = kernel_ms(fn)
+        fb_gpu = kernel_ms(fwd_bwd)
+        print(f"  kernel time: fwd {fwd_gpu:.3f} ms (eager {t_fwd:.3f}); fwd+bwd {fb_gpu:.3f} ms (eager {t_fb:.3f})")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -238,7 +219,7 @@ def run(args):
             for label, fn, T in BACKENDS[name](args, q, k, v):
                 if label.startswith("flash") and N > args.max_dense_ours:
                     continue
-                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick, graph=args.graph)
+                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick, kernel_time=args.kernel_time)
                 if args.profile and label.split()[0] in ("llsa", "vsa", "sla", "block_sparse", "flex"):
                     profile(fn, q, k, v, f"{label} at {side}^2")
                 if label == "sdpa":
@@ -338,10 +319,10 @@ def main(argv=None):
     )
     p.add_argument("--label", default="", help="suffix for every row's backend name (e.g. 'base' in an A/B run)")
     p.add_argument(
-        "--graph",
+        "--kernel-time",
         action="store_true",
-        help="also time each row's forward and forward+backward replayed from CUDA graphs (what is left is GPU time, "
-        "not host overhead: at 256² an eager sparse call is host-bound)",
+        help="also print each row's GPU kernel time per forward and forward+backward (torch.profiler), without the "
+        "host path: at 256² an eager sparse call is host-bound",
     )
     p.add_argument(
         "--llsa-coarse-tile",

@@ -31,6 +31,14 @@ def test_ab_attention_quick_cpu():
     header, rule, llsa, vsa = run.stdout.strip().splitlines()[-4:]
     assert "before fwd ms" in header and "after fwd+bwd ms" in header
     assert llsa.startswith("| llsa | 32² | L=1 |") and vsa.startswith("| vsa | 32² | K=2 |")
+    # the same library on both sides: output and gradients equal, so the comparison column reads all zeros
+    assert "max rel. diff o, dq, dk, dv" in header
+    assert llsa.endswith("| 0.0e+00, 0.0e+00, 0.0e+00, 0.0e+00 |") and vsa.endswith("0.0e+00, 0.0e+00 |")
+
+
+def test_ab_attention_kernel_time_needs_cuda():
+    run = ab_attention("kernels", "--kernel-time")
+    assert run.returncode != 0 and "--kernel-time times CUDA kernels, got --device cpu" in run.stderr
 
 
 def test_ab_attention_names_a_missing_library():

@@ -19,6 +19,29 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def kernel_ms(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> float:
+    """GPU time of ``fn()`` in milliseconds per call: the summed durations of the CUDA kernels, copies and fills it
+    launches (torch.profiler over ``calls`` calls after ``warmup``). Host work and the gaps it leaves between
+    kernels are not counted, so this is the kernels' speed where an eager call is host-bound. (A CUDA-graph replay
+    would measure the same without a profiler, but capturing an autograd backward fails on the H200 image with
+    torch 2.11: "operation failed due to a previous error during capture", for SDPA's backward as for ours.)"""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if device_us == 0:
+        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
+    return device_us / calls / 1000
+
+
 def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tuple[float, float]:
     """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls, and the peak GPU memory (GB) during
     the timed calls (nan on CPU). On CUDA the calls run back to back, each between two CUDA events, with one
