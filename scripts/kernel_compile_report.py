@@ -10,8 +10,8 @@ a register jump that costs occupancy, or a jump in compile time shows here first
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
-levels: 64-row tiles over the bank, the coarsest level as a dense tail), for each number of warps and pipeline
-stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
+levels: 64-row tiles over the bank, the coarsest level as a dense tail), and SLA's dq and linear dk/dv kernels at
+256^2 (K = 32), for each number of warps and pipeline stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
 the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend
 on the Triton version (the two-pass row kernel: 216 with Triton 3.8, 141 with 3.6, the same source), so for a
@@ -30,9 +30,10 @@ import tempfile
 import time
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from pixdit.kernels import block_sparse, topk
+from pixdit.kernels import block_sparse, linear_attention, sla_triton, topk
 from pixdit.report import markdown_table
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
@@ -182,6 +183,25 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
 
+    def sla_dq(k_top, n_neg):  # SLA's dq kernel: 16-row blocks over K critical and n_neg negligible blocks
+        p = "*bf16"
+        args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, O_L=p)
+        args |= dict(INV_DEN="*fp32", DELTA_L="*fp32", KV_TOTAL="*fp32", Z_TOTAL="*fp32", DQ=p, LIST="*i32")
+        args |= dict(NEG="*i32", stride_lb=(n // 16) * k_top, stride_lt=k_top, stride_nb=(n // 16) * n_neg)
+        args |= dict(stride_nt=n_neg, n=n, list_len=k_top, neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
+        const = dict(common, BLOCK=16, PER_ITER=4, FEATURE="softmax", EXCLUDE=True)
+        return args, const | dict(
+            LIST_SLOTS=block_sparse.list_slots(k_top, 4), NEG_SLOTS=block_sparse.list_slots(n_neg, 4)
+        )
+
+    def linear_dkdv(n_neg):  # the linear branch's key-major dk/dv over the CSC of the excluded blocks
+        p = "*bf16"
+        args = dict(PHI_Q=p, K=p, PHI_K=p, V=p, DO=p, INV_DEN="*fp32", DELTA="*fp32", D_KV_TOTAL="*fp32")
+        args |= dict(D_Z_TOTAL="*fp32", DK=p, DV=p, OFFSETS="*i32", ROWS="*i32", ADD_K="*fp32", ADD_V="*fp32")
+        args |= dict(stride_ob=n // 16 + 1, stride_rb=(n // 16) * n_neg, n=n)
+        const = dict(common, BLOCK=16, PER_ITER=4, FEATURE="softmax", EXCLUDE=True)
+        return args, const | dict(SCALED_DTYPE=tl.bfloat16, HAS_ADD=True)
+
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, True, tail)
     dq_pooled = dq(64, bank, 8, "*fp32", False, True, True, tail)
@@ -194,6 +214,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
         ("dkdv pooled candidates", block_sparse._dkdv_kernel, *dkdv(64, bank, 1, 1, True, False)),
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
+        # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own two list-walking kernels
+        ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
+        ("sla linear dkdv (16-key blocks)", linear_attention._dk_dv_kernel, *linear_dkdv(64)),
     ]
     for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
         want = constexpr_names(fn)

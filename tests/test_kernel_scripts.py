@@ -57,7 +57,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("one-shot", *report["one_shot_variant"](64, 256)[:3]))
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
-    assert len(variants) == 10
+    assert len(variants) == 12
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
