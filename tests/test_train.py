@@ -390,6 +390,30 @@ def load_bench_train(h, monkeypatch):
     return bench
 
 
+def test_bench_train_memory_budget(h, monkeypatch):
+    """--memory-budget: checked before anything runs (it needs --compile and a fraction in (0, 1]), then set as the
+    partitioner's budget for the compiled step and named in the settings line."""
+    import torch._functorch.config
+
+    bench = load_bench_train(h, monkeypatch)
+    with pytest.raises(SystemExit, match="--memory-budget applies to the compiled step: add --compile"):
+        bench.main(["--device", "cpu", "--quick", "--memory-budget", "0.9"])
+    with pytest.raises(SystemExit, match=r"--memory-budget must be in \(0, 1\].*got 1.5"):
+        bench.main(["--device", "cpu", "--quick", "--compile", "--memory-budget", "1.5"])
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
+    seen = {}
+
+    def fake_run(args, *rest, **options):
+        seen["budget"] = torch._functorch.config.activation_memory_budget
+        seen["settings"] = bench.settings_line(args, [bench.parse_model("DiT-S")], [False])
+        return []
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "markdown", lambda rows: "")
+    bench.main(["--device", "cpu", "--quick", "--compile", "--memory-budget", "0.7"])
+    assert seen["budget"] == 0.7 and "compile=True, activation memory budget 0.7," in seen["settings"]
+
+
 def test_bench_train_flops_count_the_attended_tokens(h, monkeypatch):
     """MFU's model FLOPs: 6 x the per-token parameters (not the adaLN / embedders, which run once per image) x tokens
     + 3 x 4 x tokens x keys per query x hidden per block, with the backend's own keys per query: a sparse backend is
