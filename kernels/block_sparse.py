@@ -315,6 +315,16 @@ def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, PREC: tl.constexpr):
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
 
+@triton.jit
+def gathered_dq_step_t(st, k, v, do, lse2, delta, ok_t, dqt, PREC: tl.constexpr):
+    """gathered_dq_step transposed, for query blocks of < 64 rows (see the note below): ``st`` = the base-2 logits
+    [keys, rows], ``ok_t`` its mask, ``dqt`` = dq^T [d, rows]."""
+    pt = tl.where(ok_t, tl.math.exp2(st - lse2[None, :]), 0.0)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    return dqt + tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=PREC)
+
+
 # 16-row blocks in the backward. Hopper's wgmma needs >= 64 rows in the M dimension of a dot; a dot with 16 rows in M
 # runs on the older mma.sync, whose operands pass through registers (ldmatrix). The query-major dq of 16-row query
 # blocks and the key-major dk/dv of 16-key blocks therefore compute their products transposed, with the rows they
@@ -411,10 +421,7 @@ def _dq_kernel(
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     st += w[:, None] * 1.4426950408889634
-                pt = tl.where(k_ok[:, None] & row_ok[None, :], tl.math.exp2(st - lse2[None, :]), 0.0)
-                dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-                dst = pt * (dpt - delta[None, :])
-                dqt += tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=PREC)
+                dqt = gathered_dq_step_t(st, k, v, do, lse2, delta, k_ok[:, None] & row_ok[None, :], dqt, PREC)
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 if HAS_LOGW:
