@@ -9,7 +9,11 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention full llsa vsa --sizes 128 256 512 --batch 8
     python scripts/bench_sampling.py --attention llsa:num_levels=2 --sizes 256 --batch 64 --compile   # a variant
     python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
+    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
+
+--gelu both times every variant twice in one process: with the MLP's fc1 + GELU as one cuBLASLt call (what sampling
+uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
 
 Each row also says what the sampling of a 50,000-image FID costs on one such device ("50k h": hours at --steps
 Euler steps; the Inception pass over the samples is not included). With --out DIR: bench_sampling.md (rewritten
@@ -36,6 +40,7 @@ from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
+from pixdit.models.dit import Mlp  # noqa: E402
 from pixdit.report import markdown_table, time_median  # noqa: E402
 from pixdit.runtime import PRECISIONS, autocast  # noqa: E402
 
@@ -71,6 +76,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="write bench_sampling.md/.json/.png into this folder")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
     parser.add_argument(
+        "--gelu",
+        default="fused",
+        choices=["fused", "separate", "both"],
+        help="the MLP's fc1 + GELU in sampling: one cuBLASLt call with the GELU in its epilogue (CUDA only), the two "
+        "separate ops, or both in one run (an A/B)",
+    )
+    parser.add_argument(
         "--kernels-from",
         default=None,
         metavar="DIR",
@@ -79,8 +91,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int, gelu: str) -> dict:
     device = torch.device(args.device)
+    Mlp.fuse_inference_gelu = gelu == "fused"  # a class switch, read at trace time: set before compiling
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
     model = model.to(device).eval().requires_grad_(False)
@@ -104,12 +117,14 @@ def bench(args, attention: str, attention_config: dict, side: int) -> dict:
         "batch": batch,
         "steps": args.steps,
         "compiled": bool(args.compile and cuda),
+        "GELU": gelu if cuda else "separate",
         "batch s": seconds,
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
         "peak GB": peak_gb,
     }
     del sample, model, noise
+    Mlp.fuse_inference_gelu = True
     if cuda:
         torch.cuda.empty_cache()
     return result
@@ -129,6 +144,11 @@ def write_files(out: Path, command: str, settings: str, rows: list[dict]) -> Non
     write_json(out / "bench_sampling.json", {"command": command, "settings": settings, "rows": rows})
 
 
+def variant(row: dict) -> str:
+    """The row's attention variant, with the MLP's GELU named where it ran as separate ops."""
+    return row["attention"] + (" (separate GELU)" if row.get("GELU") == "separate" else "")
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """images/s and hours per 50k samples against the image side, one line per attention variant."""
     try:
@@ -144,10 +164,10 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, (ax_rate, ax_hours) = plt.subplots(1, 2, figsize=(11, 4.2))
     sides = sorted({int(r["size"].split("x")[0]) for r in done})
-    for index, attention in enumerate(dict.fromkeys(r["attention"] for r in done)):
-        mine = sorted((r for r in done if r["attention"] == attention), key=lambda r: int(r["size"].split("x")[0]))
+    for index, name in enumerate(dict.fromkeys(variant(r) for r in done)):
+        mine = sorted((r for r in done if variant(r) == name), key=lambda r: int(r["size"].split("x")[0]))
         x = [int(r["size"].split("x")[0]) for r in mine]
-        style = dict(marker="o", color=f"C{index % 10}", label=attention)
+        style = dict(marker="o", color=f"C{index % 10}", label=name)
         ax_rate.plot(x, [r["images/s"] for r in mine], **style)
         ax_hours.plot(x, [r["50k h"] for r in mine], **style)
     ax_rate.set_ylabel("images / s")
@@ -187,21 +207,29 @@ def main(argv=None) -> list[dict]:
         f"50k h = sampling hours of one such device for {FID_SAMPLES:,} images"
     )
     rows = []
+    gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
     for side in args.sizes:
         for attention in args.attention:
-            try:
-                rows.append(bench(args, attention, configs[attention], side))
-            except torch.OutOfMemoryError:
-                rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM"})
-                torch.cuda.empty_cache()
-            print(rows[-1], file=sys.stderr, flush=True)
-            if args.out:
-                write_files(args.out, command, settings, rows)
+            for gelu in gelus:
+                try:
+                    rows.append(bench(args, attention, configs[attention], side, gelu))
+                except torch.OutOfMemoryError:
+                    rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu})
+                    Mlp.fuse_inference_gelu = True
+                    torch.cuda.empty_cache()
+                print(rows[-1], file=sys.stderr, flush=True)
+                if args.out:
+                    write_files(args.out, command, settings, rows)
     print(f"\n{settings}\n")
     done = [r for r in rows if "images/s" in r]
     print(markdown(done) if done else "every setting ran out of memory")
     for side in args.sizes:
-        speed = {r["attention"]: r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
+        speed = {variant(r): r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
+        for name in args.attention if args.gelu == "both" else []:
+            if name in speed and f"{name} (separate GELU)" in speed:
+                print(
+                    f"{side}x{side} {name}: fused GELU {speed[name] / speed[f'{name} (separate GELU)']:.3f}x separate"
+                )
         if "full" in speed:
             print(
                 f"{side}x{side}: "

@@ -35,3 +35,13 @@ def test_bench_sampling_writes_its_files_and_the_cost_of_50k_samples(tmp_path, c
     saved = json.loads((out / "bench_sampling.json").read_text())
     assert [r["attention"] for r in saved["rows"]] == ["full", "llsa"] and "50k h" in saved["settings"]
     assert (out / "bench_sampling.png").stat().st_size > 0
+
+
+def test_bench_sampling_gelu_both_times_each_variant_twice_and_restores_the_switch(capsys):
+    from pixdit.models.dit import Mlp
+
+    script = runpy.run_path(str(SCRIPT))
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa", "--gelu", "both"])
+    assert [r["attention"] for r in rows] == ["full", "full", "llsa", "llsa"]
+    assert {r["GELU"] for r in rows} == {"separate"}  # the fused call exists on CUDA only
+    assert Mlp.fuse_inference_gelu is True

@@ -218,3 +218,58 @@ def test_shipped_model_configs_build(config):
     assert model.token_perm.device.type == "cpu"  # the cached token tables were not created on the meta device
     if config == "dit_s":
         assert sum(p.numel() for p in model.parameters()) == 32_466_051
+
+
+# --------------------------------------------------------------------------------- the MLP's fused inference GELU
+def _mlp_ops(grad: bool, device: str) -> set[str]:
+    """The aten ops of one Mlp forward, traced on fake tensors (a CUDA device needs no GPU here; autocast does, so
+    the dtype under autocast is checked by the GPU test below)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pixdit.models.dit import Mlp
+
+    with FakeTensorMode(), torch.device(device):
+        mlp, x = Mlp(16, 64), torch.empty(2, 5, 16)
+
+        def run(x):
+            with torch.set_grad_enabled(grad):
+                return mlp(x)
+
+        graph = make_fx(run)(x)
+    return {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+
+
+def test_mlp_fuses_gelu_only_for_cuda_inference():
+    fused = "aten._addmm_activation.default"
+    ops = _mlp_ops(grad=False, device="cuda")
+    assert fused in ops and "aten.gelu.default" not in ops
+    # training keeps the separate ops (the backward needs the pre-activation); on CPU the op's GELU is erf, not tanh
+    ops = _mlp_ops(grad=True, device="cuda")
+    assert fused not in ops and "aten.gelu.default" in ops
+    assert fused not in _mlp_ops(grad=False, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_inference_gelu_matches_the_separate_ops():
+    from pixdit.models.dit import Mlp
+
+    torch.manual_seed(0)
+    mlp = Mlp(384, 1536).cuda()
+    x = torch.randn(3, 4099, 384, device="cuda")  # rows not a multiple of any tile
+    exact = mlp.fc2.double()(torch.nn.functional.gelu(mlp.fc1.double()(x.double()), approximate="tanh"))
+    mlp.float()
+    errors = {}
+    for fused in (True, False):
+        Mlp.fuse_inference_gelu = fused
+        try:
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+                out = mlp(x)
+        finally:
+            Mlp.fuse_inference_gelu = True
+        assert out.dtype == torch.bfloat16
+        errors[fused] = ((out.double() - exact).abs().max() / exact.abs().max()).item()
+    # both are bf16 matmuls; the fused one rounds the pre-activation once less
+    assert errors[True] < 1.5 * errors[False] + 1e-3, errors
+    assert errors[True] < 2e-2, errors
