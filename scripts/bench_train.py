@@ -77,6 +77,7 @@ from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.report import markdown_table, time_median  # noqa: E402
+from pixdit.runtime import set_compile_memory_budget  # noqa: E402
 
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
 # The model's conditioning modules: they run once per image, not per token (not in the per-token FLOP count).
@@ -724,14 +725,10 @@ def main(argv=None) -> None:
             raise PixditError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
         if args.memory_budget is not None and not args.compile:
             raise PixditError("--memory-budget applies to the compiled step: add --compile (or drop --memory-budget)")
-        if args.memory_budget is not None and not 0 < args.memory_budget <= 1:
-            raise PixditError(f"--memory-budget must be in (0, 1] (1 = torch's default), got {args.memory_budget}")
+        if args.memory_budget is not None:  # read by AOTAutograd's partitioner when the step is compiled
+            set_compile_memory_budget(args.memory_budget, "--memory-budget")
     except PixditError as error:
         sys.exit(f"error: {error}")
-    if args.memory_budget is not None:  # read by AOTAutograd's partitioner when the step is compiled
-        from torch._functorch import config as functorch_config
-
-        functorch_config.activation_memory_budget = args.memory_budget
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
     torch.backends.cudnn.allow_tf32 = True
     command = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -398,9 +398,8 @@ def test_bench_train_memory_budget(h, monkeypatch):
     bench = load_bench_train(h, monkeypatch)
     with pytest.raises(SystemExit, match="--memory-budget applies to the compiled step: add --compile"):
         bench.main(["--device", "cpu", "--quick", "--memory-budget", "0.9"])
-    with pytest.raises(SystemExit, match=r"--memory-budget must be in \(0, 1\].*got 1.5"):
+    with pytest.raises(SystemExit, match=r"--memory-budget=1.5 must be a number in \(0, 1\]"):
         bench.main(["--device", "cpu", "--quick", "--compile", "--memory-budget", "1.5"])
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
     seen = {}
 
     def fake_run(args, *rest, **options):
@@ -410,7 +409,8 @@ def test_bench_train_memory_budget(h, monkeypatch):
 
     monkeypatch.setattr(bench, "run", fake_run)
     monkeypatch.setattr(bench, "markdown", lambda rows: "")
-    bench.main(["--device", "cpu", "--quick", "--compile", "--memory-budget", "0.7"])
+    with torch._functorch.config.patch(activation_memory_budget=1.0):  # the setting is process-wide: restored after
+        bench.main(["--device", "cpu", "--quick", "--compile", "--memory-budget", "0.7"])
     assert seen["budget"] == 0.7 and "compile=True, activation memory budget 0.7," in seen["settings"]
 
 
@@ -726,6 +726,27 @@ def test_fused_adamw_with_bf16_autocast_clips_gradients(h, tiny_shards, tmp_path
         results[fused] = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for name, value in results[True].items():
         torch.testing.assert_close(value, results[False][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_memory_budget_is_checked_set_and_warned_about(h, tiny_shards, tmp_path, caplog):
+    """compile_memory_budget: a number in (0, 1] or one error naming the key; set for the compiled step's partitioner;
+    a warning where nothing is compiled; the sweep's pre-flight check refuses a bad value before any run starts."""
+    import torch._functorch.config
+
+    from pixdit.cli import train
+    from pixdit.sweep import check_run_config
+
+    base = ["experiment=quickstart", "trainer=cpu", *h.tiny_model, *h.tiny_data(tiny_shards), "trainer.max_steps=1"]
+    for bad in ("0", "1.5", "abc", "true"):
+        cfg = h.compose([*base, f"compile_memory_budget={bad}"])
+        with pytest.raises(PixditError, match=r"compile_memory_budget=.* must be a number in \(0, 1\]"):
+            train.train(cfg, tmp_path / f"bad{bad}")
+        with pytest.raises(PixditError, match=r"compile_memory_budget=.* must be a number in \(0, 1\]"):
+            check_run_config(cfg)
+    with torch._functorch.config.patch(activation_memory_budget=1.0), caplog.at_level("WARNING", logger="pixdit"):
+        train.train(h.compose([*base, "compile_memory_budget=0.8"]), tmp_path / "run")
+        assert torch._functorch.config.activation_memory_budget == 0.8
+    assert "compile_memory_budget=0.8 has no effect: the model is not compiled" in caplog.text
 
 
 def test_compile_option():

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
 from pixdit.errors import PixditError
-from pixdit.runtime import is_rank_zero
+from pixdit.runtime import check_compile_memory_budget, is_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def image_size_of(cfg: DictConfig) -> int | tuple[int, int]:
 
 
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise PixditError if this run's config has a key nothing reads (``+foo=1``) or its model cannot be built:
+    """Raise PixditError if this run's config has a key nothing reads (``+foo=1``), a compile_memory_budget out of
+    range, or its model cannot be built:
     ``DiffusionModule.from_config`` as in pixdit-train, on the ``meta`` device, so every check the model, attention
     backend and kernels make runs, in ~0.1-1 s."""
     import torch
@@ -90,6 +91,7 @@ def check_run_config(cfg: DictConfig) -> None:
     from pixdit.module import DiffusionModule
 
     check_top_level_keys(cfg)
+    check_compile_memory_budget(cfg.get("compile_memory_budget", 1.0))
     with torch.device("meta"):
         # compile is lazy anyway; the compiled graph is not what we check
         DiffusionModule.from_config(cfg, image_size_of(cfg), compile=False)

@@ -56,7 +56,7 @@ from pixdit.config import check_top_level_keys, construct, plain, register_resol
 from pixdit.errors import PixditError
 from pixdit.files import remove_stale_temporaries
 from pixdit.rundir import is_fresh_run
-from pixdit.runtime import is_rank_zero, resolve_compile
+from pixdit.runtime import is_rank_zero, resolve_compile, set_compile_memory_budget
 
 CONFIG_MODULE = "pixdit.configs"
 PREEMPTED_EXIT_STATUS = 128 + 15  # what a shell reports for a process ended by SIGTERM: schedulers read it so
@@ -236,8 +236,13 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for fp32 matmuls on Ampere+ GPUs (bf16 autocast unaffected);
     torch.backends.cudnn.allow_tf32 = True  # CUDA-only flags: CPU numerics stay untouched
 
-    datamodule = construct(ShardDataModule, plain(cfg.data), "data")
     use_compile = resolve_compile(cfg.compile, str(cfg.trainer.get("accelerator", "auto")))
+    memory_budget = set_compile_memory_budget(cfg.compile_memory_budget)
+    if memory_budget < 1 and not use_compile:
+        log.warning(
+            "compile_memory_budget=%g has no effect: the model is not compiled (compile=%s)", memory_budget, cfg.compile
+        )
+    datamodule = construct(ShardDataModule, plain(cfg.data), "data")
     module = DiffusionModule.from_config(cfg, datamodule.resolution, compile=use_compile)
     if module.num_classes and module.num_classes != datamodule.num_classes:
         raise PixditError(
