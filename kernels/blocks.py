@@ -1,12 +1,9 @@
 """Shared building blocks of the sparse-attention kernels (LLSA, VSA, SLA and the dense `impl: triton` path).
 
-Everything here runs on CPU and CUDA and is deterministic; all but one are plain PyTorch:
+Everything here is plain PyTorch, runs on CPU and CUDA, and is deterministic:
 
 * ``block_mean(x, block_size)``            fp32 mean over consecutive blocks of tokens (a partial last block is
                                             averaged over its real tokens); ``block_mean_adjoint`` its gradient.
-                                            On CUDA one Triton kernel (``block_mean_triton``, a torch custom op)
-                                            reads x once at full bandwidth, where PyTorch's and Inductor's strided
-                                            reductions ran at about a third of it.
 * ``topk_desc(scores, k, ids=None)``        top-k ids by descending score, ties -> smaller id, bitwise reproducible.
 * ``csr_to_csc(index, num_cols)``           transpose of a per-row list of column ids (CSR) into per-column lists of
                                             row ids (CSC), rows ascending inside a column; no float atomics.
@@ -19,10 +16,6 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 
 import torch
-import triton
-import triton.language as tl
-
-from .ops import custom_op
 
 __all__ = ["block_mean", "block_mean_adjoint", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
 
@@ -58,52 +51,11 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def _block_mean_values(x: torch.Tensor, block_size: int) -> torch.Tensor:
     n, d = x.shape[-2], x.shape[-1]
     full = n // block_size
-    if x.is_cuda and full * block_size == n and n > 0 and block_size & (block_size - 1) == 0:
-        return block_mean_triton(x, block_size)
     if full * block_size == n:  # one reduction, fp32 accumulation without an fp32 copy of x
         return x.reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
     out = x[..., : full * block_size, :].reshape(*x.shape[:-2], full, block_size, d).mean(dim=-2, dtype=torch.float32)
     tail = x[..., full * block_size :, :].mean(dim=-2, keepdim=True, dtype=torch.float32)
     return torch.cat([out, tail], dim=-2)
-
-
-@triton.jit
-def _block_mean_kernel(
-    X, Y, n_blocks, stride_xb, stride_xn, dim, BLOCK: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr
-):
-    """GROUP consecutive blocks of BLOCK rows per program: one contiguous [GROUP * BLOCK, dim] read, fp32 sums."""
-    bh = tl.program_id(1).to(tl.int64)
-    blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-    rows = blocks.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUP, BLOCK]
-    dims = tl.arange(0, DIM)
-    ok = (blocks < n_blocks)[:, None] & (dims < dim)[None, :]
-    x = tl.load(X + bh * stride_xb + rows[:, :, None] * stride_xn + dims[None, None, :], mask=ok[:, None, :], other=0.0)
-    mean = tl.sum(x.to(tl.float32), axis=1) / BLOCK
-    tl.store(Y + (bh * n_blocks + blocks[:, None]) * dim + dims[None, :], mean, mask=ok)
-
-
-@custom_op("block_mean")
-def block_mean_triton(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``block_mean``'s values for a token count that is a multiple of ``block_size``: fp32 ``[..., n / block_size,
-    dim]``. The same sums as the PyTorch path in another order (a few fp32 ulps apart)."""
-    *lead, n, d = x.shape
-    xf = x.reshape(-1, n, d)
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    n_blocks = n // block_size
-    y = torch.empty(xf.shape[0], n_blocks, d, device=x.device, dtype=torch.float32)
-    width = triton.next_power_of_2(d)
-    group = max(1, min(triton.next_power_of_2(n_blocks), 8192 // (block_size * width)))  # ~16 KB of bf16 per program
-    grid = (triton.cdiv(n_blocks, group), xf.shape[0])
-    _block_mean_kernel[grid](
-        xf, y, n_blocks, xf.stride(0), xf.stride(1), d, BLOCK=block_size, GROUP=group, DIM=width, num_warps=4
-    )
-    return y.view(*lead, n_blocks, d)
-
-
-@block_mean_triton.register_fake
-def _(x, block_size):
-    return x.new_empty((*x.shape[:-2], x.shape[-2] // block_size, x.shape[-1]), dtype=torch.float32)
 
 
 class _BlockMean(torch.autograd.Function):

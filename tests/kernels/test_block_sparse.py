@@ -85,41 +85,6 @@ def test_block_mean_adjoint_equals_autograds_of_the_plain_mean_bit_for_bit(dtype
     assert got.dtype == dtype and torch.equal(got, want)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block,n,d", [(16, 48, 24), (16, 4096, 64), (32, 96, 16)])
-def test_block_mean_triton_matches_the_fp64_mean(dtype, block, n, d):
-    """The CUDA path's kernel (run here in the interpreter) against the fp64 mean, on a non-contiguous input with
-    two leading dims, a head dim that is no power of two, and more blocks than one program takes."""
-    from pixdit.kernels.blocks import block_mean_triton
-
-    x = torch.randn(2, n, 3, d, dtype=dtype, device=DEVICE).transpose(1, 2)  # [2, 3, n, d], not contiguous
-    got = block_mean_triton(x, block)
-    want = x.double().reshape(2, 3, n // block, block, d).mean(3)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_block_mean_takes_the_kernel_and_its_gradient_is_the_adjoint():
-    from pixdit.kernels import blocks
-
-    x = torch.randn(2, 6, 65536, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    calls = []
-    original = blocks.block_mean_triton
-    blocks.block_mean_triton = lambda *a: calls.append(a) or original(*a)
-    try:
-        m = block_mean(x, 16)
-    finally:
-        blocks.block_mean_triton = original
-    assert calls and m.dtype == torch.float32
-    torch.testing.assert_close(m.double(), x.detach().double().view(2, 6, 4096, 16, 64).mean(3), rtol=1e-6, atol=1e-6)
-    g = torch.randn_like(m)
-    (gx,) = torch.autograd.grad(m, x, g)
-    assert torch.equal(gx, (g / 16).repeat_interleave(16, dim=2).to(x.dtype))
-
-
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_pooled_topk_children_mode(impl):
     g = torch.Generator().manual_seed(2)
