@@ -154,11 +154,11 @@ class Mlp(nn.Module):
 
     Without autograd on CUDA (sampling, evaluation), fc1 and its GELU are one cuBLASLt matmul with the GELU in its
     epilogue (``torch._addmm_activation``, whose CUDA GELU is the tanh form): the 4x-wide hidden activation is
-    written once instead of written, read and written again, about a tenth of a sampling step at 256². Training
-    keeps the separate ops, because the backward needs the pre-activation, which that call does not return, and
-    torch has no public op for it (``F.linear`` does not take an activation). The fused result differs from the
-    separate ops by one bf16 rounding of the pre-activation. ``fuse_inference_gelu`` turns it off for A/B
-    benchmarks (``scripts/bench_sampling.py --unfused-gelu``).
+    written once instead of written, read and written again (compiled sampling at 256² measured 1.07x faster,
+    docs/benchmarks.md). Training keeps the separate ops, because the backward needs the pre-activation, which that
+    call does not return, and torch has no public op for it (``F.linear`` does not take an activation). The fused
+    result differs from the separate ops by one bf16 rounding of the pre-activation. ``fuse_inference_gelu`` turns
+    it off for A/B benchmarks (``scripts/bench_sampling.py --gelu separate|both``).
     """
 
     fuse_inference_gelu = True
