@@ -306,6 +306,9 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
 KERNEL_CATEGORIES = (
     ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
     ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
+    # the sparse backends' pooled q, k, v: Inductor's fused means (their names also carry "topk_select" when fused
+    # next to the selection) or ATen's mean kernel in eager mode
+    ("block means (pooling)", r"triton_\w+_fused_mean|MeanOps"),
     ("block selection (top-k)", r"topk|_select|bitonic|sort"),
     ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
     ("matmul", r"gemm|nvjet|cutlass|sm90_|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)"),

@@ -831,7 +831,8 @@ def test_memory_check_before_the_first_step_and_out_of_memory_advice(h, tiny_sha
 
 def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
     """--profile's kind-of-kernel table: each pixdit kernel lands in its own row (qk_norm_rope's Triton kernels by
-    their real names, which also contain "_fwd_kernel"), CPU-side ops are not counted twice, the rest is "other"."""
+    their real names, which also contain "_fwd_kernel"; Inductor's block means although their names contain
+    "topk_select"), CPU-side ops are not counted twice, the rest is "other"."""
     import importlib
     from types import SimpleNamespace
 
@@ -845,6 +846,8 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
         ("_QKNormRope", "CPU", 9000),  # the autograd op that launched the kernel: not device time
         ("_dkdv_kernel", "CUDA", 3000),
         ("_pooled_topk_kernel", "CUDA", 1000),
+        ("triton_per_fused_mean_pooled_topk_select_view_13", "CUDA", 700),  # Inductor's pooled q/k/v, not selection
+        ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float, float>>>", "CUDA", 300),
         ("triton_poi_fused_gelu_0", "CUDA", 2000),
         ("nvjet_sm90_tst_192x192", "CUDA", 5000),
         ("void at::native::reduce_kernel<...>", "CUDA", 500),
@@ -861,5 +864,6 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
         "sparse attention (pixdit.kernels)": 3.0,
         "Inductor fused elementwise": 2.0,
         "block selection (top-k)": 1.0,
+        "block means (pooling)": 1.0,
         "other": 0.5,
     }
