@@ -12,6 +12,10 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
 
+--profile adds, per row, one more batch under torch.profiler: its GPU time by kind of kernel (the table of
+bench_train.py --profile: matmul, sparse attention, block means, selection, qk-norm + RoPE, Inductor's fused kernels)
+and the top ops, with the time per image and Euler step.
+
 --gelu both times every variant twice in one process: with the MLP's fc1 + GELU as one cuBLASLt call (what sampling
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
 
@@ -41,7 +45,7 @@ from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
 from pixdit.models.dit import Mlp  # noqa: E402
-from pixdit.report import markdown_table, time_median  # noqa: E402
+from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
 from pixdit.runtime import PRECISIONS, autocast  # noqa: E402
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
@@ -75,6 +79,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="write bench_sampling.md/.json/.png into this folder")
     parser.add_argument("--quick", action="store_true", help="tiny model, sizes and counts (CPU check of the script)")
+    parser.add_argument(
+        "--profile", action="store_true", help="per row: one more batch under torch.profiler, by kind of kernel"
+    )
     parser.add_argument(
         "--gelu",
         default="fused",
@@ -111,6 +118,8 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str) ->
             return flow.sample(model, noise, args.steps)
 
     seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)
+    title = f"{attention}, {side}x{side}, batch {batch}"
+    profile = print_profile(sample, batch * args.steps, title, cuda) if args.profile else None
     result = {
         "attention": attention,
         "size": f"{side}x{side}",
@@ -122,12 +131,34 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str) ->
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
         "peak GB": peak_gb,
+        **({"profile": profile} if profile else {}),
     }
     del sample, model, noise
     Mlp.fuse_inference_gelu = True
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def print_profile(sample, network_calls: int, title: str, cuda: bool, row_limit: int = 25) -> list[dict]:
+    """One batch under torch.profiler: the time by kind of kernel (device time on CUDA, the ops' CPU time on CPU), per
+    batch and per image and Euler step (``network_calls`` = images x steps), then the top ops. Returns the table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sample()
+        if cuda:
+            torch.cuda.synchronize()
+    table = kernel_table(prof, cuda)
+    for row in table:
+        row["ms per image-step"] = row["ms"] / network_calls
+    unit = "device" if cuda else "CPU"
+    print(f"\n## profile: one batch of {title}\n\n{unit} time by kind of kernel:\n", file=sys.stderr)
+    print(markdown_table(table, cell=lambda c, v: f"{v:,.3f}" if isinstance(v, float) else str(v)), file=sys.stderr)
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"\ntop {row_limit} ops by {sort_by}:", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=70), file=sys.stderr)
+    return table
 
 
 def markdown(rows: list[dict]) -> str:

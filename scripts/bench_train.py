@@ -76,7 +76,7 @@ from pixdit.errors import PixditError  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
-from pixdit.report import markdown_table, time_median  # noqa: E402
+from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
 from pixdit.runtime import set_compile_memory_budget  # noqa: E402
 
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
@@ -299,47 +299,6 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         **({"profile": profile} if profile else {}),
     }
-
-
-# Kernel (or op, on CPU) names -> the part of the step they belong to, first match wins. The Triton kernels of
-# pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
-KERNEL_CATEGORIES = (
-    ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
-    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
-    # the sparse backends' pooled q, k, v: Inductor's fused means (their names also carry "topk_select" when fused
-    # next to the selection) or ATen's mean kernel in eager mode
-    ("block means (pooling)", r"triton_\w+_fused_mean|MeanOps"),
-    ("block selection (top-k)", r"topk|_select|bitonic|sort"),
-    ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
-    ("matmul", r"gemm|nvjet|cutlass|sm90_|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)"),
-    ("optimizer + EMA (foreach)", r"multi_tensor|foreach|adam|lerp"),
-    ("Inductor fused elementwise", r"triton_(poi|red|per)"),
-)
-
-
-def _self_time(event, cuda: bool) -> float:
-    """Self time in microseconds on the device (CUDA) or the CPU; the attribute names changed in torch 2.4+."""
-    if not cuda:
-        return event.self_cpu_time_total
-    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-
-
-def kernel_table(prof, cuda: bool) -> list[dict]:
-    """Self time of one profiled step (device time of the kernels; CPU time of the ops on CPU) grouped by
-    KERNEL_CATEGORIES, in milliseconds and as a share of the total."""
-    import re
-
-    groups: dict[str, float] = {}
-    for event in prof.key_averages(group_by_input_shape=False):
-        if event.key.startswith("step/") or (cuda and str(getattr(event, "device_type", "")).endswith("CPU")):
-            continue  # device time is counted at the kernels, not again at the CPU ops that launched them
-        name = next((g for g, pattern in KERNEL_CATEGORIES if re.search(pattern, event.key)), "other")
-        groups[name] = groups.get(name, 0.0) + _self_time(event, cuda) / 1000
-    total = sum(groups.values()) or 1.0
-    return [
-        {"part": name, "ms": ms, "share %": 100 * ms / total}
-        for name, ms in sorted(groups.items(), key=lambda item: -item[1])
-    ]
 
 
 PHASE_STEPS = 3  # steps whose per-phase times give the --profile phase table's medians

@@ -45,3 +45,13 @@ def test_bench_sampling_gelu_both_times_each_variant_twice_and_restores_the_swit
     assert [r["attention"] for r in rows] == ["full", "full", "llsa", "llsa"]
     assert {r["GELU"] for r in rows} == {"separate"}  # the fused call exists on CUDA only
     assert Mlp.fuse_inference_gelu is True
+
+
+def test_bench_sampling_profile_groups_the_batch_by_kind_of_kernel(capsys):
+    script = runpy.run_path(str(SCRIPT))
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--profile"])
+    parts = {row["part"]: row for row in rows[0]["profile"]}
+    assert "matmul" in parts and all(row["ms"] >= 0 for row in parts.values())
+    assert sum(row["share %"] for row in parts.values()) == pytest.approx(100)
+    assert parts["matmul"]["ms per image-step"] == pytest.approx(parts["matmul"]["ms"] / (2 * 2))  # 2 images, 2 steps
+    assert "time by kind of kernel" in capsys.readouterr().err

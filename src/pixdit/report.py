@@ -1,4 +1,5 @@
-"""Result tables for the benchmark and sweep scripts (GitHub markdown, as pasted into docs/benchmarks.md)."""
+"""Result tables for the benchmark and sweep scripts (GitHub markdown, as pasted into docs/benchmarks.md), the timers
+they share (``time_median``, ``kernel_ms``) and ``kernel_table``, a profiler run grouped by kind of kernel."""
 
 from __future__ import annotations
 
@@ -74,3 +75,45 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
             times.append(time.perf_counter() - start)
     peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else float("nan")
     return statistics.median(times), peak_gb
+
+
+# Kernel (or op, on CPU) names -> the part of a training step or sampling forward they belong to, first match wins. The Triton kernels of
+# pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
+KERNEL_CATEGORIES = (
+    ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
+    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
+    # the sparse backends' pooled q, k, v: Inductor's fused means (their names also carry "topk_select" when fused
+    # next to the selection) or ATen's mean kernel in eager mode
+    ("block means (pooling)", r"triton_\w+_fused_mean|MeanOps"),
+    ("block selection (top-k)", r"topk|_select|bitonic|sort"),
+    ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
+    ("matmul", r"gemm|nvjet|cutlass|sm90_|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)"),
+    ("optimizer + EMA (foreach)", r"multi_tensor|foreach|adam|lerp"),
+    ("Inductor fused elementwise", r"triton_(poi|red|per)"),
+)
+
+
+def _self_time(event, cuda: bool) -> float:
+    """Self time in microseconds on the device (CUDA) or the CPU; the attribute names changed in torch 2.4+."""
+    if not cuda:
+        return event.self_cpu_time_total
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+def kernel_table(prof, cuda: bool) -> list[dict]:
+    """Self time of what ``prof`` (a torch.profiler run) recorded, grouped by KERNEL_CATEGORIES, in milliseconds and as
+    a share of the total: the kernels' device time, or on CPU the ops' CPU time. Ranges named ``step/...`` (the
+    phases of scripts/bench_train.py) are not counted."""
+    import re
+
+    groups: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=False):
+        if event.key.startswith("step/") or (cuda and str(getattr(event, "device_type", "")).endswith("CPU")):
+            continue  # device time is counted at the kernels, not again at the CPU ops that launched them
+        name = next((g for g, pattern in KERNEL_CATEGORIES if re.search(pattern, event.key)), "other")
+        groups[name] = groups.get(name, 0.0) + _self_time(event, cuda) / 1000
+    total = sum(groups.values()) or 1.0
+    return [
+        {"part": name, "ms": ms, "share %": 100 * ms / total}
+        for name, ms in sorted(groups.items(), key=lambda item: -item[1])
+    ]
