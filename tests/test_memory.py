@@ -64,6 +64,7 @@ def test_error_before_the_first_step_names_every_knob():
         "model.grad_checkpointing=true",
         "trainer.precision=bf16-mixed",
         "trainer=fsdp",
+        "compile_memory_budget=0.9",
         "does not fit cuda:0",
         "139.0 GiB are free",
     ):
