@@ -162,7 +162,10 @@ def print_profile(sample, network_calls: int, title: str, cuda: bool, row_limit:
 
 
 def markdown(rows: list[dict]) -> str:
-    return markdown_table(rows, cell=lambda column, value: f"{value:,.3f}" if isinstance(value, float) else str(value))
+    columns = [key for key in rows[0] if key != "profile"]  # the profile is a table of its own (printed, in the JSON)
+    return markdown_table(
+        rows, columns, cell=lambda column, value: f"{value:,.3f}" if isinstance(value, float) else str(value)
+    )
 
 
 def write_files(out: Path, command: str, settings: str, rows: list[dict]) -> None:
