@@ -100,7 +100,6 @@ def parse_args(argv=None):
 
 def bench(args, attention: str, attention_config: dict, side: int, gelu: str) -> dict:
     device = torch.device(args.device)
-    Mlp.fuse_inference_gelu = gelu == "fused"  # a class switch, read at trace time: set before compiling
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
     model = model.to(device).eval().requires_grad_(False)
@@ -134,7 +133,6 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str) ->
         **({"profile": profile} if profile else {}),
     }
     del sample, model, noise
-    Mlp.fuse_inference_gelu = True
     if cuda:
         torch.cuda.empty_cache()
     return result
@@ -245,12 +243,14 @@ def main(argv=None) -> list[dict]:
     for side in args.sizes:
         for attention in args.attention:
             for gelu in gelus:
+                Mlp.fuse_inference_gelu = gelu == "fused"  # a class switch, read at trace time: set before compiling
                 try:
                     rows.append(bench(args, attention, configs[attention], side, gelu))
                 except torch.OutOfMemoryError:
                     rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu})
-                    Mlp.fuse_inference_gelu = True
                     torch.cuda.empty_cache()
+                finally:
+                    Mlp.fuse_inference_gelu = True
                 print(rows[-1], file=sys.stderr, flush=True)
                 if args.out:
                     write_files(args.out, command, settings, rows)

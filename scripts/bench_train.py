@@ -685,9 +685,11 @@ def main(argv=None) -> None:
         parse_steps_at(args.steps_at)
         if args.warmup < 0 or args.steps < 1:
             raise PixditError(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
-        if args.memory_budget is not None and not args.compile:
-            raise PixditError("--memory-budget applies to the compiled step: add --compile (or drop --memory-budget)")
         if args.memory_budget is not None:  # read by AOTAutograd's partitioner when the step is compiled
+            if not args.compile:
+                raise PixditError(
+                    "--memory-budget applies to the compiled step: add --compile (or drop --memory-budget)"
+                )
             set_compile_memory_budget(args.memory_budget, "--memory-budget")
     except PixditError as error:
         sys.exit(f"error: {error}")

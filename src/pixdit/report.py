@@ -77,8 +77,8 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
     return statistics.median(times), peak_gb
 
 
-# Kernel (or op, on CPU) names -> the part of a training step or sampling forward they belong to, first match wins. The Triton kernels of
-# pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
+# Kernel (or op, on CPU) names -> the part of a training step or sampling forward they belong to, first match wins.
+# The Triton kernels of pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
 KERNEL_CATEGORIES = (
     ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
     ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),

@@ -91,7 +91,7 @@ def check_run_config(cfg: DictConfig) -> None:
     from pixdit.module import DiffusionModule
 
     check_top_level_keys(cfg)
-    check_compile_memory_budget(cfg.get("compile_memory_budget", 1.0))
+    check_compile_memory_budget(cfg.compile_memory_budget)
     with torch.device("meta"):
         # compile is lazy anyway; the compiled graph is not what we check
         DiffusionModule.from_config(cfg, image_size_of(cfg), compile=False)
