@@ -104,11 +104,11 @@ def llsa_check(
 
 
 # ----------------------------------------------------------------------------------------------------- selection
-def _pyramid(x: torch.Tensor, block_size: int, levels: int) -> list[torch.Tensor]:
-    """[x^(1), ..., x^(levels)]: recursive fp32 block means."""
+def _pyramid(x: torch.Tensor, block_size: int, levels: int, first: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[x^(1), ..., x^(levels)]: recursive fp32 block means; ``first``: x^(1) when the caller has it already."""
     out, cur = [], x
-    for _ in range(levels):
-        cur = block_mean(cur, block_size)
+    for lvl in range(levels):
+        cur = first if lvl == 0 and first is not None else block_mean(cur, block_size)
         out.append(cur)
     return out
 
@@ -141,9 +141,15 @@ def llsa_select(
     clamped as in ``llsa_check``. ``impl``: "auto" (fused Triton top-k on CUDA), "triton", "torch".
     """
     cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
+    return _select(q, k, block_size, cfg, impl)
+
+
+def _select(q, k, block_size: int, cfg: dict, impl: str, means: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``llsa_select`` for a checked ``cfg``; ``means``: the level-1 means of q, k (, v) stacked, if known."""
+    L = cfg["num_levels"]
     with torch.no_grad():
-        qp = _pyramid(q.detach(), block_size, cfg["num_levels"])
-        kp = _pyramid(k.detach(), block_size, cfg["num_levels"])
+        qp = _pyramid(q.detach(), block_size, L, None if means is None else means[0])
+        kp = _pyramid(k.detach(), block_size, L, None if means is None else means[1])
         return _select_from_pooled(qp, kp, block_size, cfg["topk"], impl)
 
 
@@ -400,6 +406,7 @@ def llsa_attention(
     scale: float | None = None,
     *,
     index: Sequence[torch.Tensor] | None = None,
+    means: torch.Tensor | None = None,
     reference_l1_grad: bool = False,
     impl: str = "auto",
 ) -> torch.Tensor:
@@ -415,6 +422,10 @@ def llsa_attention(
         enrich_levels: pooled levels 1..L_e that enter the softmax (None -> L; 0 -> fine tokens only).
         scale: logit scale, None -> 1/sqrt(head_dim).
         index: precomputed ``llsa_select`` tables (tests, diagnostics); None -> selected from q, k.
+        means: the fp32 block means of q, k and v stacked, ``[3, batch, heads, tokens / block_size, head_dim]``
+            without gradient, when the caller has them (``qk_norm_rope(..., pool_block=block_size)`` computes them
+            while writing q, k, v); the first level of the selection's and the pooled bank's pyramids. None ->
+            computed here. Means that are not those of q, k, v give a wrong selection and bank.
         reference_l1_grad: reproduce the authors' l1 kernel's gradient through the pooled K/V, which is B times too
             small (docs/algorithms.md, "LLSA"); only affects L = 1. Off = the true gradient.
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
@@ -434,18 +445,28 @@ def llsa_attention(
         index = [t.to(device=q.device, dtype=torch.int32) for t in index]
         if len(index) != L:
             raise ValueError(f"llsa_attention: index must hold num_levels={L} tables, got {len(index)}")
+    if means is not None:
+        want = (3, b, h, N // block_size, d)
+        if tuple(means.shape) != want or means.dtype != torch.float32 or means.device != q.device:
+            raise ValueError(
+                f"llsa_attention: means must be the stacked fp32 block means of q, k, v, shape {want} on "
+                f"{q.device}, got shape {tuple(means.shape)}, {means.dtype} on {means.device}; pass means=None to "
+                f"compute them here"
+            )
+        means = means.detach()
     if not triton_path:
         if index is None:
-            index = llsa_select(q, k, block_size, cfg["topk"], L, impl="torch")
+            index = _select(q, k, block_size, cfg, "torch", means)
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
     B, n_bank = block_size, min(Le, L)
+    q1, k1, v1 = (None, None, None) if means is None else means.unbind(0)
     with torch.no_grad():  # one fp32 pyramid of k serves selection and the bank
-        kp = _pyramid(k.detach(), B, L if index is None else n_bank)
+        kp = _pyramid(k.detach(), B, L if index is None else n_bank, k1)
         if index is None:
-            index = _select_from_pooled(_pyramid(q.detach(), B, L), kp, B, cfg["topk"], impl="triton")
+            index = _select_from_pooled(_pyramid(q.detach(), B, L, q1), kp, B, cfg["topk"], impl="triton")
         bank_k = bank_v = coarse_lists = None
         if Le >= 1:
-            vp = _pyramid(v.detach(), B, n_bank)
+            vp = _pyramid(v.detach(), B, n_bank, v1)
             offsets, total = _bank_layout(N, B, L, Le)
             bank_k = torch.empty(b * h, total, d, device=q.device, dtype=q.dtype)
             bank_v = torch.empty_like(bank_k)

@@ -18,6 +18,12 @@ the backward reads the three gradients and qkv once and writes d(qkv) once. Math
 (the PyTorch path rounds after the norm and again in RoPE, as the model did before this kernel). The weight gradients
 are per-program partial sums added in a fixed order: deterministic, no atomics.
 
+With ``pool_block=B`` it also returns the fp32 means of every B consecutive tokens of the q, k, v it wrote
+(``block_mean`` of each; ``[3, batch, heads, tokens / B, head_dim]``, no gradient): the first level of the pyramid
+that LLSA's selection and pooled bank start from. The kernel has those rows in registers already, so the means cost
+an fp32 write of 1/16 of the output instead of a separate pass that reads q, k and v again (in a compiled 256²
+sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s).
+
 CPU tensors (and ``impl="torch"``) run ``qk_norm_rope_torch``, the plain PyTorch composition.
 """
 
@@ -28,12 +34,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .blocks import block_mean
 from .common import use_triton
 from .ops import custom_op
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
 ROWS_PER_PROGRAM = 64  # tokens per program; one (tokens, head) tile of q, k or v per program
+MAX_POOL_BLOCK = 128  # a forward program holds whole blocks: beyond 128 rows its tile would spill registers
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,8 +52,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
-def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5):
-    """The PyTorch composition (the CPU path; what the model ran before the kernel). Returns [b, heads, n, d] views."""
+def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, pool_block=None):
+    """The PyTorch composition (the CPU path; what the model ran before the kernel). Returns [b, heads, n, d] views
+    (and the stacked block means when ``pool_block`` is given)."""
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     q, k, v = qkv.view(b, n, 3, num_heads, head_dim).unbind(2)
@@ -53,7 +62,12 @@ def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5):
     q = F.rms_norm(q, (head_dim,), q_weight.to(q.dtype), eps).to(v.dtype)
     k = F.rms_norm(k, (head_dim,), k_weight.to(k.dtype), eps).to(v.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if pool_block is None:
+        return q, k, v
+    with torch.no_grad():
+        means = torch.stack([block_mean(x, pool_block) for x in (q, k, v)])
+    return q, k, v, means
 
 
 @triton.jit
@@ -96,6 +110,7 @@ def _qk_norm_rope_fwd_kernel(
     COS,
     SIN,
     OUT,
+    MEANS,
     n,
     num_heads,
     stride_b,
@@ -104,6 +119,7 @@ def _qk_norm_rope_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     ROWS: tl.constexpr,
+    POOL: tl.constexpr,
 ):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # part: 0 = q, 1 = k, 2 = v
     rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
@@ -116,7 +132,14 @@ def _qk_norm_rope_fwd_kernel(
         cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
         x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
     out = OUT + (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
-    tl.store(out + out_offset, x.to(OUT.dtype.element_ty), mask=mask)
+    x = x.to(OUT.dtype.element_ty)
+    tl.store(out + out_offset, x, mask=mask)
+    if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
+        blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
+        sums = tl.sum(tl.reshape(x.to(tl.float32), [ROWS // POOL, POOL, DIM_PAD]), 1)
+        means = MEANS + ((part * tl.num_programs(1) + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
+        block_mask = (blocks < n // POOL)[:, None] & (dims < HEAD_DIM)[None, :]
+        tl.store(means + blocks[:, None] * HEAD_DIM + dims[None, :], sums / POOL, mask=block_mask)
 
 
 @triton.jit
@@ -170,22 +193,28 @@ def _qk_norm_rope_bwd_kernel(
         tl.store(DQKV + d_offset, (inv_rms * (dxhat - xhat * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
 
 
-def _grid(b, n, num_heads):
-    return (triton.cdiv(n, ROWS_PER_PROGRAM), b * num_heads, 3)
+def _grid(b, n, num_heads, rows=ROWS_PER_PROGRAM):
+    return (triton.cdiv(n, rows), b * num_heads, 3)
+
+
+def _forward_rows(pool_block: int) -> int:
+    """Token rows per forward program: whole blocks of ``pool_block`` (a power of two) when pooling."""
+    return max(ROWS_PER_PROGRAM, pool_block)
 
 
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps):
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps, pool_block):
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        out = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps)
+        out, means = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps, pool_block)
         ctx.save_for_backward(qkv, weights, cos, sin)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
-        return out[0], out[1], out[2]
+        ctx.mark_non_differentiable(means)
+        return out[0], out[1], out[2], means
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
+    def backward(ctx, dq, dk, dv, _dmeans):
         qkv, weights, cos, sin = ctx.saved_tensors
         b, n, width = qkv.shape
         num_heads = ctx.num_heads
@@ -204,16 +233,21 @@ class _QKNormRope(torch.autograd.Function):
         dqkv, dw_partial = _qk_norm_rope_backward_op(qkv, weights, cos, sin, *grads, num_heads, ctx.eps)
         dw = dw_partial.sum(dim=(1, 2))  # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
-        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None
+        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None, None
 
 
 # The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). Each op's
 # outputs are allocated by one function that its fake-tensor rule returns too, so the two cannot disagree on a shape
 # or a layout.
-def _forward_out(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """q, k, v stacked ``[3, b, heads, n, head_dim]`` in qkv's dtype."""
+def _forward_out(qkv: torch.Tensor, num_heads: int, pool_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v stacked ``[3, b, heads, n, head_dim]`` in qkv's dtype, and their fp32 block means stacked
+    ``[3, b, heads, n / pool_block, head_dim]`` (no blocks when ``pool_block`` is 0)."""
     b, n, width = qkv.shape
-    return qkv.new_empty((3, b, num_heads, n, width // (3 * num_heads)))
+    head_dim = width // (3 * num_heads)
+    blocks = n // pool_block if pool_block else 0
+    return qkv.new_empty((3, b, num_heads, n, head_dim)), qkv.new_empty(
+        (3, b, num_heads, blocks, head_dim), dtype=torch.float32
+    )
 
 
 def _backward_out(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,17 +261,25 @@ def _backward_out(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torc
 
 @custom_op("qk_norm_rope")
 def _qk_norm_rope_op(
-    qkv: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, eps: float
-) -> torch.Tensor:
+    qkv: torch.Tensor,
+    weights: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    pool_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, _ = qkv.shape
-    out = _forward_out(qkv, num_heads)
+    out, means = _forward_out(qkv, num_heads, pool_block)
     head_dim = out.shape[-1]
-    _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads)](
+    rows = _forward_rows(pool_block)
+    _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads, rows)](
         qkv,
         weights,
         cos,
         sin,
         out,
+        means,
         n,
         num_heads,
         qkv.stride(0),
@@ -245,14 +287,15 @@ def _qk_norm_rope_op(
         eps,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
-        ROWS=ROWS_PER_PROGRAM,
+        ROWS=rows,
+        POOL=pool_block,
     )
-    return out
+    return out, means
 
 
 @_qk_norm_rope_op.register_fake
-def _(qkv, weights, cos, sin, num_heads, eps):
-    return _forward_out(qkv, num_heads)
+def _(qkv, weights, cos, sin, num_heads, eps, pool_block):
+    return _forward_out(qkv, num_heads, pool_block)
 
 
 # Returns ``_backward_out``'s two tensors, filled.
@@ -309,9 +352,10 @@ def qk_norm_rope(
     sin: torch.Tensor,
     eps: float = 1e-5,
     impl: str = "auto",
+    pool_block: int | None = None,
 ):
     """RMS qk-norm with per-channel weights, 2-D RoPE on q and k, and the head split, differentiable in qkv and
-    both weights.
+    both weights; with ``pool_block``, also the block means of q, k and v.
 
     Args:
         qkv: ``[batch, tokens, 3 * num_heads * head_dim]`` (q, k, v concatenated, each heads-major), last dim
@@ -320,8 +364,12 @@ def qk_norm_rope(
         cos, sin: ``[tokens, head_dim / 2]`` rotation of each interleaved pair (fp32).
         eps: added to the mean square.
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
+        pool_block: None, or a power of two up to 128 dividing ``tokens``: also return ``means``.
     Returns:
         q, k, v: ``[batch, num_heads, tokens, head_dim]`` in qkv's dtype (contiguous on the Triton path).
+        means (only with ``pool_block``): fp32 ``[3, batch, num_heads, tokens / pool_block, head_dim]``, the means of
+        each ``pool_block`` consecutive tokens of the returned q, k, v (``block_mean``; the summation order may
+        differ, so equal to fp32 rounding), without gradient.
     """
     if qkv.ndim != 3 or num_heads < 1 or qkv.shape[-1] % (3 * num_heads):
         raise ValueError(
@@ -341,12 +389,24 @@ def qk_norm_rope(
                 f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
                 f"got {tuple(table.shape)}"
             )
+    if pool_block is not None and (
+        isinstance(pool_block, bool)
+        or not isinstance(pool_block, int)
+        or not 1 <= pool_block <= MAX_POOL_BLOCK
+        or pool_block & (pool_block - 1)
+        or n % pool_block
+    ):
+        raise ValueError(
+            f"qk_norm_rope: pool_block must be None or a power of two up to {MAX_POOL_BLOCK} that divides "
+            f"tokens={n}, got {pool_block!r}"
+        )
     if not use_triton(qkv, impl):
-        return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps)
+        return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps, pool_block)
     if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"qk_norm_rope: qkv dtype must be float16, bfloat16 or float32, got {qkv.dtype}")
     if head_dim % 2 or head_dim > 256:
         raise ValueError(f"qk_norm_rope: head_dim must be even and at most 256 on the Triton path, got {head_dim}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    return _QKNormRope.apply(qkv, q_weight, k_weight, cos, sin, num_heads, float(eps))
+    q, k, v, means = _QKNormRope.apply(qkv, q_weight, k_weight, cos, sin, num_heads, float(eps), pool_block or 0)
+    return (q, k, v) if pool_block is None else (q, k, v, means)

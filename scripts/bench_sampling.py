@@ -10,6 +10,7 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa:num_levels=2 --sizes 256 --batch 64 --compile   # a variant
     python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
+    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --means both  # prologue vs own
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
 
 --profile adds, per row, one more batch under torch.profiler: its GPU time by kind of kernel (the table of
@@ -18,6 +19,9 @@ and the top ops, with the time per image and Euler step.
 
 --gelu both times every variant twice in one process: with the MLP's fc1 + GELU as one cuBLASLt call (what sampling
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
+--means both does the same for LLSA's block means of q, k, v: computed by the qk-norm + RoPE kernel as it writes
+them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
+"means" column.
 
 Each row also says what the sampling of a 50,000-image FID costs on one such device ("50k h": hours at --steps
 Euler steps; the Inception pass over the samples is not included). With --out DIR: bench_sampling.md (rewritten
@@ -44,7 +48,7 @@ from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
-from pixdit.models.dit import Mlp  # noqa: E402
+from pixdit.models.dit import Attention, Mlp  # noqa: E402
 from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
 from pixdit.runtime import PRECISIONS, autocast  # noqa: E402
 
@@ -90,6 +94,13 @@ def parse_args(argv=None):
         "separate ops, or both in one run (an A/B)",
     )
     parser.add_argument(
+        "--means",
+        default="prologue",
+        choices=["prologue", "backend", "both"],
+        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
+        "or both in one run (an A/B)",
+    )
+    parser.add_argument(
         "--kernels-from",
         default=None,
         metavar="DIR",
@@ -98,7 +109,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int, gelu: str) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
@@ -126,6 +137,7 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str) ->
         "steps": args.steps,
         "compiled": bool(args.compile and cuda),
         "GELU": gelu if cuda else "separate",
+        "means": means,
         "batch s": seconds,
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
@@ -177,8 +189,26 @@ def write_files(out: Path, command: str, settings: str, rows: list[dict]) -> Non
 
 
 def variant(row: dict) -> str:
-    """The row's attention variant, with the MLP's GELU named where it ran as separate ops."""
-    return row["attention"] + (" (separate GELU)" if row.get("GELU") == "separate" else "")
+    """The row's attention variant, with the MLP's GELU named where it ran as separate ops and the block means where
+    the backend pooled them."""
+    return (
+        row["attention"]
+        + (" (separate GELU)" if row.get("GELU") == "separate" else "")
+        + (" (means in backend)" if row.get("means") == "backend" else "")
+    )
+
+
+def ab_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(row, twin) for every --gelu / --means A/B: the twin ran the same attention with only that switch off."""
+    switches = {"GELU": "separate", "means": "backend"}
+    pairs = []
+    for row in rows:
+        for key, off in switches.items():
+            if row.get(key) == off:
+                continue
+            want = {**{k: row.get(k) for k in switches}, key: off, "attention": row["attention"]}
+            pairs += [(row, other) for other in rows if all(other.get(k) == v for k, v in want.items())]
+    return pairs
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -228,7 +258,7 @@ def main(argv=None) -> list[dict]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
     try:  # every variant is checked before the first one is timed
-        configs = {spec: parse_variant(spec).attention for spec in args.attention}
+        variants = {spec: parse_variant(spec) for spec in args.attention}
     except PixditError as error:
         sys.exit(f"error: {error}")
     command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -240,17 +270,24 @@ def main(argv=None) -> list[dict]:
     )
     rows = []
     gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
+    meanses = ["prologue", "backend"] if args.means == "both" else [args.means]
     for side in args.sizes:
         for attention in args.attention:
-            for gelu in gelus:
-                Mlp.fuse_inference_gelu = gelu == "fused"  # a class switch, read at trace time: set before compiling
+            # a backend without block means runs once per GELU setting: the means switch changes nothing there
+            pooled = meanses if variants[attention].block_means else meanses[:1]
+            for gelu, means in [(g, m) for g in gelus for m in pooled]:
+                # class switches, read at trace time: set before compiling
+                Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
+                label = means if variants[attention].block_means else "-"
                 try:
-                    rows.append(bench(args, attention, configs[attention], side, gelu))
+                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label))
                 except torch.OutOfMemoryError:
-                    rows.append({"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu})
+                    rows.append(
+                        {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu, "means": label}
+                    )
                     torch.cuda.empty_cache()
                 finally:
-                    Mlp.fuse_inference_gelu = True
+                    Mlp.fuse_inference_gelu = Attention.fuse_block_means = True
                 print(rows[-1], file=sys.stderr, flush=True)
                 if args.out:
                     write_files(args.out, command, settings, rows)
@@ -259,11 +296,8 @@ def main(argv=None) -> list[dict]:
     print(markdown(done) if done else "every setting ran out of memory")
     for side in args.sizes:
         speed = {variant(r): r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
-        for name in args.attention if args.gelu == "both" else []:
-            if name in speed and f"{name} (separate GELU)" in speed:
-                print(
-                    f"{side}x{side} {name}: fused GELU {speed[name] / speed[f'{name} (separate GELU)']:.3f}x separate"
-                )
+        for row, twin in ab_pairs([r for r in done if r["size"] == f"{side}x{side}"]):
+            print(f"{side}x{side} {variant(row)}: {row['images/s'] / twin['images/s']:.3f}x {variant(twin)}")
         if "full" in speed:
             print(
                 f"{side}x{side}: "

@@ -17,6 +17,7 @@ several models instead tokens/s and MFU vs parameters).
         --grad-checkpointing true mlp 14 --compile          # memory as a knob: one row per setting
     python scripts/bench_train.py --attention llsa --sizes 128 256             # one backend, table on stdout
     python scripts/bench_train.py --attention llsa:num_levels=2 --sizes 128 256 --profile   # + top CUDA ops per run
+    python scripts/bench_train.py --attention llsa:num_levels=2 --sizes 256 --compile --means both   # an A/B
     python scripts/bench_train.py --plot-from bench/train/bench_train.json      # redraw the PNG only (no GPU needed)
     python scripts/bench_train.py --plot-from bench/grow128/bench_train.json bench/grow256/bench_train.json --out docs/img
     python scripts/bench_train.py --device cpu --quick --attention full llsa --out /tmp/bench   # CPU check
@@ -26,7 +27,9 @@ Variants (``--attention``): ``NAME`` trains with configs/attention/NAME.yaml, as
 variant is built once by ``pixdit.attention.build_attention`` before anything is timed, so an unknown key stops the run
 at once with an error naming the variant and the allowed keys. Backends that need Z-order tokens (llsa, vsa, sla) get
 ``model.token_order=zorder``. ``--grad-checkpointing`` takes the values of ``model.grad_checkpointing`` (false, true,
-a number of blocks, mlp, attention; no value = true), one row each.
+a number of blocks, mlp, attention; no value = true), one row each. ``--means both`` times every variant twice: with
+LLSA's block means of q, k, v computed by the qk-norm + RoPE kernel (what the model does) and by the backend itself
+(the variant's label then ends in "(means in backend)").
 
 Every cell is a number or a one-line reason. A variant that cannot run at a size (LLSA with L=3 needs a multiple of
 16^3 tokens) is a "skipped" row with the model's reason. Batch: ``--tokens-per-step`` / pixels per image (262,144:
@@ -76,6 +79,7 @@ from pixdit.errors import PixditError  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
+from pixdit.models.dit import Attention  # noqa: E402
 from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
 from pixdit.runtime import set_compile_memory_budget  # noqa: E402
 
@@ -148,6 +152,13 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", default=None, help="directory for bench_train.md / .json / .png")
+    parser.add_argument(
+        "--means",
+        default="prologue",
+        choices=["prologue", "backend", "both"],
+        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
+        "or both, one row each (an A/B in one process)",
+    )
     parser.add_argument(
         "--kernels-from",
         default=None,
@@ -440,13 +451,21 @@ def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Vari
 
 def run(args, models: list[ModelSpec], variants: list[Variant], settings: list, on_row=None) -> list[dict]:
     steps_at = parse_steps_at(args.steps_at)
+    meanses = ["prologue", "backend"] if args.means == "both" else [args.means]
     rows = []
     for model in models:
         for side in args.sizes:
             warmup, steps = steps_at.get(side, (args.warmup, args.steps))
             for grad_checkpointing in settings:
-                for variant in variants:
-                    rows.append(run_row(args, model, side, grad_checkpointing, variant, warmup, steps))
+                # a backend without block means runs once: the switch changes nothing there
+                for variant, means in [(v, m) for v in variants for m in (meanses if v.block_means else meanses[:1])]:
+                    Attention.fuse_block_means = means == "prologue"  # a class switch, read at trace time
+                    try:
+                        rows.append(run_row(args, model, side, grad_checkpointing, variant, warmup, steps))
+                    finally:
+                        Attention.fuse_block_means = True
+                    if means == "backend" and variant.block_means:
+                        rows[-1]["variant"] += " (means in backend)"
                     add_speedups(rows, variants)
                     print(progress_line(rows[-1]), file=sys.stderr, flush=True)
                     if on_row is not None:

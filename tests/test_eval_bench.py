@@ -47,6 +47,24 @@ def test_bench_sampling_gelu_both_times_each_variant_twice_and_restores_the_swit
     assert Mlp.fuse_inference_gelu is True
 
 
+def test_bench_sampling_means_both_times_prologue_and_backend_pooling_and_restores_the_switch(capsys, monkeypatch):
+    from pixdit.models.dit import Attention
+
+    seen = []
+    forward = Attention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.fuse_block_means)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Attention, "forward", spy)
+    script = runpy.run_path(str(SCRIPT))
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--means", "both"])
+    assert [(r["attention"], r["means"]) for r in rows] == [("llsa", "prologue"), ("llsa", "backend")]
+    assert True in seen and False in seen and Attention.fuse_block_means is True
+    assert "16x16 llsa (separate GELU): " in capsys.readouterr().out  # the A/B line: prologue / backend
+
+
 def test_bench_sampling_profile_groups_the_batch_by_kind_of_kernel(capsys):
     script = runpy.run_path(str(SCRIPT))
     rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--profile"])

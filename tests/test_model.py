@@ -273,3 +273,52 @@ def test_gpu_fused_inference_gelu_matches_the_separate_ops():
     # both are bf16 matmuls; the fused one rounds the pre-activation once less
     assert errors[True] < 1.5 * errors[False] + 1e-3, errors
     assert errors[True] < 2e-2, errors
+
+
+# ------------------------------------------------------------------------- LLSA's block means from the prologue
+def test_llsa_gets_its_block_means_from_the_qk_norm_rope_prologue(monkeypatch):
+    """The backend that declares ``pool_block`` receives the stacked means of its q, k, v from qk_norm_rope; the
+    output is bitwise the one of the backend pooling them itself (``Attention.fuse_block_means = False``)."""
+    from pixdit.models.dit import Attention
+
+    torch.manual_seed(0)
+    model = tiny(input_size=(16, 16), token_order="zorder", attention={"name": "llsa", "num_levels": 1})
+    backend_class = type(model.blocks[0].attn.backend)
+    assert backend_class.__name__ == "LLSAAttention" and model.blocks[0].attn.backend.pool_block == 16
+    seen, forward = [], backend_class.forward
+
+    def spy(self, q, k, v, **kwargs):
+        seen.append(kwargs.get("means"))
+        return forward(self, q, k, v, **kwargs)
+
+    monkeypatch.setattr(backend_class, "forward", spy)
+    x, t = inputs(2, 16, 16)
+    fused = model(x, t)
+    assert len(seen) == 2 and all(m is not None and m.shape == (3, 2, 2, 16, 32) for m in seen)
+    seen.clear()
+    monkeypatch.setattr(Attention, "fuse_block_means", False)
+    assert torch.equal(model(x, t), fused)
+    assert seen == [None, None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_llsa_prologue_block_means_match_the_backends_own():
+    """On the GPU the kernel sums each block in its own order: the sampled output stays within bf16 noise of the
+    backend pooling q, k, v itself (a sum of 16 bf16 values is mostly exact in fp32, so usually equal)."""
+    from pixdit.models.dit import Attention
+
+    torch.manual_seed(0)
+    model = build_model("DiT-S", input_size=(128, 128), attention={"name": "llsa", "num_levels": 2}, zero_init=False)
+    model = model.cuda().eval()
+    x, t = (a.cuda() for a in inputs(2, 128, 128))
+    outs = {}
+    for fused in (True, False):
+        Attention.fuse_block_means = fused
+        try:
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+                outs[fused] = model(x, t).float()
+        finally:
+            Attention.fuse_block_means = True
+    error = ((outs[True] - outs[False]).norm() / outs[False].norm()).item()
+    assert torch.isfinite(outs[True]).all() and error < 1e-3, error

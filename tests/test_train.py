@@ -414,6 +414,34 @@ def test_bench_train_memory_budget(h, monkeypatch):
     assert seen["budget"] == 0.7 and "compile=True, activation memory budget 0.7," in seen["settings"]
 
 
+def test_bench_train_means_both_is_an_ab_of_the_block_means_switch(h, monkeypatch):
+    """--means both: a backend with block means (LLSA) runs twice, with the prologue's means and pooling them itself
+    (its label says so), one without (full) once; the class switch is set for each row and restored."""
+    from pixdit.models.dit import Attention
+
+    bench = load_bench_train(h, monkeypatch)
+    seen = []
+
+    def fake_run_row(args, model, side, grad_checkpointing, variant, warmup, steps):
+        seen.append((variant.label, Attention.fuse_block_means))
+        return {
+            "model": "m",
+            "side": side,
+            "grad_ckpt": "false",
+            "variant": variant.label,
+            "status": "skipped",
+            "note": "",
+        }
+
+    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    monkeypatch.setattr(bench, "markdown", lambda rows: "")
+    args = bench.parse_args(["--device", "cpu", "--sizes", "16", "--attention", "full", "llsa", "--means", "both"])
+    variants = [bench.parse_variant(spec) for spec in args.attention]
+    rows = bench.run(args, [bench.parse_model("DiT-S")], variants, [False])
+    assert seen == [("full", True), ("llsa", True), ("llsa", False)] and Attention.fuse_block_means is True
+    assert [r["variant"] for r in rows] == ["full", "llsa", "llsa (means in backend)"]
+
+
 def test_bench_train_flops_count_the_attended_tokens(h, monkeypatch):
     """MFU's model FLOPs: 6 x the per-token parameters (not the adaLN / embedders, which run once per image) x tokens
     + 3 x 4 x tokens x keys per query x hidden per block, with the backend's own keys per query: a sparse backend is

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pixdit.kernels import llsa_attention, llsa_check, llsa_num_levels, llsa_select
+from pixdit.kernels.blocks import block_mean
 from pixdit.kernels.reference import llsa_dense, llsa_hier_topk
 
 needs_interpreter = pytest.mark.skipif(
@@ -253,3 +254,42 @@ def test_non_contiguous_inputs_and_tiny_sequences(impl):
         llsa_dense(*(x.transpose(1, 2) for x in ref_leaves), 16, [i.long() for i in index]).sum().backward()
         for a, r in zip(leaves, ref_leaves):
             assert rel(a.grad, r.grad) < 1e-5
+
+
+# --------------------------------------------------------------------------- block means given by the caller
+def stacked_means(q, k, v, B):
+    return torch.stack([block_mean(x.detach(), B) for x in (q, k, v)])
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("L,Le", [(2, None), (2, 0), (1, 1)])
+def test_given_means_are_the_ones_computed_here(impl, L, Le):
+    """means= (what the model's qk_norm_rope prologue hands over) replaces the first level of the selection's and
+    the bank's pyramids: given the means of q, k, v, output and gradients are bitwise those without it."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v, go = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    fn = lambda means: lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, Le, means=means, impl=impl)  # noqa: E731
+    given = grads(fn(stacked_means(q, k, v, 16)), q, k, v, go)
+    computed = grads(fn(None), q, k, v, go)
+    assert all(torch.equal(a, b) for a, b in zip(given, computed))
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_given_means_are_used(impl):
+    """The means are read, not recomputed: means of other tensors change the selection (and on the Triton path the
+    pooled bank), so the output changes."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(3))
+    other = stacked_means(*(torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(3)), 16)
+    computed = llsa_attention(q, k, v, 16, 4, 2, impl=impl)
+    assert not torch.equal(llsa_attention(q, k, v, 16, 4, 2, means=other, impl=impl), computed)
+
+
+def test_bad_means_name_the_parameter():
+    q = torch.randn(1, 2, 256, 32)
+    for bad in (stacked_means(q, q, q, 16)[:2], stacked_means(q, q, q, 16).double(), torch.zeros(3, 1, 2, 8, 32)):
+        with pytest.raises(
+            ValueError, match=r"means must be the stacked fp32 block means of q, k, v, shape \(3, 1, 2, 16, 32\)"
+        ):
+            llsa_attention(q, q, q, 16, 4, 1, means=bad)

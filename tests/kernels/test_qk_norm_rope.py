@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pixdit.kernels import qk_norm_rope
+from pixdit.kernels.blocks import block_mean
 
 CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
@@ -83,6 +84,41 @@ def test_interpreted_triton_only_q_used():
     assert q_weight.grad.abs().sum() > 0 and k_weight.grad.abs().sum() == 0
 
 
+def check_pooled(b, n, heads, d, dtype, device, impl, pool_block):
+    """With pool_block: q, k, v and every gradient are bitwise those without it, and the means are block_mean of the
+    returned q, k, v (to fp32 rounding: the kernel sums a block in its own order)."""
+    qkv, q_weight, k_weight, angles, upstream = make_inputs(b, n, heads, d, dtype, device)
+    args = (qkv, heads, q_weight, k_weight, angles.cos(), angles.sin())
+    *outs, means = qk_norm_rope(*args, impl=impl, pool_block=pool_block)
+    plain = qk_norm_rope(*args, impl=impl)
+    assert all(torch.equal(a, b) for a, b in zip(outs, plain))
+    assert means.dtype == torch.float32 and not means.requires_grad
+    want = torch.stack([block_mean(x.detach(), pool_block) for x in outs])
+    assert means.shape == want.shape == (3, b, heads, n // pool_block, d)
+    assert (means - want).abs().max() <= 1e-6 * want.abs().max()
+    grads = torch.autograd.grad(outs, (qkv, q_weight, k_weight), upstream)
+    assert all(
+        torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(plain, (qkv, q_weight, k_weight), upstream))
+    )
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "b,n,heads,d,pool_block,dtype",
+    [
+        (2, 80, 3, 16, 16, torch.float32),  # the last program's 64 rows hold one real block of 16
+        (1, 256, 2, 32, 128, torch.float32),  # blocks longer than a program's 64 rows: 128-row programs
+        (1, 96, 2, 24, 32, torch.bfloat16),  # head_dim padded to 32 in the kernel; means of the rounded outputs
+    ],
+)
+def test_interpreted_triton_block_means(b, n, heads, d, pool_block, dtype):
+    check_pooled(b, n, heads, d, dtype, "cpu", "triton", pool_block)
+
+
+def test_torch_path_block_means():
+    check_pooled(2, 64, 2, 16, torch.float32, "cpu", "torch", 16)
+
+
 def test_bad_inputs_name_the_parameter():
     qkv, q_weight, k_weight, angles, _ = make_inputs(1, 8, 2, 16, torch.float32, "cpu")
     cos, sin = angles.cos(), angles.sin()
@@ -95,6 +131,12 @@ def test_bad_inputs_name_the_parameter():
     with pytest.raises(ValueError, match="head_dim must be even and at most 256"):
         qkv7 = torch.zeros(1, 8, 3 * 2 * 7)
         qk_norm_rope(qkv7, 2, torch.ones(7), torch.ones(7), torch.ones(8, 3), torch.ones(8, 3), impl="triton")
+    for pool_block in (3, 0, 16, 256, True, 4.0):  # not a power of two; zero; 8 tokens; over 128; not an int
+        with pytest.raises(
+            ValueError,
+            match=f"pool_block must be None or a power of two up to 128 that divides tokens=8, got {pool_block!r}",
+        ):
+            qk_norm_rope(qkv, 2, q_weight, k_weight, cos, sin, pool_block=pool_block)
 
 
 @pytest.mark.gpu
@@ -103,6 +145,14 @@ def test_bad_inputs_name_the_parameter():
 @pytest.mark.parametrize("b,n,heads,d", [(4, 4096, 6, 64), (2, 1000, 3, 128), (1, 16384, 6, 64), (2, 1024, 16, 72)])
 def test_gpu_matches_oracle(b, n, heads, d, dtype):
     compare(b, n, heads, d, dtype, "cuda", "triton", TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,pool_block", [(4096, 16), (1024, 128), (1040, 16)])
+def test_gpu_block_means(n, pool_block, dtype):
+    check_pooled(2, n, 6, 64, dtype, "cuda", "triton", pool_block)
 
 
 @pytest.mark.gpu

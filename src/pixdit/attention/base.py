@@ -48,6 +48,7 @@ class AttentionBackend(nn.Module):
     token_order: str | None = None
     renamed_options: dict[str, str] = {}
     head_dims: tuple[int, ...] | None = None  # the head dims the backend's kernels take (None: any)
+    pool_block: int | None = None  # see forward's ``means``
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -78,6 +79,9 @@ class AttentionBackend(nn.Module):
     ) -> torch.Tensor:
         """q, k, v: [batch, heads, tokens, head_dim] after qk-norm and RoPE, in the model's token order.
         hidden: [batch, tokens, dim], the modulated hidden states that fed the qkv projection.
+        A backend whose ``pool_block`` is set also takes ``means=``: the fp32 means of every ``pool_block``
+        consecutive tokens of q, k and v stacked, [3, batch, heads, tokens / pool_block, head_dim], without gradient
+        (what ``pixdit.kernels.qk_norm_rope(..., pool_block=...)`` returns), or None (pool them yourself).
         Returns [batch, heads, tokens, head_dim]."""
         raise NotImplementedError
 

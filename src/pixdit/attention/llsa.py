@@ -11,6 +11,7 @@ from pixdit.attention.base import AttentionBackend, register_attention
 from pixdit.errors import PixditError
 from pixdit.kernels import llsa_attention, llsa_check
 from pixdit.kernels.common import HEAD_DIMS
+from pixdit.kernels.qk_norm_rope import MAX_POOL_BLOCK
 
 
 @register_attention("llsa")
@@ -43,6 +44,8 @@ class LLSAAttention(AttentionBackend):
         self.num_levels = num_levels
         self.enrich_levels = enrich_levels
         self.reference_l1_grad = bool(reference_l1_grad)
+        # the selection and the pooled bank start from q, k, v's block means: the model's prologue can provide them
+        self.pool_block = block_size if isinstance(block_size, int) and 16 <= block_size <= MAX_POOL_BLOCK else None
 
     def plan(self, num_tokens: int) -> dict:
         """pixdit.kernels.llsa_check with this backend's settings: the levels, K per level and tokens per query."""
@@ -67,11 +70,12 @@ class LLSAAttention(AttentionBackend):
         """Fine keys of the K selected blocks + the pooled tokens of the enriched levels (pixdit.kernels.llsa_check)."""
         return float(self.plan(num_tokens)["tokens_per_query"])
 
-    def forward(self, q, k, v, *, grid_hw, hidden):
+    def forward(self, q, k, v, *, grid_hw, hidden, means=None):
         return llsa_attention(
             q,
             k,
             v,
+            means=means,
             block_size=self.block_size,
             topk=self.topk,
             num_levels=self.num_levels,

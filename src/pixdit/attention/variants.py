@@ -28,6 +28,7 @@ class Variant:
     label: str  # as typed on the command line, e.g. "llsa:num_levels=2"
     attention: dict  # the attention config section: {"name": ..., options...}
     token_order: str  # what the backend needs ("zorder" for the block-sparse methods), else "raster"
+    block_means: bool = False  # the backend takes block means of q, k, v from the model (AttentionBackend.pool_block)
 
 
 def split_options(text: str) -> list[str]:
@@ -64,4 +65,4 @@ def parse_variant(spec: str) -> Variant:
         backend = build_attention(attention, **PROBE_DIMS)
     except PixditError as error:
         raise PixditError(f"--attention {spec}: {error}") from None
-    return Variant(spec, attention, backend.token_order or "raster")
+    return Variant(spec, attention, backend.token_order or "raster", backend.pool_block is not None)

@@ -127,7 +127,15 @@ class LabelEmbedder(nn.Module):
 class Attention(nn.Module):
     """Fused qkv projection -> RMS qk-norm (learnable per-channel weight shared across heads) -> 2-D RoPE ->
     attention backend -> output projection. The norm, RoPE and the split into [batch, heads, tokens, head_dim] are
-    one Triton kernel on CUDA (pixdit.kernels.qk_norm_rope), the same PyTorch ops on CPU."""
+    one Triton kernel on CUDA (pixdit.kernels.qk_norm_rope), the same PyTorch ops on CPU.
+
+    A backend that starts from block means of q, k, v (``backend.pool_block``: LLSA's selection and pooled bank) gets
+    them from that kernel, which has the rows in registers as it writes them: a separate pass would read q, k and v
+    again (docs/benchmarks.md, "block means in the prologue"). ``fuse_block_means`` turns it off for A/B benchmarks
+    (``scripts/bench_sampling.py --means``, ``scripts/bench_train.py --means``); the backend then pools them itself.
+    """
+
+    fuse_block_means = True
 
     def __init__(self, dim: int, num_heads: int, attention: Mapping[str, Any] | str | None, qk_norm_eps: float = 1e-5):
         super().__init__()
@@ -142,10 +150,22 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
-        q, k, v = qk_norm_rope(
-            self.qkv(x), self.num_heads, self.q_norm_weight, self.k_norm_weight, cos, sin, eps=self.qk_norm_eps
-        )  # each [b, heads, n, head_dim]
-        out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x)
+        pool = self.backend.pool_block if self.fuse_block_means else None
+        qkv = qk_norm_rope(
+            self.qkv(x),
+            self.num_heads,
+            self.q_norm_weight,
+            self.k_norm_weight,
+            cos,
+            sin,
+            self.qk_norm_eps,
+            pool_block=pool,
+        )  # q, k, v: each [b, heads, n, head_dim]; with pool_block also their block means
+        if pool is None:
+            out = self.backend(*qkv, grid_hw=grid_hw, hidden=x)
+        else:
+            q, k, v, means = qkv
+            out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x, means=means)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
