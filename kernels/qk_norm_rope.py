@@ -71,17 +71,29 @@ def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, p
 
 
 @triton.jit
-def _tile(bh, part, tile, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """One [ROWS, head_dim] tile (rows = tokens) of q, k or v: its token rows, channels, mask of real rows and
-    channels (DIM_PAD = head_dim rounded up to a power of two), batch index, channel offsets in a [b, n, 3, heads, d]
-    row, and offsets in one [b, heads, n, d] output. Whole rows are loaded and stored: contiguous accesses."""
-    rows = tile * ROWS + tl.arange(0, ROWS)
+def _tile(bh, part, rows, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """One tile of q, k or v with these token rows: its channels, mask of real rows and channels (DIM_PAD = head_dim
+    rounded up to a power of two), batch index, channel offsets in a [b, n, 3, heads, d] row, and offsets in one
+    [b, heads, n, d] output. Whole rows are loaded and stored: contiguous accesses."""
     dims = tl.arange(0, DIM_PAD)
     mask = (rows < n)[:, None] & (dims < HEAD_DIM)[None, :]
     channels = (part * num_heads + bh % num_heads) * HEAD_DIM + dims[None, :]
     out_offset = bh.to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     # the batch index in int64: batch * stride_b passes 2^31 at e.g. 32 images of 256^2 tokens x 1152 channels
-    return rows, dims, mask, (bh // num_heads).to(tl.int64), channels, out_offset
+    return dims, mask, (bh // num_heads).to(tl.int64), channels, out_offset
+
+
+@triton.jit
+def _pooling_order(ROWS: tl.constexpr, POOL: tl.constexpr, LANES: tl.constexpr):
+    """The token rows (0..ROWS-1) of a pooling program, in an order in which each block of POOL consecutive tokens
+    lands in one warp. Triton spreads a [ROWS, head_dim] tile's rows over LANES lanes of a warp, then over the warps,
+    then repeats; a block of consecutive rows would span every warp and its sum would go through shared memory
+    (measured: the kernel 2.3x slower). Tile row i = (repeat, warp, lane) holds token warp * POOL + repeat * LANES +
+    lane, so a block is summed in registers and across lanes. Any order is correct; this one is fast when LANES
+    matches Triton's layout (``_lanes``)."""
+    i = tl.arange(0, ROWS)
+    WARPS: tl.constexpr = ROWS // POOL
+    return ((i // LANES) % WARPS) * POOL + (i // (WARPS * LANES)) * LANES + i % LANES
 
 
 @triton.jit
@@ -120,9 +132,14 @@ def _qk_norm_rope_fwd_kernel(
     DIM_PAD: tl.constexpr,
     ROWS: tl.constexpr,
     POOL: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # part: 0 = q, 1 = k, 2 = v
-    rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
+    if POOL > 0:
+        rows = tile * ROWS + _pooling_order(ROWS, POOL, LANES)
+    else:
+        rows = tile * ROWS + tl.arange(0, ROWS)
+    dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
     x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
     if part < 2:
@@ -136,7 +153,8 @@ def _qk_norm_rope_fwd_kernel(
     tl.store(out + out_offset, x, mask=mask)
     if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
         blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
-        sums = tl.sum(tl.reshape(x.to(tl.float32), [ROWS // POOL, POOL, DIM_PAD]), 1)
+        tiles = tl.reshape(x.to(tl.float32), [POOL // LANES, ROWS // POOL, LANES, DIM_PAD])  # (repeat, block, lane)
+        sums = tl.sum(tl.sum(tiles, 0), 1)  # the repeats in registers first, then across lanes: fewer shuffles
         means = MEANS + ((part * tl.num_programs(1) + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
         block_mask = (blocks < n // POOL)[:, None] & (dims < HEAD_DIM)[None, :]
         tl.store(means + blocks[:, None] * HEAD_DIM + dims[None, :], sums / POOL, mask=block_mask)
@@ -165,7 +183,8 @@ def _qk_norm_rope_bwd_kernel(
     ROWS: tl.constexpr,
 ):
     tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, dims, mask, batch, channels, out_offset = _tile(bh, part, tile, num_heads, n, HEAD_DIM, DIM_PAD, ROWS)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
     d_offset = batch * stride_db + rows[:, None] * stride_dn + channels  # d(qkv): its own strides
     if part == 2:  # v: only the layout changes
@@ -200,6 +219,14 @@ def _grid(b, n, num_heads, rows=ROWS_PER_PROGRAM):
 def _forward_rows(pool_block: int) -> int:
     """Token rows per forward program: whole blocks of ``pool_block`` (a power of two) when pooling."""
     return max(ROWS_PER_PROGRAM, pool_block)
+
+
+def _lanes(dtype: torch.dtype, dim_pad: int, pool_block: int) -> int:
+    """Lanes of a warp that Triton's default layout gives a tile's rows: 16-byte vectors along head_dim, the rest of
+    the warp's 32 lanes along the rows (bf16, head_dim 64: 8 lanes along head_dim, 4 along the rows); at most a
+    block, so that ``_pooling_order`` stays an order of the block's tokens."""
+    along_dim = min(32, max(1, dim_pad // (16 // dtype.itemsize)))
+    return max(1, min(32 // along_dim, pool_block))
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -289,6 +316,7 @@ def _qk_norm_rope_op(
         DIM_PAD=triton.next_power_of_2(head_dim),
         ROWS=rows,
         POOL=pool_block,
+        LANES=_lanes(qkv.dtype, triton.next_power_of_2(head_dim), pool_block) if pool_block else 1,
     )
     return out, means
 

@@ -265,14 +265,19 @@ def stacked_means(q, k, v, B):
 @pytest.mark.parametrize("L,Le", [(2, None), (2, 0), (1, 1)])
 def test_given_means_are_the_ones_computed_here(impl, L, Le):
     """means= (what the model's qk_norm_rope prologue hands over) replaces the first level of the selection's and
-    the bank's pyramids: given the means of q, k, v, output and gradients are bitwise those without it."""
+    the bank's pyramids: given the means of q, k, v, output and gradients are those without it (bitwise, except the
+    PyTorch path's gradients on CUDA)."""
     g = torch.Generator().manual_seed(11)
     q, k, v, go = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     fn = lambda means: lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, Le, means=means, impl=impl)  # noqa: E731
     given = grads(fn(stacked_means(q, k, v, 16)), q, k, v, go)
     computed = grads(fn(None), q, k, v, go)
-    assert all(torch.equal(a, b) for a, b in zip(given, computed))
+    assert torch.equal(given[0], computed[0])
+    if impl == "torch" and DEVICE == "cuda":  # the gathers' backward adds with atomics there: not bitwise
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(given[1:], computed[1:]))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(given[1:], computed[1:]))
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
