@@ -21,8 +21,9 @@ are per-program partial sums added in a fixed order: deterministic, no atomics.
 With ``pool_block=B`` it also returns the fp32 means of every B consecutive tokens of the q, k, v it wrote
 (``block_mean`` of each; ``[3, batch, heads, tokens / B, head_dim]``, no gradient): the first level of the pyramid
 that LLSA's selection and pooled bank start from. The kernel has those rows in registers already, so the means cost
-an fp32 write of 1/16 of the output instead of a separate pass that reads q, k and v again (in a compiled 256²
-sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s).
+an fp32 write of 1/8 of the output's bf16 bytes instead of a separate pass that reads q, k and v again (in a
+compiled 256² sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s; the kernel takes 7% longer with
+them, and sampling got 1.10x faster: docs/kernel_notes.md v20).
 
 CPU tensors (and ``impl="torch"``) run ``qk_norm_rope_torch``, the plain PyTorch composition.
 """
@@ -41,7 +42,7 @@ from .ops import custom_op
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
 ROWS_PER_PROGRAM = 64  # tokens per program; one (tokens, head) tile of q, k or v per program
-MAX_POOL_BLOCK = 128  # a forward program holds whole blocks: beyond 128 rows its tile would spill registers
+MAX_POOL_BLOCK = 128  # a forward program holds whole blocks (max(64, pool_block) rows): bigger tiles are untried
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

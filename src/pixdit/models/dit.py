@@ -151,20 +151,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
         pool = self.backend.pool_block if self.fuse_block_means else None
-        qkv = qk_norm_rope(
-            self.qkv(x),
-            self.num_heads,
-            self.q_norm_weight,
-            self.k_norm_weight,
-            cos,
-            sin,
-            self.qk_norm_eps,
-            pool_block=pool,
-        )  # q, k, v: each [b, heads, n, head_dim]; with pool_block also their block means
-        if pool is None:
-            out = self.backend(*qkv, grid_hw=grid_hw, hidden=x)
-        else:
-            q, k, v, means = qkv
+        weights = (self.q_norm_weight, self.k_norm_weight)
+        outs = qk_norm_rope(self.qkv(x), self.num_heads, *weights, cos, sin, eps=self.qk_norm_eps, pool_block=pool)
+        if pool is None:  # q, k, v: each [b, heads, n, head_dim]
+            out = self.backend(*outs, grid_hw=grid_hw, hidden=x)
+        else:  # and their block means
+            q, k, v, means = outs
             out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x, means=means)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
