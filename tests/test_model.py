@@ -285,6 +285,11 @@ def test_llsa_gets_its_block_means_from_the_qk_norm_rope_prologue(monkeypatch):
     model = tiny(input_size=(16, 16), token_order="zorder", attention={"name": "llsa", "num_levels": 1})
     backend_class = type(model.blocks[0].attn.backend)
     assert backend_class.__name__ == "LLSAAttention" and model.blocks[0].attn.backend.pool_block == 16
+    # larger blocks (their sums cross warps in the kernel: not measured to pay) and other backends pool themselves
+    from pixdit.attention import build_attention
+
+    for config in ({"name": "llsa", "block_size": 32}, {"name": "full"}, {"name": "vsa"}, {"name": "sla"}):
+        assert build_attention(config, 64, 2).pool_block is None, config
     seen, forward = [], backend_class.forward
 
     def spy(self, q, k, v, **kwargs):

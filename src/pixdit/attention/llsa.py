@@ -11,7 +11,6 @@ from pixdit.attention.base import AttentionBackend, register_attention
 from pixdit.errors import PixditError
 from pixdit.kernels import llsa_attention, llsa_check
 from pixdit.kernels.common import HEAD_DIMS
-from pixdit.kernels.qk_norm_rope import MAX_POOL_BLOCK
 
 
 @register_attention("llsa")
@@ -44,8 +43,10 @@ class LLSAAttention(AttentionBackend):
         self.num_levels = num_levels
         self.enrich_levels = enrich_levels
         self.reference_l1_grad = bool(reference_l1_grad)
-        # the selection and the pooled bank start from q, k, v's block means: the model's prologue can provide them
-        self.pool_block = block_size if isinstance(block_size, int) and 16 <= block_size <= MAX_POOL_BLOCK else None
+        # The selection and the pooled bank start from q, k, v's block means: the model's prologue writes them. Only
+        # for B = 16, the measured case (docs/kernel_notes.md v20): the kernel sums a block of 16 inside one warp,
+        # while a larger block spans warps and is summed through shared memory, which made the kernel 2.3x slower.
+        self.pool_block = 16 if block_size == 16 else None
 
     def plan(self, num_tokens: int) -> dict:
         """pixdit.kernels.llsa_check with this backend's settings: the levels, K per level and tokens per query."""
