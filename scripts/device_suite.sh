@@ -5,6 +5,7 @@
 #   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
 #   bash scripts/device_suite.sh ab DIR [CASES]  # LLSA, VSA, SLA A/B: the kernels/ in DIR vs these, interleaved in one process
+#   bash scripts/device_suite.sh vs DIR [VARIANTS]  # the whole package vs another commit's tree in DIR, compiled 256^2 step
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
@@ -17,7 +18,7 @@
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|ab|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|vs|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -46,6 +47,14 @@ case "$stage" in
     cases=(); [ $# -gt 2 ] && cases=(--cases "${@:3}")  # e.g. vsa:256 sla:256 (default: four LLSA cases)
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" "${cases[@]}" 2>&1 \
       | tee "$OUT/ab_attention.log" ;;
+  vs)
+    # The whole package against another commit (model, glue and kernels; `ab` swaps only kernels/): the compiled
+    # 256^2 training step of each variant, one pair of processes per variant (~2.5-3 min a pair on an H200, so one or
+    # two variants per 10-minute call). DIR: the other commit's source tree (mkdir -p DIR && git archive REV | tar -x -C DIR).
+    base=${2:?usage: device_suite.sh vs DIR [VARIANT ...] (default variant: llsa:num_levels=2)}
+    variants=("${@:3}"); [ ${#variants[@]} -eq 0 ] && variants=(llsa:num_levels=2)
+    timeout -k 10 570 $PY scripts/bench_vs_commit.py "$base" --out "$OUT/vs_commit" -- --compile --sizes 256 \
+      --warmup 2 --steps 5 --attention "${variants[@]}" 2>&1 | tee "$OUT/vs_commit.log" ;;
   ncu)
     # One LLSA fwd+bwd after warm-up under Nsight Compute (works on the Firecracker machines; clocks left alone).
     # The per-kernel table of docs/kernel_notes.md v8 comes from this log. ~1.5 min.
