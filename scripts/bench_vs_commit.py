@@ -126,11 +126,13 @@ def markdown(table: list[dict], bench: str) -> str:
     speed = BENCHES[bench][2]
 
     def cell(column, value):
+        if value is None or (isinstance(value, float) and value != value):  # nan: no peak memory on the CPU
+            return "-"
         if column == "head / base" and isinstance(value, float):
             return f"**{value:.3f}x**"
         if isinstance(value, float):
             return f"{value:,.1f}" if value > 1000 else f"{value:,.3f}"
-        return "-" if value is None else str(value)
+        return str(value)
 
     columns = list(table[0])
     header = {"base": f"base {speed}", "head": f"head {speed}"}
