@@ -268,7 +268,7 @@ def test_given_means_are_the_ones_computed_here(impl, L, Le):
     the bank's pyramids: given the means of q, k, v, output and gradients are those without it (bitwise, except the
     PyTorch path's gradients on CUDA)."""
     g = torch.Generator().manual_seed(11)
-    q, k, v, go = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v, go = (torch.randn(1, 1, 512, 32, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     fn = lambda means: lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, Le, means=means, impl=impl)  # noqa: E731
     given = grads(fn(stacked_means(q, k, v, 16)), q, k, v, go)
@@ -285,8 +285,8 @@ def test_given_means_are_used(impl):
     """The means are read, not recomputed: means of other tensors change the selection (and on the Triton path the
     pooled bank), so the output changes."""
     g = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(3))
-    other = stacked_means(*(torch.randn(1, 2, 1024, 32, generator=g).to(DEVICE) for _ in range(3)), 16)
+    q, k, v = (torch.randn(1, 1, 512, 32, generator=g).to(DEVICE) for _ in range(3))
+    other = stacked_means(*(torch.randn(1, 1, 512, 32, generator=g).to(DEVICE) for _ in range(3)), 16)
     computed = llsa_attention(q, k, v, 16, 4, 2, impl=impl)
     assert not torch.equal(llsa_attention(q, k, v, 16, 4, 2, means=other, impl=impl), computed)
 
