@@ -42,7 +42,7 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel
 
     apply_from_argv(sys.argv)
 
-from pixdit.attention.variants import parse_variant  # noqa: E402
+from pixdit.attention.variants import add_block_means_option, block_means_settings, parse_variant  # noqa: E402
 from pixdit.errors import PixditError  # noqa: E402
 from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
@@ -93,13 +93,7 @@ def parse_args(argv=None):
         help="the MLP's fc1 + GELU in sampling: one cuBLASLt call with the GELU in its epilogue (CUDA only), the two "
         "separate ops, or both in one run (an A/B)",
     )
-    parser.add_argument(
-        "--means",
-        default="prologue",
-        choices=["prologue", "backend", "both"],
-        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
-        "or both in one run (an A/B)",
-    )
+    add_block_means_option(parser)
     parser.add_argument(
         "--kernels-from",
         default=None,
@@ -270,12 +264,10 @@ def main(argv=None) -> list[dict]:
     )
     rows = []
     gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
-    meanses = ["prologue", "backend"] if args.means == "both" else [args.means]
     for side in args.sizes:
         for attention in args.attention:
-            # a backend without block means runs once per GELU setting: the means switch changes nothing there
-            pooled = meanses if variants[attention].block_means else meanses[:1]
-            for gelu, means in [(g, m) for g in gelus for m in pooled]:
+            meanses = block_means_settings(args.means, variants[attention])
+            for gelu, means in [(g, m) for g in gelus for m in meanses]:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 label = means if variants[attention].block_means else "-"

@@ -74,7 +74,13 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel
 
     apply_from_argv(sys.argv)
 
-from pixdit.attention.variants import Variant, parse_variant, read_options  # noqa: E402
+from pixdit.attention.variants import (  # noqa: E402
+    Variant,
+    add_block_means_option,
+    block_means_settings,
+    parse_variant,
+    read_options,
+)
 from pixdit.errors import PixditError  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
@@ -152,13 +158,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", default=None, help="directory for bench_train.md / .json / .png")
-    parser.add_argument(
-        "--means",
-        default="prologue",
-        choices=["prologue", "backend", "both"],
-        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
-        "or both, one row each (an A/B in one process)",
-    )
+    add_block_means_option(parser)
     parser.add_argument(
         "--kernels-from",
         default=None,
@@ -451,14 +451,12 @@ def run_row(args, model: ModelSpec, side: int, grad_checkpointing, variant: Vari
 
 def run(args, models: list[ModelSpec], variants: list[Variant], settings: list, on_row=None) -> list[dict]:
     steps_at = parse_steps_at(args.steps_at)
-    meanses = ["prologue", "backend"] if args.means == "both" else [args.means]
     rows = []
     for model in models:
         for side in args.sizes:
             warmup, steps = steps_at.get(side, (args.warmup, args.steps))
             for grad_checkpointing in settings:
-                # a backend without block means runs once: the switch changes nothing there
-                for variant, means in [(v, m) for v in variants for m in (meanses if v.block_means else meanses[:1])]:
+                for variant, means in [(v, m) for v in variants for m in block_means_settings(args.means, v)]:
                     Attention.fuse_block_means = means == "prologue"  # a class switch, read at trace time
                     try:
                         rows.append(run_row(args, model, side, grad_checkpointing, variant, warmup, steps))

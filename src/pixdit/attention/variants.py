@@ -18,7 +18,14 @@ import yaml
 from pixdit.attention.base import build_attention
 from pixdit.errors import PixditError
 
-__all__ = ["Variant", "parse_variant", "read_options", "split_options"]
+__all__ = [
+    "Variant",
+    "add_block_means_option",
+    "block_means_settings",
+    "parse_variant",
+    "read_options",
+    "split_options",
+]
 
 PROBE_DIMS = dict(dim=128, num_heads=2)  # the variants' options are checked on a backend of this size
 
@@ -66,3 +73,22 @@ def parse_variant(spec: str) -> Variant:
     except PixditError as error:
         raise PixditError(f"--attention {spec}: {error}") from None
     return Variant(spec, attention, backend.token_order or "raster", backend.pool_block is not None)
+
+
+def add_block_means_option(parser) -> None:
+    """The bench scripts' ``--means prologue|backend|both``: where a backend that takes block means of q, k, v
+    (``Variant.block_means``) gets them (``pixdit.models.dit.Attention.fuse_block_means``), or both as an A/B."""
+    parser.add_argument(
+        "--means",
+        default="prologue",
+        choices=["prologue", "backend", "both"],
+        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
+        "or both, one row each (an A/B in one process)",
+    )
+
+
+def block_means_settings(choice: str, variant: Variant) -> list[str]:
+    """The ``--means`` settings ``variant`` runs with: both settings for ``both`` where its backend takes block means,
+    else one (the switch changes nothing for a backend without them)."""
+    settings = ["prologue", "backend"] if choice == "both" else [choice]
+    return settings if variant.block_means else settings[:1]
