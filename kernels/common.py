@@ -55,10 +55,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 AUTOTUNE = not INTERPRET and os.environ.get("PIXDIT_KERNELS_AUTOTUNE", "1") not in ("", "0")
 
 
-def autotuned(kernel, key: list[str], configs: list):
+def autotuned(kernel, key: list[str], configs: list, prune=None):
     """``kernel`` autotuned over ``configs`` (keyed by the argument names ``key``) when AUTOTUNE is on, else as is
-    (its launcher then passes the fixed ``num_warps`` / ``num_stages``)."""
-    return triton.autotune(configs=configs, key=key)(kernel) if AUTOTUNE else kernel
+    (its launcher then passes the fixed ``num_warps`` / ``num_stages``). ``prune(configs, named_args, **kwargs)``:
+    Triton's ``early_config_prune``, the configurations worth timing for one launch's arguments."""
+    if not AUTOTUNE:
+        return kernel
+    prune_by = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by)(kernel)
 
 
 # ------------------------------------------------------------------------------------------- Triton or PyTorch

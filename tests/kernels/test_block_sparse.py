@@ -257,3 +257,26 @@ def test_block_sparse_rejects_bad_blocks():
         block_sparse_attention(q, q, q, lists, query_block=8, key_block=16)
     with pytest.raises(ValueError, match="block_lists must be"):
         block_sparse_attention(q, q, q, lists, query_block=32, key_block=16)
+
+
+def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
+    """16-row programs on one warp; the forward of 32 rows on two, its (transposed) backward on a warpgroup; tiles of
+    64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
+    from pixdit.kernels.block_sparse import _CONFIGS, _WARPGROUP_PROGRAMS, _configs_for, program_warps
+
+    assert [program_warps(r, backward=False) for r in (16, 32, 48, 64, 128, 256)] == [1, 2, 2, 4, 8, 8]
+    assert [program_warps(r, backward=True) for r in (16, 32, 48, 64, 128, 256)] == [1, 4, 4, 4, 8, 8]
+    fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False)
+    dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True)
+    dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True)
+
+    def tried(configs):
+        return sorted((c.num_warps, c.num_stages) for c in configs)
+
+    one_warp = [(1, 2), (1, 3), (1, 4)]
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16)) == tried(dq(_CONFIGS, {}, BLOCK_M=16)) == one_warp
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=32)) == [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
+    assert tried(dq(_CONFIGS, {}, BLOCK_M=32)) == tried(fwd(_CONFIGS, {}, BLOCK_M=64)) == sorted(_WARPGROUP_PROGRAMS)
+    # dk/dv programs are sized by their key rows (a group of 4 blocks of 16 keys is a 64-row program)
+    assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64}, KEY_BLOCK=16, GROUP=1)) == one_warp
+    assert tried(dkdv(_CONFIGS, {}, KEY_BLOCK=16, GROUP=4)) == sorted(_WARPGROUP_PROGRAMS)
