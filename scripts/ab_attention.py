@@ -13,9 +13,10 @@ on the same inputs, and reports the median of the rounds' ``do_bench`` medians a
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
-A case is ``METHOD:SIDE[:X]`` (tokens = SIDE², blocks of 16, head_dim 64): ``llsa:256:2`` is LLSA with K = 8 and
-L = 2; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles and the K of ``bench_attention.py``'s
-VSA/SLA rows (``--baseline-topk``), or ``vsa:256:64`` for K = 64.
+A case is ``METHOD:SIDE[:X[:B]]`` (tokens = SIDE², head_dim 64): ``llsa:256:2`` is LLSA with K = 8, L = 2 and blocks
+of B = 16; ``llsa:256:2:32`` the same with B = 32; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles
+and the K of ``bench_attention.py``'s VSA/SLA rows (``--baseline-topk``), ``vsa:256:64`` for K = 64.
+``--per-kernel N`` (GPU) adds each case's N largest kernels of a forward + backward call, both versions side by side.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from kernel_ab import load_kernels_as
 
 import pixdit.kernels as current
-from pixdit.report import kernel_ms, markdown_table
+from pixdit.report import kernel_breakdown, kernel_ms, markdown_table
 
 
 def parse_args(argv=None):
@@ -36,15 +37,23 @@ def parse_args(argv=None):
     p.add_argument(
         "--cases",
         nargs="+",
-        default=["llsa:128:2", "llsa:256:2", "llsa:256:3", "llsa:512:2"],
-        help="METHOD:SIDE[:X]: llsa:SIDE:LEVELS, vsa:SIDE[:K], sla:SIDE[:K]",
+        default=None,
+        help="METHOD:SIDE[:X[:B]]: llsa:SIDE:LEVELS[:B], vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]] (default: llsa:128:2 "
+        "llsa:256:2 llsa:256:3 llsa:512:2; with --quick: llsa:32:1 vsa:32:2)",
     )
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true", help="CPU check: 32^2 cases, 2 rounds, tiny heads")
+    p.add_argument("--quick", action="store_true", help="CPU check: 32^2 cases (unless given), 2 rounds, tiny heads")
+    p.add_argument(
+        "--per-kernel",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU: also list each case's N largest kernels of a forward + backward call (ms per call, both versions)",
+    )
     p.add_argument(
         "--kernel-time",
         action="store_true",
@@ -52,12 +61,16 @@ def parse_args(argv=None):
         "call is host-bound, so eager times mix the kernels with Python)",
     )
     args = p.parse_args(argv)
+    if args.cases is None:
+        args.cases = (
+            ["llsa:32:1", "vsa:32:2"] if args.quick else ["llsa:128:2", "llsa:256:2", "llsa:256:3", "llsa:512:2"]
+        )
     args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
-    if args.kernel_time and not args.device.startswith("cuda"):
-        raise SystemExit(f"--kernel-time times CUDA kernels, got --device {args.device}; drop --kernel-time")
+    for flag, on in (("--kernel-time", args.kernel_time), ("--per-kernel", args.per_kernel)):
+        if on and not args.device.startswith("cuda"):
+            raise SystemExit(f"{flag} times CUDA kernels, got --device {args.device}; drop {flag}")
     if args.quick:
         args.tokens_total, args.heads, args.head_dim, args.rounds = 1024, 1, 16, 2
-        args.cases = [parse_case(case) for case in ("llsa:32:1", "vsa:32:2")]
     return args
 
 
@@ -65,26 +78,28 @@ DEFAULT_K = {64: 8, 128: 20, 256: 32, 512: 32}  # VSA / SLA top-K per image side
 METHODS = ("llsa", "vsa", "sla")
 
 
-def parse_case(case: str) -> tuple[str, int, int]:
-    """``METHOD:SIDE[:X]`` -> (method, side, X): X = levels for LLSA (required), top-K for VSA / SLA."""
+def parse_case(case: str) -> tuple[str, int, int, int]:
+    """``METHOD:SIDE[:X[:B]]`` -> (method, side, X, B): X = levels for LLSA (required), top-K for VSA / SLA; B = the
+    block size (16 unless given)."""
     parts = case.split(":")
-    ok = len(parts) in (2, 3) and parts[0] in METHODS and all(p.isdigit() for p in parts[1:])
-    if not ok or (parts[0] == "llsa" and len(parts) != 3):
+    ok = len(parts) in (2, 3, 4) and parts[0] in METHODS and all(p.isdigit() for p in parts[1:])
+    if not ok or (parts[0] == "llsa" and len(parts) < 3):
         raise SystemExit(
-            f"--cases {case!r}: expected METHOD:SIDE[:X] with METHOD in {METHODS} (llsa:SIDE:LEVELS, vsa:SIDE[:K], "
-            "sla:SIDE[:K]), e.g. llsa:256:2 or vsa:256"
+            f"--cases {case!r}: expected METHOD:SIDE[:X[:B]] with METHOD in {METHODS} (llsa:SIDE:LEVELS[:B], "
+            "vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]]), e.g. llsa:256:2, llsa:256:2:32 or vsa:256"
         )
     side = int(parts[1])
-    return parts[0], side, int(parts[2]) if len(parts) == 3 else DEFAULT_K.get(side, 32)
+    x = int(parts[2]) if len(parts) >= 3 else DEFAULT_K.get(side, 32)
+    return parts[0], side, x, int(parts[3]) if len(parts) == 4 else 16
 
 
-def attention_call(lib, method: str, x: int, q, k, v, gate):
+def attention_call(lib, method: str, x: int, block: int, q, k, v, gate):
     """The timed call of one library: its output (a tensor to differentiate)."""
     if method == "llsa":
-        return lib.llsa_attention(q, k, v, block_size=16, topk=8, num_levels=x)
+        return lib.llsa_attention(q, k, v, block_size=block, topk=8, num_levels=x)
     if method == "vsa":
-        return lib.vsa_attention(q, k, v, block_size=16, topk=x, gate=gate)
-    return sum(lib.sla_attention(q, k, v, block_size=16, topk=x))
+        return lib.vsa_attention(q, k, v, block_size=block, topk=x, gate=gate)
+    return sum(lib.sla_attention(q, k, v, block_size=block, topk=x))
 
 
 def timer(args):
@@ -108,9 +123,10 @@ def main(argv=None) -> list[dict]:
     time_ms = timer(args)
     times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]
     results = {}  # (case, version) -> output and gradients of round 0, to compare the two versions
+    per_kernel = {}  # (case, version) -> {kernel: ms per forward + backward call}, round 0
     for round_ in range(args.rounds):
         for case in args.cases:
-            method, side, x = case
+            method, side, x, block = case
             n = side * side
             g = torch.Generator(device=args.device).manual_seed(round_)
             shape = (max(1, args.tokens_total // n), args.heads, n, args.head_dim)
@@ -124,7 +140,7 @@ def main(argv=None) -> list[dict]:
             for version, lib in (("before", base), ("after", current)):
 
                 def forward(lib=lib):
-                    return attention_call(lib, method, x, q, k, v, gate)
+                    return attention_call(lib, method, x, block, q, k, v, gate)
 
                 def forward_backward(forward=forward):
                     return torch.autograd.grad(forward(), (q, k, v), do)
@@ -132,6 +148,8 @@ def main(argv=None) -> list[dict]:
                 if round_ == 0:
                     out = forward()
                     results[(case, version)] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+                    if args.per_kernel:
+                        per_kernel[(case, version)] = kernel_breakdown(forward_backward)
                 if args.kernel_time:
                     entry = (kernel_ms(forward), kernel_ms(forward_backward))
                 else:
@@ -139,8 +157,8 @@ def main(argv=None) -> list[dict]:
                 times.setdefault((case, version), []).append(entry)
     rows = []
     for case in args.cases:
-        method, side, x = case
-        row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}"}
+        method, side, x, block = case
+        row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}", "B": block}
         for i, what in enumerate(("fwd", "fwd+bwd")):
             before = statistics.median(t[i] for t in times[(case, "before")])
             after = statistics.median(t[i] for t in times[(case, "after")])
@@ -156,7 +174,17 @@ def main(argv=None) -> list[dict]:
         )
         rows.append(row)
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
+    for case in args.cases if args.per_kernel else ():
+        print(f"\n{':'.join(map(str, case))}: the {args.per_kernel} largest kernels of a forward + backward call")
+        print(kernel_table(per_kernel[(case, "before")], per_kernel[(case, "after")], args.per_kernel))
     return rows
+
+
+def kernel_table(before: dict[str, float], after: dict[str, float], top: int) -> str:
+    """The ``top`` kernels by their larger time in either version: name (cut to 70 characters), ms per call each."""
+    names = sorted(before.keys() | after.keys(), key=lambda n: -max(before.get(n, 0.0), after.get(n, 0.0)))[:top]
+    rows = [{"kernel": n[:70], "before ms": before.get(n, 0.0), "after ms": after.get(n, 0.0)} for n in names]
+    return markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def test_ab_attention_names_a_missing_library():
 
 def test_ab_attention_names_a_bad_case():
     run = ab_attention("kernels", "--cases", "vsa:big")
-    assert run.returncode != 0 and "--cases 'vsa:big': expected METHOD:SIDE[:X]" in run.stderr
+    assert run.returncode != 0 and "--cases 'vsa:big': expected METHOD:SIDE[:X[:B]]" in run.stderr
 
 
 def test_compile_report_gives_every_kernel_argument():
@@ -75,3 +75,18 @@ def test_llsa_recall_sibling_union():
     disjoint = torch.arange(64).view(1, 1, 8, 8)
     half = torch.stack([torch.arange(8), torch.arange(8), torch.arange(8, 16), torch.arange(8, 16)]).repeat(2, 1)
     assert union(same, 4) == 0.25 and union(disjoint, 4) == 1.0 and union(half[None, None], 4) == 0.5
+
+
+def test_ab_attention_llsa_block_size_case_and_per_kernel_needs_cuda():
+    run = ab_attention("kernels", "--cases", "llsa:32:1:32")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1].startswith("| llsa | 32² | L=1 | 32 |")
+    run = ab_attention("kernels", "--per-kernel", "5")
+    assert run.returncode != 0 and "--per-kernel times CUDA kernels, got --device cpu" in run.stderr
+
+
+def test_ab_attention_kernel_table_orders_by_the_larger_time(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the script imports its neighbour kernel_ab
+    table = runpy.run_path(str(ROOT / "scripts" / "ab_attention.py"))["kernel_table"]
+    text = table({"a": 1.0, "b": 3.0, "c": 0.5}, {"a": 4.0, "b": 2.0, "d": 0.1}, 2)
+    assert [line.split(" | ")[0].strip("| ") for line in text.splitlines()[2:]] == ["a", "b"]

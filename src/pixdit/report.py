@@ -26,6 +26,11 @@ def kernel_ms(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> float:
     kernels are not counted, so this is the kernels' speed where an eager call is host-bound. (A CUDA-graph replay
     would measure the same without a profiler, but capturing an autograd backward fails on the H200 image with
     torch 2.11: "operation failed due to a previous error during capture", for SDPA's backward as for ours.)"""
+    return sum(kernel_breakdown(fn, calls, warmup).values())
+
+
+def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> dict[str, float]:
+    """``kernel_ms`` by kernel: {CUDA kernel, copy or fill name: milliseconds per call of ``fn()``}."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -37,10 +42,13 @@ def kernel_ms(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    device_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    if device_us == 0:
+    per_name: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            per_name[event.name] = per_name.get(event.name, 0.0) + event.time_range.elapsed_us() / calls / 1000
+    if not per_name:
         raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
-    return device_us / calls / 1000
+    return per_name
 
 
 def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tuple[float, float]:
