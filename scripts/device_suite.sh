@@ -6,6 +6,7 @@
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
 #   bash scripts/device_suite.sh ab DIR [CASES]  # LLSA, VSA, SLA A/B: the kernels/ in DIR vs these, interleaved in one process
 #   bash scripts/device_suite.sh vs DIR [VARIANTS]  # the whole package vs another commit's tree in DIR, compiled 256^2 step
+#   bash scripts/device_suite.sh loss DIR   # validation loss of a short DiT-S LLSA run (64^2 crops), this tree vs DIR's
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
@@ -18,7 +19,7 @@
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|ab|vs|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|vs|loss|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -55,6 +56,16 @@ case "$stage" in
     variants=("${@:3}"); [ ${#variants[@]} -eq 0 ] && variants=(llsa:num_levels=2)
     timeout -k 10 570 $PY scripts/bench_vs_commit.py "$base" --out "$OUT/vs_commit" -- --compile --sizes 256 \
       --warmup 2 --steps 5 --attention "${variants[@]}" 2>&1 | tee "$OUT/vs_commit.log" ;;
+  loss)
+    # "Numerics unchanged": the validation loss of a short run with this tree and with DIR's (another commit's source
+    # tree), two seeds each: DiT-S, patch 1, LLSA (B = 16, K = 8, default levels: 2 at 4,096 tokens), 64^2 photo
+    # crops (built into data/crops64 on first use), 700 steps, compile=auto. Four training processes; not timed yet.
+    base=${2:?usage: device_suite.sh loss DIR}
+    [ -f data/crops64/manifest.json ] || $PY scripts/make_quickstart_data.py --out data/crops64 --resolution 64
+    timeout -k 10 570 $PY scripts/loss_vs_commit.py "$base" --seeds 0 1 --out "$OUT/loss_vs_commit" -- \
+      experiment=quickstart model=dit_s model.patch_size=1 attention=llsa optimizer.lr=1e-4 data.root=data/crops64 \
+      data.resolution=64 trainer.max_steps=700 trainer.val_check_interval=700 callbacks.samples=null 2>&1 \
+      | tee "$OUT/loss_vs_commit.log" ;;
   ncu)
     # One LLSA fwd+bwd after warm-up under Nsight Compute (works on the Firecracker machines; clocks left alone).
     # The per-kernel table of docs/kernel_notes.md v8 comes from this log. ~1.5 min.
@@ -155,6 +166,6 @@ case "$stage" in
       [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
     done ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, ab, ncu, train, train-compiled, profile, sampling, scaling, grow, trainpy or fsdp2" >&2
+    echo "unknown stage '$stage': use tests, attention, ab, vs, loss, ncu, train, train-compiled, profile, sampling, scaling, grow, trainpy or fsdp2" >&2
     exit 2 ;;
 esac
