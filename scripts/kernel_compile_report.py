@@ -3,7 +3,7 @@ size per variant. The only performance signal on a machine without one; re-run i
 a register jump that costs occupancy, or a jump in compile time shows here first).
 
     python scripts/kernel_compile_report.py                      # selection (top-k) and the LLSA attention kernels
-    python scripts/kernel_compile_report.py --kernels attention --warps 4 8 --stages 2 3
+    python scripts/kernel_compile_report.py --kernels attention --warps launch 4 8 --stages 2 3
     python scripts/kernel_compile_report.py --kernels topk --head-dim 128 --dump /tmp/sass   # + PTX / SASS to read
 
 ``topk``: ``k`` is a run-time argument of the selection kernels, so the rows are all the variants a sweep over k
@@ -11,7 +11,8 @@ compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, ro
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
 levels: 64-row tiles over the bank, the coarsest level as a dense tail), and SLA's dq and linear dk/dv kernels at
-256^2 (K = 32), for each number of warps and pipeline stages the autotuner tries. Arguments get the divisibility-by-16 hints the launcher gives them at run time.
+256^2 (K = 32), at the warps their launchers give them (``--warps launch``, the default) or the ones given.
+Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
 the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend
 on the Triton version (the two-pass row kernel: 216 with Triton 3.8, 141 with 3.6, the same source), so for a
@@ -224,11 +225,28 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     return rows
 
 
+def launch_warps(fn, const: dict) -> int:
+    """The warps the launchers give an attention kernel's program without autotuning (block_sparse.program_warps,
+    linear_attention.walk_warps for SLA's own kernels)."""
+    if fn is block_sparse._fwd_kernel:
+        return block_sparse.program_warps(const["BLOCK_M"], backward=False)
+    if fn is block_sparse._dq_kernel:
+        return block_sparse.program_warps(const["BLOCK_M"], backward=True)
+    if fn is block_sparse._dkdv_kernel:
+        return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], backward=True)
+    return linear_attention.walk_warps(const["HEAD_DIM"])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention"])
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="attention kernels: warps per program")
+    parser.add_argument(
+        "--warps",
+        nargs="+",
+        default=["launch"],
+        help="attention kernels: warps per program, or 'launch' for the warps its launcher gives it (default)",
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2], help="attention kernels: pipeline stages")
     parser.add_argument("--dump", default=None, help="folder for the PTX / TTGIR / SASS of each variant")
     args = parser.parse_args(argv)
@@ -238,7 +256,7 @@ def main(argv=None) -> None:
     if "attention" in args.kernels:
         for label, fn, run_args, const in attention_variants(args.head_dim):
             signature, attrs = launch_variant(fn, run_args, const)
-            for warps in args.warps:
+            for warps in [launch_warps(fn, const) if w == "launch" else int(w) for w in args.warps]:
                 for stages in args.stages:
                     row = {"kernel": label, "head_dim": args.head_dim, "stages": stages}
                     name = f"{fn.__name__}_{label.split(' (')[0].replace(' ', '_')}_w{warps}_s{stages}"

@@ -66,6 +66,24 @@ def test_compile_report_gives_every_kernel_argument():
     assert "k" in signature and (fn.arg_names.index("k"),) not in attrs
 
 
+def test_compile_report_launch_warps_are_the_launchers():
+    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the coarsest level's
+    64-key dk/dv groups on four, SLA's own walks on walk_warps."""
+    report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
+    warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
+    assert warps == {
+        "fwd fine (16-row blocks)": 1,
+        "fwd pooled (64-row tiles + tail)": 4,
+        "dq pooled (64-row tiles + tail)": 4,
+        "dq fine": 1,
+        "dkdv fine (16-key blocks)": 1,
+        "dkdv pooled candidates": 1,
+        "dkdv pooled coarsest (64 keys, split)": 4,
+        "sla dq (16-row blocks)": 4,
+        "sla linear dkdv (16-key blocks)": 4,
+    }
+
+
 def test_llsa_recall_sibling_union():
     """llsa_recall.py's "union of 4": identical lists in a group of 4 -> 1/4, disjoint lists -> 1."""
     import torch
