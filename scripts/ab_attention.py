@@ -66,6 +66,8 @@ def parse_args(argv=None):
             ["llsa:32:1", "vsa:32:2"] if args.quick else ["llsa:128:2", "llsa:256:2", "llsa:256:3", "llsa:512:2"]
         )
     args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
+    if args.per_kernel < 0:
+        raise SystemExit(f"--per-kernel takes the number of kernels to list (>= 1, 0 = off), got {args.per_kernel}")
     for flag, on in (("--kernel-time", args.kernel_time), ("--per-kernel", args.per_kernel)):
         if on and not args.device.startswith("cuda"):
             raise SystemExit(f"{flag} times CUDA kernels, got --device {args.device}; drop {flag}")
