@@ -317,7 +317,7 @@ def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, PREC: tl.constexpr):
 
 @triton.jit
 def gathered_dq_step_t(st, k, v, do, lse2, delta, ok_t, dqt, PREC: tl.constexpr):
-    """gathered_dq_step transposed, for query blocks of 17-63 rows (see the note below): ``st`` = the base-2 logits
+    """gathered_dq_step transposed, for warpgroup programs of < 64 rows (see the note below): ``st`` = the base-2 logits
     [keys, rows], ``ok_t`` its mask, ``dqt`` = dq^T [d, rows]."""
     pt = tl.where(ok_t, tl.math.exp2(st - lse2[None, :]), 0.0)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -326,15 +326,16 @@ def gathered_dq_step_t(st, k, v, do, lse2, delta, ok_t, dqt, PREC: tl.constexpr)
 
 
 # Programs of fewer than 64 rows. A program of 16 rows (the query blocks and key blocks of LLSA, VSA and SLA with
-# B = 16) runs on one warp (``program_warps``): the warp owns whole rows, so the forward's softmax reductions and
-# every dot's operands stay in its registers, and each dot is mma.sync's 16-row shape. With 4 warps the rows'
-# logits were split over the warps and exchanged through shared memory; one warp measured the fine forward 1.4x
-# and LLSA's forward + backward 1.07x faster at 256², VSA 1.10x (docs/kernel_notes.md v21). Programs of 32 or 48
-# rows (B = 32) run the forward on one warp per 16 rows too (1.05x), but their backward keeps a warpgroup and computes
-# its products transposed, with the rows it walks (64 gathered keys, or a 64-row query step) in the M dimension of
+# B = 16) and a head dim of up to 64 runs on one warp (``program_warps``): the warp owns whole rows, so the forward's
+# softmax reductions and every dot's operands stay in its registers, and each dot is mma.sync's 16-row shape. With 4
+# warps the rows' logits were split over the warps and exchanged through shared memory; one warp measured the fine
+# forward 1.4x and LLSA's forward + backward 1.07x faster at 256², VSA 1.10x (docs/kernel_notes.md v21). Programs of
+# 32 or 48 rows (B = 32) run the forward on one warp per 16 rows too (1.05x). The others keep a warpgroup: the
+# backward of 32 or 48 rows (on 2 warps in the plain form it measured 0.95x, v21) and every program of a head dim of
+# 128 (on one warp its tiles spill registers: 100-330 B in the compile report). Their backward computes its
+# products transposed, with the rows it walks (64 gathered keys, or a 64-row query step) in the M dimension of
 # Hopper's wgmma (>= 64 rows) and its own rows in N: S^T = K Q^T, dQ^T += K^T dS^T in dq; S = Q K^T, dV^T += dO^T P,
-# dK^T += Q^T dS in dk/dv; the same products and fp32 sums as the plain form, bit for bit (v17). On 2 warps in the
-# plain form that backward measured 0.95x (v21).
+# dK^T += Q^T dS in dk/dv; the same products and fp32 sums as the plain form, bit for bit (v17).
 @triton.jit
 def _dq_kernel(
     Q,
@@ -396,7 +397,7 @@ def _dq_kernel(
     else:
         delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for blocks of 17-63 rows
+    dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for warpgroup blocks of < 64 rows
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
@@ -419,7 +420,7 @@ def _dq_kernel(
             )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-            if BLOCK_M > 16 and BLOCK_M < 64:  # rows in N: see the note above _dq_kernel
+            if BLOCK_M < 64 and (BLOCK_M > 16 or HEAD_DIM > 64):  # rows in N: see the note above _dq_kernel
                 st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
@@ -431,7 +432,7 @@ def _dq_kernel(
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
                 dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
-        if BLOCK_M > 16 and BLOCK_M < 64:
+        if BLOCK_M < 64 and (BLOCK_M > 16 or HEAD_DIM > 64):
             dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
         toff = tl.arange(0, TAIL_STEP)
@@ -517,7 +518,7 @@ def _dkdv_kernel(
     s1 = tl.minimum(s0 + chunk, end)
     dk = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
     dv = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
-    dkt = tl.zeros([HEAD_DIM, KEY_ROWS], tl.float32)  # dk, dv transposed, for groups of 17-63 keys
+    dkt = tl.zeros([HEAD_DIM, KEY_ROWS], tl.float32)  # dk, dv transposed, for warpgroup groups of < 64 keys
     dvt = tl.zeros([HEAD_DIM, KEY_ROWS], tl.float32)
     roff = tl.arange(0, QROWS)
     slot = roff // QUERY_BLOCK
@@ -545,7 +546,7 @@ def _dkdv_kernel(
             do = tl.load(DO + do_offs, mask=r_ok[:, None], other=0.0)
             lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
-        if KEY_ROWS > 16 and KEY_ROWS < 64:  # keys in N: see the note above _dq_kernel
+        if KEY_ROWS < 64 and (KEY_ROWS > 16 or HEAD_DIM > 64):  # keys in N: see the note above _dq_kernel
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             if HAS_LOGW:
                 s += w[None, :]
@@ -567,7 +568,7 @@ def _dkdv_kernel(
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
-    if KEY_ROWS > 16 and KEY_ROWS < 64:
+    if KEY_ROWS < 64 and (KEY_ROWS > 16 or HEAD_DIM > 64):
         dk = tl.trans(dkt)
         dv = tl.trans(dvt)
     dk = dk * sm_scale
@@ -593,15 +594,18 @@ _CONFIGS = [
 ]
 
 
-def program_warps(rows: int, backward: bool) -> int:
+def program_warps(rows: int, backward: bool, head_dim: int) -> int:
     """Warps of a program of ``rows`` query or key rows (see the note above _dq_kernel): one for 16 rows, one per 16
-    rows for the forward of 32 or 48 (a power of two), a warpgroup for the transposed backward of those, 4 for tiles
-    of 64 rows (wgmma) and 8 for tiles of 128 (whose fp32 logit and accumulator tiles would not fit 4 warps)."""
+    rows for the forward of 32 or 48 (a power of two), a warpgroup for the transposed backward of those and for any
+    program of < 64 rows with a head dim above 64, 4 for tiles of 64 rows (wgmma) and 8 for tiles of 128 (whose fp32
+    logit and accumulator tiles would not fit 4 warps)."""
+    if rows >= 64:
+        return 8 if rows >= 128 else 4
+    if head_dim > 64:
+        return 4
     if rows <= 16:
         return 1
-    if rows < 64:
-        return 4 if backward else 1 << ((rows // 16).bit_length() - 1)
-    return 8 if rows >= 128 else 4
+    return 4 if backward else 1 << ((rows // 16).bit_length() - 1)
 
 
 def _configs_for(rows_of, backward: bool):
@@ -609,8 +613,8 @@ def _configs_for(rows_of, backward: bool):
     of ``rows_of(launch arguments)`` rows, small ones with at most ``program_warps`` warps."""
 
     def prune(configs, named_args, **kwargs):
-        rows = rows_of({**named_args, **kwargs})
-        warps = program_warps(rows, backward)
+        meta = {**named_args, **kwargs}
+        warps = program_warps(rows_of(meta), backward, meta["HEAD_DIM"])
         small = warps < 4
         allowed = _SMALL_PROGRAMS if small else _WARPGROUP_PROGRAMS
         return [c for c in configs if (c.num_warps, c.num_stages) in allowed and (not small or c.num_warps <= warps)]
@@ -642,9 +646,9 @@ _dkdv = autotuned(
 )
 
 
-def _launch(rows: int, backward: bool) -> dict:
+def _launch(rows: int, backward: bool, head_dim: int) -> dict:
     """Launch options of a program of ``rows`` query or key rows (none when autotuned)."""
-    return {} if AUTOTUNE else {"num_warps": program_warps(rows, backward), "num_stages": 2}
+    return {} if AUTOTUNE else {"num_warps": program_warps(rows, backward, head_dim), "num_stages": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -801,7 +805,7 @@ def _bsa_forward_op(
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-        **_launch(query_block, backward=False),
+        **_launch(query_block, False, d),
     )
     return o, lse
 
@@ -920,7 +924,7 @@ def _bsa_backward_dq_op(
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-        **_launch(query_block, backward=True),
+        **_launch(query_block, True, d),
     )
     return dq
 
@@ -1070,7 +1074,7 @@ def _bsa_backward_dkdv_op(
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
-        **_launch(key_block * group, backward=True),
+        **_launch(key_block * group, True, d),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)

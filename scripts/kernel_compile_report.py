@@ -228,13 +228,14 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 def launch_warps(fn, const: dict) -> int:
     """The warps the launchers give an attention kernel's program without autotuning (block_sparse.program_warps,
     linear_attention.walk_warps for SLA's own kernels)."""
+    d = const["HEAD_DIM"]
     if fn is block_sparse._fwd_kernel:
-        return block_sparse.program_warps(const["BLOCK_M"], backward=False)
+        return block_sparse.program_warps(const["BLOCK_M"], False, d)
     if fn is block_sparse._dq_kernel:
-        return block_sparse.program_warps(const["BLOCK_M"], backward=True)
+        return block_sparse.program_warps(const["BLOCK_M"], True, d)
     if fn is block_sparse._dkdv_kernel:
-        return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], backward=True)
-    return linear_attention.walk_warps(const["HEAD_DIM"])
+        return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], True, d)
+    return linear_attention.walk_warps(d)
 
 
 def main(argv=None) -> None:

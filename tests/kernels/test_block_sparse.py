@@ -152,13 +152,17 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
 )
 # the Triton walks read short lists from registers (listed_ids) and long ones step by step: both, on the same lists
 @pytest.mark.parametrize("ids_in_registers", [True, False])
-def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, ids_in_registers, monkeypatch):
+# head dim 128: the 16-row programs keep a warpgroup and the transposed backward (block_sparse.program_warps)
+@pytest.mark.parametrize("d", [32, 128])
+def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, ids_in_registers, d, monkeypatch):
     if impl == "torch" and not ids_in_registers:
         pytest.skip("the PyTorch path walks no lists")
+    if d == 128 and (qb, kb, ids_in_registers) != (16, 16, True):
+        pytest.skip("head dim 128 changes only the programs of 16 rows")
     if not ids_in_registers:
         monkeypatch.setattr(block_sparse_module, "LIST_IN_REGISTERS", 0)
     g = torch.Generator().manual_seed(3)
-    b, h, d = 2, 2, 32
+    b, h = 2, 2
     nk = nq - tail  # partial last key block when tail > 0
     q = torch.randn(b, h, nq, d, generator=g)
     k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
@@ -260,12 +264,15 @@ def test_block_sparse_rejects_bad_blocks():
 
 
 def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
-    """16-row programs on one warp; the forward of 32 rows on two, its (transposed) backward on a warpgroup; tiles of
-    64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
+    """16-row programs on one warp; the forward of 32 rows on two, its (transposed) backward on a warpgroup; programs
+    of < 64 rows with a head dim of 128 on a warpgroup; tiles of 64 and 128 rows on 4 and 8 warps. The autotuner
+    times only the configurations of the launch's program."""
     from pixdit.kernels.block_sparse import _CONFIGS, _WARPGROUP_PROGRAMS, _configs_for, program_warps
 
-    assert [program_warps(r, backward=False) for r in (16, 32, 48, 64, 128, 256)] == [1, 2, 2, 4, 8, 8]
-    assert [program_warps(r, backward=True) for r in (16, 32, 48, 64, 128, 256)] == [1, 4, 4, 4, 8, 8]
+    rows = (16, 32, 48, 64, 128, 256)
+    assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
+    assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
+    assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
     fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False)
     dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True)
     dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True)
@@ -273,10 +280,13 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     def tried(configs):
         return sorted((c.num_warps, c.num_stages) for c in configs)
 
-    one_warp = [(1, 2), (1, 3), (1, 4)]
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16)) == tried(dq(_CONFIGS, {}, BLOCK_M=16)) == one_warp
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=32)) == [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
-    assert tried(dq(_CONFIGS, {}, BLOCK_M=32)) == tried(fwd(_CONFIGS, {}, BLOCK_M=64)) == sorted(_WARPGROUP_PROGRAMS)
+    one_warp, warpgroup = [(1, 2), (1, 3), (1, 4)], sorted(_WARPGROUP_PROGRAMS)
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64)) == tried(dq(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64))
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64)) == one_warp
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=128)) == warpgroup
+    assert tried(fwd(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=32)) == [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
+    assert tried(dq(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=64)) == tried(fwd(_CONFIGS, {}, BLOCK_M=64, HEAD_DIM=64))
+    assert tried(dq(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=64)) == warpgroup
     # dk/dv programs are sized by their key rows (a group of 4 blocks of 16 keys is a 64-row program)
-    assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64}, KEY_BLOCK=16, GROUP=1)) == one_warp
-    assert tried(dkdv(_CONFIGS, {}, KEY_BLOCK=16, GROUP=4)) == sorted(_WARPGROUP_PROGRAMS)
+    assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64}, KEY_BLOCK=16, GROUP=1, HEAD_DIM=64)) == one_warp
+    assert tried(dkdv(_CONFIGS, {}, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == warpgroup
