@@ -46,8 +46,9 @@ case "$stage" in
     # alternating, with one fixed launch configuration. DIR: another commit's kernels/ (git archive REV kernels).
     base=${2:?usage: device_suite.sh ab DIR (e.g. git archive HEAD~1 kernels | tar -x -C /tmp/base; DIR=/tmp/base/kernels)}
     cases=(); [ $# -gt 2 ] && cases=(--cases "${@:3}")  # e.g. vsa:256 sla:256 (default: four LLSA cases)
-    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" "${cases[@]}" 2>&1 \
-      | tee "$OUT/ab_attention.log" ;;
+    # GPU kernel time (an eager sparse call is host-bound at 256^2) and each case's 4 largest kernels per version.
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" --kernel-time \
+      --rounds 2 --per-kernel 4 "${cases[@]}" 2>&1 | tee "$OUT/ab_attention.log" ;;
   vs)
     # The whole package against another commit (model, glue and kernels; `ab` swaps only kernels/): the compiled
     # 256^2 training step of each variant, one pair of processes per variant (~2.5-3 min a pair on an H200, so one or
