@@ -46,7 +46,7 @@ def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) ->
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             per_name[event.name] = per_name.get(event.name, 0.0) + event.time_range.elapsed_us() / calls / 1000
-    if not per_name:
+    if sum(per_name.values()) == 0:
         raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
     return per_name
 
