@@ -46,19 +46,30 @@ BENCHES = {
 PROBE = "import pixdit, pixdit.kernels; print(pixdit.__file__); print(pixdit.kernels.__file__)"
 
 
-def parse_args(argv=None):
+def split_at_dashes(argv=None) -> tuple[list[str], list[str]]:
+    """(this script's arguments, the ones after ``--`` for the other program); ``argv`` None: the command line."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+
+
+def check_base_tree(parser, base: Path, *needed: str) -> None:
+    """Stop with one message unless ``base`` is a pixdit source tree holding pyproject.toml and ``needed``."""
+    files = ("pyproject.toml", *needed)
+    if not all((base / name).is_file() for name in files):
+        parser.error(
+            f"base {base} must be a pixdit source tree with {' and '.join(files)} "
+            f"(e.g. mkdir -p {base} && git archive <commit> | tar -x -C {base})"
+        )
+
+
+def parse_args(argv=None):
+    ours, bench_args = split_at_dashes(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("base", type=Path, help="the other version's source tree (git archive REV | tar -x -C DIR)")
     parser.add_argument("--bench", default="train", choices=list(BENCHES), help="scripts/bench_<BENCH>.py")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "vs_commit", help="folder for all results")
     args = parser.parse_args(ours)
-    if not (args.base / "pyproject.toml").is_file() or not (args.base / "scripts" / f"bench_{args.bench}.py").is_file():
-        parser.error(
-            f"base {args.base} must be a pixdit source tree with pyproject.toml and scripts/bench_{args.bench}.py "
-            f"(e.g. mkdir -p {args.base} && git archive <commit> | tar -x -C {args.base})"
-        )
+    check_base_tree(parser, args.base, f"scripts/bench_{args.bench}.py")
     if "--out" in bench_args:
         parser.error("give --out before '--' (this script puts each run's files under it)")
     args.bench_args = bench_args

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_vs_commit import install_base
+from bench_vs_commit import check_base_tree, install_base, split_at_dashes
 from summarize_sweep import summarize_run
 
 from pixdit.files import atomic_write, write_json
@@ -42,18 +42,13 @@ LOSSES = ("val_loss", "val_loss_ema")  # summarize_run's names of val/loss and v
 
 
 def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ours, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ours, overrides = split_at_dashes(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("base", type=Path, help="the other version's source tree (git archive REV | tar -x -C DIR)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run per seed and version (>= 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "loss_vs_commit", help="folder for all results")
     args = parser.parse_args(ours)
-    if not (args.base / "pyproject.toml").is_file():
-        parser.error(
-            f"base {args.base} must be a pixdit source tree with pyproject.toml "
-            f"(e.g. mkdir -p {args.base} && git archive <commit> | tar -x -C {args.base})"
-        )
+    check_base_tree(parser, args.base)
     if len(set(args.seeds)) < 2:
         parser.error(f"--seeds needs at least two different seeds (the noise to compare with), got {args.seeds}")
     taken = [o for o in overrides if o.split("=")[0].lstrip("+~") in ("seed", "hydra.run.dir")]
