@@ -22,9 +22,10 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer.
-Per iteration the forward gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the
-key-major backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores
-with 64-wide dots.
+Per iteration the dq gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the key-major
+backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores with 64-wide
+dots; so does the forward, except in a one-warp program (16 query rows), which walks one listed block per step
+(``forward_blocks_per_step``).
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
@@ -227,9 +228,9 @@ def _fwd_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    if PER_ITER == 1:  # blocks of >= 64 keys: a scalar id per step, so contiguous (vectorised, pipelined) rows,
-        # and an empty slot (-1) is a scalar -inf bias, not a per-element mask; a block of > 64 keys is walked in
-        # N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill registers)
+    if PER_ITER == 1:  # one block per step (blocks of >= 64 keys, or a one-warp program): a scalar id per step, so
+        # contiguous (vectorised, pipelined) rows, and an empty slot (-1) is a scalar -inf bias, not a per-element
+        # mask; a block of > 64 keys is walked in N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill)
         toff = tl.arange(0, KEY_BLOCK // N_SUB)
         for j in range(0, list_len * N_SUB):
             blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
@@ -682,6 +683,17 @@ def blocks_per_step(block: int) -> int:
     return max(1, 64 // block)
 
 
+def forward_blocks_per_step(query_block: int, key_block: int, head_dim: int) -> int:
+    """Listed key blocks per step of the forward: ``blocks_per_step``, except in a one-warp program (16 query rows,
+    ``program_warps``), which walks one block per step along the scalar-id path. Its program then holds 80 instead
+    of 168 registers and 6 instead of 18 KB of shared memory (Triton 3.6, blocks of 16), so twice as many share an
+    SM: LLSA's fine forward measured 1.10x faster (docs/kernel_notes.md v22). The dq keeps 64 keys per step: fewer
+    measured faster for LLSA's lists of 8 blocks but slower for VSA's of 32."""
+    if program_warps(query_block, False, head_dim) == 1:
+        return 1
+    return blocks_per_step(key_block)
+
+
 # Lists up to this many ids are loaded into registers before the walk (``listed_ids``); longer ones step by step,
 # where a register copy would cost more (a masked sum over it per step) than the deeper pipelining saves.
 LIST_IN_REGISTERS = 128
@@ -771,7 +783,7 @@ def _bsa_forward_op(
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
     o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
-    per_iter = blocks_per_step(key_block)
+    per_iter = forward_blocks_per_step(query_block, key_block, d)
     _fwd[(n_tiles, BH)](
         q,
         k,

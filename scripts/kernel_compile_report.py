@@ -161,8 +161,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
-        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, HAS_INIT=has_init)
-        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
+        per_iter = block_sparse.forward_blocks_per_step(block_m, 16, d)
+        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args):

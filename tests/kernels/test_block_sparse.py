@@ -264,12 +264,21 @@ def test_block_sparse_rejects_bad_blocks():
 
 
 def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
-    """16-row programs on one warp; the forward of 32 rows on two, its (transposed) backward on a warpgroup; programs
+    """16-row programs on one warp (the forward one listed block per step); the forward of 32 rows on two, its (transposed) backward on a warpgroup; programs
     of < 64 rows with a head dim of 128 on a warpgroup; tiles of 64 and 128 rows on 4 and 8 warps. The autotuner
     times only the configurations of the launch's program."""
-    from pixdit.kernels.block_sparse import _CONFIGS, _WARPGROUP_PROGRAMS, _configs_for, program_warps
+    from pixdit.kernels.block_sparse import (
+        _CONFIGS,
+        _WARPGROUP_PROGRAMS,
+        _configs_for,
+        forward_blocks_per_step,
+        program_warps,
+    )
 
     rows = (16, 32, 48, 64, 128, 256)
+    # a one-warp forward walks one listed block per step; the others gather blocks until a step has 64 keys
+    assert [forward_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
+    assert forward_blocks_per_step(16, 16, 128) == 4 and forward_blocks_per_step(32, 32, 64) == 2
     assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
     assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
     assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
