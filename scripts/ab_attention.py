@@ -16,7 +16,9 @@ on the same inputs, and reports the median of the rounds' ``do_bench`` medians a
 A case is ``METHOD:SIDE[:X[:B]]`` (tokens = SIDE², head_dim 64): ``llsa:256:2`` is LLSA with K = 8, L = 2 and blocks
 of B = 16; ``llsa:256:2:32`` the same with B = 32; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles
 and the K of ``bench_attention.py``'s VSA/SLA rows (``--baseline-topk``), ``vsa:256:64`` for K = 64.
-``--per-kernel N`` (GPU) adds each case's N largest kernels of a forward + backward call, both versions side by side.
+``--per-kernel N`` (GPU) adds each case's N largest kernels of a forward + backward call, both versions side by side;
+each Triton launch is its own row, named by its block constants and grid (``kernel_ab.launch_breakdown``), so the
+fine and the pooled passes of one kernel are told apart.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import argparse
 import statistics
 
 import torch
-from kernel_ab import load_kernels_as
+from kernel_ab import launch_breakdown, load_kernels_as
 
 import pixdit.kernels as current
-from pixdit.report import kernel_breakdown, kernel_ms, markdown_table
+from pixdit.report import kernel_ms, markdown_table
 
 
 def parse_args(argv=None):
@@ -52,7 +54,8 @@ def parse_args(argv=None):
         type=int,
         default=0,
         metavar="N",
-        help="GPU: also list each case's N largest kernels of a forward + backward call (ms per call, both versions)",
+        help="GPU: also list each case's N largest kernels of a forward + backward call (ms per call, both versions; "
+        "each Triton launch by its block constants and grid)",
     )
     p.add_argument(
         "--kernel-time",
@@ -125,7 +128,7 @@ def main(argv=None) -> list[dict]:
     time_ms = timer(args)
     times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]
     results = {}  # (case, version) -> output and gradients of round 0, to compare the two versions
-    per_kernel = {}  # (case, version) -> {kernel: ms per forward + backward call}, round 0
+    per_kernel = {}  # (case, version) -> {kernel launch: ms per forward + backward call}, round 0
     for round_ in range(args.rounds):
         for case in args.cases:
             method, side, x, block = case
@@ -151,7 +154,7 @@ def main(argv=None) -> list[dict]:
                     out = forward()
                     results[(case, version)] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
                     if args.per_kernel:
-                        per_kernel[(case, version)] = kernel_breakdown(forward_backward)
+                        per_kernel[(case, version)] = launch_breakdown(lib, forward_backward)
                 if args.kernel_time:
                     entry = (kernel_ms(forward), kernel_ms(forward_backward))
                 else:
@@ -178,14 +181,15 @@ def main(argv=None) -> list[dict]:
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
     for case in args.cases if args.per_kernel else ():
         print(f"\n{':'.join(map(str, case))}: the {args.per_kernel} largest kernels of a forward + backward call")
-        print(kernel_table(per_kernel[(case, "before")], per_kernel[(case, "after")], args.per_kernel))
+        print(launch_table(per_kernel[(case, "before")], per_kernel[(case, "after")], args.per_kernel))
     return rows
 
 
-def kernel_table(before: dict[str, float], after: dict[str, float], top: int) -> str:
-    """The ``top`` kernels by their larger time in either version: name (cut to 70 characters), ms per call each."""
+def launch_table(before: dict[str, float], after: dict[str, float], top: int) -> str:
+    """The ``top`` kernels (launches) by their larger time in either version: label (cut to 100 characters), ms per
+    call each."""
     names = sorted(before.keys() | after.keys(), key=lambda n: -max(before.get(n, 0.0), after.get(n, 0.0)))[:top]
-    rows = [{"kernel": n[:70], "before ms": before.get(n, 0.0), "after ms": after.get(n, 0.0)} for n in names]
+    rows = [{"kernel": n[:100], "before ms": before.get(n, 0.0), "after ms": after.get(n, 0.0)} for n in names]
     return markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v))
 
 

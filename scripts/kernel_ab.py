@@ -2,12 +2,16 @@
 library in DIR (a copy of another commit's ``kernels/``, e.g. ``git archive HEAD~1 kernels | tar -x -C /tmp/base``)
 in place of the installed ``pixdit.kernels``. Must run before anything imports ``pixdit.kernels``.
 ``load_kernels_as(DIR, name)`` loads DIR next to the installed library instead, under another module name, so that
-one process can interleave the two versions (scripts/ab_attention.py)."""
+one process can interleave the two versions (scripts/ab_attention.py). ``launch_breakdown(lib, fn)`` times ``fn()``'s
+kernels by launch: each Triton launch of the library named by its block constants and grid."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 
 
@@ -41,3 +45,86 @@ def apply_from_argv(argv: list[str]) -> None:
             use_kernels_from(argv[i + 1])
         elif arg.startswith("--kernels-from="):
             use_kernels_from(arg.split("=", 1)[1])
+
+
+# The constants that tell one launch of a kernel from another (its program's rows, step and split), where set.
+LAUNCH_CONSTANTS = ("BLOCK_M", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_TAIL", "HAS_INIT")
+
+
+class _LabelledKernel:
+    """A launched Triton kernel that appends a label to ``labels`` at every launch (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, name: str, labels: list[tuple[str, str]]):
+        self.kernel, self.name, self.labels = kernel, name, labels
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            constants = " ".join(f"{k}={kwargs[k]}" for k in LAUNCH_CONSTANTS if kwargs.get(k) not in (None, False))
+            shape = tuple(grid) if isinstance(grid, tuple) else "(function)"
+            self.labels.append((self.name, f"{self.name} {constants} grid {shape}".replace("  ", " ")))
+            return launch(*args, **kwargs)
+
+        return run
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+
+@contextlib.contextmanager
+def labelled_launches(lib):
+    """While active, every Triton launch of the kernel library ``lib`` (a loaded ``pixdit.kernels``) appends
+    ``(kernel name, label)`` to the yielded list; the label names the block constants it was launched with
+    (``LAUNCH_CONSTANTS``) and its grid, e.g. ``_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (4096, 12)``.
+    The launchers look their kernels up as module globals at call time, so those globals are wrapped (only the
+    launched ``*_kernel`` functions: the jit helpers are called inside kernels) and restored on exit."""
+    import triton
+
+    kinds = (triton.runtime.jit.JITFunction, triton.runtime.autotuner.Autotuner)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        kinds += (InterpretedFunction,)
+    labels: list[tuple[str, str]] = []
+    wrapped = []
+    for info in pkgutil.iter_modules(lib.__path__):
+        module = importlib.import_module(f"{lib.__name__}.{info.name}")
+        for attr, obj in list(vars(module).items()):
+            if isinstance(obj, kinds):
+                fn = obj
+                while hasattr(fn, "fn"):  # Autotuner -> JITFunction -> the Python function
+                    fn = fn.fn
+                if fn.__name__.endswith("_kernel"):
+                    wrapped.append((module, attr, obj))
+                    setattr(module, attr, _LabelledKernel(obj, fn.__name__, labels))
+    try:
+        yield labels
+    finally:
+        for module, attr, obj in wrapped:
+            setattr(module, attr, obj)
+
+
+def launch_breakdown(lib, fn, calls: int = 10, warmup: int = 3) -> dict[str, float]:
+    """``pixdit.report.kernel_breakdown`` by launch (GPU): milliseconds per call of ``fn()`` for every labelled
+    Triton launch of ``lib`` (``labelled_launches``; equal labels add up) and every other kernel by name. The
+    profiler's kernels are matched to the launches in order, kernel by kernel."""
+    from pixdit.report import kernel_events
+
+    for _ in range(warmup):  # compilation and autotuning happen here, not among the matched launches
+        fn()
+    with labelled_launches(lib) as labels:
+        events = kernel_events(fn, calls, warmup=0)
+    queue: dict[str, list[str]] = {}
+    for name, label in labels:
+        queue.setdefault(name, []).append(label)
+    ran = {name: sum(1 for e, _ in events if e == name) for name in queue}
+    if any(ran[name] != len(queue[name]) for name in queue):
+        raise RuntimeError(
+            f"launch_breakdown: kernels ran {ran} times, launched { ({n: len(q) for n, q in queue.items()}) }"
+        )
+    per_label: dict[str, float] = {}
+    for name, ms in events:
+        label = queue[name].pop(0) if name in queue else name
+        per_label[label] = per_label.get(label, 0.0) + ms / calls
+    return per_label

@@ -3,6 +3,7 @@ CPU smoke run with the repository's own kernels/ as the "before" side, loaded a 
 name; scripts/kernel_compile_report.py describes every argument of the attention kernels it compiles (a kernel that
 gains an argument must show up here, not as a broken report on the next device-free session)."""
 
+import os
 import runpy
 import subprocess
 import sys
@@ -103,8 +104,47 @@ def test_ab_attention_llsa_block_size_case_and_per_kernel_needs_cuda():
     assert run.returncode != 0 and "--per-kernel times CUDA kernels, got --device cpu" in run.stderr
 
 
-def test_ab_attention_kernel_table_orders_by_the_larger_time(monkeypatch):
+def test_ab_attention_launch_table_orders_by_the_larger_time(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the script imports its neighbour kernel_ab
-    table = runpy.run_path(str(ROOT / "scripts" / "ab_attention.py"))["kernel_table"]
+    table = runpy.run_path(str(ROOT / "scripts" / "ab_attention.py"))["launch_table"]
     text = table({"a": 1.0, "b": 3.0, "c": 0.5}, {"a": 4.0, "b": 2.0, "d": 0.1}, 2)
     assert [line.split(" | ")[0].strip("| ") for line in text.splitlines()[2:]] == ["a", "b"]
+
+
+LABELS_SNIPPET = """
+import sys
+sys.path.insert(0, "scripts")
+import torch
+from kernel_ab import labelled_launches
+import pixdit.kernels as lib
+from pixdit.kernels import block_sparse
+
+q, k, v = (torch.randn(1, 1, 1024, 16, requires_grad=True) for _ in range(3))
+launcher = block_sparse._fwd
+with labelled_launches(lib) as labels:
+    out = lib.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton")
+    torch.autograd.grad(out.sum(), (q, k, v))
+assert block_sparse._fwd is launcher, "the kernels were not restored"
+for name, label in labels:
+    print(label)
+"""
+
+
+def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
+    """kernel_ab.labelled_launches (behind ab_attention.py --per-kernel) under the interpreter: LLSA's fine and pooled
+    passes of one kernel get labels of their own, the one-warp fine forward walks one block per step."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PIXDIT_KERNELS_AUTOTUNE": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", LABELS_SNIPPET], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    labels = run.stdout.strip().splitlines()
+    assert "_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)" in labels
+    assert "_fwd_kernel BLOCK_M=64 KEY_BLOCK=16 PER_ITER=4 HAS_TAIL=True HAS_INIT=True grid (16, 1)" in labels
+    assert "_dq_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=4 grid (64, 1)" in labels
+    dkdv = [label for label in labels if label.startswith("_dkdv_kernel")]
+    assert (
+        len(dkdv) == 3
+        and "_dkdv_kernel QUERY_BLOCK=16 KEY_BLOCK=16 GROUP=1 PER_ITER=4 N_SPLIT=1 grid (64, 1, 1)" in dkdv
+    )
+    assert "_pooled_topk_kernel grid (4, 1)" in labels  # a kernel without block constants: name and grid

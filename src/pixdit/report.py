@@ -1,5 +1,5 @@
 """Result tables for the benchmark and sweep scripts (GitHub markdown, as pasted into docs/benchmarks.md), the timers
-they share (``time_median``, ``kernel_ms``) and ``kernel_table``, a profiler run grouped by kind of kernel."""
+they share (``time_median``, ``kernel_ms``, ``kernel_events``) and ``kernel_table``, a profiler run grouped by kind of kernel."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def kernel_ms(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> float:
 
 def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> dict[str, float]:
     """``kernel_ms`` by kernel: {CUDA kernel, copy or fill name: milliseconds per call of ``fn()``}."""
+    per_name: dict[str, float] = {}
+    for name, ms in kernel_events(fn, calls, warmup):
+        per_name[name] = per_name.get(name, 0.0) + ms / calls
+    if sum(per_name.values()) == 0:
+        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
+    return per_name
+
+
+def kernel_events(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> list[tuple[str, float]]:
+    """(name, milliseconds) of every CUDA kernel, copy and fill of ``calls`` calls of ``fn()`` after ``warmup``, in
+    the order they ran (torch.profiler)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -42,13 +53,8 @@ def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) ->
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    per_name: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            per_name[event.name] = per_name.get(event.name, 0.0) + event.time_range.elapsed_us() / calls / 1000
-    if sum(per_name.values()) == 0:
-        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
-    return per_name
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us() / 1000) for e in events]
 
 
 def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tuple[float, float]:
