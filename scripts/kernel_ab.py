@@ -61,9 +61,9 @@ class _LabelledKernel:
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            constants = " ".join(f"{k}={kwargs[k]}" for k in LAUNCH_CONSTANTS if kwargs.get(k) not in (None, False))
-            shape = tuple(grid) if isinstance(grid, tuple) else "(function)"
-            self.labels.append((self.name, f"{self.name} {constants} grid {shape}".replace("  ", " ")))
+            words = [self.name] + [f"{k}={kwargs[k]}" for k in LAUNCH_CONSTANTS if kwargs.get(k) not in (None, False)]
+            words += ["grid", str(tuple(grid)) if isinstance(grid, tuple) else "(function)"]
+            self.labels.append((self.name, " ".join(words)))
             return launch(*args, **kwargs)
 
         return run
@@ -118,11 +118,10 @@ def launch_breakdown(lib, fn, calls: int = 10, warmup: int = 3) -> dict[str, flo
     queue: dict[str, list[str]] = {}
     for name, label in labels:
         queue.setdefault(name, []).append(label)
-    ran = {name: sum(1 for e, _ in events if e == name) for name in queue}
-    if any(ran[name] != len(queue[name]) for name in queue):
-        raise RuntimeError(
-            f"launch_breakdown: kernels ran {ran} times, launched { ({n: len(q) for n, q in queue.items()}) }"
-        )
+    ran = {name: sum(1 for event, _ in events if event == name) for name in queue}
+    launched = {name: len(labels) for name, labels in queue.items()}
+    if ran != launched:  # e.g. autotuning inside the profiled calls: the kernels would be matched to wrong launches
+        raise RuntimeError(f"launch_breakdown: the profiler saw {ran} kernels for {launched} launches")
     per_label: dict[str, float] = {}
     for name, ms in events:
         label = queue[name].pop(0) if name in queue else name

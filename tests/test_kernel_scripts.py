@@ -148,3 +148,51 @@ def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
         and "_dkdv_kernel QUERY_BLOCK=16 KEY_BLOCK=16 GROUP=1 PER_ITER=4 N_SPLIT=1 grid (64, 1, 1)" in dkdv
     )
     assert "_pooled_topk_kernel grid (4, 1)" in labels  # a kernel without block constants: name and grid
+
+
+BREAKDOWN_SNIPPET = """
+import sys
+sys.path.insert(0, "scripts")
+import torch
+import kernel_ab
+import pixdit.report
+import pixdit.kernels as lib
+
+q, k, v = (torch.randn(1, 1, 1024, 16) for _ in range(3))
+call = lambda: lib.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton")
+
+with kernel_ab.labelled_launches(lib) as seen:  # the kernels of one call, in launch order
+    call()
+order = [name for name, _ in seen]
+
+def profiled(fn, calls, warmup):  # what torch.profiler reports on a GPU: kernels by name, in the order they ran
+    for _ in range(calls):
+        fn()
+    return [(name, 1.0 + i) for i, name in enumerate(order * calls)] + [("a copy", 0.5)]
+
+pixdit.report.kernel_events = profiled
+for label, ms in kernel_ab.launch_breakdown(lib, call, calls=2, warmup=0).items():
+    print(f"{ms}|{label}")
+pixdit.report.kernel_events = lambda fn, calls, warmup: profiled(fn, calls, warmup)[1:]
+try:
+    kernel_ab.launch_breakdown(lib, call, calls=1, warmup=0)
+except RuntimeError as error:
+    print("mismatch:", error)
+"""
+
+
+def test_launch_breakdown_matches_kernels_to_launches_in_order():
+    """kernel_ab.launch_breakdown on the CPU, the profiler replaced by one that numbers the kernels in launch order:
+    each launch's time lands on its own label (equal labels of two calls add up, per call), other kernels keep their
+    names, and a profile that does not match the launches is an error, not a wrong table."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PIXDIT_KERNELS_AUTOTUNE": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", BREAKDOWN_SNIPPET], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    rows = dict(line.split("|")[::-1] for line in run.stdout.splitlines() if "|" in line)
+    # one LLSA forward: 2 selection launches, then the fine (3rd) and the pooled (4th) forward; 4 launches per call,
+    # so the second call's fine forward is the 7th kernel: (3 + 7) / 2 calls
+    assert float(rows["_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)"]) == (3 + 7) / 2
+    assert float(rows["_pooled_topk_kernel grid (1, 1)"]) == (1 + 5) / 2 and float(rows["a copy"]) == 0.25
+    assert "mismatch: launch_breakdown: the profiler saw" in run.stdout

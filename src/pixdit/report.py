@@ -1,5 +1,6 @@
 """Result tables for the benchmark and sweep scripts (GitHub markdown, as pasted into docs/benchmarks.md), the timers
-they share (``time_median``, ``kernel_ms``, ``kernel_events``) and ``kernel_table``, a profiler run grouped by kind of kernel."""
+they share (``time_median``, ``kernel_ms``, ``kernel_events``) and ``kernel_table``, a profiler run grouped by kind
+of kernel."""
 
 from __future__ import annotations
 

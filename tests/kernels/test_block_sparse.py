@@ -264,9 +264,9 @@ def test_block_sparse_rejects_bad_blocks():
 
 
 def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
-    """16-row programs on one warp (the forward one listed block per step); the forward of 32 rows on two, its (transposed) backward on a warpgroup; programs
-    of < 64 rows with a head dim of 128 on a warpgroup; tiles of 64 and 128 rows on 4 and 8 warps. The autotuner
-    times only the configurations of the launch's program."""
+    """16-row programs on one warp (the forward one listed block per step); the forward of 32 rows on two, its
+    (transposed) backward on a warpgroup; programs of < 64 rows with a head dim of 128 on a warpgroup; tiles of 64
+    and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
     from pixdit.kernels.block_sparse import (
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
