@@ -381,6 +381,7 @@ def _dq_kernel(
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -421,7 +422,7 @@ def _dq_kernel(
             )
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-            if BLOCK_M < 64 and (BLOCK_M > 16 or HEAD_DIM > 64):  # rows in N: see the note above _dq_kernel
+            if TRANSPOSED:  # rows in N: see the note above _dq_kernel
                 st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
@@ -433,7 +434,7 @@ def _dq_kernel(
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
                 dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
-        if BLOCK_M < 64 and (BLOCK_M > 16 or HEAD_DIM > 64):
+        if TRANSPOSED:
             dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
         toff = tl.arange(0, TAIL_STEP)
@@ -495,6 +496,7 @@ def _dkdv_kernel(
     PREC: tl.constexpr,
     EVEN_Q: tl.constexpr,
     N_SUB: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
     g = tl.program_id(0)
@@ -547,7 +549,7 @@ def _dkdv_kernel(
             do = tl.load(DO + do_offs, mask=r_ok[:, None], other=0.0)
             lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
-        if KEY_ROWS < 64 and (KEY_ROWS > 16 or HEAD_DIM > 64):  # keys in N: see the note above _dq_kernel
+        if TRANSPOSED:  # keys in N: see the note above _dq_kernel
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             if HAS_LOGW:
                 s += w[None, :]
@@ -569,7 +571,7 @@ def _dkdv_kernel(
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
-    if KEY_ROWS < 64 and (KEY_ROWS > 16 or HEAD_DIM > 64):
+    if TRANSPOSED:
         dk = tl.trans(dkt)
         dv = tl.trans(dvt)
     dk = dk * sm_scale
@@ -607,6 +609,13 @@ def program_warps(rows: int, backward: bool, head_dim: int) -> int:
     if rows <= 16:
         return 1
     return 4 if backward else 1 << ((rows // 16).bit_length() - 1)
+
+
+def transposed_backward(rows: int, head_dim: int) -> bool:
+    """Whether the dq of ``rows``-row query blocks or the dk/dv of ``rows``-key groups computes its products
+    transposed (``TRANSPOSED``, the note above _dq_kernel): a program of < 64 rows that ``program_warps`` gives a
+    warpgroup."""
+    return rows < 64 and program_warps(rows, True, head_dim) >= 4
 
 
 def _configs_for(rows_of, backward: bool):
@@ -936,6 +945,7 @@ def _bsa_backward_dq_op(
         EVEN_K=k.shape[1] % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
+        TRANSPOSED=transposed_backward(query_block, d),
         **_launch(query_block, True, d),
     )
     return dq
@@ -1086,6 +1096,7 @@ def _bsa_backward_dkdv_op(
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
+        TRANSPOSED=transposed_backward(key_block * group, d),
         **_launch(key_block * group, True, d),
     )
     if n_split > 1:

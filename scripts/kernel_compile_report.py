@@ -174,6 +174,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
         const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
+        const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d))
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
@@ -181,8 +182,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **strides)
         args |= dict(stride_kb=n_k * d, stride_kn=d, stride_rb=n // 2, n_q=n, n_k=n_k, blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
-        per_iter = max(1, 64 // query_block)
+        per_iter = block_sparse.blocks_per_step(query_block)
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
+        const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
 
     def sla_dq(k_top, n_neg):  # SLA's dq kernel: 16-row blocks over K critical and n_neg negligible blocks

@@ -273,6 +273,7 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
         _configs_for,
         forward_blocks_per_step,
         program_warps,
+        transposed_backward,
     )
 
     rows = (16, 32, 48, 64, 128, 256)
@@ -282,6 +283,9 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
     assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
     assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
+    # the backward computes transposed exactly where a program of < 64 rows gets a warpgroup
+    assert [transposed_backward(r, 64) for r in rows] == [False, True, True, False, False, False]
+    assert [transposed_backward(r, 128) for r in rows] == [True, True, True, False, False, False]
     fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False)
     dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True)
     dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True)
