@@ -17,16 +17,16 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-__all__ = ["block_mean", "block_mean_adjoint", "topk_desc", "csr_to_csc", "exact_fp32_matmul"]
+__all__ = ["block_mean", "block_mean_adjoint", "topk_desc", "csr_to_csc", "exact_fp32_matmul", "fp32_matmul"]
 
 
 @contextmanager
-def exact_fp32_matmul():
-    """Selection scores are fp32 (docs/algorithms.md): TF32 and autocast off inside (the caller's settings come
-    back after). Under a training step's autocast a matmul of fp32 tensors would otherwise run in bf16."""
+def fp32_matmul(precision: str):
+    """Matmuls of fp32 tensors at ``torch.set_float32_matmul_precision(precision)`` and with autocast off inside
+    (the caller's settings come back after): under a training step's autocast they would otherwise run in bf16."""
     old = torch.get_float32_matmul_precision()
-    if old != "highest":
-        torch.set_float32_matmul_precision("highest")
+    if old != precision:
+        torch.set_float32_matmul_precision(precision)
     try:
         with ExitStack() as stack:
             stack.enter_context(torch.autocast("cpu", enabled=False))
@@ -34,8 +34,13 @@ def exact_fp32_matmul():
                 stack.enter_context(torch.autocast("cuda", enabled=False))
             yield
     finally:
-        if old != "highest":
+        if old != precision:
             torch.set_float32_matmul_precision(old)
+
+
+def exact_fp32_matmul():
+    """Selection scores are fp32 (docs/algorithms.md): TF32 and autocast off inside."""
+    return fp32_matmul("highest")
 
 
 def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:

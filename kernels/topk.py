@@ -6,7 +6,8 @@
 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
 (-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the kernels, ``input_precision="ieee"``;
-cuBLAS with TF32 off in the two-pass and PyTorch paths), never TF32. ``k`` is a run-time argument everywhere: a new
+cuBLAS with TF32 off in the PyTorch path); the two-pass path screens with TF32 scores and decides by fp32 ones
+(below), so no selection depends on TF32 rounding. ``k`` is a run-time argument everywhere: a new
 k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets per
 row length).
 Four paths, one result:
@@ -20,6 +21,12 @@ Four paths, one result:
   those candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
   ranked pairwise (score descending, ties -> smaller id). Only when more keys
   tie at the k-th score than that does the search run all 32 bits and a search over the ids pick the smallest.
+  The cuBLAS scores are *screened* ones (``_screened_scores``: TF32 tensor cores, ~3x faster than fp32 FFMA on
+  the H200), each within e = ``_screen_error(d)`` * ||q|| * max ||k|| of its fp32 score. The row kernel then keeps
+  every key whose screened score is within 2e of the k-th largest one (which provably includes the exact top k;
+  ~1.1 k keys per row on VSA's pooled rows), computes their fp32 scores and ranks by those. A row with more than
+  ``_row_cap(k)`` keys inside that margin (near-ties at the cut, a zero query) recomputes its whole score row in
+  fp32 in place and takes the plain search.
 * ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``, rows beyond the two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
   16, 32 or 64 slots, the power of two >= k). Chunks come in ascending id order, so a newcomer enters only if it
   is *strictly* better than the worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many
@@ -37,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import exact_fp32_matmul, topk_desc
+from .blocks import exact_fp32_matmul, fp32_matmul, topk_desc
 from .ops import custom_op
 
 __all__ = [
@@ -64,6 +71,11 @@ _TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch and two-
 # streaming kernel at every k (docs/benchmarks.md, "Block selection alone").
 ROW_SELECT_MAX_CANDIDATES = 16384
 ROW_SELECT_MAX_K = 128
+# Screened two-pass selection (module doc): measured on the H200 against exact fp32 scores, it pays on rows of
+# 4,096 and 16,384 candidates with up to 64 ids rescored (VSA 256^2 K = 16 / 32, 512^2 K = 32), not on rows of
+# 1,024 (VSA 128^2: the fp32 matmul is only 0.2 ms there) nor with 128 ids to rescore (K = 64: 3.5 ms against 1.9).
+_SCREEN_MIN_CANDIDATES = 2048
+_SCREEN_MAX_WIDTH = 64
 
 
 @triton.jit(do_not_specialize=["k"])  # k only bounds a loop: one compiled kernel serves every k
@@ -199,6 +211,7 @@ def _row_topk_kernel(
     OUT,
     SCRATCH,
     COUNT,
+    FLAGS,
     n,
     k,
     stride_s,
@@ -207,12 +220,17 @@ def _row_topk_kernel(
     CAP: tl.constexpr,
     KEYS_IN_SCRATCH: tl.constexpr,
     ATOMIC_SLOTS: tl.constexpr,
+    FLAGGED: tl.constexpr,
 ):
     """One row of precomputed fp32 scores per program: a bitwise search for the k-th largest score that stops once
     at most CAP keys are at or above its lower bound; those candidates' ids are compacted into a scratch row and
     ranked pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id).
-    ``COUNT``: one zeroed int32 per row, the scratch row's fill counter when ``ATOMIC_SLOTS``."""
+    ``COUNT``: one zeroed int32 per row, the scratch row's fill counter when ``ATOMIC_SLOTS``. ``FLAGGED``: only
+    the rows whose int32 in ``FLAGS`` is nonzero (the screened selection's uncertified rows)."""
     row = tl.program_id(0).to(tl.int64)
+    if FLAGGED:
+        if tl.load(FLAGS + row) == 0:
+            return
     offs = tl.arange(0, BLOCK)
     valid = offs < n
     s_row = S + row * stride_s
@@ -280,6 +298,59 @@ def _row_topk_kernel(
     tl.store(out_row + place, id_i, mask=i_ok & (place < k))
 
 
+@triton.jit(do_not_specialize=["k", "c", "rows_per_slice"])  # one kernel per (CAP, HEAD_DIM)
+def _rescore_kernel(
+    S,
+    CAND,
+    OUT,
+    FLAGS,
+    Q,
+    K,
+    K_NORM_MAX,
+    n,
+    k,
+    c,
+    rows_per_slice,
+    d,
+    error,
+    CAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The screened selection's second pass, one score row per program: ``CAND`` holds the row's top c ids by
+    screened score (``S``, best first). Every exact score is within e = error * ||q|| * max ||k|| of its screened
+    one, so when the c-th screened score is below the k-th minus 2e, no key outside the c can reach the exact top
+    k (it scores below (k-th screened) - e, which k candidates reach): the row is certified, its c candidates are
+    rescored in fp32 and the k best by exact score (ties -> smaller id) written to ``OUT``.
+    Otherwise (near-ties at the cut) the row's exact fp32 scores replace the screened ones in ``S`` and ``FLAGS``
+    marks it for the plain row kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    s_row = S + row * n
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row * d + dims, mask=dims < d, other=0.0)
+    k_rows = K + (row // rows_per_slice) * n * d
+    margin = 2.0 * error * tl.sqrt(tl.sum(q * q, 0)) * tl.load(K_NORM_MAX + row // rows_per_slice)
+    i = tl.arange(0, CAP)
+    live = i < c
+    ids = tl.load(CAND + row * c + i, mask=live, other=0)
+    # the k-th and the c-th screened score (two loads: the other candidates' scores are not needed)
+    thr = tl.load(s_row + tl.load(CAND + row * c + k - 1)) - margin  # (the k-th screened score) - 2e
+    if tl.load(s_row + tl.load(CAND + row * c + c - 1)) < thr:  # certified (false for a NaN margin)
+        kt = tl.load(k_rows + ids[:, None].to(tl.int64) * d + dims[None, :], mask=live[:, None] & (dims < d)[None, :])
+        key = tl.where(live, _order_key(tl.sum(kt * q[None, :], 1)), -2147483648)
+        # place = how many candidates come first: a higher exact score, or an equal one and a smaller id
+        first = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ids[None, :] < ids[:, None]))
+        place = tl.sum((first & live[None, :]).to(tl.int32), 1)
+        tl.store(OUT + row * k + place, ids, mask=live & (place < k))
+    else:
+        for j0 in range(0, n, 32):
+            j = j0 + tl.arange(0, 32)
+            kt = tl.load(
+                k_rows + j[:, None].to(tl.int64) * d + dims[None, :], mask=(j < n)[:, None] & (dims < d)[None, :]
+            )
+            tl.store(s_row + j, tl.sum(kt * q[None, :], 1), mask=j < n)
+        tl.store(FLAGS + row, 1)
+
+
 def _row_warps(block: int) -> int:
     """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's).
     Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4 warps
@@ -308,8 +379,22 @@ def _row_cap(k: int) -> int:
     return max(32, 2 * triton.next_power_of_2(k))
 
 
-def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]``."""
+def _screen_error(d: int) -> float:
+    """Bound on |screened - exact fp32 score| / (||q|| * max ||k||) for ``_screened_scores`` at head dim ``d``.
+
+    TF32 keeps 10 of fp32's 23 mantissa bits, so rounding (or truncating) an input moves it by less than u = 2^-10
+    of itself and a product by less than (2u + u^2) of itself; summed over d products that is at most
+    (2u + u^2) * sum |q_l k_l| <= (2u + u^2) * ||q|| * ||k|| (Cauchy-Schwarz). The fp32 sums of both scores add less
+    than d * 2^-23 of the same (tensor-core accumulators may truncate). Doubled, to spare the rounding of the norms
+    and of the threshold itself. Measured on the H200 (VSA's pooled rows at 128^2 and 256^2): at most 2.0e-4, the
+    bound 4.2e-3 at d = 64."""
+    u = 2.0**-10
+    return 2.0 * (2 * u + u * u + d * 2.0**-22)
+
+
+def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch ``_row_topk_kernel`` on contiguous fp32 ``scores [R, n]`` into int32 ``out [R, k]`` (``flags``: int32
+    ``[R]``, only the rows flagged nonzero)."""
     if scores.dtype != torch.float32:  # the kernel reads the bits of fp32 scores
         raise TypeError(f"_rows_topk: scores must be float32, got {scores.dtype} (computed under autocast?)")
     R, n = scores.shape
@@ -323,6 +408,7 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
         out,
         scratch,
         count,
+        scratch if flags is None else flags,
         n,
         k,
         scores.stride(0),
@@ -331,9 +417,54 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
         CAP=cap,
         KEYS_IN_SCRATCH=_row_keys_in_scratch(block),
         ATOMIC_SLOTS=atomic,
+        FLAGGED=flags is not None,
         num_warps=_row_warps(block),
     )
     return out
+
+
+def _screen_width(k: int) -> int:
+    """How many ids per row, best screened score first, the screened selection passes on to ``_rescore_kernel``: the
+    power of two >= k, doubled when that leaves fewer than k / 4 to spare (a row whose c-th screened score is still
+    within the margin of the k-th takes the exact path)."""
+    c = triton.next_power_of_2(k)
+    return 2 * c if 4 * c < 5 * k else c
+
+
+def _screens(k: int, n: int) -> bool:
+    """Whether the two-pass selection of the top ``k`` of ``n`` candidates screens its scores (where it pays)."""
+    return n >= _SCREEN_MIN_CANDIDATES and _screen_width(k) <= _SCREEN_MAX_WIDTH
+
+
+def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor):
+    """The exact top k of each row of screened ``scores [s * r, n]`` (``_screened_scores(q [s, r, d], keys [s, n,
+    d])``, contiguous fp32) into int32 ``out [s * r, k]``: the row kernel's top c by screened score, then
+    ``_rescore_kernel``, then the row kernel again on the rows it flagged (their ``scores`` rows now exact)."""
+    R, n = scores.shape
+    s, r, d = q.shape
+    c = min(_screen_width(k), n)
+    cand = _rows_topk(scores, c, torch.empty(R, c, device=scores.device, dtype=torch.int32))
+    flags = torch.zeros(R, device=scores.device, dtype=torch.int32)
+    cap = max(16, triton.next_power_of_2(c))
+    _rescore_kernel[(R,)](
+        scores,
+        cand,
+        out,
+        flags,
+        q,
+        keys,
+        keys.norm(dim=-1).amax(-1),  # each slice's largest key norm
+        n,
+        k,
+        c,
+        r,
+        d,
+        _screen_error(d),
+        CAP=cap,
+        HEAD_DIM=max(16, triton.next_power_of_2(d)),
+        num_warps=4 if cap <= 64 else 8,
+    )
+    return _rows_topk(scores, k, out, flags=flags)
 
 
 def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
@@ -407,9 +538,8 @@ def _pooled_topk_op(
     path = _route(n_cand, d, k, child_block if parents is not None else None) if use_triton else "torch"
     if path == "torch":
         return _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block)
-    if path == "two_pass":  # fp32 scores by cuBLAS (TF32 off), a chunk at a time, then the row-select kernel
-        with exact_fp32_matmul():
-            return _all_candidates_torch(q_pooled.float(), k_pooled.float(), k, select=_select_rows)
+    if path == "two_pass":  # screened scores by cuBLAS, a chunk at a time, then the row-select kernel
+        return _all_candidates_two_pass(q_pooled.float(), k_pooled.float(), k)
     qf = q_pooled.float().reshape(-1, R, d).contiguous()
     kf = k_pooled.float().reshape(-1, k_pooled.shape[-2], d).contiguous()
     BH = qf.shape[0]
@@ -479,26 +609,57 @@ def _select_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     return _rows_topk(rows, k, out).view(*scores.shape[:-1], k)
 
 
-def _all_candidates_torch(qf, kf, k, select=topk_desc_fast):
-    """Every key row a candidate: the ``[R, C]`` scores a chunk of rows at a time (at most ``_TORCH_MAX_SCORES``),
-    each chunk's top k by ``select(scores, k)``."""
-    lead = qf.shape[:-2]
+def _score_chunks(qf, kf, out):
+    """The ``[R, C]`` score problem of every key row a candidate, cut into chunks of at most ``_TORCH_MAX_SCORES``
+    scores: yields ``(q [s, r, d], keys [s, C, d], out [s, r, k])`` views, whole (batch * head) slices when they
+    fit, else rows of one slice."""
     R, d = qf.shape[-2:]
     q_rows, k_rows = qf.reshape(-1, R, d), kf.reshape(-1, kf.shape[-2], d)
+    out = out.view(-1, R, out.shape[-1])
     n = k_rows.shape[1]
-    out = torch.empty(q_rows.shape[0], R, k, dtype=torch.int32, device=qf.device)
-    slices_per_chunk = _TORCH_MAX_SCORES // (R * n)  # whole (batch*head) slices per chunk
+    slices_per_chunk = _TORCH_MAX_SCORES // (R * n)
     if slices_per_chunk >= 1:
         for i in range(0, q_rows.shape[0], slices_per_chunk):
-            out[i : i + slices_per_chunk] = select(
-                q_rows[i : i + slices_per_chunk] @ k_rows[i : i + slices_per_chunk].transpose(-1, -2), k
-            )
+            yield tuple(x[i : i + slices_per_chunk] for x in (q_rows, k_rows, out))
     else:  # split the rows of each slice too
         rows_per_chunk = max(1, _TORCH_MAX_SCORES // n)
         for i in range(q_rows.shape[0]):
             for r in range(0, R, rows_per_chunk):
-                out[i, r : r + rows_per_chunk] = select(q_rows[i, r : r + rows_per_chunk] @ k_rows[i].T, k)
-    return out.view(*lead, R, k)
+                yield (
+                    q_rows[i : i + 1, r : r + rows_per_chunk],
+                    k_rows[i : i + 1],
+                    out[i : i + 1, r : r + rows_per_chunk],
+                )
+
+
+def _all_candidates_torch(qf, kf, k, select=topk_desc_fast):
+    """Every key row a candidate: each chunk's fp32 scores (``_score_chunks``), its top k by ``select(scores, k)``."""
+    out = torch.empty(*qf.shape[:-1], k, dtype=torch.int32, device=qf.device)
+    for q, keys, o in _score_chunks(qf, kf, out):
+        o.copy_(select(q @ keys.transpose(-1, -2), k))
+    return out
+
+
+def _screened_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q @ keys^T`` on the tensor cores (TF32 inputs, fp32 sums): ~3x faster than fp32 FFMA on the H200, within
+    ``_screen_error(d) * ||q|| * max ||k||`` of the exact scores."""
+    with fp32_matmul("high"):
+        return q @ keys.transpose(-1, -2)
+
+
+def _all_candidates_two_pass(qf, kf, k):
+    """The two-pass selection (module doc): each chunk's scores, screened (``_screened_scores``) where
+    ``_screens`` says it pays, else exact fp32, then the row kernel (``_rows_topk_screened`` / ``_rows_topk``)."""
+    out = torch.empty(*qf.shape[:-1], k, dtype=torch.int32, device=qf.device)
+    n = kf.shape[-2]
+    for q, keys, o in _score_chunks(qf, kf, out):
+        q, keys = q.contiguous(), keys.contiguous()
+        if _screens(k, n):
+            _rows_topk_screened(_screened_scores(q, keys).view(-1, n), k, o.view(-1, k), q, keys)
+        else:
+            with exact_fp32_matmul():
+                _rows_topk((q @ keys.transpose(-1, -2)).view(-1, n), k, o.view(-1, k))
+    return out
 
 
 def _children_torch(qf, kf, k, parents, child_block):

@@ -5,6 +5,7 @@ a register jump that costs occupancy, or a jump in compile time shows here first
     python scripts/kernel_compile_report.py                      # selection (top-k) and the LLSA attention kernels
     python scripts/kernel_compile_report.py --kernels attention --warps launch 4 8 --stages 2 3
     python scripts/kernel_compile_report.py --kernels topk --head-dim 128 --dump /tmp/sass   # + PTX / SASS to read
+    python scripts/kernel_compile_report.py --kernels topk --kernels-from /tmp/variant/kernels  # another library
 
 ``topk``: ``k`` is a run-time argument of the selection kernels, so the rows are all the variants a sweep over k
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -34,8 +36,13 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from pixdit.kernels import block_sparse, linear_attention, sla_triton, topk
-from pixdit.report import markdown_table
+if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel library before pixdit imports it
+    from kernel_ab import apply_from_argv
+
+    apply_from_argv(sys.argv)
+
+from pixdit.kernels import block_sparse, linear_attention, sla_triton, topk  # noqa: E402
+from pixdit.report import markdown_table  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -59,10 +66,20 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
 def row_select_variant(block: int, k: int) -> tuple:
     """The row-select kernel of the two-pass selection: rows of ``block`` precomputed scores, the ``CAP`` bucket of
     ``k``."""
-    args = dict(S="*fp32", OUT="*i32", SCRATCH="*i32", COUNT="*i32", n=block, k=k, stride_s=block, stride_o=k)
+    args = dict(S="*fp32", OUT="*i32", SCRATCH="*i32", COUNT="*i32", FLAGS="*i32", n=block, k=k, stride_s=block)
+    args["stride_o"] = k
     const = {"BLOCK": block, "CAP": topk._row_cap(k), "KEYS_IN_SCRATCH": topk._row_keys_in_scratch(block)}
-    const["ATOMIC_SLOTS"] = topk._row_atomic_slots(block)
+    const |= {"ATOMIC_SLOTS": topk._row_atomic_slots(block), "FLAGGED": False}
     return topk._row_topk_kernel, args, const, topk._row_warps(block)
+
+
+def rescore_variant(block: int, k: int, head_dim: int) -> tuple:
+    """The screened selection's rescoring kernel: rows of ``block`` screened scores, top ``k``."""
+    c = topk._screen_width(k)
+    args = dict(S="*fp32", CAND="*i32", OUT="*i32", FLAGS="*i32", Q="*fp32", K="*fp32", K_NORM_MAX="*fp32")
+    args |= dict(n=block, k=k, c=c, rows_per_slice=block, d=head_dim, error=0.01)
+    cap = max(16, triton.next_power_of_2(c))
+    return topk._rescore_kernel, args, {"CAP": cap, "HEAD_DIM": head_dim}, 4 if cap <= 64 else 8
 
 
 def constexpr_names(fn) -> set[str]:
@@ -244,6 +261,7 @@ def launch_warps(fn, const: dict) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention"])
+    parser.add_argument("--kernels-from", metavar="DIR", help="compile another kernels/ folder (e.g. a variant's)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument(
         "--warps",
@@ -285,6 +303,7 @@ def main(argv=None) -> None:
         for b in (1024, 4096, 16384)
         for k in (64, 128)
     ]
+    variants += [(f"rescore k={k}", rescore_variant(4096, k, args.head_dim)) for k in (8, 20, 32, 64)]
     for label, (fn, run_args, const, warps) in variants:
         signature, attrs = launch_variant(fn, run_args, const)
         row = {"kernel": label, "head_dim": args.head_dim}

@@ -101,7 +101,7 @@ def test_pooled_topk_children_mode(impl):
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 @pytest.mark.parametrize("n_cand,k,ties", [(1100, 7, False), (1100, 33, True), (300, 1, True), (2049, 16, False)])
 def test_pooled_topk_all_candidates_matches_fp64_oracle(impl, n_cand, k, ties):
-    """Every key a candidate, beyond the one-shot kernel's 1024 (the streaming kernel on Triton): exact top-k set
+    """Every key a candidate, beyond the one-shot kernel's 1024 (the two-pass route on Triton): exact top-k set
     and order, ties to the smaller id, against a stable fp64 sort; partial last chunk; several (batch*head) slices."""
     g = torch.Generator().manual_seed(5)
     if ties:  # small integers: exact fp32 dot products, many equal scores, also across chunk borders

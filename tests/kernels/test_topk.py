@@ -125,6 +125,61 @@ def test_row_select_kernel_matches_topk_desc(n, k):
     assert torch.equal(got, topk_desc(scores, k))
 
 
+def adversarial_screening(qp, kp, k):
+    """Screened scores as bad as ``topk._screen_error`` allows: each exact score moved by (almost) the bound, the
+    exact top k down and every other key up, so that keys just below the cut overtake it in the screened order."""
+    exact = qp.double() @ kp.double().transpose(-1, -2)
+    e = topk._screen_error(qp.shape[-1]) * qp.double().norm(dim=-1, keepdim=True)
+    e = e * kp.double().norm(dim=-1).amax(-1)[:, None, None]
+    winner = torch.zeros_like(exact, dtype=torch.bool).scatter_(-1, topk_desc(exact, k).long(), True)
+    return (exact + torch.where(winner, -0.999, 0.999) * e).float()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,k", [(600, 20), (1000, 32), (2100, 64)])
+def test_screened_row_kernel_is_exact_against_the_worst_screening_and_ties(n, k):
+    """The screened selection's kernels return the exact top k: continuous rows whose screening moves every score
+    by its whole error bound against the cut; rows with near-ties at the cut (a zero query, a query that sees two
+    distinct scores) take the exact path; the exact scores (small integers) tie at distant ids. Rows belong to two (batch * head) slices of keys with different norms. Halving the kernel's margin
+    fails this test."""
+    g = torch.Generator().manual_seed(n + k)
+    qp, kp = torch.randn(2, 6, 64, generator=g), torch.randn(2, n, 64, generator=g)
+    kp[1] *= 3.0
+    qp[0, 1] = 0.0  # every score 0: all n keys tie
+    qp[1, 2] = 0.0
+    qp[1, 2, 0] = 1.0  # scores are kp[1, :, 0]: two values only
+    kp[1, :, 0] = (torch.arange(n) % 2).float()
+    qp[0, 3] = torch.randint(-1, 2, (64,), generator=g).float()  # integer scores: exact, many ties
+    kp[0, :, :] = torch.randint(-1, 2, (n, 64), generator=g).float()
+    kp[0, n // 2 : n // 2 + 5] = kp[0, 3:8]
+    kp[0, 11] *= 5.0  # a long key widens the bound: in slice 0 every row is near-tied at the cut, 1 is certified
+    screened = adversarial_screening(qp, kp, k)
+    want = topk_desc(qp.double() @ kp.double().transpose(-1, -2), k)
+    out = torch.full((12, k), -7, dtype=torch.int32, device=DEVICE)  # poisoned: every slot must be written
+    q, keys = qp.to(DEVICE), kp.to(DEVICE)
+    got = topk._rows_topk_screened(screened.reshape(12, n).to(DEVICE), k, out, q, keys).cpu()
+    assert torch.equal(got.view(2, 6, k), want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("screened", [False, True])
+@pytest.mark.parametrize("scores_per_chunk", [None, 2 * 24 * 600, 10 * 600])
+def test_two_pass_route_chunks_slices_and_rows(scores_per_chunk, screened, monkeypatch):
+    """The two-pass route end to end (exact or screened cuBLAS scores, row kernel) on tie-heavy inputs, with the
+    scores cut into chunks of whole slices (3 slices: chunks of 2 and 1) or of rows of one slice (10 rows at a
+    time). At this row length the route screens only when told to (``_SCREEN_MIN_CANDIDATES``)."""
+    if scores_per_chunk is not None:
+        monkeypatch.setattr(topk, "_TORCH_MAX_SCORES", scores_per_chunk)
+    if screened:
+        monkeypatch.setattr(topk, "_SCREEN_MIN_CANDIDATES", 0)
+    assert topk._screens(20, 600) == screened and not topk._screens(64, 600)
+    qp, kp = tie_heavy(3, 24, 600, 64, seed=7)
+    for k in (1, 20, 64):
+        assert topk._route(600, 64, k, None) == "two_pass"
+        got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), k, impl="triton").cpu()
+        assert torch.equal(got, oracle(qp, kp, k)), k
+
+
 @needs_interpreter
 @pytest.mark.parametrize("k", [1, 5, 8, 9, 17, 128, 255])
 def test_one_shot_kernel_run_time_k(k):
@@ -178,6 +233,14 @@ def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
         got = topk.pooled_topk(q, kp, k)
         assert torch.equal(got, topk.pooled_topk(q, kp, k, impl="torch")), k
     assert compiled_variants(topk._row_topk_kernel) - before <= 4  # CAP 32, 64, 128, 256
+    g = torch.Generator(device="cuda").manual_seed(0)  # rows of 4,096 candidates: the screened selection
+    qs, ks = torch.randn(2, 64, 64, device="cuda", generator=g), torch.randn(2, 4096, 64, device="cuda", generator=g)
+    before = compiled_variants(topk._row_topk_kernel), compiled_variants(topk._rescore_kernel)
+    for k in range(4, topk.ROW_SELECT_MAX_K + 1, 4):
+        assert topk._screens(k, 4096) == (k <= 51)  # up to 64 rescored ids
+        assert near_ties_only(topk.pooled_topk(qs, ks, k), topk.pooled_topk(qs, ks, k, impl="torch"), qs, ks), k
+    after = compiled_variants(topk._row_topk_kernel), compiled_variants(topk._rescore_kernel)
+    assert after[0] - before[0] <= 4 + 3 and after[1] - before[1] <= 3  # + the flagged pass; rescoring: c 16, 32, 64
     before = compiled_variants(topk._streaming_topk_kernel)
     for k in range(4, topk.STREAM_MAX_K + 1, 4):
         out = torch.empty(6, 1024, k, device="cuda", dtype=torch.int32)
@@ -191,17 +254,33 @@ def test_gpu_k_sweep_compiles_one_variant_per_bucket(mark):
     assert compiled_variants(topk._pooled_topk_kernel) - before <= 1
 
 
+def near_ties_only(got, want, qp, kp):
+    """Rows where two exact fp32 selections differ: few (one in 1,000, or one), and only where fp32 rounding can
+    swap the cut (the k-th scores of both picks, in fp64, within d * 2^-22 * ||q|| * max ||k||, the two summation
+    orders' error)."""
+    differ = (got != want).any(-1)
+    if not differ.any():
+        return True
+    exact = qp.double() @ kp.double().transpose(-1, -2)
+    kth = [exact.gather(-1, ids.long()).amin(-1) for ids in (got, want)]
+    bound = qp.shape[-1] * 2.0**-22 * qp.double().norm(dim=-1) * kp.double().norm(dim=-1).amax(-1)[:, None]
+    few = differ.sum() <= max(1, differ.numel() // 1000)
+    return bool(few) and bool(((kth[0] - kth[1]).abs() <= bound)[differ].all())
+
+
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
     g = torch.Generator(device="cuda").manual_seed(1)
     q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
     for k in (8, 32, 64):
         want = topk.pooled_topk(q, kp, k, impl="torch")
-        with exact_fp32_matmul():  # the two-pass path whatever the route: the torch path's chunks of cuBLAS scores
-            two_pass = topk._all_candidates_torch(q, kp, k, select=topk._select_rows)
-        assert torch.equal(two_pass, want)  # the same scores: the same ids
+        with exact_fp32_matmul():  # the row kernel on the torch path's chunks of cuBLAS fp32 scores
+            unscreened = topk._all_candidates_torch(q, kp, k, select=topk._select_rows)
+        assert torch.equal(unscreened, want)  # the same scores: the same ids
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
-        assert (streamed != want).any(-1).float().mean() < 1e-3  # fp32 near-ties only (other summation order)
-        assert torch.equal(topk.pooled_topk(q, kp, k), two_pass), k  # the route at this length
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # as in a training step: the scores stay fp32
-            assert torch.equal(topk.pooled_topk(q, kp, k), two_pass), k
+        assert near_ties_only(streamed, want, q, kp)  # fp32 near-ties only (other summation order)
+        assert topk._route(4096, 64, k, None) == "two_pass"
+        screened = topk.pooled_topk(q, kp, k)  # TF32 screening, fp32 rescoring in the row kernel
+        assert near_ties_only(screened, want, q, kp), k
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # as in a training step: the same selection
+            assert torch.equal(topk.pooled_topk(q, kp, k), screened), k
