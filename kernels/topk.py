@@ -21,12 +21,13 @@ Four paths, one result:
   those candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
   ranked pairwise (score descending, ties -> smaller id). Only when more keys
   tie at the k-th score than that does the search run all 32 bits and a search over the ids pick the smallest.
-  The cuBLAS scores are *screened* ones (``_screened_scores``: TF32 tensor cores, ~3x faster than fp32 FFMA on
-  the H200), each within e = ``_screen_error(d)`` * ||q|| * max ||k|| of its fp32 score. The row kernel then keeps
-  every key whose screened score is within 2e of the k-th largest one (which provably includes the exact top k;
-  ~1.1 k keys per row on VSA's pooled rows), computes their fp32 scores and ranks by those. A row with more than
-  ``_row_cap(k)`` keys inside that margin (near-ties at the cut, a zero query) recomputes its whole score row in
-  fp32 in place and takes the plain search.
+  On rows of >= 2,048 candidates with k <= 51 (``_screens``: VSA and SLA at 256² and up) the cuBLAS scores are
+  *screened* ones (``_screened_scores``: TF32 tensor cores, ~3x faster than fp32 FFMA on the H200), each within
+  e = ``_screen_error(d)`` * ||q|| * max ||k|| of its fp32 score. The row kernel picks each row's top c
+  (``_screen_width``: 64 for k = 32) by screened score; ``_rescore_kernel`` certifies the row (the c-th screened
+  score below the k-th minus 2e: no other key can reach the exact top k), computes the c candidates' fp32 scores
+  and ranks by those. A row it cannot certify (near-ties at the cut, a zero query) gets its whole score row in fp32
+  in place and the plain row kernel (``FLAGGED``). The result is the exact fp32 top k either way.
 * ``_streaming_topk_kernel`` (every key row a candidate, ``k <= 64``, rows beyond the two-pass bound): scores a chunk of 128 candidates at a time and keeps each row's best k in registers (``SLOTS`` =
   16, 32 or 64 slots, the power of two >= k). Chunks come in ascending id order, so a newcomer enters only if it
   is *strictly* better than the worst kept entry (on a tie the kept, smaller id wins); each chunk costs as many
@@ -441,7 +442,7 @@ def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torc
     d])``, contiguous fp32) into int32 ``out [s * r, k]``: the row kernel's top c by screened score, then
     ``_rescore_kernel``, then the row kernel again on the rows it flagged (their ``scores`` rows now exact)."""
     R, n = scores.shape
-    s, r, d = q.shape
+    _, r, d = q.shape
     c = min(_screen_width(k), n)
     cand = _rows_topk(scores, c, torch.empty(R, c, device=scores.device, dtype=torch.int32))
     flags = torch.zeros(R, device=scores.device, dtype=torch.int32)

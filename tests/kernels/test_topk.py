@@ -137,11 +137,12 @@ def adversarial_screening(qp, kp, k):
 
 @needs_interpreter
 @pytest.mark.parametrize("n,k", [(600, 20), (1000, 32), (2100, 64)])
-def test_screened_row_kernel_is_exact_against_the_worst_screening_and_ties(n, k):
+def test_screened_selection_is_exact_against_the_worst_screening_and_ties(n, k):
     """The screened selection's kernels return the exact top k: continuous rows whose screening moves every score
-    by its whole error bound against the cut; rows with near-ties at the cut (a zero query, a query that sees two
-    distinct scores) take the exact path; the exact scores (small integers) tie at distant ids. Rows belong to two (batch * head) slices of keys with different norms. Halving the kernel's margin
-    fails this test."""
+    by its whole error bound against the cut (certified: their screened rows are left as they were); rows with
+    near-ties at the cut (a zero query, a query that sees two distinct scores, a long key that widens the bound)
+    take the exact path; the exact scores (small integers) tie at distant ids. Rows belong to two (batch * head)
+    slices of keys with different norms. Halving the kernels' margin fails this test."""
     g = torch.Generator().manual_seed(n + k)
     qp, kp = torch.randn(2, 6, 64, generator=g), torch.randn(2, n, 64, generator=g)
     kp[1] *= 3.0
@@ -152,13 +153,15 @@ def test_screened_row_kernel_is_exact_against_the_worst_screening_and_ties(n, k)
     qp[0, 3] = torch.randint(-1, 2, (64,), generator=g).float()  # integer scores: exact, many ties
     kp[0, :, :] = torch.randint(-1, 2, (n, 64), generator=g).float()
     kp[0, n // 2 : n // 2 + 5] = kp[0, 3:8]
-    kp[0, 11] *= 5.0  # a long key widens the bound: in slice 0 every row is near-tied at the cut, 1 is certified
-    screened = adversarial_screening(qp, kp, k)
+    kp[0, 11] *= 5.0  # a long key widens slice 0's bound: every row there is within it of the cut
+    screened = adversarial_screening(qp, kp, k).reshape(12, n)
     want = topk_desc(qp.double() @ kp.double().transpose(-1, -2), k)
     out = torch.full((12, k), -7, dtype=torch.int32, device=DEVICE)  # poisoned: every slot must be written
-    q, keys = qp.to(DEVICE), kp.to(DEVICE)
-    got = topk._rows_topk_screened(screened.reshape(12, n).to(DEVICE), k, out, q, keys).cpu()
+    scores = screened.to(DEVICE, copy=True)
+    got = topk._rows_topk_screened(scores, k, out, qp.to(DEVICE), kp.to(DEVICE)).cpu()
     assert torch.equal(got.view(2, 6, k), want)
+    unchanged = (scores.cpu() == screened).all(-1)  # a row that was not certified is rescored in place
+    assert unchanged[[6, 7, 9, 10, 11]].all() and not unchanged[[0, 2, 3, 4, 5, 8]].any()  # (row 1: all zeros)
 
 
 @needs_interpreter
@@ -280,7 +283,7 @@ def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
         assert near_ties_only(streamed, want, q, kp)  # fp32 near-ties only (other summation order)
         assert topk._route(4096, 64, k, None) == "two_pass"
-        screened = topk.pooled_topk(q, kp, k)  # TF32 screening, fp32 rescoring in the row kernel
+        screened = topk.pooled_topk(q, kp, k)  # the route: screened at k = 8 and 32, not at 64
         assert near_ties_only(screened, want, q, kp), k
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as in a training step: the same selection
             assert torch.equal(topk.pooled_topk(q, kp, k), screened), k
