@@ -58,13 +58,14 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("one-shot", *report["one_shot_variant"](64, 256)[:3]))
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
-    assert len(variants) == 12
+    variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
+    assert len(variants) == 13
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
         assert all(attrs.get((fn.arg_names.index(p),)) for p, t in signature.items() if t.startswith("*")), label
-    # the last one, the streaming kernel: k = 32 is a multiple of 16, but k is do_not_specialize: no hint
-    assert "k" in signature and (fn.arg_names.index("k"),) not in attrs
+        if label in ("streaming", "rescore"):  # k = 32 is a multiple of 16, but k is do_not_specialize: no hint
+            assert "k" in signature and (fn.arg_names.index("k"),) not in attrs, label
 
 
 def test_compile_report_launch_warps_are_the_launchers():
