@@ -328,8 +328,9 @@ def _rescore_kernel(
     s_row = S + row * n
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + row * d + dims, mask=dims < d, other=0.0)
-    k_rows = K + (row // rows_per_slice) * n * d
-    margin = 2.0 * error * tl.sqrt(tl.sum(q * q, 0)) * tl.load(K_NORM_MAX + row // rows_per_slice)
+    slice_ = row // rows_per_slice
+    k_rows = K + slice_ * n * d
+    margin = 2.0 * error * tl.sqrt(tl.sum(q * q, 0)) * tl.load(K_NORM_MAX + slice_)
     i = tl.arange(0, CAP)
     live = i < c
     ids = tl.load(CAND + row * c + i, mask=live, other=0)
@@ -437,6 +438,12 @@ def _screens(k: int, n: int) -> bool:
     return n >= _SCREEN_MIN_CANDIDATES and _screen_width(k) <= _SCREEN_MAX_WIDTH
 
 
+def _rescore_launch(c: int) -> tuple[int, int]:
+    """``(CAP, num_warps)`` of a ``_rescore_kernel`` program ranking ``c`` candidates (also the compile report's)."""
+    cap = max(16, triton.next_power_of_2(c))
+    return cap, 4 if cap <= 64 else 8
+
+
 def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor):
     """The exact top k of each row of screened ``scores [s * r, n]`` (``_screened_scores(q [s, r, d], keys [s, n,
     d])``, contiguous fp32) into int32 ``out [s * r, k]``: the row kernel's top c by screened score, then
@@ -446,7 +453,7 @@ def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torc
     c = min(_screen_width(k), n)
     cand = _rows_topk(scores, c, torch.empty(R, c, device=scores.device, dtype=torch.int32))
     flags = torch.zeros(R, device=scores.device, dtype=torch.int32)
-    cap = max(16, triton.next_power_of_2(c))
+    cap, warps = _rescore_launch(c)
     _rescore_kernel[(R,)](
         scores,
         cand,
@@ -463,7 +470,7 @@ def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torc
         _screen_error(d),
         CAP=cap,
         HEAD_DIM=max(16, triton.next_power_of_2(d)),
-        num_warps=4 if cap <= 64 else 8,
+        num_warps=warps,
     )
     return _rows_topk(scores, k, out, flags=flags)
 
@@ -603,13 +610,6 @@ def _pooled_topk_torch(q_pooled, k_pooled, k, parents, child_block):
         return _children_torch(qf, kf, k, parents, child_block)
 
 
-def _select_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``topk_desc_fast`` semantics on a ``[..., n]`` fp32 score chunk, by the row-select kernel."""
-    rows = scores.reshape(-1, scores.shape[-1]).contiguous()
-    out = torch.empty(rows.shape[0], k, device=scores.device, dtype=torch.int32)
-    return _rows_topk(rows, k, out).view(*scores.shape[:-1], k)
-
-
 def _score_chunks(qf, kf, out):
     """The ``[R, C]`` score problem of every key row a candidate, cut into chunks of at most ``_TORCH_MAX_SCORES``
     scores: yields ``(q [s, r, d], keys [s, C, d], out [s, r, k])`` views, whole (batch * head) slices when they
@@ -653,9 +653,10 @@ def _all_candidates_two_pass(qf, kf, k):
     ``_screens`` says it pays, else exact fp32, then the row kernel (``_rows_topk_screened`` / ``_rows_topk``)."""
     out = torch.empty(*qf.shape[:-1], k, dtype=torch.int32, device=qf.device)
     n = kf.shape[-2]
+    screens = _screens(k, n)
     for q, keys, o in _score_chunks(qf, kf, out):
         q, keys = q.contiguous(), keys.contiguous()
-        if _screens(k, n):
+        if screens:
             _rows_topk_screened(_screened_scores(q, keys).view(-1, n), k, o.view(-1, k), q, keys)
         else:
             with exact_fp32_matmul():

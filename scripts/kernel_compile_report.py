@@ -78,8 +78,8 @@ def rescore_variant(block: int, k: int, head_dim: int) -> tuple:
     c = topk._screen_width(k)
     args = dict(S="*fp32", CAND="*i32", OUT="*i32", FLAGS="*i32", Q="*fp32", K="*fp32", K_NORM_MAX="*fp32")
     args |= dict(n=block, k=k, c=c, rows_per_slice=block, d=head_dim, error=0.01)
-    cap = max(16, triton.next_power_of_2(c))
-    return topk._rescore_kernel, args, {"CAP": cap, "HEAD_DIM": head_dim}, 4 if cap <= 64 else 8
+    cap, warps = topk._rescore_launch(c)
+    return topk._rescore_kernel, args, {"CAP": cap, "HEAD_DIM": head_dim}, warps
 
 
 def constexpr_names(fn) -> set[str]:

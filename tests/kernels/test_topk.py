@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pixdit.kernels import topk
-from pixdit.kernels.blocks import exact_fp32_matmul, topk_desc
+from pixdit.kernels.blocks import topk_desc
 
 # Every test here also runs under `pytest -m gpu`: the kernel tests below run natively on CUDA, and there the row
 # kernel's longest rows take their slots from atomics in any order, which only the tie-heavy rows on the GPU check.
@@ -272,13 +272,14 @@ def near_ties_only(got, want, qp, kp):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark):
+def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     q, kp = torch.randn(12, 4096, 64, device="cuda", generator=g), torch.randn(12, 4096, 64, device="cuda", generator=g)
     for k in (8, 32, 64):
         want = topk.pooled_topk(q, kp, k, impl="torch")
-        with exact_fp32_matmul():  # the row kernel on the torch path's chunks of cuBLAS fp32 scores
-            unscreened = topk._all_candidates_torch(q, kp, k, select=topk._select_rows)
+        with monkeypatch.context() as patch:  # the route unscreened: the row kernel on chunks of cuBLAS fp32 scores
+            patch.setattr(topk, "_SCREEN_MIN_CANDIDATES", 1 << 30)
+            unscreened = topk.pooled_topk(q, kp, k)
         assert torch.equal(unscreened, want)  # the same scores: the same ids
         streamed = topk._streaming_topk(q, kp, k, torch.empty_like(want))
         assert near_ties_only(streamed, want, q, kp)  # fp32 near-ties only (other summation order)
