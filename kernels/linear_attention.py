@@ -13,20 +13,22 @@ Two forms:
 
 * ``linear_attention_torch`` (CPU, exact): per-block ``h_j = phi(K_j)^T V_j`` summed over the kept blocks with a
   ``[T, T]`` block mask (direct sums, no cancellation; ``O(T^2 D^2)``, fine at CPU sizes).
-* Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``, no ``[N, D]`` fp32
-  intermediates; SLA's autograd Function (``sla_triton.py``) runs these pieces and walks the critical lists once for
-  both branches in its dq kernel. ``linear_scope="all"`` skips the walks (no excluded part, ``+1e-5`` instead of
-  the empty-row rule).
+* Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``; SLA's autograd Function
+  (``sla_triton.py``) runs these pieces and walks the critical lists once for both branches in its dq kernel.
+  ``linear_scope="all"`` skips the walks (no excluded part, ``+1e-5`` instead of the empty-row rule).
 
   * ``_feature_sums_kernel`` (``feature_sums``): forward, ``phi(k)`` (stored once, input dtype) and per chunk of
     1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
     global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
     ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-  * ``_fwd_kernel`` (``linear_forward``), one program per query block: ``phi(q)`` in registers (fp32 math, one
-    rounding to the input dtype, stored for the backward walk), the global term ``phi(q) . [KV_total | Z_total]``,
-    minus the excluded part ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two
-    tensor-core dots per block, like the sparse branch without exponentials), the empty-row rule, and ``o_linear``
-    stored in the input dtype with fp32 ``1/den`` per row (0 for an empty row).
+  * ``_global_term_kernel`` (``linear_forward``), 64-row tiles: ``phi(q)`` (fp32 math, one rounding to the input
+    dtype, stored for the walks) and the global term ``phi(q) . [KV_total | Z_total]`` as fp32 start values (one
+    ``[N, D]`` and one ``[N]`` tensor); without exclusion, ``o_linear`` itself.
+  * ``_fwd_kernel`` (``linear_forward``), one program per query block: the start values minus the excluded part
+    ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two tensor-core dots per block, like
+    the sparse branch without exponentials), the empty-row rule, and ``o_linear`` stored in the input dtype with
+    fp32 ``1/den`` per row (0 for an empty row). Without the D x D product in its prologue, a 16-row program runs
+    on one warp.
   * for SLA's dq kernel: ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through phi's Jacobian,
     ``phi_rows_backward``).
   * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
@@ -54,7 +56,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .block_sparse import blocks_per_step, dot_precision, list_slots, list_walk_start, listed_ids, walk_key_rows
+from .block_sparse import (
+    blocks_per_step,
+    dot_precision,
+    list_slots,
+    list_walk_start,
+    listed_ids,
+    program_warps,
+    walk_key_rows,
+)
 from .common import AUTOTUNE, autotuned, pad_to_blocks
 from .ops import custom_op
 
@@ -222,13 +232,54 @@ def linear_dphi(do, delta, KV_TOTAL, Z_TOTAL, bh, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(
+def _global_term_kernel(
     Q,
-    PHI_K,
-    V,
     KV_TOTAL,
     Z_TOTAL,
     PHI_Q,
+    NUM,
+    DEN,
+    n,
+    all_scope_eps,
+    HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # phi(q) (one rounding to the input dtype, stored for the walks) and the global term phi(q) . [KV_total | Z_total]
+    # on tiles of TILE rows. EXCLUDE: NUM, DEN are the fp32 start values of the excluded walk (_fwd_kernel); else
+    # ("all" scope, nothing to walk) the output itself: NUM = o_linear in the input dtype, DEN = 1 / (den + eps).
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+    row_ok = rows < n
+    dims = tl.arange(0, HEAD_DIM)
+    tile_offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)
+    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])
+    af = a.to(tl.float32)
+    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
+    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
+    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
+    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the walk's empty-row test needs it
+    if EXCLUDE:
+        tl.store(NUM + tile_offsets, num, mask=row_ok[:, None])
+        tl.store(DEN + bh * n + rows, den, mask=row_ok)
+    else:
+        inv_den = 1.0 / (den + all_scope_eps)
+        tl.store(NUM + tile_offsets, (num * inv_den[:, None]).to(NUM.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(DEN + bh * n + rows, inv_den, mask=row_ok)
+
+
+@triton.jit
+def _fwd_kernel(
+    PHI_Q,
+    PHI_K,
+    V,
+    NUM,
+    DEN,
     O,
     INV_DEN,
     LIST,
@@ -236,16 +287,16 @@ def _fwd_kernel(
     stride_lt,
     n,
     list_len,
-    all_scope_eps,
     empty_row_rel_eps,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     PER_ITER: tl.constexpr,
-    FEATURE: tl.constexpr,
-    EXCLUDE: tl.constexpr,
     PREC: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
 ):
+    # o_linear = (global term - sum_{u in E(i)} w_tu (v_u, 1)) / the same for the denominator, one program per query
+    # block, starting from _global_term_kernel's fp32 NUM, DEN: without the D x D product in its prologue, a 16-row
+    # program fits one warp (docs/kernel_notes.md v24)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -253,33 +304,25 @@ def _fwd_kernel(
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM
     tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
-    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
-    a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)  # phi(q) in the input dtype (one rounding)
-    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])  # for the key-major backward walk
-    af = a.to(tl.float32)
-    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
-    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
-    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the empty-row test below needs it
-    if EXCLUDE:  # minus sum_{u in E(i)} w_tu (v_u, 1)
-        num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        den_excluded = tl.zeros([BLOCK], tl.float32)
-        koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
-        ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
-        for j in range(0, list_len, PER_ITER):
-            blk, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
-            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
-            den_excluded += tl.sum(w, 1)
-            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
-        num -= num_excluded
-        remaining = den - den_excluded
-        # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
-        keep = remaining > empty_row_rel_eps * den
-        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
-    else:
-        inv_den = 1.0 / (den + all_scope_eps)
+    a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0)
+    den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
+    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    den_excluded = tl.zeros([BLOCK], tl.float32)
+    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
+    for j in range(0, list_len, PER_ITER):
+        blk, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
+        b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+        w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
+        den_excluded += tl.sum(w, 1)
+        num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+    num -= num_excluded
+    remaining = den - den_excluded
+    # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
+    keep = remaining > empty_row_rel_eps * den
+    inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
     o = num * inv_den[:, None]
     tl.store(O + tile_offsets, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
@@ -407,12 +450,26 @@ def walk_warps(head_dim: int) -> int:
 # like the block-sparse ones; otherwise launched with walk_warps(head_dim) and Triton's default stages.
 WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
-_fwd = autotuned(_fwd_kernel, WALK_KEYS, WALK_CONFIGS)
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
+
+# The forward walk: a 16-row program (head_dim <= 64) on one warp, one listed block per step; others as the walks above
+_ONE_WARP_CONFIGS = [triton.Config({}, num_warps=1, num_stages=s) for s in (2, 3, 4)]
+
+
+def _forward_configs(configs, named_args, **kwargs):
+    meta = {**named_args, **kwargs}
+    one_warp = program_warps(meta["BLOCK"], False, meta["HEAD_DIM"]) == 1
+    return [c for c in configs if (c.num_warps == 1) == one_warp]
+
+
+_fwd = autotuned(
+    _fwd_kernel, ["HEAD_DIM", "BLOCK", "PER_ITER", "PREC"], _ONE_WARP_CONFIGS + WALK_CONFIGS, prune=_forward_configs
+)
+GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product with the D x D sums
 
 
 def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude: bool, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of a list-walking kernel (these two and SLA's dq kernel): >= 64-wide dots for
+    """Constexprs and launch options of a list-walking kernel (the dk/dv walk and SLA's dq kernel): >= 64-wide dots for
     the tensor cores (blocks gathered per step as in the block-sparse kernels); tf32 products of the fp32 terms for
     half inputs (``phi(q)/den`` can leave fp16's range); fixed warps for ``head_dim`` unless autotuned."""
     launch = {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
@@ -425,6 +482,20 @@ def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude:
         PREC=dot_precision(dtype),
         **launch,
     )
+
+
+def forward_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of the forward walk (``_fwd_kernel``). A 16-row program (``head_dim`` <= 64,
+    ``block_sparse.program_warps``) runs on one warp and walks one listed block per step, 3 stages when not
+    autotuned: 0.66 ms against 1.23 for 4 warps gathering 4 blocks per step at 256^2, K = 32 (docs/kernel_notes.md
+    v24). Other blocks keep the other walks' launch."""
+    one_warp = program_warps(block_size, False, head_dim) == 1
+    if AUTOTUNE:
+        launch = {}
+    else:
+        launch = {"num_warps": 1, "num_stages": 3} if one_warp else {"num_warps": walk_warps(head_dim)}
+    per_iter = 1 if one_warp else blocks_per_step(block_size)
+    return dict(HEAD_DIM=head_dim, BLOCK=block_size, PER_ITER=per_iter, PREC=dot_precision(dtype), **launch)
 
 
 # The host functions below are torch custom ops (opaque to torch.compile, which traces the code around them).
@@ -444,22 +515,43 @@ def linear_forward(
     phi_q, o = torch.empty_like(q), torch.empty_like(q)
     inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
     exclude = lists is not None
-    list_args = (lists, lists.stride(0), lists.stride(1), n, lists.shape[2]) if exclude else (inv_den, 0, 0, n, 0)
-    _fwd[(triton.cdiv(n, block_size), bh)](
+    # the global term first (phi(q) and its fp32 start values; without exclusion the output itself), then the walk
+    num, den = (q.new_empty((bh, n, d), dtype=torch.float32), torch.empty_like(inv_den)) if exclude else (o, inv_den)
+    _global_term_kernel[(triton.cdiv(n, GLOBAL_TILE), bh)](
         q,
-        phi_k,
-        v,
         kv_total,
         z_total,
         phi_q,
-        o,
-        inv_den,
-        *list_args,
+        num,
+        den,
+        n,
         ALL_SCOPE_EPS,
-        EMPTY_ROW_REL_EPS,
-        **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
-        LIST_SLOTS=list_slots(lists.shape[2], blocks_per_step(block_size)) if exclude else 0,
+        HEAD_DIM=d,
+        TILE=GLOBAL_TILE,
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        PREC=dot_precision(q.dtype),
+        num_warps=walk_warps(d),
     )
+    if exclude:
+        options = forward_walk_options(d, block_size, q.dtype)
+        _fwd[(triton.cdiv(n, block_size), bh)](
+            phi_q,
+            phi_k,
+            v,
+            num,
+            den,
+            o,
+            inv_den,
+            lists,
+            lists.stride(0),
+            lists.stride(1),
+            n,
+            lists.shape[2],
+            EMPTY_ROW_REL_EPS,
+            **options,
+            LIST_SLOTS=list_slots(lists.shape[2], options["PER_ITER"]),
+        )
     return o, phi_q, phi_k, inv_den, kv_total, z_total
 
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -223,6 +224,19 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const = dict(common, BLOCK=16, PER_ITER=4, FEATURE="softmax", EXCLUDE=True)
         return args, const | dict(SCALED_DTYPE=tl.bfloat16, HAS_ADD=True)
 
+    def linear_fwd(n_excluded):  # the linear branch's forward walk from the global term's fp32 start values
+        p = "*bf16"
+        args = dict(PHI_Q=p, PHI_K=p, V=p, NUM="*fp32", DEN="*fp32", O=p, INV_DEN="*fp32", LIST="*i32")
+        args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
+        const = linear_attention.forward_walk_options(d, 16, torch.bfloat16)
+        const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
+        return args | dict(empty_row_rel_eps=1e-5), const | dict(LIST_SLOTS=block_sparse.list_slots(n_excluded, 1))
+
+    def linear_global_term():  # phi(q) and the global term on 64-row tiles
+        args = dict(Q="*bf16", KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q="*bf16", NUM="*fp32", DEN="*fp32", n=n)
+        const = dict(common, TILE=linear_attention.GLOBAL_TILE, FEATURE="softmax", EXCLUDE=True)
+        return args | dict(all_scope_eps=1e-5), const
+
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, True, tail)
     dq_pooled = dq(64, bank, 8, "*fp32", False, True, True, tail)
@@ -235,9 +249,11 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
         ("dkdv pooled candidates", block_sparse._dkdv_kernel, *dkdv(64, bank, 1, 1, True, False)),
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
-        # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own two list-walking kernels
+        # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own list-walking kernels
         ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
         ("sla linear dkdv (16-key blocks)", linear_attention._dk_dv_kernel, *linear_dkdv(64)),
+        ("sla linear fwd (16-row blocks)", linear_attention._fwd_kernel, *linear_fwd(32)),
+        ("sla linear global term (64-row tiles)", linear_attention._global_term_kernel, *linear_global_term()),
     ]
     for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
         want = constexpr_names(fn)
@@ -247,7 +263,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
 def launch_warps(fn, const: dict) -> int:
     """The warps the launchers give an attention kernel's program without autotuning (block_sparse.program_warps,
-    linear_attention.walk_warps for SLA's own kernels)."""
+    linear_attention.walk_warps for SLA's own kernels but the forward walk, forward_walk_options)."""
     d = const["HEAD_DIM"]
     if fn is block_sparse._fwd_kernel:
         return block_sparse.program_warps(const["BLOCK_M"], False, d)
@@ -255,6 +271,8 @@ def launch_warps(fn, const: dict) -> int:
         return block_sparse.program_warps(const["BLOCK_M"], True, d)
     if fn is block_sparse._dkdv_kernel:
         return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], True, d)
+    if fn is linear_attention._fwd_kernel:
+        return block_sparse.program_warps(const["BLOCK"], False, d)
     return linear_attention.walk_warps(d)
 
 
