@@ -29,7 +29,8 @@ Two forms:
     the sparse branch without exponentials), the empty-row rule, and ``o_linear`` stored in the input dtype with
     fp32 ``1/den`` per row (0 for an empty row). Without the D x D product in its prologue, a 16-row program runs
     on one warp.
-  * for SLA's dq kernel: ``excluded_dq_step`` and ``linear_dphi`` (``dphi(q)``, then ``dq`` through phi's Jacobian,
+  * for SLA's dq kernel: ``_global_dphi_kernel`` (``global_dphi``: the global part of ``dphi(q)`` and ``delta`` as
+    fp32 start values, 64-row tiles) and ``excluded_dq_step`` (the walk's part; then ``dq`` through phi's Jacobian,
     ``phi_rows_backward``).
   * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
     global terms minus the excluded ones, ``dk`` through phi's Jacobian, plus the sparse branch's dk, dv added in
@@ -222,13 +223,34 @@ def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def linear_dphi(do, delta, KV_TOTAL, Z_TOTAL, bh, PREC: tl.constexpr):
-    """The global part of ``d phi(q)`` (times den): ``dO KV_total^T - delta Z_total``, with ``delta = dO . o``."""
-    d: tl.constexpr = do.shape[1]
-    dims = tl.arange(0, d)
-    kv_total_t = tl.load(KV_TOTAL + bh * d * d + dims[None, :] * d + dims[:, None])  # [j, i]
-    z_total = tl.load(Z_TOTAL + bh * d + dims)
-    return tl.dot(do.to(tl.float32), kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
+def _global_dphi_kernel(
+    DO,
+    O,
+    KV_TOTAL,
+    Z_TOTAL,
+    DPHI,
+    DELTA,
+    n,
+    HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # The backward's global term on tiles of TILE rows: delta = dO . o and the global part of d phi(q) (times den),
+    # dO KV_total^T - delta Z_total, fp32 start values of SLA's dq walk (sla_triton._sla_dq_kernel)
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+    row_ok = rows < n
+    dims = tl.arange(0, HEAD_DIM)
+    tile_offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    do = tl.load(DO + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(O + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(do * o, 1)
+    kv_total_t = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[None, :] * HEAD_DIM + dims[:, None])  # [j, i]
+    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
+    dphi = tl.dot(do, kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
+    tl.store(DPHI + tile_offsets, dphi, mask=row_ok[:, None])
+    tl.store(DELTA + bh * n + rows, delta, mask=row_ok)
 
 
 @triton.jit
@@ -452,18 +474,25 @@ WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2)
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
 
-# The forward walk: a 16-row program (head_dim <= 64) on one warp, one listed block per step; others as the walks above
-_ONE_WARP_CONFIGS = [triton.Config({}, num_warps=1, num_stages=s) for s in (2, 3, 4)]
+# The query-major walks (the forward and SLA's dq): a 16-row program (head_dim <= 64) on one warp, one listed block per
+# step, once the D x D products are start values (docs/kernel_notes.md v24); other blocks as the walks above
+ONE_WARP_CONFIGS = [triton.Config({}, num_warps=1, num_stages=s) for s in (2, 3, 4)]
 
 
-def _forward_configs(configs, named_args, **kwargs):
+def one_warp_walk(block_size: int, head_dim: int) -> bool:
+    """Whether a query-major walk of ``block_size``-row programs runs on one warp (``block_sparse.program_warps``)."""
+    return program_warps(block_size, False, head_dim) == 1
+
+
+def prune_query_walk(configs, named_args, **kwargs):
+    """The autotuner's pruning for the query-major walks: the one-warp configurations or the others."""
     meta = {**named_args, **kwargs}
-    one_warp = program_warps(meta["BLOCK"], False, meta["HEAD_DIM"]) == 1
+    one_warp = one_warp_walk(meta["BLOCK"], meta["HEAD_DIM"])
     return [c for c in configs if (c.num_warps == 1) == one_warp]
 
 
 _fwd = autotuned(
-    _fwd_kernel, ["HEAD_DIM", "BLOCK", "PER_ITER", "PREC"], _ONE_WARP_CONFIGS + WALK_CONFIGS, prune=_forward_configs
+    _fwd_kernel, ["HEAD_DIM", "BLOCK", "PER_ITER", "PREC"], ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk
 )
 GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product with the D x D sums
 
@@ -484,18 +513,40 @@ def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude:
     )
 
 
-def forward_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of the forward walk (``_fwd_kernel``). A 16-row program (``head_dim`` <= 64,
-    ``block_sparse.program_warps``) runs on one warp and walks one listed block per step, 3 stages when not
-    autotuned: 0.66 ms against 1.23 for 4 warps gathering 4 blocks per step at 256^2, K = 32 (docs/kernel_notes.md
-    v24). Other blocks keep the other walks' launch."""
-    one_warp = program_warps(block_size, False, head_dim) == 1
+def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype, stages: int) -> dict:
+    """Constexprs and launch options of a query-major walk from start values (the forward and SLA's dq): a 16-row
+    program (``one_warp_walk``) on one warp, one listed block per step, ``stages`` stages when not autotuned (the
+    forward walk at 256^2, K = 32: 0.66 ms against 1.23 for 4 warps gathering 4 blocks per step; SLA's dq 1.53
+    against 2.03 with 2 stages; docs/kernel_notes.md v24). Other blocks keep the other walks' launch."""
+    one_warp = one_warp_walk(block_size, head_dim)
     if AUTOTUNE:
         launch = {}
     else:
-        launch = {"num_warps": 1, "num_stages": 3} if one_warp else {"num_warps": walk_warps(head_dim)}
+        launch = {"num_warps": 1, "num_stages": stages} if one_warp else {"num_warps": walk_warps(head_dim)}
     per_iter = 1 if one_warp else blocks_per_step(block_size)
     return dict(HEAD_DIM=head_dim, BLOCK=block_size, PER_ITER=per_iter, PREC=dot_precision(dtype), **launch)
+
+
+def global_dphi(do: torch.Tensor, o: torch.Tensor, kv_total: torch.Tensor, z_total: torch.Tensor):
+    """fp32 ``(dO KV_total^T - delta Z_total [BH, N, D], delta = dO . o [BH, N])`` of the linear branch: the start
+    values of SLA's dq walk."""
+    bh, n, d = do.shape
+    dphi = do.new_empty((bh, n, d), dtype=torch.float32)
+    delta = do.new_empty((bh, n), dtype=torch.float32)
+    _global_dphi_kernel[(triton.cdiv(n, GLOBAL_TILE), bh)](
+        do,
+        o,
+        kv_total,
+        z_total,
+        dphi,
+        delta,
+        n,
+        HEAD_DIM=d,
+        TILE=GLOBAL_TILE,
+        PREC=dot_precision(do.dtype),
+        num_warps=walk_warps(d),
+    )
+    return dphi, delta
 
 
 # The host functions below are torch custom ops (opaque to torch.compile, which traces the code around them).
@@ -534,7 +585,7 @@ def linear_forward(
         num_warps=walk_warps(d),
     )
     if exclude:
-        options = forward_walk_options(d, block_size, q.dtype)
+        options = query_walk_options(d, block_size, q.dtype, stages=3)
         _fwd[(triton.cdiv(n, block_size), bh)](
             phi_q,
             phi_k,

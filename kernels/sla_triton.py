@@ -8,9 +8,11 @@ the negligible blocks, walked after the critical ones, and with ``"all"`` it wal
            ``linear_attention.linear_forward`` (o_linear, 1/den, phi(q), phi(k), the global sums). One kernel for
            both was measured slower (docs/kernel_notes.md, v13): 130 registers per thread against 64 for the
            sparse forward cost more resident programs than the shared loads saved.
-  backward ``_sla_dq_kernel``: per step of the walk K, phi(K) and V are loaded once for the sparse dq
-           (``block_sparse.gathered_dq_step``) and the linear one (``linear_attention.excluded_dq_step``); Δ of both
-           branches, dq of both summed in fp32 and rounded once. Then the global sums' gradients
+  backward ``linear_attention.global_dphi`` (64-row tiles: Δ of the linear branch and the global part of its
+           d phi(q) as fp32 start values), then ``_sla_dq_kernel``, one warp per 16-row block: per step of the walk
+           K, phi(K) and V are loaded once for the sparse dq (``block_sparse.gathered_dq_step``) and the linear one
+           (``linear_attention.excluded_dq_step``); Δ of the sparse branch, dq of both summed in fp32 and rounded
+           once. Then the global sums' gradients
            (``feature_sums``), the sparse dk/dv (``block_sparse.bsa_backward_dkdv``, fp32) and the linear dk/dv
            walk (``linear_attention.linear_dk_dv``), which adds the sparse ones in its epilogue, over one CSC
            transpose of the lists when the excluded blocks are the critical ones. No full-size gradient sums
@@ -28,7 +30,6 @@ import triton.language as tl
 
 from .block_sparse import (
     LOG2E,
-    blocks_per_step,
     bsa_backward_dkdv,
     bsa_forward,
     gathered_dq_step,
@@ -41,16 +42,18 @@ from .block_sparse import (
 from .blocks import csr_to_csc
 from .common import autotuned
 from .linear_attention import (
+    ONE_WARP_CONFIGS,
     WALK_CONFIGS,
     WALK_KEYS,
     excluded_dq_step,
+    global_dphi,
     linear_dk_dv,
-    linear_dphi,
     linear_forward,
     linear_global_grads,
     phi_rows,
     phi_rows_backward,
-    walk_options,
+    prune_query_walk,
+    query_walk_options,
 )
 from .ops import custom_op
 
@@ -66,11 +69,9 @@ def _sla_dq_kernel(
     LSE,
     DELTA_S,
     DO_L,
-    O_L,
     INV_DEN,
     DELTA_L,
-    KV_TOTAL,
-    Z_TOTAL,
+    DPHI,
     DQ,
     LIST,
     NEG,
@@ -94,6 +95,7 @@ def _sla_dq_kernel(
 ):
     # sparse: dq_s = scale * sum_u P_tu (dO_t . v_u - Δ_t) k_u over the critical keys (block_sparse._dq_kernel)
     # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
+    #         from the global part and delta_t = dO_t . o_t of linear_attention.global_dphi (DPHI, DELTA_L)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -110,8 +112,7 @@ def _sla_dq_kernel(
     do_l = tl.load(DO_L + tile_offsets, mask=row_ok[:, None], other=0.0)
     dq_s = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
-    delta_l = tl.sum(do_l.to(tl.float32) * o_l.to(tl.float32), 1)
+    delta_l = tl.load(DELTA_L + bh * n + rows, mask=row_ok, other=0.0)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
@@ -133,15 +134,14 @@ def _sla_dq_kernel(
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
             v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
             excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
-    tl.store(DELTA_L + bh * n + rows, delta_l, mask=row_ok)
-    dphi = linear_dphi(do_l, delta_l, KV_TOTAL, Z_TOTAL, bh, PREC)
+    dphi = tl.load(DPHI + tile_offsets, mask=row_ok[:, None], other=0.0)
     dphi = (dphi - excluded) * tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)[:, None]
     x = q.to(tl.float32)
     dq = dq_s * sm_scale + phi_rows_backward(x, phi_rows(x, row_ok, FEATURE), dphi, FEATURE)
     tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-_dq = autotuned(_sla_dq_kernel, WALK_KEYS, WALK_CONFIGS)
+_dq = autotuned(_sla_dq_kernel, WALK_KEYS, ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk)
 
 
 def _list_args(critical: torch.Tensor, negligible: torch.Tensor) -> tuple:
@@ -247,7 +247,9 @@ def _sla_backward_dq_op(
     bh, n, d = q.shape
     t = triton.cdiv(n, block_size)
     dq = torch.empty_like(q)
-    delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
+    delta_s = torch.empty_like(lse)
+    dphi, delta_l = global_dphi(do_l, o_l, kv_total, z_total)
+    options = query_walk_options(d, block_size, q.dtype, stages=2)
     _dq[(t, bh)](
         q,
         k,
@@ -258,11 +260,9 @@ def _sla_backward_dq_op(
         lse,
         delta_s,
         do_l,
-        o_l,
         inv_den,
         delta_l,
-        kv_total,
-        z_total,
+        dphi,
         dq,
         *_list_args(critical, negligible),
         n,
@@ -270,9 +270,11 @@ def _sla_backward_dq_op(
         negligible.shape[2] if exclude else 0,
         scale * LOG2E,
         scale,
-        **walk_options(d, block_size, feature_map_name, exclude, q.dtype),
-        LIST_SLOTS=list_slots(critical.shape[2], blocks_per_step(block_size)),
-        NEG_SLOTS=list_slots(negligible.shape[2], blocks_per_step(block_size)) if exclude else 0,
+        **options,
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        LIST_SLOTS=list_slots(critical.shape[2], options["PER_ITER"]),
+        NEG_SLOTS=list_slots(negligible.shape[2], options["PER_ITER"]) if exclude else 0,
     )
     return dq, delta_s, delta_l
 

@@ -207,14 +207,15 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     def sla_dq(k_top, n_neg):  # SLA's dq kernel: 16-row blocks over K critical and n_neg negligible blocks
         p = "*bf16"
-        args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, O_L=p)
-        args |= dict(INV_DEN="*fp32", DELTA_L="*fp32", KV_TOTAL="*fp32", Z_TOTAL="*fp32", DQ=p, LIST="*i32")
-        args |= dict(NEG="*i32", stride_lb=(n // 16) * k_top, stride_lt=k_top, stride_nb=(n // 16) * n_neg)
-        args |= dict(stride_nt=n_neg, n=n, list_len=k_top, neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
-        const = dict(common, BLOCK=16, PER_ITER=4, FEATURE="softmax", EXCLUDE=True)
-        return args, const | dict(
-            LIST_SLOTS=block_sparse.list_slots(k_top, 4), NEG_SLOTS=block_sparse.list_slots(n_neg, 4)
-        )
+        args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, INV_DEN="*fp32")
+        args |= dict(DELTA_L="*fp32", DPHI="*fp32", DQ=p, LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top)
+        args |= dict(stride_lt=k_top, stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top)
+        args |= dict(neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
+        const = linear_attention.query_walk_options(d, 16, torch.bfloat16, stages=2)
+        const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
+        slots = dict(LIST_SLOTS=block_sparse.list_slots(k_top, const["PER_ITER"]))
+        slots |= dict(NEG_SLOTS=block_sparse.list_slots(n_neg, const["PER_ITER"]))
+        return args, const | dict(FEATURE="softmax", EXCLUDE=True, **slots)
 
     def linear_dkdv(n_neg):  # the linear branch's key-major dk/dv over the CSC of the excluded blocks
         p = "*bf16"
@@ -228,7 +229,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         p = "*bf16"
         args = dict(PHI_Q=p, PHI_K=p, V=p, NUM="*fp32", DEN="*fp32", O=p, INV_DEN="*fp32", LIST="*i32")
         args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
-        const = linear_attention.forward_walk_options(d, 16, torch.bfloat16)
+        const = linear_attention.query_walk_options(d, 16, torch.bfloat16, stages=3)
         const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
         return args | dict(empty_row_rel_eps=1e-5), const | dict(LIST_SLOTS=block_sparse.list_slots(n_excluded, 1))
 
@@ -236,6 +237,11 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(Q="*bf16", KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q="*bf16", NUM="*fp32", DEN="*fp32", n=n)
         const = dict(common, TILE=linear_attention.GLOBAL_TILE, FEATURE="softmax", EXCLUDE=True)
         return args | dict(all_scope_eps=1e-5), const
+
+    def linear_global_dphi():  # the backward's global term, the start values of SLA's dq walk
+        p = "*bf16"
+        args = dict(DO=p, O=p, KV_TOTAL="*fp32", Z_TOTAL="*fp32", DPHI="*fp32", DELTA="*fp32", n=n)
+        return args, dict(common, TILE=linear_attention.GLOBAL_TILE)
 
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, True, tail)
@@ -254,6 +260,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("sla linear dkdv (16-key blocks)", linear_attention._dk_dv_kernel, *linear_dkdv(64)),
         ("sla linear fwd (16-row blocks)", linear_attention._fwd_kernel, *linear_fwd(32)),
         ("sla linear global term (64-row tiles)", linear_attention._global_term_kernel, *linear_global_term()),
+        ("sla linear global dphi (64-row tiles)", linear_attention._global_dphi_kernel, *linear_global_dphi()),
     ]
     for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
         want = constexpr_names(fn)
@@ -263,7 +270,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
 def launch_warps(fn, const: dict) -> int:
     """The warps the launchers give an attention kernel's program without autotuning (block_sparse.program_warps,
-    linear_attention.walk_warps for SLA's own kernels but the forward walk, forward_walk_options)."""
+    linear_attention.walk_warps for SLA's own kernels but the query-major walks, query_walk_options)."""
     d = const["HEAD_DIM"]
     if fn is block_sparse._fwd_kernel:
         return block_sparse.program_warps(const["BLOCK_M"], False, d)
@@ -271,8 +278,8 @@ def launch_warps(fn, const: dict) -> int:
         return block_sparse.program_warps(const["BLOCK_M"], True, d)
     if fn is block_sparse._dkdv_kernel:
         return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], True, d)
-    if fn is linear_attention._fwd_kernel:
-        return block_sparse.program_warps(const["BLOCK"], False, d)
+    if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel):
+        return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     return linear_attention.walk_warps(d)
 
 

@@ -59,7 +59,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 15
+    assert len(variants) == 16
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -70,7 +70,7 @@ def test_compile_report_gives_every_kernel_argument():
 
 def test_compile_report_launch_warps_are_the_launchers():
     """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the coarsest level's
-    64-key dk/dv groups on four, SLA's own walks on walk_warps but its 16-row forward walk on one."""
+    64-key dk/dv groups on four, SLA's own walks on walk_warps but its 16-row query-major walks (forward, dq) on one."""
     report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
     warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
     assert warps == {
@@ -81,10 +81,11 @@ def test_compile_report_launch_warps_are_the_launchers():
         "dkdv fine (16-key blocks)": 1,
         "dkdv pooled candidates": 1,
         "dkdv pooled coarsest (64 keys, split)": 4,
-        "sla dq (16-row blocks)": 4,
+        "sla dq (16-row blocks)": 1,
         "sla linear dkdv (16-key blocks)": 4,
         "sla linear fwd (16-row blocks)": 1,
         "sla linear global term (64-row tiles)": 4,
+        "sla linear global dphi (64-row tiles)": 4,
     }
 
 
