@@ -513,16 +513,16 @@ def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude:
     )
 
 
-def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype, stages: int) -> dict:
+def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of a query-major walk from start values (the forward and SLA's dq): a 16-row
-    program (``one_warp_walk``) on one warp, one listed block per step, ``stages`` stages when not autotuned (the
-    forward walk at 256^2, K = 32: 0.66 ms against 1.23 for 4 warps gathering 4 blocks per step; SLA's dq 1.53
-    against 2.03 with 2 stages; docs/kernel_notes.md v24). Other blocks keep the other walks' launch."""
+    program (``one_warp_walk``) on one warp, one listed block per step, 3 stages when not autotuned (at 256^2, K =
+    32: the forward walk 0.66 ms against 1.23 for 4 warps gathering 4 blocks per step; SLA's dq 1.63 against 1.97,
+    3 stages 0.17 ms less than 2; docs/kernel_notes.md v24). Other blocks keep the other walks' launch."""
     one_warp = one_warp_walk(block_size, head_dim)
     if AUTOTUNE:
         launch = {}
     else:
-        launch = {"num_warps": 1, "num_stages": stages} if one_warp else {"num_warps": walk_warps(head_dim)}
+        launch = {"num_warps": 1, "num_stages": 3} if one_warp else {"num_warps": walk_warps(head_dim)}
     per_iter = 1 if one_warp else blocks_per_step(block_size)
     return dict(HEAD_DIM=head_dim, BLOCK=block_size, PER_ITER=per_iter, PREC=dot_precision(dtype), **launch)
 
@@ -585,7 +585,7 @@ def linear_forward(
         num_warps=walk_warps(d),
     )
     if exclude:
-        options = query_walk_options(d, block_size, q.dtype, stages=3)
+        options = query_walk_options(d, block_size, q.dtype)
         _fwd[(triton.cdiv(n, block_size), bh)](
             phi_q,
             phi_k,

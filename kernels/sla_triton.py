@@ -249,7 +249,7 @@ def _sla_backward_dq_op(
     dq = torch.empty_like(q)
     delta_s = torch.empty_like(lse)
     dphi, delta_l = global_dphi(do_l, o_l, kv_total, z_total)
-    options = query_walk_options(d, block_size, q.dtype, stages=2)
+    options = query_walk_options(d, block_size, q.dtype)
     _dq[(t, bh)](
         q,
         k,

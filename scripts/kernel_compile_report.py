@@ -211,7 +211,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(DELTA_L="*fp32", DPHI="*fp32", DQ=p, LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top)
         args |= dict(stride_lt=k_top, stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top)
         args |= dict(neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
-        const = linear_attention.query_walk_options(d, 16, torch.bfloat16, stages=2)
+        const = linear_attention.query_walk_options(d, 16, torch.bfloat16)
         const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
         slots = dict(LIST_SLOTS=block_sparse.list_slots(k_top, const["PER_ITER"]))
         slots |= dict(NEG_SLOTS=block_sparse.list_slots(n_neg, const["PER_ITER"]))
@@ -229,7 +229,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         p = "*bf16"
         args = dict(PHI_Q=p, PHI_K=p, V=p, NUM="*fp32", DEN="*fp32", O=p, INV_DEN="*fp32", LIST="*i32")
         args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
-        const = linear_attention.query_walk_options(d, 16, torch.bfloat16, stages=3)
+        const = linear_attention.query_walk_options(d, 16, torch.bfloat16)
         const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
         return args | dict(empty_row_rel_eps=1e-5), const | dict(LIST_SLOTS=block_sparse.list_slots(n_excluded, 1))
 
