@@ -223,6 +223,16 @@ def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def row_tile(n, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The program's tile of ``ROWS`` rows (grid ``(tiles, batch * heads)``) of a ``[BH, n, HEAD_DIM]`` tensor:
+    ``(bh, rows, row_ok, offsets)``."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    return bh, rows, rows < n, offsets
+
+
+@triton.jit
 def _global_dphi_kernel(
     DO,
     O,
@@ -237,12 +247,8 @@ def _global_dphi_kernel(
 ):
     # The backward's global term on tiles of TILE rows: delta = dO . o and the global part of d phi(q) (times den),
     # dO KV_total^T - delta Z_total, fp32 start values of SLA's dq walk (sla_triton._sla_dq_kernel)
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    row_ok = rows < n
+    bh, rows, row_ok, tile_offsets = row_tile(n, TILE, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    tile_offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     do = tl.load(DO + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
     o = tl.load(O + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
     delta = tl.sum(do * o, 1)
@@ -272,12 +278,8 @@ def _global_term_kernel(
     # phi(q) (one rounding to the input dtype, stored for the walks) and the global term phi(q) . [KV_total | Z_total]
     # on tiles of TILE rows. EXCLUDE: NUM, DEN are the fp32 start values of the excluded walk (_fwd_kernel); else
     # ("all" scope, nothing to walk) the output itself: NUM = o_linear in the input dtype, DEN = 1 / (den + eps).
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    row_ok = rows < n
+    bh, rows, row_ok, tile_offsets = row_tile(n, TILE, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    tile_offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)
     tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])
