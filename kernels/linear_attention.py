@@ -470,8 +470,9 @@ def walk_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
-# The list-walking kernels (these two and SLA's dq kernel, sla_triton.py) are autotuned on the GPU (common.AUTOTUNE),
-# like the block-sparse ones; otherwise launched with walk_warps(head_dim) and Triton's default stages.
+# The list-walking kernels (the dk/dv walk here, the forward walk and SLA's dq kernel below) are autotuned on the GPU
+# (common.AUTOTUNE), like the block-sparse ones; otherwise the dk/dv walk is launched with walk_warps(head_dim) and
+# Triton's default stages.
 WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
 _dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
@@ -500,9 +501,9 @@ GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product
 
 
 def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude: bool, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of a list-walking kernel (the dk/dv walk and SLA's dq kernel): >= 64-wide dots for
-    the tensor cores (blocks gathered per step as in the block-sparse kernels); tf32 products of the fp32 terms for
-    half inputs (``phi(q)/den`` can leave fp16's range); fixed warps for ``head_dim`` unless autotuned."""
+    """Constexprs and launch options of the key-major dk/dv walk: >= 64-wide dots for the tensor cores (blocks
+    gathered per step as in the block-sparse kernels); tf32 products of the fp32 terms for half inputs (``phi(q)/den``
+    can leave fp16's range); fixed warps for ``head_dim`` unless autotuned."""
     launch = {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
     return dict(
         HEAD_DIM=head_dim,

@@ -231,7 +231,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
         const = linear_attention.query_walk_options(d, 16, torch.bfloat16)
         const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
-        return args | dict(empty_row_rel_eps=1e-5), const | dict(LIST_SLOTS=block_sparse.list_slots(n_excluded, 1))
+        return args | dict(empty_row_rel_eps=1e-5), const | dict(
+            LIST_SLOTS=block_sparse.list_slots(n_excluded, const["PER_ITER"])
+        )
 
     def linear_global_term():  # phi(q) and the global term on 64-row tiles
         args = dict(Q="*bf16", KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q="*bf16", NUM="*fp32", DEN="*fp32", n=n)
