@@ -205,14 +205,17 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
 
+    def query_walk_constexprs():  # SLA's query-major walks (forward, dq) at 16-row blocks, launch options left out
+        options = linear_attention.query_walk_options(d, 16, torch.bfloat16)
+        return {key: value for key, value in options.items() if key not in ("num_warps", "num_stages")}
+
     def sla_dq(k_top, n_neg):  # SLA's dq kernel: 16-row blocks over K critical and n_neg negligible blocks
         p = "*bf16"
         args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, INV_DEN="*fp32")
         args |= dict(DELTA_L="*fp32", DPHI="*fp32", DQ=p, LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top)
         args |= dict(stride_lt=k_top, stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top)
         args |= dict(neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
-        const = linear_attention.query_walk_options(d, 16, torch.bfloat16)
-        const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
+        const = query_walk_constexprs()
         slots = dict(LIST_SLOTS=block_sparse.list_slots(k_top, const["PER_ITER"]))
         slots |= dict(NEG_SLOTS=block_sparse.list_slots(n_neg, const["PER_ITER"]))
         return args, const | dict(FEATURE="softmax", EXCLUDE=True, **slots)
@@ -229,8 +232,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         p = "*bf16"
         args = dict(PHI_Q=p, PHI_K=p, V=p, NUM="*fp32", DEN="*fp32", O=p, INV_DEN="*fp32", LIST="*i32")
         args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
-        const = linear_attention.query_walk_options(d, 16, torch.bfloat16)
-        const = {key: value for key, value in const.items() if key not in ("num_warps", "num_stages")}
+        const = query_walk_constexprs()
         return args | dict(empty_row_rel_eps=1e-5), const | dict(
             LIST_SLOTS=block_sparse.list_slots(n_excluded, const["PER_ITER"])
         )
