@@ -58,8 +58,9 @@ __all__ = [
 ]
 
 MAX_CANDIDATES = 1024
-_MAX_CAND_X_DIM = 32768  # the [d, candidates] fp32 key tile goes through shared memory: <= 128 KiB
+_MAX_CAND_X_DIM = 32768  # set when the whole [d, candidates] fp32 key tile went through shared memory (<= 128 KiB)
 _ROWS = 16
+_D_CHUNK = 16  # head-dim columns per step of the one-shot kernel's score product (see _one_shot_launch)
 # Streaming kernel: each row keeps its best SLOTS (16, 32 or 64: the power of two >= k) scores and ids in registers;
 # k > 64 takes the PyTorch path (at those k the [T, T] scores no longer dominate).
 STREAM_MAX_K = 64
@@ -97,13 +98,12 @@ def _pooled_topk_kernel(
     CAND: tl.constexpr,
     CHILD: tl.constexpr,
     N_PARENTS: tl.constexpr,
+    D_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    dims = tl.arange(0, HEAD_DIM)
-    qp = tl.load(QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
     c = tl.arange(0, CAND)
     if CHILD > 0:  # the ROWS rows lie in one parent group (ROWS divides CHILD): shared candidate set
         grp = (pid * ROWS) // CHILD
@@ -113,10 +113,18 @@ def _pooled_topk_kernel(
     else:
         ids = c
         ok = c < n_cand
-    kt = tl.load(
-        KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None], mask=ok[None, :], other=0.0
-    )
-    s = tl.dot(qp, kt, input_precision="ieee")
+    # The scores' product D_CHUNK columns of d at a time, each step continuing the fp32 FMA chains of the last (an
+    # FMA dot sums over d in order, so these are the sums of one [d, CAND] product: on the H200 every probed shape
+    # selected the same ids). The whole key tile at once held 254 registers at 4 warps, two programs per SM, each
+    # waiting on its loads; the chunks are a pipelined loop that fits one warp (_one_shot_launch).
+    dims = tl.arange(0, D_CHUNK)
+    q_at = QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :]
+    k_at = KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None]
+    s = tl.zeros([ROWS, CAND], tl.float32)
+    for d0 in range(0, HEAD_DIM, D_CHUNK):
+        qc = tl.load(q_at + d0, mask=row_ok[:, None], other=0.0)
+        kc = tl.load(k_at + d0, mask=ok[None, :], other=0.0)
+        s = tl.dot(qc, kc, s, input_precision="ieee")
     s = tl.where(ok[None, :], s, float("-inf"))
     big = 2147483647
     out_base = OUT + bh * stride_ob + rows * k
@@ -353,6 +361,20 @@ def _rescore_kernel(
         tl.store(FLAGS + row, 1)
 
 
+def _one_shot_launch(cand: int, d: int) -> dict:
+    """``D_CHUNK`` and launch options of a ``_pooled_topk_kernel`` program of 16 rows and ``cand`` candidate slots.
+    Measured on the H200 (main's whole-tile product at 4 warps against chunks of 16 columns, 12 x 4,096 rows, d = 64):
+    128 candidates (LLSA's children) 152 -> 75 us on one warp with 4 stages, 256 (LLSA's coarsest level at 256^2)
+    21.9 -> 19.7 us on two warps with 3 stages; the selected ids are identical (docs/kernel_notes.md v25). Wider
+    sets keep the 4 and 8 warps of the whole-tile form."""
+    chunk = {"D_CHUNK": min(_D_CHUNK, d)}
+    if cand <= 128:
+        return chunk | {"num_warps": 1, "num_stages": 4}
+    if cand <= 256:
+        return chunk | {"num_warps": 2, "num_stages": 3}
+    return chunk | {"num_warps": 8}
+
+
 def _row_warps(block: int) -> int:
     """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's).
     Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4 warps
@@ -572,7 +594,7 @@ def _pooled_topk_op(
             CAND=cand,
             CHILD=child_block or 0,
             N_PARENTS=parents.shape[-1] if parents is not None else 1,
-            num_warps=4 if cand <= 256 else 8,
+            **_one_shot_launch(cand, d),
         )
     else:
         _streaming_topk(qf, kf, k, out)

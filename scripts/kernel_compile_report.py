@@ -48,12 +48,15 @@ from pixdit.report import markdown_table  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 
-def one_shot_variant(head_dim: int, cand: int) -> tuple:
-    """The one-shot selection kernel for ``cand`` candidates (4,096 query rows, K = 8)."""
+def one_shot_variant(head_dim: int, cand: int, children: bool = False) -> tuple:
+    """The one-shot selection kernel for ``cand`` candidates (4,096 query rows, K = 8): every key row, or with
+    ``children`` those of 8 parents of cand / 8 rows each (LLSA's levels below the coarsest)."""
     args = dict(QP="*fp32", KP="*fp32", PAR="*i32", OUT="*i32", n_rows=4096, n_cand=cand, k=8)
-    args |= dict(stride_qb=4096 * head_dim, stride_kb=cand * head_dim, stride_pb=0, stride_ob=4096 * 8)
-    const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, "CHILD": 0, "N_PARENTS": 1}
-    return topk._pooled_topk_kernel, args, const, 4 if cand <= 256 else 8
+    args |= dict(stride_qb=4096 * head_dim, stride_kb=4096 * head_dim, stride_pb=256 * 8, stride_ob=4096 * 8)
+    family = {"CHILD": cand // 8, "N_PARENTS": 8} if children else {"CHILD": 0, "N_PARENTS": 1}
+    options = topk._one_shot_launch(cand, head_dim)
+    const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, "D_CHUNK": options.pop("D_CHUNK"), **family}
+    return topk._pooled_topk_kernel, args, const, options
 
 
 def streaming_variant(head_dim: int, slots: int) -> tuple:
@@ -61,7 +64,7 @@ def streaming_variant(head_dim: int, slots: int) -> tuple:
     args = dict(QP="*fp32", KP="*fp32", OUT="*i32", n_rows=4096, n_cand=4096, k=slots)
     args |= dict(stride_qb=4096 * head_dim, stride_kb=4096 * head_dim, stride_ob=4096 * slots)
     const = {"HEAD_DIM": head_dim, "ROWS": topk._STREAM_ROWS, "CHUNK": topk._STREAM_CHUNK, "SLOTS": slots}
-    return topk._streaming_topk_kernel, args, const, 4
+    return topk._streaming_topk_kernel, args, const, {"num_warps": 4}
 
 
 def row_select_variant(block: int, k: int) -> tuple:
@@ -71,7 +74,7 @@ def row_select_variant(block: int, k: int) -> tuple:
     args["stride_o"] = k
     const = {"BLOCK": block, "CAP": topk._row_cap(k), "KEYS_IN_SCRATCH": topk._row_keys_in_scratch(block)}
     const |= {"ATOMIC_SLOTS": topk._row_atomic_slots(block), "FLAGGED": False}
-    return topk._row_topk_kernel, args, const, topk._row_warps(block)
+    return topk._row_topk_kernel, args, const, {"num_warps": topk._row_warps(block)}
 
 
 def rescore_variant(block: int, k: int, head_dim: int) -> tuple:
@@ -80,7 +83,7 @@ def rescore_variant(block: int, k: int, head_dim: int) -> tuple:
     args = dict(S="*fp32", CAND="*i32", OUT="*i32", FLAGS="*i32", Q="*fp32", K="*fp32", K_NORM_MAX="*fp32")
     args |= dict(n=block, k=k, c=c, rows_per_slice=block, d=head_dim, error=0.01)
     cap, warps = topk._rescore_launch(c)
-    return topk._rescore_kernel, args, {"CAP": cap, "HEAD_DIM": head_dim}, warps
+    return topk._rescore_kernel, args, {"CAP": cap, "HEAD_DIM": head_dim}, {"num_warps": warps}
 
 
 def constexpr_names(fn) -> set[str]:
@@ -323,6 +326,7 @@ def main(argv=None) -> None:
         for c in (64, 256, 512, 1024)
         if c * args.head_dim <= topk._MAX_CAND_X_DIM
     ]
+    variants.append(("one-shot children cand=128", one_shot_variant(args.head_dim, 128, children=True)))
     variants += [
         (f"streaming slots={s}", streaming_variant(args.head_dim, s))
         for s in (topk._STREAM_MIN_SLOTS, 32, topk.STREAM_MAX_K)
@@ -333,10 +337,13 @@ def main(argv=None) -> None:
         for k in (64, 128)
     ]
     variants += [(f"rescore k={k}", rescore_variant(4096, k, args.head_dim)) for k in (8, 20, 32, 64)]
-    for label, (fn, run_args, const, warps) in variants:
+    for label, (fn, run_args, const, options) in variants:
         signature, attrs = launch_variant(fn, run_args, const)
-        row = {"kernel": label, "head_dim": args.head_dim}
-        row.update(compile_one(fn, signature, const, warps, args.dump, label.replace(" ", "_").replace("=", ""), attrs))
+        row = {"kernel": label, "head_dim": args.head_dim, "stages": options.get("num_stages", "default")}
+        name = label.replace(" ", "_").replace("=", "")
+        row.update(
+            compile_one(fn, signature, const, options["num_warps"], args.dump, name, attrs, options.get("num_stages"))
+        )
         rows.append(row)
         print(row, flush=True)
     print(f"\ntriton {triton.__version__}, target sm_90\n")

@@ -193,6 +193,31 @@ def test_one_shot_kernel_run_time_k(k):
     assert torch.equal(got, oracle(qp, kp, k))
 
 
+@needs_interpreter
+@pytest.mark.parametrize(
+    "d,n_cand,children",
+    [(16, 128, True), (64, 128, True), (128, 128, True), (64, 200, False), (64, 512, False), (32, 1000, False)],
+)
+def test_one_shot_kernel_every_launch_and_head_dim(d, n_cand, children):
+    """The one-shot kernel's launches (``_one_shot_launch``: 1, 2 and 8 warps) and its product in chunks of d (one
+    chunk at d = 16, eight at 128): LLSA's children of 8 parents, and every key row a candidate, against the fp64
+    oracle on tie-heavy scores (exact in fp32, so no summation order may change a pick)."""
+    qp, kp = tie_heavy(2, 48 if children else 37, n_cand if not children else 512, d, seed=d + n_cand)
+    assert topk._route(n_cand, d, 9, 16 if children else None) == "one_shot"
+    if children:
+        g = torch.Generator().manual_seed(d)
+        parents = torch.stack([torch.randperm(32, generator=g)[:8] for _ in range(2 * 3)]).view(2, 3, 8)
+        got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), 9, parents=parents.to(DEVICE), child_block=16)
+        ids = (parents[:, :, None, :, None] * 16 + torch.arange(16)).expand(2, 3, 16, 8, 16).reshape(2, 48, 128)
+        ids = ids.sort(-1).values  # topk_desc breaks ties by position: put the candidates in id order
+        scores = (qp.double()[:, :, None, :] * kp.double()[torch.arange(2)[:, None, None], ids]).sum(-1)
+        want = ids.gather(-1, topk_desc(scores, 9).long()).int()
+    else:
+        got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), 9, impl="triton")
+        want = oracle(qp, kp, 9)
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("n_cand,k", [(256, 256), (1100, 65), (1100, 1100)])
 def test_torch_path_for_all_candidates_and_large_k(n_cand, k):
     qp, kp = tie_heavy(2, 20, n_cand, 16, seed=n_cand + k)
