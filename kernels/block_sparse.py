@@ -662,6 +662,24 @@ def _launch(rows: int, backward: bool, head_dim: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
+@custom_op("contiguous_copy")
+def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_contiguous_copy.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()``, as one opaque copy under torch.compile. For a backward's dO, which arrives transposed
+    (models transpose the attention output back to tokens-major) and which several kernel ops read: Inductor
+    (torch 2.11) gave each op that needs exact strides its own copy of an unrealized ``contiguous()`` or reshape,
+    five for LLSA, written by one kernel in 314 us of each 256^2 layer's backward (docs/kernel_notes.md v25)."""
+    return x if x.is_contiguous() else _contiguous_copy(x)
+
+
 def flatten_heads(x: torch.Tensor) -> torch.Tensor:
     """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
     x = x.reshape(-1, x.shape[-2], x.shape[-1])
@@ -1259,7 +1277,7 @@ class _BlockSparseFn(torch.autograd.Function):
             qf,
             kf,
             vf,
-            flatten_heads(do),
+            flatten_heads(contiguous(do)),
             o,
             lse,
             lf,

@@ -32,6 +32,8 @@ from .block_sparse import (
     LOG2E,
     bsa_backward_dkdv,
     bsa_forward,
+    contiguous,
+    flatten_heads,
     gathered_dq_step,
     list_slots,
     list_walk_start,
@@ -149,12 +151,15 @@ def _list_args(critical: torch.Tensor, negligible: torch.Tensor) -> tuple:
 
 
 class _SLATriton(torch.autograd.Function):
-    """``(q, k, v, critical, negligible) -> (o_sparse, o_linear)`` in the input dtype; q, k, v ``[BH, N, D]``
-    contiguous, one dtype; ``critical`` int32 ``[BH, T, K]``; ``negligible`` int32 ``[BH, T, K_neg]`` (may be empty);
-    ``exclude``: whether the linear branch leaves out the critical and negligible blocks (False: ``"all"`` scope)."""
+    """``(q, k, v, critical, negligible) -> (o_sparse, o_linear)`` in the input dtype; q, k, v ``[B, H, N, D]``, one
+    dtype; ``critical`` int32 ``[BH, T, K]``; ``negligible`` int32 ``[BH, T, K_neg]`` (may be empty); ``exclude``:
+    whether the linear branch leaves out the critical and negligible blocks (False: ``"all"`` scope). The heads are
+    flattened inside, so that the backward gets the outputs' gradients as they arrive (``contiguous``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude):
+        b, h, n, d = q.shape
+        q, k, v = [x.reshape(b * h, n, d).contiguous() for x in (q, k, v)]
         o_s, lse = bsa_forward(q, k, v, critical, block_size, block_size, scale)
         excluded = None
         if exclude:
@@ -164,7 +169,8 @@ class _SLATriton(torch.autograd.Function):
             q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded
         )
         ctx.config = (block_size, feature_map_name, scale, exclude)
-        return o_s, o_l
+        ctx.shape = (b, h, n, d)
+        return o_s.view(ctx.shape), o_l.view(ctx.shape)
 
     @staticmethod
     def backward(ctx, do_s, do_l):
@@ -173,7 +179,7 @@ class _SLATriton(torch.autograd.Function):
         block_size, feature_map_name, scale, exclude = ctx.config
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
-        do_s, do_l = do_s.to(q.dtype).contiguous(), do_l.to(q.dtype).contiguous()
+        do_s, do_l = [flatten_heads(contiguous(g.to(q.dtype))) for g in (do_s, do_l)]
         dq, delta_s, delta_l = _sla_backward_dq_op(
             q,
             k,
@@ -219,7 +225,7 @@ class _SLATriton(torch.autograd.Function):
             block_size,
             feature_map_name,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
 
 
 # Returns (dq, Δ of the sparse branch, Δ of the linear branch); the kernel computes both Δ on the way.
@@ -288,8 +294,6 @@ def sla_triton(q, k, v, critical, negligible, block_size: int, feature_map_name:
     """``(o_sparse, o_linear)`` ``[B, H, N, D]`` in the input dtype: both SLA branches through the fused kernels.
     ``critical`` / ``negligible``: int ``[B, H, T, K]`` / ``[B, H, T, K_neg]`` from ``sla_select``; ``exclude``:
     False for ``linear_scope="all"`` (the linear branch over every key)."""
-    b, h, n, d = q.shape
-    q, k, v = (x.reshape(b * h, n, d).contiguous() for x in (q, k, v))
+    b, h = q.shape[:2]
     lists = [x.to(torch.int32).reshape(b * h, x.shape[2], x.shape[3]).contiguous() for x in (critical, negligible)]
-    o_s, o_l = _SLATriton.apply(q, k, v, *lists, block_size, feature_map_name, scale, exclude)
-    return o_s.view(b, h, n, d), o_l.view(b, h, n, d)
+    return _SLATriton.apply(q, k, v, *lists, block_size, feature_map_name, scale, exclude)

@@ -45,6 +45,7 @@ from .block_sparse import (
     block_sparse_attention,
     bsa_backward,
     bsa_forward,
+    contiguous,
     dense_walk,
     flat_lists,
     flatten_heads,
@@ -298,7 +299,7 @@ class _GatedCombine(torch.autograd.Function):
     def backward(ctx, grad_out):
         coarse, gate = ctx.saved_tensors
         c, fine_dtype = ctx.cfg
-        go = grad_out.contiguous()
+        go = contiguous(grad_out)
         gate_grad = gate is not None and ctx.needs_input_grad[2]
         d_coarse, *d_gate = _combine_backward_op(go, coarse, gate, c, gate_grad)
         return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None

@@ -40,6 +40,12 @@ def _gate(q):
     return torch.randn(q.shape, generator=g).to(DEVICE, DTYPE).requires_grad_(True)
 
 
+def _tokens_major(o: torch.Tensor) -> torch.Tensor:
+    """``[b, h, n, d] -> [b, n, h * d]`` as a model does before its output projection: the attention's backward then
+    gets a transposed dO, which it copies once (``block_sparse.contiguous``, the op contiguous_copy)."""
+    return o.transpose(1, 2).flatten(2)
+
+
 # name -> (number of tokens, call(q, k, v, extra) -> tensor or tuple of tensors, make_extra(q) -> extra arguments)
 CASES = {
     "block_sparse": (
@@ -49,21 +55,24 @@ CASES = {
         ),
         lambda q: [_lists(10, 5, 3, 0), torch.linspace(0.0, 1.0, 5, device=DEVICE)],
     ),
-    "flash": (144, lambda q, k, v, x: K.flash_attention(q, k, v, impl="triton"), None),
+    "flash": (144, lambda q, k, v, x: _tokens_major(K.flash_attention(q, k, v, impl="triton")), None),
     "llsa": (
         256,
-        lambda q, k, v, x: K.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton"),
+        lambda q, k, v, x: _tokens_major(K.llsa_attention(q, k, v, block_size=16, topk=2, num_levels=2, impl="triton")),
         None,
     ),
     "vsa": (
         152,  # a partial last tile
-        lambda q, k, v, x: K.vsa_attention(q, k, v, block_size=16, topk=3, gate=x[0], impl="triton"),
+        lambda q, k, v, x: _tokens_major(K.vsa_attention(q, k, v, block_size=16, topk=3, gate=x[0], impl="triton")),
         lambda q: [_gate(q)],
     ),
     "sla": (
         160,
-        lambda q, k, v, x: K.sla_attention(
-            q, k, v, block_size=16, topk=3, linear_scope="marginal", negligible_ratio=0.2, impl="triton"
+        lambda q, k, v, x: tuple(
+            _tokens_major(o)
+            for o in K.sla_attention(
+                q, k, v, block_size=16, topk=3, linear_scope="marginal", negligible_ratio=0.2, impl="triton"
+            )
         ),
         None,
     ),
@@ -208,6 +217,7 @@ OPS = [
     "sla_backward_dq",
     "qk_norm_rope",
     "qk_norm_rope_backward",
+    "contiguous_copy",
 ]
 
 
