@@ -662,22 +662,16 @@ def _launch(rows: int, backward: bool, head_dim: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-@custom_op("contiguous_copy")
-def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-@_contiguous_copy.register_fake
-def _(x):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x.contiguous()``, as one opaque copy under torch.compile. For a backward's dO, which arrives transposed
-    (models transpose the attention output back to tokens-major) and which several kernel ops read: Inductor
-    (torch 2.11) gave each op that needs exact strides its own copy of an unrealized ``contiguous()`` or reshape,
-    five for LLSA, written by one kernel in 314 us of each 256^2 layer's backward (docs/kernel_notes.md v25)."""
-    return x if x.is_contiguous() else _contiguous_copy(x)
+def flatten_grad(x: torch.Tensor) -> torch.Tensor:
+    """``flatten_heads(x.contiguous())`` for a backward's incoming gradient that several kernel ops read, through
+    ``as_strided`` instead of a reshape. Under torch.compile such a gradient is an unrealized copy (Dynamo makes every
+    autograd.Function's incoming gradients contiguous; a model's transposed attention output makes them need one),
+    and Inductor gave each op that needs exact strides its own copy of a reshaped view of it: five of LLSA's dO,
+    314 us of each 256^2 layer's backward (docs/kernel_notes.md v25). Inductor lowers ``as_strided`` by realizing its
+    input, so the ops share one buffer."""
+    x = x.contiguous()
+    n, d = x.shape[-2:]
+    return x.as_strided((x.numel() // max(1, n * d), n, d), (n * d, d, 1))  # at x's own storage offset
 
 
 def flatten_heads(x: torch.Tensor) -> torch.Tensor:
@@ -1277,7 +1271,7 @@ class _BlockSparseFn(torch.autograd.Function):
             qf,
             kf,
             vf,
-            flatten_heads(contiguous(do)),
+            flatten_grad(do),
             o,
             lse,
             lf,

@@ -296,7 +296,7 @@ class _LLSATriton(torch.autograd.Function):
         B, L, Le, scale, reference_l1_grad, shape, tail = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
-        do = bs.flatten_heads(bs.contiguous(do))
+        do = bs.flatten_grad(do)
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
         if Le >= 1:

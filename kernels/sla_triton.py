@@ -32,8 +32,7 @@ from .block_sparse import (
     LOG2E,
     bsa_backward_dkdv,
     bsa_forward,
-    contiguous,
-    flatten_heads,
+    flatten_grad,
     gathered_dq_step,
     list_slots,
     list_walk_start,
@@ -179,7 +178,7 @@ class _SLATriton(torch.autograd.Function):
         block_size, feature_map_name, scale, exclude = ctx.config
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
-        do_s, do_l = [flatten_heads(contiguous(g.to(q.dtype))) for g in (do_s, do_l)]
+        do_s, do_l = [flatten_grad(g.to(q.dtype)) for g in (do_s, do_l)]
         dq, delta_s, delta_l = _sla_backward_dq_op(
             q,
             k,

@@ -45,9 +45,9 @@ from .block_sparse import (
     block_sparse_attention,
     bsa_backward,
     bsa_forward,
-    contiguous,
     dense_walk,
     flat_lists,
+    flatten_grad,
     flatten_heads,
     flatten_kv,
 )
@@ -166,7 +166,7 @@ class _VSATriton(torch.autograd.Function):
             pq,
             pk,
             pv,
-            flatten_heads(do_coarse),
+            flatten_grad(do_coarse),
             o_coarse,
             lse_coarse,
             dense,
@@ -179,7 +179,7 @@ class _VSATriton(torch.autograd.Function):
             dense_tail=dense_tail,
         )
         grads = bsa_backward(
-            qf, kf, vf, flatten_heads(do_fine), o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads
+            qf, kf, vf, flatten_grad(do_fine), o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads
         )
         return (*(g.view(shape) for g in grads), None, None, None, None, None, None)
 
@@ -299,7 +299,7 @@ class _GatedCombine(torch.autograd.Function):
     def backward(ctx, grad_out):
         coarse, gate = ctx.saved_tensors
         c, fine_dtype = ctx.cfg
-        go = contiguous(grad_out)
+        go = grad_out.contiguous()
         gate_grad = gate is not None and ctx.needs_input_grad[2]
         d_coarse, *d_gate = _combine_backward_op(go, coarse, gate, c, gate_grad)
         return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None
