@@ -153,7 +153,7 @@ class _SLATriton(torch.autograd.Function):
     """``(q, k, v, critical, negligible) -> (o_sparse, o_linear)`` in the input dtype; q, k, v ``[B, H, N, D]``, one
     dtype; ``critical`` int32 ``[BH, T, K]``; ``negligible`` int32 ``[BH, T, K_neg]`` (may be empty); ``exclude``:
     whether the linear branch leaves out the critical and negligible blocks (False: ``"all"`` scope). The heads are
-    flattened inside, so that the backward gets the outputs' gradients as they arrive (``contiguous``)."""
+    flattened inside, so that the backward flattens the outputs' gradients itself (``flatten_grad``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude):

@@ -366,7 +366,7 @@ def _one_shot_launch(cand: int, d: int) -> dict:
     Measured on the H200 (main's whole-tile product at 4 warps against chunks of 16 columns, 12 x 4,096 rows, d = 64):
     128 candidates (LLSA's children) 152 -> 75 us on one warp with 4 stages, 256 (LLSA's coarsest level at 256^2)
     21.9 -> 19.7 us on two warps with 3 stages; the selected ids are identical (docs/kernel_notes.md v25). Wider
-    sets keep the 4 and 8 warps of the whole-tile form."""
+    sets (512 or 1,024 candidates) keep the whole-tile form's 8 warps, in chunks too (not re-timed)."""
     chunk = {"D_CHUNK": min(_D_CHUNK, d)}
     if cand <= 128:
         return chunk | {"num_warps": 1, "num_stages": 4}

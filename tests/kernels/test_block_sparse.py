@@ -58,6 +58,16 @@ def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, monke
             assert got == [r for r in range(rows) if c in index[bi, r].tolist()]
 
 
+def test_flatten_grad_is_flatten_heads_of_the_contiguous_tensor():
+    """A transposed gradient (as a model's tokens-major output gives), a contiguous slice at a storage offset (q, k, v
+    of one stacked buffer) and a 3-D tensor: the values and the [B*H, N, d] strides of a contiguous flatten."""
+    base = torch.randn(3, 2, 40, 4, 8)
+    for x in (base[0].transpose(1, 2), base[1], base[2, 0]):
+        got = block_sparse_module.flatten_grad(x)
+        want = block_sparse_module.flatten_heads(x.contiguous())
+        assert torch.equal(got, want) and got.stride() == want.stride() and got.is_contiguous()
+
+
 def test_block_mean_fp32_and_partial_tail():
     x = torch.randn(2, 3, 40, 8, dtype=torch.bfloat16)
     m = block_mean(x, 16)
