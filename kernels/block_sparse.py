@@ -58,6 +58,13 @@ def list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK: tl.constexp
 
 
 @triton.jit
+def head_offset(bh, heads, stride_b, stride_h):
+    """Offset of the flattened batch * head index ``bh`` in a tensor with separate batch and head strides (a
+    tokens-major ``[b, n, heads, d]`` output); ``heads = 1`` is a plain ``[BH, n, d]`` tensor (``row_layout``)."""
+    return (bh // heads) * stride_b + (bh % heads) * stride_h
+
+
+@triton.jit
 def listed_key_rows(list_base, j, koff, slot, list_len, n_k, KEY_BLOCK: tl.constexpr):
     """The key rows listed at slots ``j .. j + PER_ITER - 1`` and which of them exist (``-1`` = empty slot; rows
     ``>= n_k`` = the masked tail of a partial last block). Also returns the block ids (for per-block weights)."""
@@ -185,7 +192,9 @@ def _fwd_kernel(
     stride_kb,
     stride_kn,
     stride_ob,
+    stride_oh,
     stride_on,
+    out_heads,
     stride_lb,
     stride_lt,
     n_q,
@@ -265,9 +274,8 @@ def _fwd_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-    tl.store(
-        O + bh * stride_ob + rows[:, None] * stride_on + dims[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None]
-    )
+    o_offs = head_offset(bh, out_heads, stride_ob, stride_oh) + rows[:, None] * stride_on + dims[None, :]
+    tl.store(O + o_offs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh * n_q + rows, lse, mask=row_ok)
 
 
@@ -356,7 +364,9 @@ def _dq_kernel(
     stride_kb,
     stride_kn,
     stride_db,
+    stride_dh,
     stride_dn,
+    do_heads,
     stride_lb,
     stride_lt,
     n_q,
@@ -389,7 +399,7 @@ def _dq_kernel(
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
-    do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
+    do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
     do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
@@ -454,6 +464,25 @@ def _dq_kernel(
 
 
 @triton.jit
+def key_major_step(
+    k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW: tl.constexpr, MASK: tl.constexpr, PREC
+):
+    """One step of a key-major backward, keys in M (>= 64 rows): dK, dV of the program's key rows ``k``, ``v`` (base-2
+    log weights ``w``) over one step of query rows. ``MASK``: zero the probabilities outside ``k_ok`` x ``r_ok``."""
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    if HAS_LOGW:
+        st += w[:, None]
+    pt = tl.math.exp2(st - lse2[None, :])
+    if MASK:
+        pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -473,7 +502,9 @@ def _dkdv_kernel(
     stride_kb,
     stride_kn,
     stride_db,
+    stride_dh,
     stride_dn,
+    do_heads,
     stride_ob,
     stride_rb,
     n_q,
@@ -511,6 +542,7 @@ def _dkdv_kernel(
     k_offs = bh * stride_kb + krow[:, None] * stride_kn + dims[None, :]
     k = tl.load(K + k_offs, mask=k_ok[:, None], other=0.0)
     v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
+    w = tl.zeros([KEY_ROWS], tl.float32)
     if HAS_LOGW:
         w = tl.load(LOGW + krow // KEY_BLOCK, mask=k_ok, other=0.0) * 1.4426950408889634
     csc_idx = csc_lo + g * csc_step  # = first_blk for a per-block CSC; csc_step 0: one list shared by all
@@ -526,6 +558,7 @@ def _dkdv_kernel(
     roff = tl.arange(0, QROWS)
     slot = roff // QUERY_BLOCK
     rows_base = ROWS + bh * stride_rb
+    do_base = DO + head_offset(bh, do_heads, stride_db, stride_dh)
     for j in range(s0 * N_SUB, s1 * N_SUB, PER_ITER):
         if PER_ITER == 1:  # query tiles of >= 64 rows: a scalar tile id, contiguous rows, steps of 64 rows
             t = tl.load(rows_base + j // N_SUB)
@@ -535,18 +568,18 @@ def _dkdv_kernel(
             t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
             rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
         q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-        do_offs = bh * stride_db + rows[:, None] * stride_dn + dims[None, :]
+        do_offs = rows[:, None] * stride_dn + dims[None, :]
+        r_ok = rows < n_q
         if PER_ITER == 1 and EVEN_Q:  # every row exists; key rows >= Nk are never stored, so no mask at all
             q = tl.load(Q + q_offs)
-            do = tl.load(DO + do_offs)
+            do = tl.load(do_base + do_offs)
             lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
             delta = tl.load(DELTA + bh * n_q + rows)
         else:
-            r_ok = rows < n_q
             if PER_ITER > 1:
                 r_ok = r_ok & e_ok
             q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
-            do = tl.load(DO + do_offs, mask=r_ok[:, None], other=0.0)
+            do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
             lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
         if TRANSPOSED:  # keys in N: see the note above _dq_kernel
@@ -561,16 +594,9 @@ def _dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dkt += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PREC)
         else:
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            if HAS_LOGW:
-                st += w[:, None]
-            pt = tl.math.exp2(st - lse2[None, :])
-            if PER_ITER > 1 or not EVEN_Q:
-                pt = tl.where(k_ok[:, None] & r_ok[None, :], pt, 0.0)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+            dk, dv = key_major_step(
+                k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, PER_ITER > 1 or not EVEN_Q, PREC
+            )
     if TRANSPOSED:
         dk = tl.trans(dkt)
         dv = tl.trans(dvt)
@@ -585,6 +611,130 @@ def _dkdv_kernel(
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+@triton.jit
+def _grouped_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    LIST,
+    LOGW,
+    PK,
+    PV,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_db,
+    stride_dh,
+    stride_dn,
+    do_heads,
+    stride_lb,
+    stride_lg,
+    n_q,
+    n_k,
+    list_len,
+    group_rows,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    HAS_LOGW: tl.constexpr,
+    EVEN_Q: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # program: list slots [SLOTS * pid0, + SLOTS) of query group pid1 (rows [pid1 * group_rows, + group_rows), which
+    # all share that list): the partial dK, dV of those slots' key rows over the group's queries
+    chunk = tl.program_id(0)
+    grp = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    KEY_ROWS: tl.constexpr = KEY_BLOCK * SLOTS
+    QROWS: tl.constexpr = 64
+    r = tl.arange(0, KEY_ROWS)
+    slot = chunk * SLOTS + r // KEY_BLOCK
+    s_ok = slot < list_len
+    blk = tl.load(LIST + bh * stride_lb + grp.to(tl.int64) * stride_lg + slot, mask=s_ok, other=-1)
+    krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + r % KEY_BLOCK
+    k_ok = (blk >= 0) & (krow < n_k)  # rows of an empty slot are computed from zeros and never summed
+    dims = tl.arange(0, HEAD_DIM)
+    k_offs = bh * stride_kb + krow[:, None] * stride_kn + dims[None, :]
+    k = tl.load(K + k_offs, mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
+    w = tl.zeros([KEY_ROWS], tl.float32)
+    if HAS_LOGW:
+        w = tl.load(LOGW + tl.maximum(blk, 0), mask=k_ok, other=0.0) * 1.4426950408889634
+    dk = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
+    dv = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
+    do_base = DO + head_offset(bh, do_heads, stride_db, stride_dh)
+    row0 = grp.to(tl.int64) * group_rows
+    roff = tl.arange(0, QROWS)
+    for r0 in range(row0, tl.minimum(row0 + group_rows, n_q), QROWS):
+        rows = r0 + roff
+        r_ok = rows < n_q
+        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
+        do_offs = rows[:, None] * stride_dn + dims[None, :]
+        if EVEN_Q:
+            q = tl.load(Q + q_offs)
+            do = tl.load(do_base + do_offs)
+            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n_q + rows)
+        else:
+            q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
+            do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
+            lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+        dk, dv = key_major_step(k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, not EVEN_Q, PREC)
+    dk = dk * sm_scale
+    # partials [BH, groups, list_len * KEY_BLOCK, d]: row slot * KEY_BLOCK + t holds key t of that slot's block
+    out = (bh * tl.num_programs(1) + grp) * list_len * KEY_BLOCK + slot[:, None] * KEY_BLOCK + (r % KEY_BLOCK)[:, None]
+    out = out * HEAD_DIM + dims[None, :]
+    tl.store(PK + out, dk, mask=s_ok[:, None])
+    tl.store(PV + out, dv, mask=s_ok[:, None])
+
+
+@triton.jit
+def _sum_slots_kernel(
+    PK,
+    PV,
+    OFFSETS,
+    ENTRIES,
+    DK,
+    DV,
+    stride_ob,
+    stride_eb,
+    stride_gb,
+    stride_gn,
+    n_entries,
+    blk_lo,
+    n_k,
+    HEAD_DIM: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+):
+    # program: key block blk_lo + pid0; adds the partials of the slots that list it (CSC with slot entries,
+    # ascending: a fixed order) and writes its rows of DK, DV
+    blk = blk_lo + tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = tl.arange(0, KEY_BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    tile = t[:, None] * HEAD_DIM + dims[None, :]
+    start = tl.load(OFFSETS + bh * stride_ob + blk)
+    end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
+    dk = tl.zeros([KEY_BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([KEY_BLOCK, HEAD_DIM], tl.float32)
+    for e in range(start, end):
+        entry = tl.load(ENTRIES + bh * stride_eb + e).to(tl.int64)
+        base = (bh * n_entries + entry) * KEY_BLOCK * HEAD_DIM
+        dk += tl.load(PK + base + tile)
+        dv += tl.load(PV + base + tile)
+    krow = blk.to(tl.int64) * KEY_BLOCK + t
+    out = bh * stride_gb + krow[:, None] * stride_gn + dims[None, :]
+    tl.store(DK + out, dk, mask=(krow < n_k)[:, None])
+    tl.store(DV + out, dv, mask=(krow < n_k)[:, None])
 
 
 # The three kernels are autotuned on the GPU (common.AUTOTUNE); otherwise launched with 2 stages and
@@ -654,6 +804,13 @@ _dkdv = autotuned(
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True),
 )
+_sum_slots = _sum_slots_kernel  # a memory-bound sum of a few tiles per program: nothing to tune
+_grouped_dkdv = autotuned(
+    _grouped_dkdv_kernel,
+    ["HEAD_DIM", "KEY_BLOCK", "SLOTS", "HAS_LOGW", "EVEN_Q", "PREC"],
+    _CONFIGS,
+    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True),
+)
 
 
 def _launch(rows: int, backward: bool, head_dim: int) -> dict:
@@ -672,6 +829,15 @@ def flatten_grad(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     n, d = x.shape[-2:]
     return x.as_strided((x.numel() // max(1, n * d), n, d), (n * d, d, 1))  # at x's own storage offset
+
+
+def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(batch stride, head stride, row stride, heads)`` of a per-query-row tensor that the kernels read or write as
+    [BH, n, d] (``head_offset``): a plain [BH, n, d] tensor (heads 1), or a tokens-major [b, n, heads, d] one, the
+    layout of an attention output that a model's projection reads without a transpose copy, and of its gradient."""
+    if x.dim() == 3:
+        return x.stride(0), 0, x.stride(1), 1
+    return x.stride(0), x.stride(2), x.stride(1), x.shape[2]
 
 
 def flatten_heads(x: torch.Tensor) -> torch.Tensor:
@@ -758,12 +924,23 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
 
 
 def bsa_forward(
-    q, k, v, lists, query_block, key_block, scale, log_weights=None, init=None, out_dtype=None, dense_tail=None
+    q,
+    k,
+    v,
+    lists,
+    query_block,
+    key_block,
+    scale,
+    log_weights=None,
+    init=None,
+    out_dtype=None,
+    dense_tail=None,
+    out_heads=0,
 ):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
-    name them). Returns (o, lse)."""
+    name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
     o_init, lse_init = init if init is not None else (None, None)
     return _bsa_forward_op(
         q,
@@ -777,6 +954,7 @@ def bsa_forward(
         key_block,
         scale,
         out_dtype or q.dtype,
+        out_heads,
         *_tail_tuple(dense_tail),
     )
 
@@ -794,6 +972,7 @@ def _bsa_forward_op(
     key_block: int,
     scale: float,
     out_dtype: torch.dtype,
+    out_heads: int,
     tail_lo: int,
     tail_hi: int,
     tail_log_weight: float,
@@ -802,7 +981,7 @@ def _bsa_forward_op(
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
-    o = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
+    o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = forward_blocks_per_step(query_block, key_block, d)
     _fwd[(n_tiles, BH)](
@@ -819,8 +998,7 @@ def _bsa_forward_op(
         q.stride(1),
         k.stride(0),
         k.stride(1),
-        o.stride(0),
-        o.stride(1),
+        *row_layout(o),
         _bstride(lists),
         lists.stride(1),
         n_q,
@@ -844,8 +1022,17 @@ def _bsa_forward_op(
 
 
 @_bsa_forward_op.register_fake
-def _(q, k, v, lists, log_weights, o_init, lse_init, query_block, key_block, scale, out_dtype, *tail):
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+def _(q, k, v, lists, log_weights, o_init, lse_init, query_block, key_block, scale, out_dtype, out_heads, *tail):
+    return q.new_empty(_out_shape(q, out_heads), dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _out_shape(q: torch.Tensor, out_heads: int) -> tuple[int, ...]:
+    """The forward's output shape: q's [BH, Nq, d], or tokens-major [BH / H, Nq, H, d] for ``out_heads = H``."""
+    BH, n_q, d = q.shape
+    if not out_heads:
+        return (BH, n_q, d)
+    assert BH % out_heads == 0, (BH, out_heads)
+    return (BH // out_heads, n_q, out_heads, d)
 
 
 def bsa_backward_dq(
@@ -867,7 +1054,8 @@ def bsa_backward_dq(
     pooled_add=None,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
-    With ``o`` (same layout as ``do``) it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
+    ``do``: [BH, Nq, d] or tokens-major [BH / H, Nq, H, d] (``row_layout``). With ``o`` (same layout as ``do``)
+    it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
     ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
     tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
     return _bsa_backward_dq_op(
@@ -914,6 +1102,8 @@ def _bsa_backward_dq_op(
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
+    if o is not None:  # read with do's strides (those of a size-1 dim are never used)
+        assert o.shape == do.shape and all(a == b or n == 1 for a, b, n in zip(o.stride(), do.stride(), do.shape))
     accumulate = dq is not None
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
@@ -935,8 +1125,7 @@ def _bsa_backward_dq_op(
         q.stride(1),
         k.stride(0),
         k.stride(1),
-        do.stride(0),
-        do.stride(1),
+        *row_layout(do),
         _bstride(lists),
         lists.stride(1),
         q.shape[1],
@@ -990,7 +1179,7 @@ def bsa_backward_dkdv(
     out_dtype=torch.float32,
 ):
     """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` (default: all), key-major over the CSC
-    lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``. ``group`` consecutive blocks per program
+    lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``; ``do`` as in ``bsa_backward_dq``. ``group`` consecutive blocks per program
     (only valid when they share one list, e.g. a global level); ``n_split`` programs per group split its list and
     their partial sums are added in a fixed order. Writes into ``dk``/``dv`` (rows outside the range untouched).
     ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
@@ -1084,8 +1273,7 @@ def _bsa_backward_dkdv_op(
         q.stride(1),
         k.stride(0),
         k.stride(1),
-        do.stride(0),
-        do.stride(1),
+        *row_layout(do),
         _bstride(offsets),
         _bstride(rows),
         n_q,
@@ -1117,6 +1305,143 @@ def _bsa_backward_dkdv_op(
 
 
 @_bsa_backward_dkdv_op.register_fake
+def _(*args):
+    return None
+
+
+def bsa_backward_dkdv_grouped(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    group_lists,
+    group_rows,
+    key_block,
+    scale,
+    log_weights=None,
+    blk_range=None,
+    dk=None,
+    dv=None,
+):
+    """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` when queries come in groups that share
+    one list: ``group_lists`` int32 [BH, n_groups, width] names the key blocks that all ``group_rows`` consecutive
+    query rows of group g attend to (LLSA's candidate levels: the 256 queries of a level-2 ancestor share its picks'
+    children). Query-group-major where ``bsa_backward_dkdv`` is key-major: a program takes 64 listed key rows of one
+    group and sums their dK, dV over the group's rows, loading each query row once per 64 keys instead of once per
+    key block; a second kernel adds each key block's per-group partials in a fixed order (the CSC of the slots that
+    list it), so every row has one writer and the sums are bitwise reproducible. ``do`` as in ``bsa_backward_dq``.
+    Writes rows ``[lo * key_block, hi * key_block)`` of ``dk`` / ``dv`` (zeros for blocks no group lists)."""
+    n_blocks = triton.cdiv(k.shape[1], key_block)
+    lo, hi = blk_range if blk_range is not None else (0, n_blocks)
+    if dk is None:
+        dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+        dv = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
+    if hi > lo:
+        group_lists = group_lists.contiguous()
+        offsets, entries = csr_to_csc(group_lists, hi, slots=True)
+        _bsa_backward_dkdv_grouped_op(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            group_lists,
+            offsets,
+            entries,
+            dk,
+            dv,
+            log_weights,
+            group_rows,
+            key_block,
+            scale,
+            lo,
+        )
+    return dk, dv
+
+
+@custom_op("bsa_backward_dkdv_grouped", mutates_args=("dk", "dv"))
+def _bsa_backward_dkdv_grouped_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    group_lists: torch.Tensor,
+    offsets: torch.Tensor,
+    entries: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    group_rows: int,
+    key_block: int,
+    scale: float,
+    lo: int,
+) -> None:
+    BH, n_q, d = q.shape
+    n_k = k.shape[1]
+    _, n_groups, width = group_lists.shape
+    hi = offsets.shape[1] - 1
+    assert n_groups * group_rows >= n_q and group_rows % 64 == 0, (n_groups, group_rows, n_q)
+    slots = blocks_per_step(key_block)  # listed blocks per program: 64 key rows (one block if larger)
+    partial_k = torch.empty(BH, n_groups, width * key_block, d, device=q.device, dtype=torch.float32)
+    partial_v = torch.empty_like(partial_k)
+    _grouped_dkdv[(triton.cdiv(width, slots), n_groups, BH)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        group_lists,
+        log_weights if log_weights is not None else lse,
+        partial_k,
+        partial_v,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        *row_layout(do),
+        group_lists.stride(0),
+        group_lists.stride(1),
+        n_q,
+        n_k,
+        width,
+        group_rows,
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=d,
+        KEY_BLOCK=key_block,
+        SLOTS=slots,
+        HAS_LOGW=log_weights is not None,
+        EVEN_Q=n_q % group_rows == 0,
+        PREC=dot_precision(q.dtype),
+        **_launch(key_block * slots, True, d),
+    )
+    _sum_slots[(hi - lo, BH)](
+        partial_k,
+        partial_v,
+        offsets,
+        entries,
+        dk,
+        dv,
+        _bstride(offsets),
+        _bstride(entries),
+        dk.stride(0),
+        dk.stride(1),
+        n_groups * width,
+        lo,
+        n_k,
+        HEAD_DIM=d,
+        KEY_BLOCK=key_block,
+        num_warps=1 if key_block * d <= 1024 else 4,
+    )
+
+
+@_bsa_backward_dkdv_grouped_op.register_fake
 def _(*args):
     return None
 

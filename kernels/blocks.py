@@ -128,7 +128,7 @@ def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
 INT32_KEYS_BELOW = 2**31  # csr_to_csc sorts int32 keys when all fit (half the radix passes of int64)
 
 
-def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Transpose per-row column lists into per-column row lists, deterministically (the key-major backward walks them).
 
     index: int ``[batch, rows, width]`` column ids in ``[0, num_cols)``; ``-1`` marks an empty slot. Ids must be
@@ -138,17 +138,20 @@ def csr_to_csc(index: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.
     as one sort of the unique integer keys ``b * span + (c + 1) * rows + r`` (``span = (num_cols + 1) * rows``): a
     stable order of the (b, c, r) triples, the same on every run and device, no atomics, so the dk/dv sums that
     follow the lists are bitwise reproducible. One flat sort of int32 keys where they fit: a batched (segmented) sort
-    of int64 keys costs about twice the radix passes.
+    of int64 keys costs about twice the radix passes. ``slots=True``: each entry is the slot ``r * width + s`` that
+    lists the column (``index[b, r, s] = c``) instead of the row ``r``, still ascending (where a per-slot result of
+    the row pass is stored: ``bsa_backward_dkdv_grouped``).
     """
     if index.dim() != 3:
         raise ValueError(f"csr_to_csc: index must be [batch, rows, width], got shape {tuple(index.shape)}")
     batch, rows, width = index.shape
-    span = (num_cols + 1) * rows
+    per_col = rows * width if slots else rows  # the entries one column can hold
+    span = (num_cols + 1) * per_col
     dtype = torch.int32 if batch * span < INT32_KEYS_BELOW else torch.int64
-    row_ids = torch.arange(rows, device=index.device, dtype=dtype).view(1, rows, 1)
+    entry = torch.arange(per_col, device=index.device, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
     base = torch.arange(batch, device=index.device, dtype=dtype).view(batch, 1, 1) * span
-    keys = torch.sort(((index.to(dtype) + 1) * rows + row_ids + base).flatten()).values  # an empty slot: c + 1 = 0
-    bounds = base.view(batch, 1) + torch.arange(1, num_cols + 2, device=index.device, dtype=dtype) * rows
+    keys = torch.sort(((index.to(dtype) + 1) * per_col + entry + base).flatten()).values  # an empty slot: c + 1 = 0
+    bounds = base.view(batch, 1) + torch.arange(1, num_cols + 2, device=index.device, dtype=dtype) * per_col
     first = torch.arange(batch, device=index.device, dtype=torch.int64).view(batch, 1) * (rows * width)
     offsets = (torch.searchsorted(keys, bounds.flatten()).view(batch, -1) - first).to(torch.int32)
-    return offsets, (keys % rows).to(torch.int32).view(batch, rows * width)
+    return offsets, (keys % per_col).to(torch.int32).view(batch, rows * width)

@@ -258,18 +258,33 @@ class _LLSATriton(torch.autograd.Function):
         bank_v,
         fine_lists,
         coarse_lists,
+        cand_widths,
         block_size,
         num_levels,
         enrich_levels,
         scale,
         reference_l1_grad,
     ):
-        # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad)
+        # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad);
+        # cand_widths: the blocks per list of each candidate level in coarse_lists' columns (finest first)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
         qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
         has_coarse = Le >= 1
-        o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_dtype=torch.float32 if has_coarse else None)
+        # the last pass writes the output tokens-major ([b, N, h, d]): the model's projection reads it as it is
+        # (llsa_attention returns it transposed, a view) and its gradient arrives in that layout, so neither the
+        # forward nor the backward copies it (a transposed [b, h, N, d] output costs one copy each way)
+        o, lse = bs.bsa_forward(
+            qf,
+            kf,
+            vf,
+            fine_lists,
+            B,
+            B,
+            scale,
+            out_dtype=torch.float32 if has_coarse else None,
+            out_heads=0 if has_coarse else h,
+        )
         logw, tail = None, _bank_tail(N, B, L, Le)
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
@@ -285,18 +300,19 @@ class _LLSATriton(torch.autograd.Function):
                 init=(o, lse),
                 out_dtype=q.dtype,
                 dense_tail=tail,
+                out_heads=h,
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
-        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail)
-        return o.view(b, h, N, d)
+        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths)
+        return o
 
     @staticmethod
     def backward(ctx, do):
         qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
-        B, L, Le, scale, reference_l1_grad, shape, tail = ctx.cfg
+        B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
-        do = bs.flatten_grad(do)
+        do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
         if Le >= 1:
@@ -305,7 +321,7 @@ class _LLSATriton(torch.autograd.Function):
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
             )
             pooled_k, pooled_v = _pooled_bank_grads(
-                qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, reference_l1_grad
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
         # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
         # adjoint of the pooled gradients; writes the input dtype directly
@@ -326,11 +342,14 @@ class _LLSATriton(torch.autograd.Function):
             pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
             out_dtype=dt,
         )
-        return (dq.view(shape), dk.view(shape), dv.view(shape), None, None, None, None, None, None, None, None, None)
+        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 10
 
 
-def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B, L, Le, scale, reference_l1_grad):
-    """Key-major dK/dV of the pooled bank, then pushed down the pyramid to level 1: returns fp32
+def _pooled_bank_grads(
+    qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
+):
+    """dK/dV of the pooled bank (the candidate levels by query group, the coarsest key-major), then pushed down the
+    pyramid to level 1: returns fp32
     ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
     BH, N, d = qf.shape
     offsets, total = _bank_layout(N, B, L, Le)
@@ -339,23 +358,27 @@ def _pooled_bank_grads(qf, bank_k, bank_v, do, lse, delta, coarse_lists, logw, B
     dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
     dbv = torch.empty_like(dbk)
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
-    n_cand = coarse_lists.shape[-1]  # the candidate levels' blocks (the coarsest level is not listed)
-    if top_lo > 0:  # candidate levels: one CSC list per bank block
-        csc = csr_to_csc(coarse_lists, top_lo)
-        bs.bsa_backward_dkdv(
+    col = 0
+    for lvl in range(1, min(Le, L - 1) + 1):  # candidate levels: the B^(lvl+1) queries of an ancestor share a list
+        group_rows = B ** (lvl + 1)
+        width = cand_widths[lvl - 1]
+        # the tile lists repeat each ancestor's list over its tiles: one row per ancestor is its group's list
+        group_lists = coarse_lists[:, :: group_rows // COARSE_TILE, col : col + width]
+        col += width
+        lo = offsets[lvl - 1] // B
+        bs.bsa_backward_dkdv_grouped(
             qf,
             bank_k,
             bank_v,
             do,
             lse,
             delta,
-            csc,
-            COARSE_TILE,
+            group_lists,
+            group_rows,
             B,
             scale,
             logw,
-            blk_range=(0, top_lo),
-            n_split=bs.split_count(BH * top_lo, n_cand * n_tiles // top_lo),
+            blk_range=(lo, lo + N // B ** (lvl + 1)),
             dk=dbk,
             dv=dbv,
         )
@@ -431,7 +454,8 @@ def llsa_attention(
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
     Returns:
         ``[batch, heads, tokens, head_dim]`` in the input dtype (under CUDA autocast, fp32 inputs run and return
-        the autocast dtype, like SDPA).
+        the autocast dtype, like SDPA). The Triton path returns it as a view of a tokens-major ``[batch, tokens,
+        heads, head_dim]`` tensor, so ``o.transpose(1, 2).reshape(batch, tokens, -1)`` copies nothing.
     """
     triton_path = use_triton(q, impl)
     if triton_path:
@@ -476,4 +500,8 @@ def llsa_attention(
                 bank_v[:, rows].copy_(vp[lvl].reshape(b * h, -1, d))
             coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
-    return _LLSATriton.apply(q, k, v, bank_k, bank_v, fine_lists, coarse_lists, B, L, Le, scale, reference_l1_grad)
+    cand_widths = tuple(index[lvl].shape[-1] for lvl in range(1, min(Le, L - 1) + 1))
+    o = _LLSATriton.apply(
+        q, k, v, bank_k, bank_v, fine_lists, coarse_lists, cand_widths, B, L, Le, scale, reference_l1_grad
+    )
+    return o.transpose(1, 2)  # [b, N, h, d] in memory

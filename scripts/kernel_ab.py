@@ -48,7 +48,17 @@ def apply_from_argv(argv: list[str]) -> None:
 
 
 # The constants that tell one launch of a kernel from another (its program's rows, step and split), where set.
-LAUNCH_CONSTANTS = ("BLOCK_M", "QUERY_BLOCK", "KEY_BLOCK", "GROUP", "PER_ITER", "N_SPLIT", "HAS_TAIL", "HAS_INIT")
+LAUNCH_CONSTANTS = (
+    "BLOCK_M",
+    "QUERY_BLOCK",
+    "KEY_BLOCK",
+    "GROUP",
+    "SLOTS",
+    "PER_ITER",
+    "N_SPLIT",
+    "HAS_TAIL",
+    "HAS_INIT",
+)
 
 
 class _LabelledKernel:

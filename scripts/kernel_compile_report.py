@@ -176,12 +176,19 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     common = dict(HEAD_DIM=d, PREC="tf32")
     tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * math.log(16) * block_sparse.LOG2E)
     no_tail = dict(tail_lo=0, tail_hi=0, tail_bias=0.0)
-    strides = dict(stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_on=d, stride_db=n * d, stride_dn=d)
+    # the output and its gradient tokens-major ([2, n, 6, d]: LLSA's last forward pass writes it so), q flat
+    heads = 6
+    strides = dict(stride_qb=n * d, stride_qn=d, stride_ob=n * heads * d, stride_oh=d, stride_on=heads * d)
+    strides |= dict(out_heads=heads, stride_db=n * heads * d, stride_dh=d, stride_dn=heads * d, do_heads=heads)
+    dq_strides = {key: value for key, value in strides.items() if key not in ("stride_ob", "stride_oh", "stride_on")}
+    dq_strides.pop("out_heads")
+    flat_out = dict(stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)  # the fine pass's fp32 partial output
 
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
+        args |= flat_out if out == "*fp32" else {}
         per_iter = block_sparse.forward_blocks_per_step(block_m, 16, d)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
@@ -191,7 +198,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32")
         args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", ADD_Q="*fp32", stride_kb=n_k * d, stride_kn=d)
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
-        args |= dict(qk_scale=0.18, sm_scale=0.125, **strides, **tail_args)
+        args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
         const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
@@ -200,13 +207,28 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
-        args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **strides)
-        args |= dict(stride_kb=n_k * d, stride_kn=d, stride_rb=n // 2, n_q=n, n_k=n_k, blk_lo=0, csc_lo=0)
+        args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **dq_strides)
+        args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // 16 + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
+        args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
         per_iter = block_sparse.blocks_per_step(query_block)
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
+
+    def grouped_dkdv(group_rows, width):  # the candidate levels' dk/dv by query group (ancestors of 256 queries)
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", LIST="*i32")
+        args |= dict(LOGW="*fp32", PK="*fp32", PV="*fp32", **dq_strides, stride_kb=bank * d, stride_kn=d)
+        args |= dict(stride_lb=(n // group_rows) * width, stride_lg=width, n_q=n, n_k=bank, list_len=width)
+        args |= dict(group_rows=group_rows, qk_scale=0.18, sm_scale=0.125)
+        const = dict(common, KEY_BLOCK=16, SLOTS=block_sparse.blocks_per_step(16), HAS_LOGW=True, EVEN_Q=True)
+        return args, const
+
+    def sum_slots(width):  # each candidate block's per-group partials added
+        args = dict(PK="*fp32", PV="*fp32", OFFSETS="*i32", ENTRIES="*i32", DK="*fp32", DV="*fp32")
+        args |= dict(stride_ob=bank // 16 + 1, stride_eb=(n // 256) * width, stride_gb=bank * d, stride_gn=d)
+        args |= dict(n_entries=(n // 256) * width, blk_lo=0, n_k=bank)
+        return args, dict(HEAD_DIM=d, KEY_BLOCK=16)
 
     def query_walk_constexprs():  # SLA's query-major walks (forward, dq) at 16-row blocks, launch options left out
         options = linear_attention.query_walk_options(d, 16, torch.bfloat16)
@@ -260,7 +282,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
         ("dq fine", block_sparse._dq_kernel, *dq_fine),
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
-        ("dkdv pooled candidates", block_sparse._dkdv_kernel, *dkdv(64, bank, 1, 1, True, False)),
+        ("dkdv pooled candidates (by query group)", block_sparse._grouped_dkdv_kernel, *grouped_dkdv(256, 8)),
+        ("dkdv pooled candidates, partials summed", block_sparse._sum_slots_kernel, *sum_slots(8)),
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
         # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own list-walking kernels
         ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
@@ -285,6 +308,10 @@ def launch_warps(fn, const: dict) -> int:
         return block_sparse.program_warps(const["BLOCK_M"], True, d)
     if fn is block_sparse._dkdv_kernel:
         return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], True, d)
+    if fn is block_sparse._grouped_dkdv_kernel:
+        return block_sparse.program_warps(const["KEY_BLOCK"] * const["SLOTS"], True, d)
+    if fn is block_sparse._sum_slots_kernel:
+        return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
     if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     return linear_attention.walk_warps(d)

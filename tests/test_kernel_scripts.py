@@ -59,7 +59,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 16
+    assert len(variants) == 17
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -69,8 +69,8 @@ def test_compile_report_gives_every_kernel_argument():
 
 
 def test_compile_report_launch_warps_are_the_launchers():
-    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the coarsest level's
-    64-key dk/dv groups on four, SLA's own walks on walk_warps but its 16-row query-major walks (forward, dq) on one."""
+    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the 64-key dk/dv
+    programs of the candidate and coarsest levels on four, SLA's own walks on walk_warps but its 16-row query-major walks (forward, dq) on one."""
     report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
     warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
     assert warps == {
@@ -79,7 +79,8 @@ def test_compile_report_launch_warps_are_the_launchers():
         "dq pooled (64-row tiles + tail)": 4,
         "dq fine": 1,
         "dkdv fine (16-key blocks)": 1,
-        "dkdv pooled candidates": 1,
+        "dkdv pooled candidates (by query group)": 4,
+        "dkdv pooled candidates, partials summed": 1,
         "dkdv pooled coarsest (64 keys, split)": 4,
         "sla dq (16-row blocks)": 1,
         "sla linear dkdv (16-key blocks)": 4,
@@ -148,9 +149,11 @@ def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
     assert "_dq_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=4 grid (64, 1)" in labels
     dkdv = [label for label in labels if label.startswith("_dkdv_kernel")]
     assert (
-        len(dkdv) == 3
+        len(dkdv) == 2  # the fine level and the coarsest; the candidate level runs by query group
         and "_dkdv_kernel QUERY_BLOCK=16 KEY_BLOCK=16 GROUP=1 PER_ITER=4 N_SPLIT=1 grid (64, 1, 1)" in dkdv
     )
+    assert "_grouped_dkdv_kernel KEY_BLOCK=16 SLOTS=4 grid (1, 4, 1)" in labels  # 4 ancestors, lists of 2 blocks
+    assert "_sum_slots_kernel KEY_BLOCK=16 grid (4, 1)" in labels
     assert "_pooled_topk_kernel grid (4, 1)" in labels  # a kernel without block constants: name and grid
 
 

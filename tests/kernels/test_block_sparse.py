@@ -40,8 +40,9 @@ def test_topk_desc_matches_stable_sort_with_ties_and_signs():
         topk_desc(s, 41)
 
 
+@pytest.mark.parametrize("slots", [False, True])
 @pytest.mark.parametrize("int32_keys", [True, False])
-def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, monkeypatch):
+def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, slots, monkeypatch):
     if not int32_keys:  # the int64 keys of tables too big for int32
         monkeypatch.setattr(blocks, "INT32_KEYS_BELOW", 0)
     g = torch.Generator().manual_seed(1)
@@ -50,12 +51,13 @@ def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, monke
         [torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)]) for _ in range(batch)]
     ).int()
     index[:, ::4, -1] = -1  # empty slots
-    offsets, flat = csr_to_csc(index, cols)
+    offsets, flat = csr_to_csc(index, cols, slots=slots)
     for bi in range(batch):
         assert offsets[bi, -1] - offsets[bi, 0] == (index[bi] >= 0).sum() and offsets[bi, -1] == index[bi].numel()
         for c in range(cols):
             got = flat[bi, offsets[bi, c] : offsets[bi, c + 1]].tolist()
-            assert got == [r for r in range(rows) if c in index[bi, r].tolist()]
+            listing = [(r, row.index(c)) for r, row in enumerate(index[bi].tolist()) if c in row]
+            assert got == [r * width + s if slots else r for r, s in listing]
 
 
 def test_flatten_grad_is_flatten_heads_of_the_contiguous_tensor():

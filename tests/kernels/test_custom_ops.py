@@ -230,6 +230,7 @@ OPS = [
     "bsa_forward",
     "bsa_backward_dq",
     "bsa_backward_dkdv",
+    "bsa_backward_dkdv_grouped",
     "pooled_topk",
     "vsa_combine",
     "vsa_combine_backward",
