@@ -50,6 +50,7 @@ from .block_sparse import (
     flatten_grad,
     flatten_heads,
     flatten_kv,
+    head_offset,
 )
 from .blocks import block_mean
 from .common import (
@@ -210,7 +211,7 @@ def _coarse_of_rows(COARSE, bh, rows, ok, dims, t, D: tl.constexpr, C: tl.conste
 @triton.jit
 def _gate_of_rows(GATE, bh, rows, ok, dims, heads, stride_gb, stride_gh, stride_gn):
     """The rows of the gate ``[b, h, n, D]``, any layout with a unit last stride (``_gate_strides``)."""
-    gate_rows = (bh // heads) * stride_gb + (bh % heads) * stride_gh + rows[:, None] * stride_gn
+    gate_rows = head_offset(bh, heads, stride_gb, stride_gh) + rows[:, None] * stride_gn
     return tl.load(GATE + gate_rows + dims[None, :], mask=ok, other=0.0)
 
 

@@ -158,6 +158,7 @@ class Attention(nn.Module):
         else:  # and their block means
             q, k, v, means = outs
             out = self.backend(q, k, v, grid_hw=grid_hw, hidden=x, means=means)
+        # free for a backend that returns a view of tokens-major memory (LLSA's kernels write it so), a copy otherwise
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
