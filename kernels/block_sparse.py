@@ -464,6 +464,25 @@ def _dq_kernel(
 
 
 @triton.jit
+def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK: tl.constexpr):
+    """The query-side operands of a key-major backward step for query rows ``rows``: q, dO, the base-2 log-sum-exp
+    and Delta. ``MASK``: rows outside ``r_ok`` read as zeros (without it every row must exist)."""
+    q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
+    do_offs = rows[:, None] * stride_dn + dims[None, :]
+    if MASK:
+        q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
+        do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+    else:
+        q = tl.load(Q + q_offs)
+        do = tl.load(do_base + do_offs)
+        lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n_q + rows)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def key_major_step(
     k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW: tl.constexpr, MASK: tl.constexpr, PREC
 ):
@@ -567,21 +586,25 @@ def _dkdv_kernel(
             e_ok = (j + slot) < s1
             t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
             rows = t.to(tl.int64) * QUERY_BLOCK + (roff % QUERY_BLOCK)
-        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-        do_offs = rows[:, None] * stride_dn + dims[None, :]
         r_ok = rows < n_q
-        if PER_ITER == 1 and EVEN_Q:  # every row exists; key rows >= Nk are never stored, so no mask at all
-            q = tl.load(Q + q_offs)
-            do = tl.load(do_base + do_offs)
-            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n_q + rows)
-        else:
-            if PER_ITER > 1:
-                r_ok = r_ok & e_ok
-            q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
-            do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
-            lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+        if PER_ITER > 1:
+            r_ok = r_ok & e_ok
+        # whole tiles of an even N: every row exists; key rows >= Nk are never stored, so no mask at all
+        q, do, lse2, delta = query_rows(
+            Q,
+            do_base,
+            LSE,
+            DELTA,
+            bh,
+            rows,
+            r_ok,
+            dims,
+            stride_qb,
+            stride_qn,
+            stride_dn,
+            n_q,
+            PER_ITER > 1 or not EVEN_Q,
+        )
         if TRANSPOSED:  # keys in N: see the note above _dq_kernel
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             if HAS_LOGW:
@@ -676,18 +699,9 @@ def _grouped_dkdv_kernel(
     for r0 in range(row0, tl.minimum(row0 + group_rows, n_q), QROWS):
         rows = r0 + roff
         r_ok = rows < n_q
-        q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-        do_offs = rows[:, None] * stride_dn + dims[None, :]
-        if EVEN_Q:
-            q = tl.load(Q + q_offs)
-            do = tl.load(do_base + do_offs)
-            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n_q + rows)
-        else:
-            q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
-            do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
-            lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+        q, do, lse2, delta = query_rows(
+            Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, not EVEN_Q
+        )
         dk, dv = key_major_step(k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, not EVEN_Q, PREC)
     dk = dk * sm_scale
     # partials [BH, groups, list_len * KEY_BLOCK, d]: row slot * KEY_BLOCK + t holds key t of that slot's block
@@ -804,7 +818,6 @@ _dkdv = autotuned(
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True),
 )
-_sum_slots = _sum_slots_kernel  # a memory-bound sum of a few tiles per program: nothing to tune
 _grouped_dkdv = autotuned(
     _grouped_dkdv_kernel,
     ["HEAD_DIM", "KEY_BLOCK", "SLOTS", "HAS_LOGW", "EVEN_Q", "PREC"],
@@ -1421,7 +1434,7 @@ def _bsa_backward_dkdv_grouped_op(
         PREC=dot_precision(q.dtype),
         **_launch(key_block * slots, True, d),
     )
-    _sum_slots[(hi - lo, BH)](
+    _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program: nothing to tune
         partial_k,
         partial_v,
         offsets,

@@ -99,12 +99,17 @@ def parse_case(case: str) -> tuple[str, int, int, int]:
 
 
 def attention_call(lib, method: str, x: int, block: int, q, k, v, gate):
-    """The timed call of one library: its output (a tensor to differentiate)."""
+    """The timed call of one library: its output merged into ``[b, N, h * d]`` as a model does before its output
+    projection, so that a library returning tokens-major memory saves that copy here too and the gradient arrives in
+    the layout a model hands back (a tensor to differentiate)."""
     if method == "llsa":
-        return lib.llsa_attention(q, k, v, block_size=block, topk=8, num_levels=x)
-    if method == "vsa":
-        return lib.vsa_attention(q, k, v, block_size=block, topk=x, gate=gate)
-    return sum(lib.sla_attention(q, k, v, block_size=block, topk=x))
+        out = lib.llsa_attention(q, k, v, block_size=block, topk=8, num_levels=x)
+    elif method == "vsa":
+        out = lib.vsa_attention(q, k, v, block_size=block, topk=x, gate=gate)
+    else:
+        out = sum(lib.sla_attention(q, k, v, block_size=block, topk=x))
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d)
 
 
 def timer(args):
@@ -140,7 +145,7 @@ def main(argv=None) -> list[dict]:
                 torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)
             )
             # VSA's gate with a gradient, as in training (its backward then computes d_gate)
-            do = torch.randn_like(q)
+            do = torch.randn(shape[0], n, shape[1] * shape[3], device=args.device, dtype=dtype, generator=g)
             gate = torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_()
             for version, lib in (("before", base), ("after", current)):
 
