@@ -134,13 +134,14 @@ def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
 
 @triton.jit
 def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
-    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``; rows in the
+    second-to-last dim, so a leading dim walks several row blocks at once (a batched dot, ``fine_walk``)."""
+    m_new = tl.maximum(m_i, tl.max(s, -1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s - tl.expand_dims(m_use, -1))
     alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    l_i = l_i * alpha + tl.sum(p, -1)
+    acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -177,6 +178,59 @@ def contiguous_fwd_step(
 
 
 @triton.jit
+def fine_walk(
+    q,
+    FK,
+    FV,
+    FLIST,
+    bh,
+    tile,
+    n_q,
+    fine_len,
+    stride_fkb,
+    stride_fkn,
+    stride_flb,
+    stride_flt,
+    qk_scale,
+    FINE_M: tl.constexpr,
+    FINE_KB: tl.constexpr,
+    FINE_SLOTS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The online softmax of a query tile ``q`` over a second key bank whose lists are per sub-block of ``FINE_M``
+    rows (LLSA's fine level: every 16-row block its own blocks of ``FINE_KB`` keys; the bank's rows are whole
+    blocks). Every sub-block takes one listed block per step, all at once as a batched dot (one warp per sub-block,
+    mma.sync). Returns the tile's unnormalised (m, l, acc) for the tile's own walk to continue."""
+    BLOCK_M: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    SUB: tl.constexpr = BLOCK_M // FINE_M
+    sub = tile.to(tl.int64) * SUB + tl.arange(0, SUB)
+    slots = tl.arange(0, FINE_SLOTS)
+    ids = tl.load(  # the sub-blocks' lists in registers; -1 past a list's end and for sub-blocks past n_q
+        FLIST + bh * stride_flb + sub[:, None] * stride_flt + slots[None, :],
+        mask=(sub * FINE_M < n_q)[:, None] & (slots < fine_len)[None, :],
+        other=-1,
+    )
+    q3 = tl.reshape(q, [SUB, FINE_M, HEAD_DIM])
+    dims = tl.arange(0, HEAD_DIM)
+    toff = tl.arange(0, FINE_KB)
+    k_base = FK + bh * stride_fkb
+    v_base = FV + bh * stride_fkb
+    m = tl.full([SUB, FINE_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([SUB, FINE_M], tl.float32)
+    acc = tl.zeros([SUB, FINE_M, HEAD_DIM], tl.float32)
+    for j in range(0, fine_len):
+        blk = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)  # [SUB]: each sub-block's block at slot j
+        krow = tl.maximum(blk, 0).to(tl.int64)[:, None] * FINE_KB + toff[None, :]  # [SUB, FINE_KB]
+        kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
+        bias = tl.where(blk >= 0, 0.0, float("-inf"))  # an empty slot adds nothing
+        s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
+        v = tl.load(v_base + krow[:, :, None] * stride_fkn + dims[None, None, :])  # [SUB, FINE_KB, d]
+        m, l_sum, acc = softmax_step(s, m, l_sum, acc, v, PREC)
+    return tl.reshape(m, [BLOCK_M]), tl.reshape(l_sum, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -187,6 +241,9 @@ def _fwd_kernel(
     LOGW,
     O_INIT,
     LSE_INIT,
+    FK,
+    FV,
+    FLIST,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -204,12 +261,20 @@ def _fwd_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
+    stride_fkb,
+    stride_fkn,
+    stride_flb,
+    stride_flt,
+    fine_len,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     PER_ITER: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     HAS_INIT: tl.constexpr,
+    FINE_M: tl.constexpr,
+    FINE_KB: tl.constexpr,
+    FINE_SLOTS: tl.constexpr,
     PREC: tl.constexpr,
     EVEN_K: tl.constexpr,
     N_SUB: tl.constexpr,
@@ -228,6 +293,26 @@ def _fwd_kernel(
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.load(
             O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0
+        )
+    elif FINE_M > 0:  # start with the fine bank's walk in this program: no partial result goes through memory
+        m_i, l_i, acc = fine_walk(
+            q,
+            FK,
+            FV,
+            FLIST,
+            bh,
+            tile,
+            n_q,
+            fine_len,
+            stride_fkb,
+            stride_fkn,
+            stride_flb,
+            stride_flt,
+            qk_scale,
+            FINE_M,
+            FINE_KB,
+            FINE_SLOTS,
+            PREC,
         )
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -801,7 +886,8 @@ _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 _fwd = autotuned(
     _fwd_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
+    _TUNED_KEYS
+    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "FINE_M", "FINE_SLOTS"],
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=False),
 )
@@ -936,6 +1022,32 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
+def _fine_args(fine_k: torch.Tensor | None, fine_lists: torch.Tensor | None, fine_block: int) -> dict:
+    """Kernel arguments of a fine bank walked first (``bsa_forward``'s ``fine``): its strides, its lists' strides
+    and length (loaded into registers: ``FINE_SLOTS`` ids per query block); ``FINE_M = 0`` without one."""
+    if fine_lists is None:
+        return {
+            "stride_fkb": 0,
+            "stride_fkn": 0,
+            "stride_flb": 0,
+            "stride_flt": 0,
+            "fine_len": 0,
+            "FINE_M": 0,
+            "FINE_KB": 16,
+            "FINE_SLOTS": 1,
+        }
+    return {
+        "stride_fkb": fine_k.stride(0),
+        "stride_fkn": fine_k.stride(1),
+        "stride_flb": _bstride(fine_lists),
+        "stride_flt": fine_lists.stride(1),
+        "fine_len": fine_lists.shape[2],
+        "FINE_M": fine_block,
+        "FINE_KB": fine_block,
+        "FINE_SLOTS": triton.next_power_of_2(max(1, fine_lists.shape[2])),
+    }
+
+
 def bsa_forward(
     q,
     k,
@@ -949,12 +1061,17 @@ def bsa_forward(
     out_dtype=None,
     dense_tail=None,
     out_heads=0,
+    fine=None,
 ):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
-    name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
+    name them); fine: optional (k2, v2, lists2, block2), a second key bank walked first in the same program, listed
+    per query block of ``block2`` rows in blocks of ``block2`` keys (LLSA's fine level: one softmax over both banks
+    without a partial result in memory; not with ``init``). Returns (o, lse); o is [BH, Nq, d], or with
+    ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
     o_init, lse_init = init if init is not None else (None, None)
+    fine_k, fine_v, fine_lists, fine_block = fine if fine is not None else (None, None, None, 0)
     return _bsa_forward_op(
         q,
         k,
@@ -963,8 +1080,12 @@ def bsa_forward(
         log_weights,
         o_init,
         lse_init,
+        fine_k,
+        fine_v,
+        fine_lists,
         query_block,
         key_block,
+        fine_block,
         scale,
         out_dtype or q.dtype,
         out_heads,
@@ -981,8 +1102,12 @@ def _bsa_forward_op(
     log_weights: torch.Tensor | None,
     o_init: torch.Tensor | None,
     lse_init: torch.Tensor | None,
+    fine_k: torch.Tensor | None,
+    fine_v: torch.Tensor | None,
+    fine_lists: torch.Tensor | None,
     query_block: int,
     key_block: int,
+    fine_block: int,
     scale: float,
     out_dtype: torch.dtype,
     out_heads: int,
@@ -994,6 +1119,10 @@ def _bsa_forward_op(
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
+    if fine_lists is not None:  # whole blocks of fine keys; query blocks that split the tile
+        assert o_init is None and fine_k.stride() == fine_v.stride(), "fine bank: no init, one layout for k and v"
+        assert query_block % fine_block == 0 and fine_k.shape[1] % fine_block == 0, (query_block, fine_block)
+        assert fine_lists.shape[1] == triton.cdiv(n_q, fine_block), (fine_lists.shape, n_q, fine_block)
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = forward_blocks_per_step(query_block, key_block, d)
@@ -1007,6 +1136,9 @@ def _bsa_forward_op(
         log_weights if log_weights is not None else lse,
         o_init if o_init is not None else o,
         lse_init if lse_init is not None else lse,
+        fine_k if fine_k is not None else k,
+        fine_v if fine_v is not None else v,
+        fine_lists if fine_lists is not None else lists,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1018,13 +1150,14 @@ def _bsa_forward_op(
         n_k,
         lists.shape[2],
         scale * LOG2E,
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
+        **_fine_args(fine_k, fine_lists, fine_block),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
         HAS_INIT=o_init is not None,
-        **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
@@ -1035,7 +1168,25 @@ def _bsa_forward_op(
 
 
 @_bsa_forward_op.register_fake
-def _(q, k, v, lists, log_weights, o_init, lse_init, query_block, key_block, scale, out_dtype, out_heads, *tail):
+def _(
+    q,
+    k,
+    v,
+    lists,
+    log_weights,
+    o_init,
+    lse_init,
+    fine_k,
+    fine_v,
+    fine_lists,
+    qb,
+    kb,
+    fb,
+    scale,
+    out_dtype,
+    out_heads,
+    *tail,
+):
     return q.new_empty(_out_shape(q, out_heads), dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 

@@ -274,34 +274,19 @@ class _LLSATriton(torch.autograd.Function):
         # the last pass writes the output tokens-major ([b, N, h, d]): the model's projection reads it as it is
         # (llsa_attention returns it transposed, a view) and its gradient arrives in that layout, so neither the
         # forward nor the backward copies it (a transposed [b, h, N, d] output costs one copy each way)
-        o, lse = bs.bsa_forward(
-            qf,
-            kf,
-            vf,
-            fine_lists,
-            B,
-            B,
-            scale,
-            out_dtype=torch.float32 if has_coarse else None,
-            out_heads=0 if has_coarse else h,
-        )
         logw, tail = None, _bank_tail(N, B, L, Le)
-        if has_coarse:
+        if not has_coarse:
+            o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_heads=h)
+        else:
             logw = _bank_log_weights(N, B, L, Le, q.device)
-            o, lse = bs.bsa_forward(
-                qf,
-                bank_k,
-                bank_v,
-                coarse_lists,
-                COARSE_TILE,
-                B,
-                scale,
-                logw,
-                init=(o, lse),
-                out_dtype=q.dtype,
-                dense_tail=tail,
-                out_heads=h,
-            )
+            pooled = (bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw)
+            if COARSE_TILE % B == 0:  # one pass: each 64-row tile walks its blocks' fine lists, then the pooled bank
+                o, lse = bs.bsa_forward(
+                    qf, *pooled, out_dtype=q.dtype, dense_tail=tail, out_heads=h, fine=(kf, vf, fine_lists, B)
+                )
+            else:  # blocks larger than a tile: the fine pass first, its fp32 partial continued by the pooled pass
+                o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_dtype=torch.float32)
+                o, lse = bs.bsa_forward(qf, *pooled, init=(o, lse), out_dtype=q.dtype, dense_tail=tail, out_heads=h)
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths)
         return o
