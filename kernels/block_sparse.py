@@ -178,6 +178,41 @@ def contiguous_fwd_step(
 
 
 @triton.jit
+def fine_ids(
+    FLIST,
+    bh,
+    tile,
+    n_q,
+    fine_len,
+    stride_flb,
+    stride_flt,
+    SUB: tl.constexpr,
+    FINE_M: tl.constexpr,
+    FINE_SLOTS: tl.constexpr,
+):
+    """The lists of a query tile's ``SUB`` sub-blocks of ``FINE_M`` rows in a second key bank (LLSA's fine level:
+    each 16-row block its own blocks), ``[SUB, FINE_SLOTS]`` ids in registers; -1 past a list's end and for
+    sub-blocks past ``n_q``."""
+    sub = tile.to(tl.int64) * SUB + tl.arange(0, SUB)
+    slots = tl.arange(0, FINE_SLOTS)
+    return tl.load(
+        FLIST + bh * stride_flb + sub[:, None] * stride_flt + slots[None, :],
+        mask=(sub * FINE_M < n_q)[:, None] & (slots < fine_len)[None, :],
+        other=-1,
+    )
+
+
+@triton.jit
+def fine_step_rows(ids, j, FINE_KB: tl.constexpr):
+    """Step ``j`` of the sub-blocks' walk (``fine_ids``): every sub-block's key rows ``[SUB, FINE_KB]`` in its block
+    at list slot ``j`` (block 0 for an empty slot) and the base-2 bias of that block (-inf for an empty slot)."""
+    slots = tl.arange(0, ids.shape[1])
+    blk = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)
+    krow = tl.maximum(blk, 0).to(tl.int64)[:, None] * FINE_KB + tl.arange(0, FINE_KB)[None, :]
+    return krow, tl.where(blk >= 0, 0.0, float("-inf"))
+
+
+@triton.jit
 def fine_walk(
     q,
     FK,
@@ -197,37 +232,77 @@ def fine_walk(
     FINE_SLOTS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The online softmax of a query tile ``q`` over a second key bank whose lists are per sub-block of ``FINE_M``
-    rows (LLSA's fine level: every 16-row block its own blocks of ``FINE_KB`` keys; the bank's rows are whole
-    blocks). Every sub-block takes one listed block per step, all at once as a batched dot (one warp per sub-block,
-    mma.sync). Returns the tile's unnormalised (m, l, acc) for the tile's own walk to continue."""
+    """The online softmax of a query tile ``q`` over a second key bank listed per sub-block of ``FINE_M`` rows
+    (``fine_ids``; the bank's rows are whole blocks of ``FINE_KB``). Every sub-block takes one listed block per step,
+    all at once as a batched dot (one warp per sub-block, mma.sync). Returns the tile's unnormalised (m, l, acc) for
+    the tile's own walk to continue."""
     BLOCK_M: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     SUB: tl.constexpr = BLOCK_M // FINE_M
-    sub = tile.to(tl.int64) * SUB + tl.arange(0, SUB)
-    slots = tl.arange(0, FINE_SLOTS)
-    ids = tl.load(  # the sub-blocks' lists in registers; -1 past a list's end and for sub-blocks past n_q
-        FLIST + bh * stride_flb + sub[:, None] * stride_flt + slots[None, :],
-        mask=(sub * FINE_M < n_q)[:, None] & (slots < fine_len)[None, :],
-        other=-1,
-    )
+    ids = fine_ids(FLIST, bh, tile, n_q, fine_len, stride_flb, stride_flt, SUB, FINE_M, FINE_SLOTS)
     q3 = tl.reshape(q, [SUB, FINE_M, HEAD_DIM])
     dims = tl.arange(0, HEAD_DIM)
-    toff = tl.arange(0, FINE_KB)
     k_base = FK + bh * stride_fkb
     v_base = FV + bh * stride_fkb
     m = tl.full([SUB, FINE_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([SUB, FINE_M], tl.float32)
     acc = tl.zeros([SUB, FINE_M, HEAD_DIM], tl.float32)
     for j in range(0, fine_len):
-        blk = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)  # [SUB]: each sub-block's block at slot j
-        krow = tl.maximum(blk, 0).to(tl.int64)[:, None] * FINE_KB + toff[None, :]  # [SUB, FINE_KB]
+        krow, bias = fine_step_rows(ids, j, FINE_KB)
         kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
-        bias = tl.where(blk >= 0, 0.0, float("-inf"))  # an empty slot adds nothing
         s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
         v = tl.load(v_base + krow[:, :, None] * stride_fkn + dims[None, None, :])  # [SUB, FINE_KB, d]
         m, l_sum, acc = softmax_step(s, m, l_sum, acc, v, PREC)
     return tl.reshape(m, [BLOCK_M]), tl.reshape(l_sum, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+
+
+@triton.jit
+def fine_dq_walk(
+    q,
+    do,
+    lse2,
+    delta,
+    FK,
+    FV,
+    FLIST,
+    bh,
+    tile,
+    n_q,
+    fine_len,
+    stride_fkb,
+    stride_fkn,
+    stride_flb,
+    stride_flt,
+    qk_scale,
+    FINE_M: tl.constexpr,
+    FINE_KB: tl.constexpr,
+    FINE_SLOTS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``fine_walk``'s keys in the backward: the (unscaled) dq of query tile ``q`` over the second bank, each
+    sub-block over its own listed blocks as one batched dot per step. Padded rows have q = dO = Δ = 0: no mask."""
+    BLOCK_M: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    SUB: tl.constexpr = BLOCK_M // FINE_M
+    ids = fine_ids(FLIST, bh, tile, n_q, fine_len, stride_flb, stride_flt, SUB, FINE_M, FINE_SLOTS)
+    q3 = tl.reshape(q, [SUB, FINE_M, HEAD_DIM])
+    do3 = tl.reshape(do, [SUB, FINE_M, HEAD_DIM])
+    lse3 = tl.reshape(lse2, [SUB, FINE_M])
+    delta3 = tl.reshape(delta, [SUB, FINE_M])
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = FK + bh * stride_fkb
+    v_base = FV + bh * stride_fkb
+    dq = tl.zeros([SUB, FINE_M, HEAD_DIM], tl.float32)
+    for j in range(0, fine_len):
+        krow, bias = fine_step_rows(ids, j, FINE_KB)
+        kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
+        vt = tl.load(v_base + krow[:, None, :] * stride_fkn + dims[None, :, None])
+        s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
+        p = tl.math.exp2(s - lse3[:, :, None])
+        dp = tl.dot(do3, vt, input_precision=PREC)
+        ds = p * (dp - delta3[:, :, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt, 0, 2, 1), input_precision=PREC)
+    return tl.reshape(dq, [BLOCK_M, HEAD_DIM])
 
 
 @triton.jit
@@ -444,6 +519,9 @@ def _dq_kernel(
     LIST,
     LOGW,
     ADD_Q,
+    FK,
+    FV,
+    FLIST,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -462,12 +540,20 @@ def _dq_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
+    stride_fkb,
+    stride_fkn,
+    stride_flb,
+    stride_flt,
+    fine_len,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     PER_ITER: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    FINE_M: tl.constexpr,
+    FINE_KB: tl.constexpr,
+    FINE_SLOTS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr,
     PREC: tl.constexpr,
@@ -538,6 +624,29 @@ def _dq_kernel(
             dq = contiguous_dq_step(
                 q, do, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, lse2, delta, dq, EVEN_TAIL, PREC
             )
+    if FINE_M > 0:  # then the fine bank's keys of the same rows, in this program (as the forward's fine_walk)
+        dq += fine_dq_walk(
+            q,
+            do,
+            lse2,
+            delta,
+            FK,
+            FV,
+            FLIST,
+            bh,
+            tile,
+            n_q,
+            fine_len,
+            stride_fkb,
+            stride_fkn,
+            stride_flb,
+            stride_flt,
+            qk_scale,
+            FINE_M,
+            FINE_KB,
+            FINE_SLOTS,
+            PREC,
+        )
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     if ACCUMULATE:  # add an earlier pass's fp32 dq (other keys of the same queries)
@@ -894,7 +1003,8 @@ _fwd = autotuned(
 _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
+    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"]
+    + ["FINE_M", "FINE_SLOTS"],
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=True),
 )
@@ -1022,6 +1132,16 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
+def _check_fine(fine_k, fine_v, fine_lists, n_q: int, query_block: int, fine_block: int) -> None:
+    """A fine bank (``bsa_forward``'s ``fine``): whole blocks of keys in one layout for k and v, query blocks that
+    split the tile, one list per query block."""
+    if fine_lists is None:
+        return
+    assert fine_k.stride() == fine_v.stride() and fine_k.shape == fine_v.shape, "fine bank: one layout for k and v"
+    assert query_block % fine_block == 0 and fine_k.shape[1] % fine_block == 0, (query_block, fine_block)
+    assert fine_lists.shape[1] == triton.cdiv(n_q, fine_block), (fine_lists.shape, n_q, fine_block)
+
+
 def _fine_args(fine_k: torch.Tensor | None, fine_lists: torch.Tensor | None, fine_block: int) -> dict:
     """Kernel arguments of a fine bank walked first (``bsa_forward``'s ``fine``): its strides, its lists' strides
     and length (loaded into registers: ``FINE_SLOTS`` ids per query block); ``FINE_M = 0`` without one."""
@@ -1119,10 +1239,8 @@ def _bsa_forward_op(
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
-    if fine_lists is not None:  # whole blocks of fine keys; query blocks that split the tile
-        assert o_init is None and fine_k.stride() == fine_v.stride(), "fine bank: no init, one layout for k and v"
-        assert query_block % fine_block == 0 and fine_k.shape[1] % fine_block == 0, (query_block, fine_block)
-        assert fine_lists.shape[1] == triton.cdiv(n_q, fine_block), (fine_lists.shape, n_q, fine_block)
+    _check_fine(fine_k, fine_v, fine_lists, n_q, query_block, fine_block)
+    assert o_init is None or fine_lists is None, "a fine bank starts the softmax: no init with it"
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = forward_blocks_per_step(query_block, key_block, d)
@@ -1216,12 +1334,15 @@ def bsa_backward_dq(
     out_dtype=torch.float32,
     dense_tail=None,
     pooled_add=None,
+    fine=None,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
     ``do``: [BH, Nq, d] or tokens-major [BH / H, Nq, H, d] (``row_layout``). With ``o`` (same layout as ``do``)
     it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
-    ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
-    tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
+    ``dense_tail`` and ``fine`` (a second key bank in the same program) as in ``bsa_forward``. ``pooled_add``
+    (fp32 [BH, ceil(Nq / query_block), d]): adds each query tile's ``g[tile] / (its real rows)`` to its rows (the
+    mean-pool adjoint of a pooled copy of q, fused)."""
+    fine_k, fine_v, fine_lists, fine_block = fine if fine is not None else (None, None, None, 0)
     return _bsa_backward_dq_op(
         q,
         k,
@@ -1234,8 +1355,12 @@ def bsa_backward_dq(
         dq,
         o,
         pooled_add,
+        fine_k,
+        fine_v,
+        fine_lists,
         query_block,
         key_block,
+        fine_block,
         scale,
         out_dtype,
         *_tail_tuple(dense_tail),
@@ -1256,8 +1381,12 @@ def _bsa_backward_dq_op(
     dq: torch.Tensor | None,
     o: torch.Tensor | None,
     pooled_add: torch.Tensor | None,
+    fine_k: torch.Tensor | None,
+    fine_v: torch.Tensor | None,
+    fine_lists: torch.Tensor | None,
     query_block: int,
     key_block: int,
+    fine_block: int,
     scale: float,
     out_dtype: torch.dtype,
     tail_lo: int,
@@ -1266,6 +1395,7 @@ def _bsa_backward_dq_op(
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
+    _check_fine(fine_k, fine_v, fine_lists, n_q, query_block, fine_block)
     if o is not None:  # read with do's strides (those of a size-1 dim are never used)
         assert o.shape == do.shape and all(a == b or n == 1 for a, b, n in zip(o.stride(), do.stride(), do.shape))
     accumulate = dq is not None
@@ -1285,6 +1415,9 @@ def _bsa_backward_dq_op(
         lists,
         log_weights if log_weights is not None else lse,
         pooled_add if pooled_add is not None else lse,
+        fine_k if fine_k is not None else k,
+        fine_v if fine_v is not None else v,
+        fine_lists if fine_lists is not None else lists,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1297,6 +1430,8 @@ def _bsa_backward_dq_op(
         lists.shape[2],
         scale * LOG2E,
         scale,
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),
+        **_fine_args(fine_k, fine_lists, fine_block),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
@@ -1304,7 +1439,6 @@ def _bsa_backward_dq_op(
         HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
         HAS_ADD=pooled_add is not None,
-        **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),
         COMPUTE_DELTA=o is not None,
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
@@ -1317,7 +1451,9 @@ def _bsa_backward_dq_op(
 
 
 @_bsa_backward_dq_op.register_fake
-def _(q, k, v, do, lse, delta, lists, log_weights, dq, o, pooled_add, query_block, key_block, scale, out_dtype, *tail):
+def _(
+    q, k, v, do, lse, delta, lists, log_weights, dq, o, pooled_add, fk, fv, flists, qb, kb, fb, scale, out_dtype, *tail
+):
     return q.new_empty(q.shape, dtype=out_dtype)
 
 

@@ -300,19 +300,35 @@ class _LLSATriton(torch.autograd.Function):
         do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
+        one_pass = Le >= 1 and COARSE_TILE % B == 0  # as in the forward
         if Le >= 1:
-            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
+            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O), and in one pass
+            # walks the fine lists of its rows too, writing the whole dq
             dq = bs.bsa_backward_dq(
-                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
+                qf,
+                bank_k,
+                bank_v,
+                do,
+                lse,
+                delta,
+                coarse_lists,
+                COARSE_TILE,
+                B,
+                scale,
+                logw,
+                o=o,
+                dense_tail=tail,
+                fine=(kf, vf, fine_lists, B) if one_pass else None,
+                out_dtype=dt if one_pass else torch.float32,
             )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
-        # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
-        # adjoint of the pooled gradients; writes the input dtype directly
-        dq = bs.bsa_backward_dq(
-            qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
-        )
+        if not one_pass:  # fine level (B-row query blocks over k/v): adds the pooled dq, writes the input dtype
+            dq = bs.bsa_backward_dq(
+                qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
+            )
+        # the fine dk/dv adds in its epilogue the mean-pool adjoint of the pooled gradients
         dk, dv = bs.bsa_backward_dkdv(
             qf,
             kf,
