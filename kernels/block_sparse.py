@@ -215,6 +215,9 @@ def fine_step_rows(ids, j, FINE_KB: tl.constexpr):
 @triton.jit
 def fine_walk(
     q,
+    m_i,
+    l_i,
+    acc,
     FK,
     FV,
     FLIST,
@@ -232,10 +235,9 @@ def fine_walk(
     FINE_SLOTS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The online softmax of a query tile ``q`` over a second key bank listed per sub-block of ``FINE_M`` rows
-    (``fine_ids``; the bank's rows are whole blocks of ``FINE_KB``). Every sub-block takes one listed block per step,
-    all at once as a batched dot (one warp per sub-block, mma.sync). Returns the tile's unnormalised (m, l, acc) for
-    the tile's own walk to continue."""
+    """The online softmax of a query tile ``q`` continued from its state (m, l, acc) over a second key bank listed
+    per sub-block of ``FINE_M`` rows (``fine_ids``; the bank's rows are whole blocks of ``FINE_KB``). Every sub-block
+    takes one listed block per step, all at once as a batched dot (one warp per sub-block, mma.sync)."""
     BLOCK_M: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     SUB: tl.constexpr = BLOCK_M // FINE_M
@@ -244,16 +246,16 @@ def fine_walk(
     dims = tl.arange(0, HEAD_DIM)
     k_base = FK + bh * stride_fkb
     v_base = FV + bh * stride_fkb
-    m = tl.full([SUB, FINE_M], float("-inf"), tl.float32)
-    l_sum = tl.zeros([SUB, FINE_M], tl.float32)
-    acc = tl.zeros([SUB, FINE_M, HEAD_DIM], tl.float32)
+    m = tl.reshape(m_i, [SUB, FINE_M])
+    l_sum = tl.reshape(l_i, [SUB, FINE_M])
+    acc3 = tl.reshape(acc, [SUB, FINE_M, HEAD_DIM])
     for j in range(0, fine_len):
         krow, bias = fine_step_rows(ids, j, FINE_KB)
         kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
         s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
         v = tl.load(v_base + krow[:, :, None] * stride_fkn + dims[None, None, :])  # [SUB, FINE_KB, d]
-        m, l_sum, acc = softmax_step(s, m, l_sum, acc, v, PREC)
-    return tl.reshape(m, [BLOCK_M]), tl.reshape(l_sum, [BLOCK_M]), tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+        m, l_sum, acc3 = softmax_step(s, m, l_sum, acc3, v, PREC)
+    return tl.reshape(m, [BLOCK_M]), tl.reshape(l_sum, [BLOCK_M]), tl.reshape(acc3, [BLOCK_M, HEAD_DIM])
 
 
 @triton.jit
@@ -369,26 +371,6 @@ def _fwd_kernel(
         acc = tl.load(
             O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0
         )
-    elif FINE_M > 0:  # start with the fine bank's walk in this program: no partial result goes through memory
-        m_i, l_i, acc = fine_walk(
-            q,
-            FK,
-            FV,
-            FLIST,
-            bh,
-            tile,
-            n_q,
-            fine_len,
-            stride_fkb,
-            stride_fkn,
-            stride_flb,
-            stride_flt,
-            qk_scale,
-            FINE_M,
-            FINE_KB,
-            FINE_SLOTS,
-            PREC,
-        )
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -431,6 +413,31 @@ def _fwd_kernel(
             m_i, l_i, acc = contiguous_fwd_step(
                 q, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, EVEN_TAIL, PREC
             )
+    if FINE_M > 0:  # then the fine bank's lists of the tile's query blocks, in this program: no partial result goes
+        # through memory. After the wgmma walks, not before: an accumulator defined by mma.sync makes ptxas serialize
+        # the wgmmas that continue it (its warning C7515 in the compile report)
+        m_i, l_i, acc = fine_walk(
+            q,
+            m_i,
+            l_i,
+            acc,
+            FK,
+            FV,
+            FLIST,
+            bh,
+            tile,
+            n_q,
+            fine_len,
+            stride_fkb,
+            stride_fkn,
+            stride_flb,
+            stride_flt,
+            qk_scale,
+            FINE_M,
+            FINE_KB,
+            FINE_SLOTS,
+            PREC,
+        )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
