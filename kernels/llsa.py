@@ -247,6 +247,12 @@ def _bank_log_weights(N, B, L, Le, device):
     return w
 
 
+def _one_pass(B: int, Le: int) -> bool:
+    """Whether the forward and the dq walk the fine level inside the pooled pass (``bsa_forward``'s ``fine``): with a
+    pooled bank and fine blocks that split its 64-row tiles."""
+    return Le >= 1 and COARSE_TILE % B == 0
+
+
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -280,7 +286,7 @@ class _LLSATriton(torch.autograd.Function):
         else:
             logw = _bank_log_weights(N, B, L, Le, q.device)
             pooled = (bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw)
-            if COARSE_TILE % B == 0:  # one pass: each 64-row tile walks its blocks' fine lists, then the pooled bank
+            if _one_pass(B, Le):  # each 64-row tile walks the pooled bank, then its query blocks' fine lists
                 o, lse = bs.bsa_forward(
                     qf, *pooled, out_dtype=q.dtype, dense_tail=tail, out_heads=h, fine=(kf, vf, fine_lists, B)
                 )
@@ -300,7 +306,7 @@ class _LLSATriton(torch.autograd.Function):
         do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
-        one_pass = Le >= 1 and COARSE_TILE % B == 0  # as in the forward
+        one_pass = _one_pass(B, Le)
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O), and in one pass
             # walks the fine lists of its rows too, writing the whole dq
