@@ -134,14 +134,13 @@ def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
 
 @triton.jit
 def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
-    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``; rows in the
-    second-to-last dim, so a leading dim walks several row blocks at once (a batched dot, ``fine_walk``)."""
-    m_new = tl.maximum(m_i, tl.max(s, -1))
+    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - tl.expand_dims(m_use, -1))
+    p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, -1)
-    acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -178,136 +177,6 @@ def contiguous_fwd_step(
 
 
 @triton.jit
-def fine_ids(
-    FLIST,
-    bh,
-    tile,
-    n_q,
-    fine_len,
-    stride_flb,
-    stride_flt,
-    SUB: tl.constexpr,
-    FINE_M: tl.constexpr,
-    FINE_SLOTS: tl.constexpr,
-):
-    """The lists of a query tile's ``SUB`` sub-blocks of ``FINE_M`` rows in a second key bank (LLSA's fine level:
-    each 16-row block its own blocks), ``[SUB, FINE_SLOTS]`` ids in registers; -1 past a list's end and for
-    sub-blocks past ``n_q``."""
-    sub = tile.to(tl.int64) * SUB + tl.arange(0, SUB)
-    slots = tl.arange(0, FINE_SLOTS)
-    return tl.load(
-        FLIST + bh * stride_flb + sub[:, None] * stride_flt + slots[None, :],
-        mask=(sub * FINE_M < n_q)[:, None] & (slots < fine_len)[None, :],
-        other=-1,
-    )
-
-
-@triton.jit
-def fine_step_rows(ids, j, FINE_KB: tl.constexpr):
-    """Step ``j`` of the sub-blocks' walk (``fine_ids``): every sub-block's key rows ``[SUB, FINE_KB]`` in its block
-    at list slot ``j`` (block 0 for an empty slot) and the base-2 bias of that block (-inf for an empty slot)."""
-    slots = tl.arange(0, ids.shape[1])
-    blk = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)
-    krow = tl.maximum(blk, 0).to(tl.int64)[:, None] * FINE_KB + tl.arange(0, FINE_KB)[None, :]
-    return krow, tl.where(blk >= 0, 0.0, float("-inf"))
-
-
-@triton.jit
-def fine_walk(
-    q,
-    m_i,
-    l_i,
-    acc,
-    FK,
-    FV,
-    FLIST,
-    bh,
-    tile,
-    n_q,
-    fine_len,
-    stride_fkb,
-    stride_fkn,
-    stride_flb,
-    stride_flt,
-    qk_scale,
-    FINE_M: tl.constexpr,
-    FINE_KB: tl.constexpr,
-    FINE_SLOTS: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The online softmax of a query tile ``q`` continued from its state (m, l, acc) over a second key bank listed
-    per sub-block of ``FINE_M`` rows (``fine_ids``; the bank's rows are whole blocks of ``FINE_KB``). Every sub-block
-    takes one listed block per step, all at once as a batched dot (one warp per sub-block, mma.sync)."""
-    BLOCK_M: tl.constexpr = q.shape[0]
-    HEAD_DIM: tl.constexpr = q.shape[1]
-    SUB: tl.constexpr = BLOCK_M // FINE_M
-    ids = fine_ids(FLIST, bh, tile, n_q, fine_len, stride_flb, stride_flt, SUB, FINE_M, FINE_SLOTS)
-    q3 = tl.reshape(q, [SUB, FINE_M, HEAD_DIM])
-    dims = tl.arange(0, HEAD_DIM)
-    k_base = FK + bh * stride_fkb
-    v_base = FV + bh * stride_fkb
-    m = tl.reshape(m_i, [SUB, FINE_M])
-    l_sum = tl.reshape(l_i, [SUB, FINE_M])
-    acc3 = tl.reshape(acc, [SUB, FINE_M, HEAD_DIM])
-    for j in range(0, fine_len):
-        krow, bias = fine_step_rows(ids, j, FINE_KB)
-        kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
-        s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
-        v = tl.load(v_base + krow[:, :, None] * stride_fkn + dims[None, None, :])  # [SUB, FINE_KB, d]
-        m, l_sum, acc3 = softmax_step(s, m, l_sum, acc3, v, PREC)
-    return tl.reshape(m, [BLOCK_M]), tl.reshape(l_sum, [BLOCK_M]), tl.reshape(acc3, [BLOCK_M, HEAD_DIM])
-
-
-@triton.jit
-def fine_dq_walk(
-    q,
-    do,
-    lse2,
-    delta,
-    FK,
-    FV,
-    FLIST,
-    bh,
-    tile,
-    n_q,
-    fine_len,
-    stride_fkb,
-    stride_fkn,
-    stride_flb,
-    stride_flt,
-    qk_scale,
-    FINE_M: tl.constexpr,
-    FINE_KB: tl.constexpr,
-    FINE_SLOTS: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """``fine_walk``'s keys in the backward: the (unscaled) dq of query tile ``q`` over the second bank, each
-    sub-block over its own listed blocks as one batched dot per step. Padded rows have q = dO = Δ = 0: no mask."""
-    BLOCK_M: tl.constexpr = q.shape[0]
-    HEAD_DIM: tl.constexpr = q.shape[1]
-    SUB: tl.constexpr = BLOCK_M // FINE_M
-    ids = fine_ids(FLIST, bh, tile, n_q, fine_len, stride_flb, stride_flt, SUB, FINE_M, FINE_SLOTS)
-    q3 = tl.reshape(q, [SUB, FINE_M, HEAD_DIM])
-    do3 = tl.reshape(do, [SUB, FINE_M, HEAD_DIM])
-    lse3 = tl.reshape(lse2, [SUB, FINE_M])
-    delta3 = tl.reshape(delta, [SUB, FINE_M])
-    dims = tl.arange(0, HEAD_DIM)
-    k_base = FK + bh * stride_fkb
-    v_base = FV + bh * stride_fkb
-    dq = tl.zeros([SUB, FINE_M, HEAD_DIM], tl.float32)
-    for j in range(0, fine_len):
-        krow, bias = fine_step_rows(ids, j, FINE_KB)
-        kt = tl.load(k_base + krow[:, None, :] * stride_fkn + dims[None, :, None])  # [SUB, d, FINE_KB]
-        vt = tl.load(v_base + krow[:, None, :] * stride_fkn + dims[None, :, None])
-        s = tl.dot(q3, kt, input_precision=PREC) * qk_scale + bias[:, None, None]
-        p = tl.math.exp2(s - lse3[:, :, None])
-        dp = tl.dot(do3, vt, input_precision=PREC)
-        ds = p * (dp - delta3[:, :, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt, 0, 2, 1), input_precision=PREC)
-    return tl.reshape(dq, [BLOCK_M, HEAD_DIM])
-
-
-@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -318,9 +187,6 @@ def _fwd_kernel(
     LOGW,
     O_INIT,
     LSE_INIT,
-    FK,
-    FV,
-    FLIST,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -338,20 +204,12 @@ def _fwd_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
-    stride_fkb,
-    stride_fkn,
-    stride_flb,
-    stride_flt,
-    fine_len,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     PER_ITER: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     HAS_INIT: tl.constexpr,
-    FINE_M: tl.constexpr,
-    FINE_KB: tl.constexpr,
-    FINE_SLOTS: tl.constexpr,
     PREC: tl.constexpr,
     EVEN_K: tl.constexpr,
     N_SUB: tl.constexpr,
@@ -413,31 +271,6 @@ def _fwd_kernel(
             m_i, l_i, acc = contiguous_fwd_step(
                 q, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, EVEN_TAIL, PREC
             )
-    if FINE_M > 0:  # then the fine bank's lists of the tile's query blocks, in this program: no partial result goes
-        # through memory. After the wgmma walks, not before: an accumulator defined by mma.sync makes ptxas serialize
-        # the wgmmas that continue it (its warning C7515 in the compile report)
-        m_i, l_i, acc = fine_walk(
-            q,
-            m_i,
-            l_i,
-            acc,
-            FK,
-            FV,
-            FLIST,
-            bh,
-            tile,
-            n_q,
-            fine_len,
-            stride_fkb,
-            stride_fkn,
-            stride_flb,
-            stride_flt,
-            qk_scale,
-            FINE_M,
-            FINE_KB,
-            FINE_SLOTS,
-            PREC,
-        )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
@@ -526,9 +359,6 @@ def _dq_kernel(
     LIST,
     LOGW,
     ADD_Q,
-    FK,
-    FV,
-    FLIST,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -547,20 +377,12 @@ def _dq_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
-    stride_fkb,
-    stride_fkn,
-    stride_flb,
-    stride_flt,
-    fine_len,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     PER_ITER: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    FINE_M: tl.constexpr,
-    FINE_KB: tl.constexpr,
-    FINE_SLOTS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr,
     PREC: tl.constexpr,
@@ -631,29 +453,6 @@ def _dq_kernel(
             dq = contiguous_dq_step(
                 q, do, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, lse2, delta, dq, EVEN_TAIL, PREC
             )
-    if FINE_M > 0:  # then the fine bank's keys of the same rows, in this program (as the forward's fine_walk)
-        dq += fine_dq_walk(
-            q,
-            do,
-            lse2,
-            delta,
-            FK,
-            FV,
-            FLIST,
-            bh,
-            tile,
-            n_q,
-            fine_len,
-            stride_fkb,
-            stride_fkn,
-            stride_flb,
-            stride_flt,
-            qk_scale,
-            FINE_M,
-            FINE_KB,
-            FINE_SLOTS,
-            PREC,
-        )
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
     if ACCUMULATE:  # add an earlier pass's fp32 dq (other keys of the same queries)
@@ -1002,16 +801,14 @@ _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 _fwd = autotuned(
     _fwd_kernel,
-    _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "FINE_M", "FINE_SLOTS"],
+    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=False),
 )
 _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"]
-    + ["FINE_M", "FINE_SLOTS"],
+    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
     prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=True),
 )
@@ -1139,42 +936,6 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
-def _check_fine(fine_k, fine_v, fine_lists, n_q: int, query_block: int, fine_block: int) -> None:
-    """A fine bank (``bsa_forward``'s ``fine``): whole blocks of keys in one layout for k and v, query blocks that
-    split the tile, one list per query block."""
-    if fine_lists is None:
-        return
-    assert fine_k.stride() == fine_v.stride() and fine_k.shape == fine_v.shape, "fine bank: one layout for k and v"
-    assert query_block % fine_block == 0 and fine_k.shape[1] % fine_block == 0, (query_block, fine_block)
-    assert fine_lists.shape[1] == triton.cdiv(n_q, fine_block), (fine_lists.shape, n_q, fine_block)
-
-
-def _fine_args(fine_k: torch.Tensor | None, fine_lists: torch.Tensor | None, fine_block: int) -> dict:
-    """Kernel arguments of a fine bank walked first (``bsa_forward``'s ``fine``): its strides, its lists' strides
-    and length (loaded into registers: ``FINE_SLOTS`` ids per query block); ``FINE_M = 0`` without one."""
-    if fine_lists is None:
-        return {
-            "stride_fkb": 0,
-            "stride_fkn": 0,
-            "stride_flb": 0,
-            "stride_flt": 0,
-            "fine_len": 0,
-            "FINE_M": 0,
-            "FINE_KB": 16,
-            "FINE_SLOTS": 1,
-        }
-    return {
-        "stride_fkb": fine_k.stride(0),
-        "stride_fkn": fine_k.stride(1),
-        "stride_flb": _bstride(fine_lists),
-        "stride_flt": fine_lists.stride(1),
-        "fine_len": fine_lists.shape[2],
-        "FINE_M": fine_block,
-        "FINE_KB": fine_block,
-        "FINE_SLOTS": triton.next_power_of_2(max(1, fine_lists.shape[2])),
-    }
-
-
 def bsa_forward(
     q,
     k,
@@ -1188,17 +949,12 @@ def bsa_forward(
     out_dtype=None,
     dense_tail=None,
     out_heads=0,
-    fine=None,
 ):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
-    name them); fine: optional (k2, v2, lists2, block2), a second key bank walked first in the same program, listed
-    per query block of ``block2`` rows in blocks of ``block2`` keys (LLSA's fine level: one softmax over both banks
-    without a partial result in memory; not with ``init``). Returns (o, lse); o is [BH, Nq, d], or with
-    ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
+    name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
     o_init, lse_init = init if init is not None else (None, None)
-    fine_k, fine_v, fine_lists, fine_block = fine if fine is not None else (None, None, None, 0)
     return _bsa_forward_op(
         q,
         k,
@@ -1207,12 +963,8 @@ def bsa_forward(
         log_weights,
         o_init,
         lse_init,
-        fine_k,
-        fine_v,
-        fine_lists,
         query_block,
         key_block,
-        fine_block,
         scale,
         out_dtype or q.dtype,
         out_heads,
@@ -1229,12 +981,8 @@ def _bsa_forward_op(
     log_weights: torch.Tensor | None,
     o_init: torch.Tensor | None,
     lse_init: torch.Tensor | None,
-    fine_k: torch.Tensor | None,
-    fine_v: torch.Tensor | None,
-    fine_lists: torch.Tensor | None,
     query_block: int,
     key_block: int,
-    fine_block: int,
     scale: float,
     out_dtype: torch.dtype,
     out_heads: int,
@@ -1246,8 +994,6 @@ def _bsa_forward_op(
     n_k = k.shape[1]
     n_tiles = triton.cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
-    _check_fine(fine_k, fine_v, fine_lists, n_q, query_block, fine_block)
-    assert o_init is None or fine_lists is None, "a fine bank starts the softmax: no init with it"
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = forward_blocks_per_step(query_block, key_block, d)
@@ -1261,9 +1007,6 @@ def _bsa_forward_op(
         log_weights if log_weights is not None else lse,
         o_init if o_init is not None else o,
         lse_init if lse_init is not None else lse,
-        fine_k if fine_k is not None else k,
-        fine_v if fine_v is not None else v,
-        fine_lists if fine_lists is not None else lists,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1275,14 +1018,13 @@ def _bsa_forward_op(
         n_k,
         lists.shape[2],
         scale * LOG2E,
-        **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
-        **_fine_args(fine_k, fine_lists, fine_block),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
         PER_ITER=per_iter,
         HAS_LOGW=log_weights is not None,
         HAS_INIT=o_init is not None,
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
@@ -1293,25 +1035,7 @@ def _bsa_forward_op(
 
 
 @_bsa_forward_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    lists,
-    log_weights,
-    o_init,
-    lse_init,
-    fine_k,
-    fine_v,
-    fine_lists,
-    qb,
-    kb,
-    fb,
-    scale,
-    out_dtype,
-    out_heads,
-    *tail,
-):
+def _(q, k, v, lists, log_weights, o_init, lse_init, query_block, key_block, scale, out_dtype, out_heads, *tail):
     return q.new_empty(_out_shape(q, out_heads), dtype=out_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -1341,15 +1065,12 @@ def bsa_backward_dq(
     out_dtype=torch.float32,
     dense_tail=None,
     pooled_add=None,
-    fine=None,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
     ``do``: [BH, Nq, d] or tokens-major [BH / H, Nq, H, d] (``row_layout``). With ``o`` (same layout as ``do``)
     it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
-    ``dense_tail`` and ``fine`` (a second key bank in the same program) as in ``bsa_forward``. ``pooled_add``
-    (fp32 [BH, ceil(Nq / query_block), d]): adds each query tile's ``g[tile] / (its real rows)`` to its rows (the
-    mean-pool adjoint of a pooled copy of q, fused)."""
-    fine_k, fine_v, fine_lists, fine_block = fine if fine is not None else (None, None, None, 0)
+    ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
+    tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
     return _bsa_backward_dq_op(
         q,
         k,
@@ -1362,12 +1083,8 @@ def bsa_backward_dq(
         dq,
         o,
         pooled_add,
-        fine_k,
-        fine_v,
-        fine_lists,
         query_block,
         key_block,
-        fine_block,
         scale,
         out_dtype,
         *_tail_tuple(dense_tail),
@@ -1388,12 +1105,8 @@ def _bsa_backward_dq_op(
     dq: torch.Tensor | None,
     o: torch.Tensor | None,
     pooled_add: torch.Tensor | None,
-    fine_k: torch.Tensor | None,
-    fine_v: torch.Tensor | None,
-    fine_lists: torch.Tensor | None,
     query_block: int,
     key_block: int,
-    fine_block: int,
     scale: float,
     out_dtype: torch.dtype,
     tail_lo: int,
@@ -1402,7 +1115,6 @@ def _bsa_backward_dq_op(
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
-    _check_fine(fine_k, fine_v, fine_lists, n_q, query_block, fine_block)
     if o is not None:  # read with do's strides (those of a size-1 dim are never used)
         assert o.shape == do.shape and all(a == b or n == 1 for a, b, n in zip(o.stride(), do.stride(), do.shape))
     accumulate = dq is not None
@@ -1422,9 +1134,6 @@ def _bsa_backward_dq_op(
         lists,
         log_weights if log_weights is not None else lse,
         pooled_add if pooled_add is not None else lse,
-        fine_k if fine_k is not None else k,
-        fine_v if fine_v is not None else v,
-        fine_lists if fine_lists is not None else lists,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1437,8 +1146,6 @@ def _bsa_backward_dq_op(
         lists.shape[2],
         scale * LOG2E,
         scale,
-        **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),
-        **_fine_args(fine_k, fine_lists, fine_block),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
@@ -1446,6 +1153,7 @@ def _bsa_backward_dq_op(
         HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
         HAS_ADD=pooled_add is not None,
+        **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),
         COMPUTE_DELTA=o is not None,
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
@@ -1458,9 +1166,7 @@ def _bsa_backward_dq_op(
 
 
 @_bsa_backward_dq_op.register_fake
-def _(
-    q, k, v, do, lse, delta, lists, log_weights, dq, o, pooled_add, fk, fv, flists, qb, kb, fb, scale, out_dtype, *tail
-):
+def _(q, k, v, do, lse, delta, lists, log_weights, dq, o, pooled_add, query_block, key_block, scale, out_dtype, *tail):
     return q.new_empty(q.shape, dtype=out_dtype)
 
 

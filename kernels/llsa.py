@@ -247,12 +247,6 @@ def _bank_log_weights(N, B, L, Le, device):
     return w
 
 
-def _one_pass(B: int, Le: int) -> bool:
-    """Whether the forward and the dq walk the fine level inside the pooled pass (``bsa_forward``'s ``fine``): with a
-    pooled bank and fine blocks that split its 64-row tiles."""
-    return Le >= 1 and COARSE_TILE % B == 0
-
-
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -280,19 +274,34 @@ class _LLSATriton(torch.autograd.Function):
         # the last pass writes the output tokens-major ([b, N, h, d]): the model's projection reads it as it is
         # (llsa_attention returns it transposed, a view) and its gradient arrives in that layout, so neither the
         # forward nor the backward copies it (a transposed [b, h, N, d] output costs one copy each way)
+        o, lse = bs.bsa_forward(
+            qf,
+            kf,
+            vf,
+            fine_lists,
+            B,
+            B,
+            scale,
+            out_dtype=torch.float32 if has_coarse else None,
+            out_heads=0 if has_coarse else h,
+        )
         logw, tail = None, _bank_tail(N, B, L, Le)
-        if not has_coarse:
-            o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_heads=h)
-        else:
+        if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
-            pooled = (bank_k, bank_v, coarse_lists, COARSE_TILE, B, scale, logw)
-            if _one_pass(B, Le):  # each 64-row tile walks the pooled bank, then its query blocks' fine lists
-                o, lse = bs.bsa_forward(
-                    qf, *pooled, out_dtype=q.dtype, dense_tail=tail, out_heads=h, fine=(kf, vf, fine_lists, B)
-                )
-            else:  # blocks larger than a tile: the fine pass first, its fp32 partial continued by the pooled pass
-                o, lse = bs.bsa_forward(qf, kf, vf, fine_lists, B, B, scale, out_dtype=torch.float32)
-                o, lse = bs.bsa_forward(qf, *pooled, init=(o, lse), out_dtype=q.dtype, dense_tail=tail, out_heads=h)
+            o, lse = bs.bsa_forward(
+                qf,
+                bank_k,
+                bank_v,
+                coarse_lists,
+                COARSE_TILE,
+                B,
+                scale,
+                logw,
+                init=(o, lse),
+                out_dtype=q.dtype,
+                dense_tail=tail,
+                out_heads=h,
+            )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths)
         return o
@@ -306,35 +315,19 @@ class _LLSATriton(torch.autograd.Function):
         do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
         delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
         dq = pooled_k = pooled_v = None
-        one_pass = _one_pass(B, Le)
         if Le >= 1:
-            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O), and in one pass
-            # walks the fine lists of its rows too, writing the whole dq
+            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
             dq = bs.bsa_backward_dq(
-                qf,
-                bank_k,
-                bank_v,
-                do,
-                lse,
-                delta,
-                coarse_lists,
-                COARSE_TILE,
-                B,
-                scale,
-                logw,
-                o=o,
-                dense_tail=tail,
-                fine=(kf, vf, fine_lists, B) if one_pass else None,
-                out_dtype=dt if one_pass else torch.float32,
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
             )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
-        if not one_pass:  # fine level (B-row query blocks over k/v): adds the pooled dq, writes the input dtype
-            dq = bs.bsa_backward_dq(
-                qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
-            )
-        # the fine dk/dv adds in its epilogue the mean-pool adjoint of the pooled gradients
+        # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
+        # adjoint of the pooled gradients; writes the input dtype directly
+        dq = bs.bsa_backward_dq(
+            qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
+        )
         dk, dv = bs.bsa_backward_dkdv(
             qf,
             kf,

@@ -184,35 +184,25 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     dq_strides.pop("out_heads")
     flat_out = dict(stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)  # the fine pass's fp32 partial output
 
-    def fine_bank(fine):  # the fine level walked in the same program (LLSA's one pass): 8 blocks per 16 rows
-        fine_args = dict(FK="*bf16", FV="*bf16", FLIST="*i32", stride_fkb=n * d, stride_fkn=d)
-        return fine_args | dict(stride_flb=(n // 16) * 8, stride_flt=8, fine_len=8 if fine else 0)
-
-    def fine_const(fine):
-        return dict(FINE_M=16 if fine else 0, FINE_KB=16, FINE_SLOTS=8 if fine else 1)
-
-    def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, fine=False):
+    def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
-        args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d)
-        args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
-        args |= dict(qk_scale=0.18, **strides, **tail_args)
+        args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
+        args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
         args |= flat_out if out == "*fp32" else {}
-        args |= fine_bank(fine)
         per_iter = block_sparse.forward_blocks_per_step(block_m, 16, d)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
-        const |= fine_const(fine)
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
-    def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args, fine=False):
+    def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32")
         args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", ADD_Q="*fp32", stride_kb=n_k * d, stride_kn=d)
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
-        args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args, **fine_bank(fine))
+        args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
         const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
-        const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d), **fine_const(fine))
+        const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d))
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
@@ -289,13 +279,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     rows = [
         ("fwd fine (16-row blocks)", block_sparse._fwd_kernel, *fwd_fine),
         ("fwd pooled (64-row tiles + tail)", block_sparse._fwd_kernel, *fwd_pooled),
-        ("fwd fine + pooled, one pass", block_sparse._fwd_kernel, *fwd(64, bank, 8, "*bf16", False, True, tail, True)),
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
-        (
-            "dq pooled + fine, one pass",
-            block_sparse._dq_kernel,
-            *dq(64, bank, 8, "*bf16", False, True, True, tail, True),
-        ),
         ("dq fine", block_sparse._dq_kernel, *dq_fine),
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
         ("dkdv pooled candidates (by query group)", block_sparse._grouped_dkdv_kernel, *grouped_dkdv(256, 8)),
