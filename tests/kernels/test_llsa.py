@@ -157,8 +157,8 @@ def test_torch_path_reference_l1_grad_scales_pooled_gradient():
         (1, 1, 512, 32, 16, 2, [32, 2], None),
         (1, 1, 512, 64, 16, 1, 1, 0),
         (1, 1, 2048, 16, 16, 1, 4, None),  # coarsest level of 128 rows: whole contiguous steps, no mask
-        (1, 1, 1024, 32, 64, 1, 2, None),  # B = 64: one fine block per pooled tile (the one-pass forward)
-        (1, 1, 1024, 32, 128, 1, 2, None),  # B = 128 > the pooled tile: the fine pass, then the pooled pass
+        (1, 1, 1024, 32, 64, 1, 2, None),  # B = 64: one fine block per pooled tile
+        (1, 1, 1024, 32, 128, 1, 2, None),  # B = 128: a fine block spans two pooled tiles
     ],
 )
 def test_triton_matches_oracle(b, h, N, d, B, L, K, Le):
