@@ -11,7 +11,6 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --means both  # prologue vs own
-    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --weights both  # bf16 weights
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
 
 --profile adds, per row, one more batch under torch.profiler: its GPU time by kind of kernel (the table of
@@ -22,10 +21,7 @@ and the top ops, with the time per image and Euler step.
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
 --means both does the same for LLSA's block means of q, k, v: computed by the qk-norm + RoPE kernel as it writes
 them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
-"means" column. --weights both: the model's weights in fp32 (what training keeps and evaluation samples with:
-autocast runs the matmuls in bf16 while the residual stream and the ops autocast leaves alone stay fp32) or cast
-to bf16, so the whole forward runs in bf16 (an experiment: it changes the samples by bf16 rounding; the "weights"
-column).
+"means" column.
 
 Each row also says what the sampling of a 50,000-image FID costs on one such device ("50k h": hours at --steps
 Euler steps; the Inception pass over the samples is not included). With --out DIR: bench_sampling.md (rewritten
@@ -99,13 +95,6 @@ def parse_args(argv=None):
     )
     add_block_means_option(parser)
     parser.add_argument(
-        "--weights",
-        default="fp32",
-        choices=["fp32", "bf16", "both"],
-        help="the model's weights while sampling: fp32 under autocast (what evaluation does), bf16 (the residual "
-        "stream in bf16 too; needs --precision bf16), or both in one run (an A/B)",
-    )
-    parser.add_argument(
         "--kernels-from",
         default=None,
         metavar="DIR",
@@ -114,11 +103,11 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str, weights: str) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
-    model = model.to(device, dtype=torch.bfloat16 if weights == "bf16" else None).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
     if args.batch == "auto":
         batch = auto_batch_size(model, (side, side), device, args.precision)
@@ -143,7 +132,6 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
         "compiled": bool(args.compile and cuda),
         "GELU": gelu if cuda else "separate",
         "means": means,
-        "weights": weights,
         "batch s": seconds,
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
@@ -195,20 +183,18 @@ def write_files(out: Path, command: str, settings: str, rows: list[dict]) -> Non
 
 
 def variant(row: dict) -> str:
-    """The row's attention variant, with the MLP's GELU named where it ran as separate ops, the block means where
-    the backend pooled them and the weights where they were bf16."""
+    """The row's attention variant, with the MLP's GELU named where it ran as separate ops and the block means where
+    the backend pooled them."""
     return (
         row["attention"]
         + (" (separate GELU)" if row.get("GELU") == "separate" else "")
         + (" (means in backend)" if row.get("means") == "backend" else "")
-        + (" (bf16 weights)" if row.get("weights") == "bf16" else "")
     )
 
 
 def ab_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(row, twin) for every --gelu / --means / --weights A/B: the twin ran the same attention with only that switch
-    off."""
-    switches = {"GELU": "separate", "means": "backend", "weights": "fp32"}
+    """(row, twin) for every --gelu / --means A/B: the twin ran the same attention with only that switch off."""
+    switches = {"GELU": "separate", "means": "backend"}
     pairs = []
     for row in rows:
         for key, off in switches.items():
@@ -263,11 +249,6 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.quick:
         args.sizes, args.batch, args.steps, args.warmup, args.repeats = [16], 2, 2, 1, 1
-    if args.weights != "fp32" and args.precision != "bf16":
-        sys.exit(
-            f"error: --weights {args.weights} needs --precision bf16 (got {args.precision}): the bf16 weights' "
-            "inputs are cast by autocast; use --weights fp32 for other precisions"
-        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
     try:  # every variant is checked before the first one is timed
@@ -283,26 +264,18 @@ def main(argv=None) -> list[dict]:
     )
     rows = []
     gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
-    weightses = ["fp32", "bf16"] if args.weights == "both" else [args.weights]
     for side in args.sizes:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
-            for gelu, means, weights in [(g, m, w) for g in gelus for m in meanses for w in weightses]:
+            for gelu, means in [(g, m) for g in gelus for m in meanses]:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 label = means if variants[attention].block_means else "-"
                 try:
-                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label, weights))
+                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label))
                 except torch.OutOfMemoryError:
                     rows.append(
-                        {
-                            "attention": attention,
-                            "size": f"{side}x{side}",
-                            "batch": "OOM",
-                            "GELU": gelu,
-                            "means": label,
-                            "weights": weights,
-                        }
+                        {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu, "means": label}
                     )
                     torch.cuda.empty_cache()
                 finally:

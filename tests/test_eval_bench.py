@@ -5,7 +5,6 @@ import runpy
 from pathlib import Path
 
 import pytest
-import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_sampling.py"
 
@@ -77,28 +76,3 @@ def test_bench_sampling_profile_groups_the_batch_by_kind_of_kernel(capsys):
     assert "time by kind of kernel" in captured.err
     header = next(line for line in captured.out.splitlines() if line.startswith("| attention | size |"))
     assert "profile" not in header  # a table of its own, not a column of the results table
-
-
-def test_bench_sampling_weights_both_samples_with_fp32_and_bf16_weights(capsys, monkeypatch):
-    from pixdit.models.dit import DiT
-
-    seen = []
-    forward = DiT.forward
-
-    def spy(self, *args, **kwargs):
-        seen.append(next(self.parameters()).dtype)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(DiT, "forward", spy)
-    script = runpy.run_path(str(SCRIPT))
-    rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--weights", "both"])
-    assert [(r["attention"], r["weights"]) for r in rows] == [("llsa", "fp32"), ("llsa", "bf16")]
-    assert set(seen) == {torch.float32, torch.bfloat16}
-    assert "16x16 llsa (separate GELU) (bf16 weights): " in capsys.readouterr().out  # the A/B line: bf16 / fp32
-
-
-def test_bench_sampling_bf16_weights_need_bf16_autocast(capsys):
-    script = runpy.run_path(str(SCRIPT))
-    with pytest.raises(SystemExit, match="--weights bf16 needs --precision bf16 \\(got fp32\\)"):
-        script["main"](["--device", "cpu", "--quick", "--weights", "bf16", "--precision", "fp32"])
-    assert "images/s" not in capsys.readouterr().err
