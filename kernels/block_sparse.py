@@ -589,7 +589,7 @@ def _dkdv_kernel(
         r_ok = rows < n_q
         if PER_ITER > 1:
             r_ok = r_ok & e_ok
-        # whole tiles of an even N: every row exists; key rows >= Nk are never stored, so no mask at all
+        # masked unless whole tiles of an even N (then every row exists; key rows >= Nk are never stored)
         q, do, lse2, delta = query_rows(
             Q,
             do_base,
