@@ -28,10 +28,13 @@ train: $(STAMP) $(QUICKSTART_DATA)
 	$(PY) train.py experiment=quickstart $(ARGS)
 
 # Lint and format check first (ruff, configured in pyproject.toml): `make format` fixes what it can.
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist, a dev extra; 0 = one process): 2 keeps a 2-core
+# machine's run under 10 minutes (8.4 instead of 11.4, 795 tests, 2026-12-03) without a worker per core elsewhere.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) $(ARGS)
 
 format: $(STAMP)
 	$(PY) -m ruff format .
