@@ -13,6 +13,10 @@ on the same inputs, and reports the median of the rounds' ``do_bench`` medians a
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
+Each call is timed as a model makes it: the output merged into ``[b, N, h * d]`` (the input of the output
+projection) and its gradient handed back in that layout, so a library that writes its output tokens-major is
+credited with the copies it saves, and one that does not pays them.
+
 A case is ``METHOD:SIDE[:X[:B]]`` (tokens = SIDE², head_dim 64): ``llsa:256:2`` is LLSA with K = 8, L = 2 and blocks
 of B = 16; ``llsa:256:2:32`` the same with B = 32; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles
 and the K of ``bench_attention.py``'s VSA/SLA rows (``--baseline-topk``), ``vsa:256:64`` for K = 64.
