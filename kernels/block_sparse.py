@@ -554,6 +554,8 @@ def _dkdv_kernel(
     split = tl.program_id(2)
     KEY_ROWS: tl.constexpr = KEY_BLOCK * GROUP
     QROWS: tl.constexpr = QUERY_BLOCK * PER_ITER // N_SUB  # query rows per step (a tile > 64 rows: N_SUB steps)
+    # query rows masked unless whole tiles of an even N (then every row exists; key rows >= Nk are never stored)
+    MASK_ROWS: tl.constexpr = PER_ITER > 1 or not EVEN_Q
     first_blk = blk_lo + g * GROUP
     krow = first_blk.to(tl.int64) * KEY_BLOCK + tl.arange(0, KEY_ROWS)
     k_ok = krow < n_k
@@ -589,28 +591,15 @@ def _dkdv_kernel(
         r_ok = rows < n_q
         if PER_ITER > 1:
             r_ok = r_ok & e_ok
-        # masked unless whole tiles of an even N (then every row exists; key rows >= Nk are never stored)
         q, do, lse2, delta = query_rows(
-            Q,
-            do_base,
-            LSE,
-            DELTA,
-            bh,
-            rows,
-            r_ok,
-            dims,
-            stride_qb,
-            stride_qn,
-            stride_dn,
-            n_q,
-            PER_ITER > 1 or not EVEN_Q,
+            Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK_ROWS
         )
         if TRANSPOSED:  # keys in N: see the note above _dq_kernel
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             if HAS_LOGW:
                 s += w[None, :]
             p = tl.math.exp2(s - lse2[:, None])
-            if PER_ITER > 1 or not EVEN_Q:
+            if MASK_ROWS:
                 p = tl.where(r_ok[:, None] & k_ok[None, :], p, 0.0)
             dvt += tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -618,7 +607,7 @@ def _dkdv_kernel(
             dkt += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PREC)
         else:
             dk, dv = key_major_step(
-                k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, PER_ITER > 1 or not EVEN_Q, PREC
+                k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, MASK_ROWS, PREC
             )
     if TRANSPOSED:
         dk = tl.trans(dkt)
