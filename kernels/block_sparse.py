@@ -24,8 +24,8 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
                     partial sums are added in a fixed order, so every gradient row has one writer.
 Per iteration the dq gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the key-major
 backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores with 64-wide
-dots; so does the forward, except in a one-warp program (16 query rows), which walks one listed block per step
-(``forward_blocks_per_step``).
+dots; so do the forward and the dk/dv, except in a one-warp program (16 query rows, or 16 keys), which walks one
+listed block per step (``forward_blocks_per_step``, ``dkdv_blocks_per_step``).
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
@@ -883,6 +883,17 @@ def forward_blocks_per_step(query_block: int, key_block: int, head_dim: int) -> 
     return blocks_per_step(key_block)
 
 
+def dkdv_blocks_per_step(query_block: int, key_rows: int, head_dim: int) -> int:
+    """Listed query blocks per step of the key-major dk/dv: ``blocks_per_step``, except in a one-warp program (16
+    keys, ``program_warps``), which walks one query block per step along the scalar-id path. With 64 query rows per
+    step its Q and dO tiles held the program at 255 registers with spills (Triton 3.6); with 16 it holds 144 and
+    none, so more programs share an SM: LLSA's fine dk/dv measured 1.18x faster at 256², VSA's 1.04x
+    (docs/kernel_notes.md v28)."""
+    if program_warps(key_rows, True, head_dim) == 1:
+        return 1
+    return blocks_per_step(query_block)
+
+
 # Lists up to this many ids are loaded into registers before the walk (``listed_ids``); longer ones step by step,
 # where a register copy would cost more (a masked sum over it per step) than the deeper pipelining saves.
 LIST_IN_REGISTERS = 128
@@ -1248,7 +1259,7 @@ def _bsa_backward_dkdv_op(
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_groups = triton.cdiv(hi - lo, group)
-    per_iter = blocks_per_step(query_block)
+    per_iter = dkdv_blocks_per_step(query_block, key_block * group, d)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
     if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)

@@ -211,7 +211,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // 16 + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
         args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
-        per_iter = block_sparse.blocks_per_step(query_block)
+        per_iter = block_sparse.dkdv_blocks_per_step(query_block, 16 * group, d)
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)

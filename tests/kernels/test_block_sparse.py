@@ -160,7 +160,8 @@ def dense_masked_reference(q, k, v, lists, qb, kb, logw=None):
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 # (qb, kb, nq, tail): blocks >= 64 take the scalar-id paths; tail 0 = no partial block anywhere (unmasked loads)
 @pytest.mark.parametrize(
-    "qb,kb,nq,tail", [(16, 16, 200, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0), (128, 64, 256, 0)]
+    "qb,kb,nq,tail",
+    [(16, 16, 200, 7), (32, 16, 100, 7), (64, 32, 150, 7), (32, 64, 256, 7), (64, 64, 256, 0), (128, 64, 256, 0)],
 )
 # the Triton walks read short lists from registers (listed_ids) and long ones step by step: both, on the same lists
 @pytest.mark.parametrize("ids_in_registers", [True, False])
@@ -333,13 +334,14 @@ def test_block_sparse_rejects_bad_blocks():
 
 
 def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
-    """16-row programs on one warp (the forward one listed block per step); the forward of 32 rows on two, its
-    (transposed) backward on a warpgroup; programs of < 64 rows with a head dim of 128 on a warpgroup; tiles of 64
-    and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
+    """16-row programs on one warp (the forward and the dk/dv one listed block per step); the forward of 32 rows on
+    two, its (transposed) backward on a warpgroup; programs of < 64 rows with a head dim of 128 on a warpgroup; tiles
+    of 64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
     from pixdit.kernels.block_sparse import (
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
         _configs_for,
+        dkdv_blocks_per_step,
         forward_blocks_per_step,
         program_warps,
         transposed_backward,
@@ -349,6 +351,9 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     # a one-warp forward walks one listed block per step; the others gather blocks until a step has 64 keys
     assert [forward_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
     assert forward_blocks_per_step(16, 16, 128) == 4 and forward_blocks_per_step(32, 32, 64) == 2
+    # so does a one-warp dk/dv (16 keys), one query block per step; wider key groups gather 64 query rows per step
+    assert [dkdv_blocks_per_step(16, r, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
+    assert dkdv_blocks_per_step(16, 16, 128) == 4 and dkdv_blocks_per_step(32, 64, 64) == 2
     assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
     assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
     assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
