@@ -72,6 +72,20 @@ def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, p
 
 
 @triton.jit
+def _program(n, num_heads, ROWS: tl.constexpr):
+    """This program's part (0 = q, 1 = k, 2 = v), batch * head index and token tile, and the number of (batch, head)
+    pairs and of token tiles. A one-dimensional launch (``_grid``) with the parts and heads varying fastest: the
+    programs in flight read the neighbouring channels of the same token rows, so whole rows of qkv stream from
+    memory, instead of one head's 128 bytes of each row, 2,304 bytes apart, in a tile-major order."""
+    parts = 3 * num_heads  # (part, head) pairs
+    n_tiles = tl.cdiv(n, ROWS)
+    pair, rest = tl.program_id(0) % parts, tl.program_id(0) // parts
+    batch, tile = rest // n_tiles, rest % n_tiles
+    n_bh = tl.num_programs(0) // (parts * n_tiles) * num_heads
+    return pair // num_heads, batch * num_heads + pair % num_heads, tile, n_bh, n_tiles
+
+
+@triton.jit
 def _tile(bh, part, rows, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """One tile of q, k or v with these token rows: its channels, mask of real rows and channels (DIM_PAD = head_dim
     rounded up to a power of two), batch index, channel offsets in a [b, n, 3, heads, d] row, and offsets in one
@@ -135,7 +149,7 @@ def _qk_norm_rope_fwd_kernel(
     POOL: tl.constexpr,
     LANES: tl.constexpr,
 ):
-    tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # part: 0 = q, 1 = k, 2 = v
+    part, bh, tile, n_bh, _ = _program(n, num_heads, ROWS)
     if POOL > 0:
         rows = tile * ROWS + _pooling_order(ROWS, POOL, LANES)
     else:
@@ -149,14 +163,14 @@ def _qk_norm_rope_fwd_kernel(
         even, odd = _pairs(x, ROWS, DIM_PAD)
         cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
         x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
-    out = OUT + (part * tl.num_programs(1)).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
+    out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
     x = x.to(OUT.dtype.element_ty)
     tl.store(out + out_offset, x, mask=mask)
     if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
         blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
         tiles = tl.reshape(x.to(tl.float32), [POOL // LANES, ROWS // POOL, LANES, DIM_PAD])  # (repeat, block, lane)
         sums = tl.sum(tl.sum(tiles, 0), 1)  # the repeats in registers first, then across lanes: fewer shuffles
-        means = MEANS + ((part * tl.num_programs(1) + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
+        means = MEANS + ((part * n_bh + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
         block_mask = (blocks < n // POOL)[:, None] & (dims < HEAD_DIM)[None, :]
         tl.store(means + blocks[:, None] * HEAD_DIM + dims[None, :], sums / POOL, mask=block_mask)
 
@@ -183,7 +197,7 @@ def _qk_norm_rope_bwd_kernel(
     DIM_PAD: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    tile, bh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part, bh, tile, n_bh, n_tiles = _program(n, num_heads, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
     dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
@@ -205,7 +219,7 @@ def _qk_norm_rope_bwd_kernel(
         xhat = x * inv_rms
         w = tl.load(W + part * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
         # d weight: this program's partial sum over its rows (masked rows load 0 and contribute 0)
-        partial = DW_PARTIAL + ((part * tl.num_programs(1) + bh) * tl.num_programs(0) + tile) * HEAD_DIM + dims
+        partial = DW_PARTIAL + ((part * n_bh + bh) * n_tiles + tile) * HEAD_DIM + dims
         tl.store(partial, tl.sum(dy * xhat, 0), mask=dims < HEAD_DIM)
         # d x = inv_rms * (dxhat - xhat * mean(dxhat * xhat)), dxhat = dy * w
         dxhat = dy * w
@@ -213,8 +227,13 @@ def _qk_norm_rope_bwd_kernel(
         tl.store(DQKV + d_offset, (inv_rms * (dxhat - xhat * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
 
 
+def _tiles(n: int, rows: int = ROWS_PER_PROGRAM) -> int:
+    return triton.cdiv(n, rows)
+
+
 def _grid(b, n, num_heads, rows=ROWS_PER_PROGRAM):
-    return (triton.cdiv(n, rows), b * num_heads, 3)
+    """One program per (batch, token tile, part, head), the last varying fastest: see ``_program``."""
+    return (b * _tiles(n, rows) * 3 * num_heads,)
 
 
 def _forward_rows(pool_block: int) -> int:
@@ -282,7 +301,7 @@ def _backward_out(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torc
     """d qkv (contiguous ``[b, n, width]``, whatever qkv's layout) and the weights' per-program partial gradients
     (fp32 ``[2, b * heads, programs, head_dim]``)."""
     b, n, width = qkv.shape
-    programs = _grid(b, n, num_heads)[0]
+    programs = _tiles(n)
     dw_partial = qkv.new_empty((2, b * num_heads, programs, width // (3 * num_heads)), dtype=torch.float32)
     return qkv.new_empty((b, n, width)), dw_partial
 
