@@ -24,8 +24,8 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
                     partial sums are added in a fixed order, so every gradient row has one writer.
 Per iteration the dq gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the key-major
 backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores with 64-wide
-dots; so do the forward and the dk/dv, except in a one-warp program (16 query rows, or 16 keys), which walks one
-listed block per step (``forward_blocks_per_step``, ``dkdv_blocks_per_step``).
+dots; so do the forward, the dq and the dk/dv, except in a one-warp program (16 query rows, or 16 keys), which walks one
+listed block per step (``query_major_blocks_per_step``, ``key_major_blocks_per_step``).
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
@@ -745,9 +745,23 @@ def _sum_slots_kernel(
 # dense tail or a list in registers (listed_ids).
 _WARPGROUP_PROGRAMS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (2, 2))  # (warps, stages) to try
 _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_warps(rows) warps
+# ptxas's register budget (``maxnreg``) of the 64-row programs on 4 warps at head dim <= 64 with 16-bit inputs. Left
+# alone, ptxas gives the forward 150 registers, the dq 142 and the key-major dk/dv 183 (Triton 3.6), so 3, 3 and 2
+# programs share an SM. Capped, the forward and dq hold 128 without spills (4 per SM) and the dk/dv 168 with 16 B
+# spilled (3 per SM): on the H200 LLSA's pooled forward 1.11x, pooled dq 1.08x, coarsest dk/dv 1.12x at 256² (1.48x
+# at 512²) and VSA's 64-key dk/dv 1.21x faster (docs/kernel_notes.md v28). The dk/dv by query group (210 registers)
+# is not capped: 168 would spill 72 B. The autotuner also times the capped configuration against the others.
+_REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 168}
 _CONFIGS = [
     triton.Config({}, num_warps=w, num_stages=s) for w, s in dict.fromkeys(_WARPGROUP_PROGRAMS + _SMALL_PROGRAMS)
-]
+] + [triton.Config({}, num_warps=4, num_stages=2, maxnreg=cap) for cap in sorted(set(_REGISTER_CAPS.values()))]
+
+
+def register_cap(kernel: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:
+    """``maxnreg`` of a ``kernel`` ("forward", "dq" or "dkdv") program of ``rows`` rows (see ``_REGISTER_CAPS``)."""
+    if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _REGISTER_CAPS.get(kernel)
 
 
 def program_warps(rows: int, backward: bool, head_dim: int) -> int:
@@ -771,16 +785,24 @@ def transposed_backward(rows: int, head_dim: int) -> bool:
     return rows < 64 and program_warps(rows, True, head_dim) >= 4
 
 
-def _configs_for(rows_of, backward: bool):
+def _configs_for(rows_of, backward: bool, kernel: str = ""):
     """The autotuner's pruning (Triton's ``early_config_prune``): the configurations worth timing for a program
-    of ``rows_of(launch arguments)`` rows, small ones with at most ``program_warps`` warps."""
+    of ``rows_of(launch arguments)`` rows, small ones with at most ``program_warps`` warps, and a register-capped one
+    where ``register_cap`` gives ``kernel``'s program a cap."""
 
     def prune(configs, named_args, **kwargs):
         meta = {**named_args, **kwargs}
-        warps = program_warps(rows_of(meta), backward, meta["HEAD_DIM"])
+        rows = rows_of(meta)
+        warps = program_warps(rows, backward, meta["HEAD_DIM"])
+        cap = register_cap(kernel, rows, meta["HEAD_DIM"], meta["Q"].dtype)
         small = warps < 4
         allowed = _SMALL_PROGRAMS if small else _WARPGROUP_PROGRAMS
-        return [c for c in configs if (c.num_warps, c.num_stages) in allowed and (not small or c.num_warps <= warps)]
+        return [
+            c
+            for c in configs
+            if (c.maxnreg is None and (c.num_warps, c.num_stages) in allowed and (not small or c.num_warps <= warps))
+            or (c.maxnreg is not None and c.maxnreg == cap)
+        ]
 
     return prune
 
@@ -792,20 +814,20 @@ _fwd = autotuned(
     _fwd_kernel,
     _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=False),
+    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=False, kernel="forward"),
 )
 _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
     + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=True),
+    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=True, kernel="dq"),
 )
 _dkdv = autotuned(
     _dkdv_kernel,
     _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True),
+    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True, kernel="dkdv"),
 )
 _grouped_dkdv = autotuned(
     _grouped_dkdv_kernel,
@@ -815,9 +837,13 @@ _grouped_dkdv = autotuned(
 )
 
 
-def _launch(rows: int, backward: bool, head_dim: int) -> dict:
-    """Launch options of a program of ``rows`` query or key rows (none when autotuned)."""
-    return {} if AUTOTUNE else {"num_warps": program_warps(rows, backward, head_dim), "num_stages": 2}
+def _launch(rows: int, backward: bool, head_dim: int, max_registers: int | None = None) -> dict:
+    """Launch options of a program of ``rows`` query or key rows (none when autotuned); ``max_registers``: its
+    ``register_cap``."""
+    if AUTOTUNE:
+        return {}
+    options = {"num_warps": program_warps(rows, backward, head_dim), "num_stages": 2}
+    return options | ({"maxnreg": max_registers} if max_registers else {})
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -872,18 +898,19 @@ def blocks_per_step(block: int) -> int:
     return max(1, 64 // block)
 
 
-def forward_blocks_per_step(query_block: int, key_block: int, head_dim: int) -> int:
-    """Listed key blocks per step of the forward: ``blocks_per_step``, except in a one-warp program (16 query rows,
-    ``program_warps``), which walks one block per step along the scalar-id path. Its program then holds 80 instead
-    of 168 registers and 6 instead of 18 KB of shared memory (Triton 3.6, blocks of 16), so twice as many share an
-    SM: LLSA's fine forward measured 1.10x faster (docs/kernel_notes.md v22). The dq keeps 64 keys per step: fewer
-    measured faster for LLSA's lists of 8 blocks but slower for VSA's of 32."""
+def query_major_blocks_per_step(query_block: int, key_block: int, head_dim: int) -> int:
+    """Listed key blocks per step of a query-major walk (the forward, the dq): ``blocks_per_step``, except in a
+    one-warp program (16 query rows, ``program_warps``, the same in both), which walks one block per step along the
+    scalar-id path. The forward's program then holds 80 instead of 168 registers and 6 instead of 18 KB of shared
+    memory (Triton 3.6, blocks of 16), so twice as many share an SM: LLSA's fine forward measured 1.10x faster
+    (docs/kernel_notes.md v22). The dq, measured after the dk/dv took the same form (v28): LLSA's fine dq 1.05x at
+    256², VSA's 1.06x (two blocks per step had measured faster for LLSA's lists and slower for VSA's, v22)."""
     if program_warps(query_block, False, head_dim) == 1:
         return 1
     return blocks_per_step(key_block)
 
 
-def dkdv_blocks_per_step(query_block: int, key_rows: int, head_dim: int) -> int:
+def key_major_blocks_per_step(query_block: int, key_rows: int, head_dim: int) -> int:
     """Listed query blocks per step of the key-major dk/dv: ``blocks_per_step``, except in a one-warp program (16
     keys, ``program_warps``), which walks one query block per step along the scalar-id path. With 64 query rows per
     step its Q and dO tiles held the program at 255 registers with spills (Triton 3.6); with 16 it holds 144 and
@@ -996,7 +1023,7 @@ def _bsa_forward_op(
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
-    per_iter = forward_blocks_per_step(query_block, key_block, d)
+    per_iter = query_major_blocks_per_step(query_block, key_block, d)
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -1029,7 +1056,7 @@ def _bsa_forward_op(
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-        **_launch(query_block, False, d),
+        **_launch(query_block, False, d, register_cap("forward", query_block, d, q.dtype)),
     )
     return o, lse
 
@@ -1120,7 +1147,7 @@ def _bsa_backward_dq_op(
     accumulate = dq is not None
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
-    per_iter = blocks_per_step(key_block)
+    per_iter = query_major_blocks_per_step(query_block, key_block, d)
     _dq[(n_tiles, BH)](
         q,
         k,
@@ -1160,7 +1187,7 @@ def _bsa_backward_dq_op(
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         TRANSPOSED=transposed_backward(query_block, d),
-        **_launch(query_block, True, d),
+        **_launch(query_block, True, d, register_cap("dq", query_block, d, q.dtype)),
     )
     return dq
 
@@ -1259,7 +1286,7 @@ def _bsa_backward_dkdv_op(
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_groups = triton.cdiv(hi - lo, group)
-    per_iter = dkdv_blocks_per_step(query_block, key_block * group, d)
+    per_iter = key_major_blocks_per_step(query_block, key_block * group, d)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
     if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)
@@ -1310,7 +1337,7 @@ def _bsa_backward_dkdv_op(
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
         TRANSPOSED=transposed_backward(key_block * group, d),
-        **_launch(key_block * group, True, d),
+        **_launch(key_block * group, True, d, register_cap("dkdv", key_block * group, d, q.dtype)),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)

@@ -130,9 +130,11 @@ def compile_one(
     label: str,
     attrs: dict | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
 ) -> dict:
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
     options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    options |= {"maxnreg": max_registers} if max_registers else {}
     with tempfile.TemporaryDirectory() as cache:  # a fresh cache: the time is a real compile
         os.environ["TRITON_CACHE_DIR"] = cache
         t0 = time.perf_counter()
@@ -189,7 +191,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
         args |= flat_out if out == "*fp32" else {}
-        per_iter = block_sparse.forward_blocks_per_step(block_m, 16, d)
+        per_iter = block_sparse.query_major_blocks_per_step(block_m, 16, d)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
@@ -199,9 +201,10 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", ADD_Q="*fp32", stride_kb=n_k * d, stride_kn=d)
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
         args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args)
-        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=4, HAS_LOGW=has_logw, ACCUMULATE=accumulate)
-        const |= dict(COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)  # LLSA adds no pooled dq
-        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, 4))
+        per_iter = block_sparse.query_major_blocks_per_step(block_m, 16, d)
+        const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw)
+        const |= dict(ACCUMULATE=accumulate, COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))  # (LLSA adds no pooled dq)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d))
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
@@ -211,7 +214,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // 16 + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
         args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
-        per_iter = block_sparse.dkdv_blocks_per_step(query_block, 16 * group, d)
+        per_iter = block_sparse.key_major_blocks_per_step(query_block, 16 * group, d)
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
@@ -317,6 +320,15 @@ def launch_warps(fn, const: dict) -> int:
     return linear_attention.walk_warps(d)
 
 
+def launch_register_cap(fn, const: dict) -> int | None:
+    """The ``maxnreg`` the launchers give an attention kernel's program (block_sparse.register_cap), bf16 inputs."""
+    kinds = {block_sparse._fwd_kernel: "forward", block_sparse._dq_kernel: "dq", block_sparse._dkdv_kernel: "dkdv"}
+    if fn not in kinds:
+        return None
+    rows = const["KEY_BLOCK"] * const["GROUP"] if fn is block_sparse._dkdv_kernel else const["BLOCK_M"]
+    return block_sparse.register_cap(kinds[fn], rows, const["HEAD_DIM"], torch.bfloat16)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention"])
@@ -337,11 +349,15 @@ def main(argv=None) -> None:
     if "attention" in args.kernels:
         for label, fn, run_args, const in attention_variants(args.head_dim):
             signature, attrs = launch_variant(fn, run_args, const)
-            for warps in [launch_warps(fn, const) if w == "launch" else int(w) for w in args.warps]:
+            for w in args.warps:
+                # the launch's own warps come with its register cap, if any
+                warps, cap = (
+                    (launch_warps(fn, const), launch_register_cap(fn, const)) if w == "launch" else (int(w), None)
+                )
                 for stages in args.stages:
-                    row = {"kernel": label, "head_dim": args.head_dim, "stages": stages}
+                    row = {"kernel": label, "head_dim": args.head_dim, "stages": stages, "maxnreg": cap or "-"}
                     name = f"{fn.__name__}_{label.split(' (')[0].replace(' ', '_')}_w{warps}_s{stages}"
-                    row.update(compile_one(fn, signature, const, warps, args.dump, name, attrs, stages))
+                    row.update(compile_one(fn, signature, const, warps, args.dump, name, attrs, stages, cap))
                     rows.append(row)
                     print(row, flush=True)
     if "topk" not in args.kernels:

@@ -94,7 +94,10 @@ def main(argv=None) -> list[dict]:
     runs: dict[str, dict[int, dict]] = {"base": {}, "head": {}}
     for seed in args.seeds:
         for version in ("base", "head"):
-            runs[version][seed] = train(args.overrides, seed, args.out / version / f"seed{seed}", envs[version])
+            run = train(args.overrides, seed, args.out / version / f"seed{seed}", envs[version])
+            runs[version][seed] = run
+            # each run's losses as it ends, in full: a call cut short by a time limit keeps the finished ones
+            print(f"# {version} seed {seed}: " + ", ".join(f"{k} {run[k]:.5f}" for k in LOSSES if k in run), flush=True)
     rows = []
     for seed in args.seeds:
         row = {"seed": seed}

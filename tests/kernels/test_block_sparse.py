@@ -334,46 +334,63 @@ def test_block_sparse_rejects_bad_blocks():
 
 
 def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
-    """16-row programs on one warp (the forward and the dk/dv one listed block per step); the forward of 32 rows on
+    """16-row programs on one warp (every pass one listed block per step); the forward of 32 rows on
     two, its (transposed) backward on a warpgroup; programs of < 64 rows with a head dim of 128 on a warpgroup; tiles
     of 64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
     from pixdit.kernels.block_sparse import (
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
         _configs_for,
-        dkdv_blocks_per_step,
-        forward_blocks_per_step,
+        key_major_blocks_per_step,
         program_warps,
+        query_major_blocks_per_step,
         transposed_backward,
     )
 
     rows = (16, 32, 48, 64, 128, 256)
-    # a one-warp forward walks one listed block per step; the others gather blocks until a step has 64 keys
-    assert [forward_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
-    assert forward_blocks_per_step(16, 16, 128) == 4 and forward_blocks_per_step(32, 32, 64) == 2
+    # a one-warp forward or dq walks one listed block per step; the others gather blocks until a step has 64 keys
+    assert [query_major_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
+    assert query_major_blocks_per_step(16, 16, 128) == 4 and query_major_blocks_per_step(32, 32, 64) == 2
     # so does a one-warp dk/dv (16 keys), one query block per step; wider key groups gather 64 query rows per step
-    assert [dkdv_blocks_per_step(16, r, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
-    assert dkdv_blocks_per_step(16, 16, 128) == 4 and dkdv_blocks_per_step(32, 64, 64) == 2
+    assert [key_major_blocks_per_step(16, r, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
+    assert key_major_blocks_per_step(16, 16, 128) == 4 and key_major_blocks_per_step(32, 64, 64) == 2
     assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
     assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
     assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
     # the backward computes transposed exactly where a program of < 64 rows gets a warpgroup
     assert [transposed_backward(r, 64) for r in rows] == [False, True, True, False, False, False]
     assert [transposed_backward(r, 128) for r in rows] == [True, True, True, False, False, False]
-    fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False)
-    dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True)
-    dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True)
+    fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False, kernel="forward")
+    dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True, kernel="dq")
+    dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True, kernel="dkdv")
+    grouped = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True)
+    bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
 
-    def tried(configs):
-        return sorted((c.num_warps, c.num_stages) for c in configs)
+    def tried(configs):  # the configurations without a register cap
+        return sorted((c.num_warps, c.num_stages) for c in configs if c.maxnreg is None)
+
+    def caps(configs):
+        return [(c.num_warps, c.num_stages, c.maxnreg) for c in configs if c.maxnreg is not None]
 
     one_warp, warpgroup = [(1, 2), (1, 3), (1, 4)], sorted(_WARPGROUP_PROGRAMS)
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64)) == tried(dq(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64))
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=64)) == one_warp
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=16, HEAD_DIM=128)) == warpgroup
-    assert tried(fwd(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=32)) == [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
-    assert tried(dq(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=64)) == tried(fwd(_CONFIGS, {}, BLOCK_M=64, HEAD_DIM=64))
-    assert tried(dq(_CONFIGS, {}, BLOCK_M=32, HEAD_DIM=64)) == warpgroup
+    assert tried(fwd(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=64)) == tried(dq(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=64))
+    assert tried(fwd(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=64)) == one_warp
+    assert tried(fwd(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=128)) == warpgroup
+    assert tried(fwd(_CONFIGS, bf16, BLOCK_M=32, HEAD_DIM=32)) == [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3)]
+    assert tried(dq(_CONFIGS, bf16, BLOCK_M=32, HEAD_DIM=64)) == tried(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=64))
+    assert tried(dq(_CONFIGS, bf16, BLOCK_M=32, HEAD_DIM=64)) == warpgroup
     # dk/dv programs are sized by their key rows (a group of 4 blocks of 16 keys is a 64-row program)
-    assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64}, KEY_BLOCK=16, GROUP=1, HEAD_DIM=64)) == one_warp
-    assert tried(dkdv(_CONFIGS, {}, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == warpgroup
+    assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64} | bf16, KEY_BLOCK=16, GROUP=1, HEAD_DIM=64)) == one_warp
+    assert tried(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == warpgroup
+    # a register-capped configuration too, only for the 64-row programs of 16-bit inputs at head dim <= 64
+    assert caps(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=64)) == [(4, 2, 128)]
+    assert caps(dq(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=32)) == [(4, 2, 128)]
+    assert caps(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == [(4, 2, 168)]
+    assert caps(dkdv(_CONFIGS, bf16, KEY_BLOCK=64, GROUP=1, HEAD_DIM=64)) == [(4, 2, 168)]
+    fp32 = {"Q": torch.empty(0)}
+    assert caps(fwd(_CONFIGS, fp32, BLOCK_M=64, HEAD_DIM=64)) == caps(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=128))
+    assert (
+        caps(fwd(_CONFIGS, fp32, BLOCK_M=64, HEAD_DIM=64)) == [] == caps(dq(_CONFIGS, bf16, BLOCK_M=128, HEAD_DIM=64))
+    )
+    assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == []
+    assert tried(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == warpgroup
