@@ -22,10 +22,10 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer.
-Per iteration the dq gathers ``max(1, 64 // key_block)`` listed key blocks (>= 64 keys per dot) and the key-major
-backward gathers ``max(1, 64 // query_block)`` query tiles, so 16-row blocks still feed the tensor cores with 64-wide
-dots; so do the forward, the dq and the dk/dv, except in a one-warp program (16 query rows, or 16 keys), which walks one
-listed block per step (``query_major_blocks_per_step``, ``key_major_blocks_per_step``).
+Per step the query-major passes (forward, dq) gather ``max(1, 64 // key_block)`` listed key blocks and the key-major
+backward ``max(1, 64 // query_block)`` query tiles, so small blocks still feed the tensor cores 64-wide dots; a
+one-warp program (16 query rows, or 16 keys) instead walks one listed block per step, which holds far fewer
+registers (``query_major_blocks_per_step``, ``key_major_blocks_per_step``).
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
