@@ -137,7 +137,8 @@ for name, label in labels:
 
 def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
     """kernel_ab.labelled_launches (behind ab_attention.py --per-kernel) under the interpreter: LLSA's fine and pooled
-    passes of one kernel get labels of their own, the one-warp fine forward walks one block per step."""
+    passes of one kernel get labels of their own; the one-warp fine passes (forward, dq, dk/dv) walk one block per
+    step."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PIXDIT_KERNELS_AUTOTUNE": "0"}
     run = subprocess.run(
         [sys.executable, "-c", LABELS_SNIPPET], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
@@ -146,11 +147,11 @@ def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
     labels = run.stdout.strip().splitlines()
     assert "_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)" in labels
     assert "_fwd_kernel BLOCK_M=64 KEY_BLOCK=16 PER_ITER=4 HAS_TAIL=True HAS_INIT=True grid (16, 1)" in labels
-    assert "_dq_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=4 grid (64, 1)" in labels
+    assert "_dq_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)" in labels
     dkdv = [label for label in labels if label.startswith("_dkdv_kernel")]
     assert (
         len(dkdv) == 2  # the fine level and the coarsest; the candidate level runs by query group
-        and "_dkdv_kernel QUERY_BLOCK=16 KEY_BLOCK=16 GROUP=1 PER_ITER=4 N_SPLIT=1 grid (64, 1, 1)" in dkdv
+        and "_dkdv_kernel QUERY_BLOCK=16 KEY_BLOCK=16 GROUP=1 PER_ITER=1 N_SPLIT=1 grid (64, 1, 1)" in dkdv
     )
     assert "_grouped_dkdv_kernel KEY_BLOCK=16 SLOTS=4 grid (1, 4, 1)" in labels  # 4 ancestors, lists of 2 blocks
     assert "_sum_slots_kernel KEY_BLOCK=16 grid (4, 1)" in labels
