@@ -64,11 +64,13 @@ case "$stage" in
   loss)
     # "Numerics unchanged": the validation loss of a short run with this tree and with DIR's (another commit's source
     # tree), two seeds each: DiT-S, patch 1, LLSA (B = 16, K = 8, default levels: 2 at 4,096 tokens), 64^2 photo
-    # crops (built into data/crops64 on first use), 700 steps, compile=auto. Four training processes: 523 s on an H200
-    # once, but ~200 s each in a later session (3 of 4 done at 580 s); each prints its losses as it ends ("# head seed 0: ...").
+    # crops (built into data/crops64 on first use), 700 steps, compile=auto. Four training processes of ~200 s each
+    # (most of it starting and compiling): one after the other they did not fit a 10-minute call (3 of 4 done at
+    # 580 s), so they run side by side on the one GPU (--jobs 4; output in each run's train.log), each printing its
+    # losses as it ends ("# head seed 0: ...").
     base=${2:?usage: device_suite.sh loss DIR}
     [ -f data/crops64/manifest.json ] || $PY scripts/make_quickstart_data.py --out data/crops64 --resolution 64
-    timeout -k 10 570 $PY scripts/loss_vs_commit.py "$base" --seeds 0 1 --out "$OUT/loss_vs_commit" -- \
+    timeout -k 10 570 $PY scripts/loss_vs_commit.py "$base" --seeds 0 1 --jobs 4 --out "$OUT/loss_vs_commit" -- \
       experiment=quickstart model=dit_s model.patch_size=1 attention=llsa optimizer.lr=1e-4 data.root=data/crops64 \
       data.resolution=64 trainer.max_steps=700 trainer.val_check_interval=700 callbacks.samples=null 2>&1 \
       | tee "$OUT/loss_vs_commit.log" ;;

@@ -15,7 +15,7 @@ versions and says whether it did.
 
 Everything after ``--`` is Hydra overrides of ``pixdit-train`` for both versions (use keys both versions know). Each
 (seed, version) is one process, ``python -m pixdit.cli.train <overrides> seed=S hydra.run.dir=OUT/<version>/seed<S>``,
-the seeds in order and the base first for each; the base tree is installed on the side as in
+the seeds in order and the base first for each (``--jobs N``: N at once); the base tree is installed on the side as in
 ``scripts/bench_vs_commit.py`` (``install_base``). The final ``val/loss`` and ``val/loss_ema`` come from each run's
 CSV log (``summarize_sweep.summarize_run``). The verdict compares the mean difference of the two versions with the
 seed-to-seed spread inside each version (the largest minus the smallest loss of a version over the seeds): within
@@ -29,6 +29,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_vs_commit import check_base_tree, install_base, split_at_dashes
@@ -47,7 +48,16 @@ def parse_args(argv=None):
     parser.add_argument("base", type=Path, help="the other version's source tree (git archive REV | tar -x -C DIR)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run per seed and version (>= 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "loss_vs_commit", help="folder for all results")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="training processes at once (short runs spend most of their time starting and compiling, so several "
+        "share one GPU well); with more than one, each writes its output to train.log in its run directory",
+    )
     args = parser.parse_args(ours)
+    if args.jobs < 1:
+        parser.error(f"--jobs is the number of training processes at once (>= 1), got {args.jobs}")
     check_base_tree(parser, args.base)
     if len(set(args.seeds)) < 2:
         parser.error(f"--seeds needs at least two different seeds (the noise to compare with), got {args.seeds}")
@@ -59,13 +69,19 @@ def parse_args(argv=None):
     return args
 
 
-def train(overrides: list[str], seed: int, run_dir: Path, env: dict | None) -> dict:
-    """One training process; its losses and status (``summarize_run``), the exit code printed if it failed."""
+def train(overrides: list[str], seed: int, run_dir: Path, env: dict | None, log: Path | None = None) -> dict:
+    """One training process; its losses and status (``summarize_run``), the exit code printed if it failed. ``log``:
+    a file for its output instead of this process's."""
     command = [sys.executable, "-m", "pixdit.cli.train", *overrides, f"seed={seed}", f"hydra.run.dir={run_dir}"]
-    print("\n$ " + " ".join(command), flush=True)
-    done = subprocess.run(command, env=env, cwd=ROOT)
+    print("\n$ " + " ".join(command) + (f" > {log}" if log else ""), flush=True)
+    if log is None:
+        done = subprocess.run(command, env=env, cwd=ROOT)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            done = subprocess.run(command, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        print(f"# exit code {done.returncode}", flush=True)
+        print(f"# exit code {done.returncode}" + (f", output in {log}" if log else ""), flush=True)
     return summarize_run(run_dir)
 
 
@@ -92,12 +108,17 @@ def main(argv=None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     envs = {"base": install_base(args.base, args.out / "base" / "site"), "head": None}
     runs: dict[str, dict[int, dict]] = {"base": {}, "head": {}}
-    for seed in args.seeds:
-        for version in ("base", "head"):
-            run = train(args.overrides, seed, args.out / version / f"seed{seed}", envs[version])
-            runs[version][seed] = run
-            # each run's losses as it ends, in full: a call cut short by a time limit keeps the finished ones
-            print(f"# {version} seed {seed}: " + ", ".join(f"{k} {run[k]:.5f}" for k in LOSSES if k in run), flush=True)
+
+    def one(seed: int, version: str) -> None:
+        run_dir = args.out / version / f"seed{seed}"
+        run = train(args.overrides, seed, run_dir, envs[version], log=run_dir / "train.log" if args.jobs > 1 else None)
+        runs[version][seed] = run
+        # each run's losses as it ends, in full: a call cut short by a time limit keeps the finished ones
+        print(f"# {version} seed {seed}: " + ", ".join(f"{k} {run[k]:.5f}" for k in LOSSES if k in run), flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # in order: seeds ascending, the base first for each
+        for done in [pool.submit(one, seed, version) for seed in args.seeds for version in ("base", "head")]:
+            done.result()  # re-raises a job's exception
     rows = []
     for seed in args.seeds:
         row = {"seed": seed}

@@ -37,7 +37,8 @@ def test_main_runs_every_seed_with_both_versions(script, monkeypatch, tmp_path):
     (tmp_path / "base" / "pyproject.toml").write_text("")
     calls = []
 
-    def fake_train(overrides, seed, run_dir, env):
+    def fake_train(overrides, seed, run_dir, env, log=None):
+        assert log is None  # one job at a time: the output stays on the console
         calls.append((run_dir.parent.name, seed, tuple(overrides), env))
         head = run_dir.parent.name == "head"
         return {"val_loss": 0.5 + 0.01 * seed + (0.001 if head else 0.0), "val_loss_ema": 0.4, "status": "ok"}
@@ -55,12 +56,32 @@ def test_main_runs_every_seed_with_both_versions(script, monkeypatch, tmp_path):
     assert "| val_loss | 0.50500 | 0.50600 | 0.00100 | 0.01000 | yes |" in (out / "loss_vs_commit.md").read_text()
 
 
+def test_jobs_run_side_by_side_each_with_its_own_log(script, monkeypatch, tmp_path):
+    """--jobs 2: every (seed, version) still runs once, each writing to train.log in its run directory; the table
+    is the one of a serial run."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "pyproject.toml").write_text("")
+    logs = {}
+
+    def fake_train(overrides, seed, run_dir, env, log=None):
+        logs[(run_dir.parent.name, seed)] = log
+        return {"val_loss": 0.5 + 0.01 * seed, "val_loss_ema": 0.4, "status": "ok"}
+
+    monkeypatch.setattr(script, "install_base", lambda base, site: {"PYTHONPATH": str(site)})
+    monkeypatch.setattr(script, "train", fake_train)
+    out = tmp_path / "out"
+    verdicts = script.main([str(tmp_path / "base"), "--seeds", "0", "1", "--jobs", "2", "--out", str(out), "--", "x=1"])
+    assert logs == {(v, s): out / v / f"seed{s}" / "train.log" for v in ("base", "head") for s in (0, 1)}
+    assert verdicts[0]["head - base"] == pytest.approx(0.0) and verdicts[0]["within noise"] == "yes"
+
+
 def test_bad_arguments_are_named(script, tmp_path, capsys):
     (tmp_path / "pyproject.toml").write_text("")
     for argv, message in [
         ([str(tmp_path / "nothing")], "must be a pixdit source tree with pyproject.toml"),
         ([str(tmp_path), "--seeds", "3"], "--seeds needs at least two different seeds"),
         ([str(tmp_path), "--", "seed=4"], "seed=4: this script sets seed and hydra.run.dir per run"),
+        ([str(tmp_path), "--jobs", "0"], "--jobs is the number of training processes at once (>= 1), got 0"),
     ]:
         with pytest.raises(SystemExit):
             script.parse_args(argv)
