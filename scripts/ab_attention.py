@@ -4,13 +4,16 @@ one, in one process.
 Separate benchmark processes with Triton autotuning differ by up to 20% on the H200 for the same kernels (the
 timing-picked launch configuration and the card's state change between runs), more than a typical kernel change.
 This script loads both libraries side by side (``kernel_ab.load_kernels_as``), alternates them for ``--rounds`` rounds
-on the same inputs, and reports the median of the rounds' ``do_bench`` medians and their spread. Run it with
+on the same inputs, and reports the median of the rounds' ``do_bench`` medians and their spread. Several
+``--kernels-from`` folders (variants of one change) are each timed against the installed library in the same
+process: one table row per case and folder (column "before"), and the device compiles the installed side once. Run it with
 ``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration.
 
     git archive HEAD~1 kernels | tar -x -C /tmp/base
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --cases vsa:256 sla:256
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
+    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/v1/kernels /tmp/v2/kernels --kernel-time
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
 Each call is timed as a model makes it: the output merged into ``[b, N, h * d]`` (the input of the output
@@ -39,7 +42,13 @@ from pixdit.report import kernel_ms, markdown_table
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels-from", required=True, metavar="DIR", help="the other commit's kernels/ folder")
+    p.add_argument(
+        "--kernels-from",
+        required=True,
+        nargs="+",
+        metavar="DIR",
+        help="the other commit's kernels/ folder; several (e.g. variants): each against the installed one, one process",
+    )
     p.add_argument(
         "--cases",
         nargs="+",
@@ -73,6 +82,8 @@ def parse_args(argv=None):
             ["llsa:32:1", "vsa:32:2"] if args.quick else ["llsa:128:2", "llsa:256:2", "llsa:256:3", "llsa:512:2"]
         )
     args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
+    if len(set(args.kernels_from)) < len(args.kernels_from):
+        raise SystemExit(f"--kernels-from {' '.join(args.kernels_from)}: a folder is given twice; give each once")
     if args.per_kernel < 0:
         raise SystemExit(f"--per-kernel takes the number of kernels to list (>= 1, 0 = off), got {args.per_kernel}")
     for flag, on in (("--kernel-time", args.kernel_time), ("--per-kernel", args.per_kernel)):
@@ -133,10 +144,10 @@ def timer(args):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    base = load_kernels_as(args.kernels_from, "pixdit_kernels_base")
+    bases = [(d, load_kernels_as(d, f"pixdit_kernels_base{i}")) for i, d in enumerate(args.kernels_from)]
     time_ms = timer(args)
-    times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]
-    results = {}  # (case, version) -> output and gradients of round 0, to compare the two versions
+    times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]; version: a --kernels-from DIR or "after"
+    results = {}  # (case, version) -> output and gradients of round 0, to compare the versions
     per_kernel = {}  # (case, version) -> {kernel launch: ms per forward + backward call}, round 0
     for round_ in range(args.rounds):
         for case in args.cases:
@@ -151,7 +162,7 @@ def main(argv=None) -> list[dict]:
             # VSA's gate with a gradient, as in training (its backward then computes d_gate)
             do = torch.randn(shape[0], n, shape[1] * shape[3], device=args.device, dtype=dtype, generator=g)
             gate = torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_()
-            for version, lib in (("before", base), ("after", current)):
+            for version, lib in [*bases, ("after", current)]:
 
                 def forward(lib=lib):
                     return attention_call(lib, method, x, block, q, k, v, gate)
@@ -172,25 +183,31 @@ def main(argv=None) -> list[dict]:
     rows = []
     for case in args.cases:
         method, side, x, block = case
-        row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}", "B": block}
-        for i, what in enumerate(("fwd", "fwd+bwd")):
-            before = statistics.median(t[i] for t in times[(case, "before")])
-            after = statistics.median(t[i] for t in times[(case, "after")])
-            spread = [t[i] for t in times[(case, "before")] + times[(case, "after")]]
-            row |= {f"before {what} ms": before, f"after {what} ms": after, f"{what} speed-up": before / after}
-            row[f"{what} spread ms"] = f"{min(spread):.3f}-{max(spread):.3f}"
-        # the two versions should compute the same function: the largest difference of the output and the
-        # gradients, relative to the largest value (0 = bit for bit; bf16 rounding is ~4e-3)
-        pairs = zip(results[(case, "before")], results[(case, "after")])
-        row["max rel. diff o, dq, dk, dv"] = ", ".join(
-            f"{((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item():.1e}"
-            for a, b in pairs
-        )
-        rows.append(row)
+        for directory, _ in bases:
+            row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}"}
+            row |= {"B": block} | ({"before": directory} if len(bases) > 1 else {})
+            for i, what in enumerate(("fwd", "fwd+bwd")):
+                before = statistics.median(t[i] for t in times[(case, directory)])
+                after = statistics.median(t[i] for t in times[(case, "after")])
+                spread = [t[i] for t in times[(case, directory)] + times[(case, "after")]]
+                row |= {f"before {what} ms": before, f"after {what} ms": after, f"{what} speed-up": before / after}
+                row[f"{what} spread ms"] = f"{min(spread):.3f}-{max(spread):.3f}"
+            # the two versions should compute the same function: the largest difference of the output and the
+            # gradients, relative to the largest value (0 = bit for bit; bf16 rounding is ~4e-3)
+            pairs = zip(results[(case, directory)], results[(case, "after")])
+            row["max rel. diff o, dq, dk, dv"] = ", ".join(
+                f"{((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item():.1e}"
+                for a, b in pairs
+            )
+            rows.append(row)
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
     for case in args.cases if args.per_kernel else ():
-        print(f"\n{':'.join(map(str, case))}: the {args.per_kernel} largest kernels of a forward + backward call")
-        print(launch_table(per_kernel[(case, "before")], per_kernel[(case, "after")], args.per_kernel))
+        for directory, _ in bases:
+            vs = f" ({directory} before)" if len(bases) > 1 else ""
+            print(
+                f"\n{':'.join(map(str, case))}: the {args.per_kernel} largest kernels of a forward + backward call{vs}"
+            )
+            print(launch_table(per_kernel[(case, directory)], per_kernel[(case, "after")], args.per_kernel))
     return rows
 
 

@@ -5,6 +5,7 @@ gains an argument must show up here, not as a broken report on the next device-f
 
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,28 @@ def test_ab_attention_quick_cpu():
     # the same library on both sides: output and gradients equal, so the comparison column reads all zeros
     assert "max rel. diff o, dq, dk, dv" in header
     assert llsa.endswith("| 0.0e+00, 0.0e+00, 0.0e+00, 0.0e+00 |") and vsa.endswith("0.0e+00, 0.0e+00 |")
+
+
+def test_ab_attention_times_several_libraries_against_the_installed_one(tmp_path):
+    """Two --kernels-from folders: one row per case and folder, each against the installed library; a folder given
+    twice is refused."""
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    command = [sys.executable, "scripts/ab_attention.py", "--quick", "--device", "cpu", "--cases", "llsa:32:1"]
+    run = subprocess.run(
+        [*command, "--kernels-from", "kernels", str(tmp_path / "kernels")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    header, rule, first, second = run.stdout.strip().splitlines()[-4:]
+    assert "| before |" in header
+    assert first.startswith("| llsa | 32² | L=1 | 16 | kernels |")
+    assert second.startswith(f"| llsa | 32² | L=1 | 16 | {tmp_path / 'kernels'} |")
+    assert first.endswith("| 0.0e+00, 0.0e+00, 0.0e+00, 0.0e+00 |") and second.endswith("0.0e+00, 0.0e+00 |")
+    twice = subprocess.run([*command, "--kernels-from", "kernels", "kernels"], cwd=ROOT, capture_output=True, text=True)
+    assert twice.returncode != 0 and "a folder is given twice" in twice.stderr
 
 
 def test_ab_attention_kernel_time_needs_cuda():
