@@ -25,7 +25,7 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 Per step the query-major passes (forward, dq) gather ``max(1, 64 // key_block)`` listed key blocks and the key-major
 backward ``max(1, 64 // query_block)`` query tiles, so small blocks still feed the tensor cores 64-wide dots; a
 one-warp program (16 query rows, or 16 keys) instead walks one listed block per step, which holds far fewer
-registers (``query_major_blocks_per_step``, ``key_major_blocks_per_step``).
+registers (``walk_blocks_per_step``).
 
 CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exact gather-form PyTorch version.
 """
@@ -898,27 +898,16 @@ def blocks_per_step(block: int) -> int:
     return max(1, 64 // block)
 
 
-def query_major_blocks_per_step(query_block: int, key_block: int, head_dim: int) -> int:
-    """Listed key blocks per step of a query-major walk (the forward, the dq): ``blocks_per_step``, except in a
-    one-warp program (16 query rows, ``program_warps``, the same in both), which walks one block per step along the
-    scalar-id path. The forward's program then holds 80 instead of 168 registers and 6 instead of 18 KB of shared
-    memory (Triton 3.6, blocks of 16), so twice as many share an SM: LLSA's fine forward measured 1.10x faster
-    (docs/kernel_notes.md v22). The dq, measured after the dk/dv took the same form (v28): LLSA's fine dq 1.05x at
-    256², VSA's 1.06x (two blocks per step had measured faster for LLSA's lists and slower for VSA's, v22)."""
-    if program_warps(query_block, False, head_dim) == 1:
+def walk_blocks_per_step(program_rows: int, walked_block: int, head_dim: int) -> int:
+    """Listed blocks of ``walked_block`` rows that a program of ``program_rows`` rows walks per step: the key blocks
+    of a query-major pass (forward, dq), the query blocks of the key-major dk/dv. ``blocks_per_step`` (64-row dots),
+    except in a one-warp program (16 rows, ``program_warps``), which walks one block per step along the scalar-id
+    path and so holds far fewer registers: more programs share an SM (docs/kernel_notes.md; Triton 3.6, blocks of
+    16). The fine forward 80 instead of 168 registers, 1.10x (v22); the fine dk/dv 144 instead of 255 with spills,
+    1.18x at LLSA 256², 1.04x for VSA; the fine dq 98 instead of 167, 1.05x and 1.06x (v28)."""
+    if program_warps(program_rows, True, head_dim) == 1:
         return 1
-    return blocks_per_step(key_block)
-
-
-def key_major_blocks_per_step(query_block: int, key_rows: int, head_dim: int) -> int:
-    """Listed query blocks per step of the key-major dk/dv: ``blocks_per_step``, except in a one-warp program (16
-    keys, ``program_warps``), which walks one query block per step along the scalar-id path. With 64 query rows per
-    step its Q and dO tiles held the program at 255 registers with spills (Triton 3.6); with 16 it holds 144 and
-    none, so more programs share an SM: LLSA's fine dk/dv measured 1.18x faster at 256², VSA's 1.04x
-    (docs/kernel_notes.md v28)."""
-    if program_warps(key_rows, True, head_dim) == 1:
-        return 1
-    return blocks_per_step(query_block)
+    return blocks_per_step(walked_block)
 
 
 # Lists up to this many ids are loaded into registers before the walk (``listed_ids``); longer ones step by step,
@@ -1023,7 +1012,7 @@ def _bsa_forward_op(
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
-    per_iter = query_major_blocks_per_step(query_block, key_block, d)
+    per_iter = walk_blocks_per_step(query_block, key_block, d)
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -1147,7 +1136,7 @@ def _bsa_backward_dq_op(
     accumulate = dq is not None
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
-    per_iter = query_major_blocks_per_step(query_block, key_block, d)
+    per_iter = walk_blocks_per_step(query_block, key_block, d)
     _dq[(n_tiles, BH)](
         q,
         k,
@@ -1286,7 +1275,7 @@ def _bsa_backward_dkdv_op(
     BH, n_q, d = q.shape
     n_k = k.shape[1]
     n_groups = triton.cdiv(hi - lo, group)
-    per_iter = key_major_blocks_per_step(query_block, key_block * group, d)
+    per_iter = walk_blocks_per_step(key_block * group, query_block, d)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
     if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)

@@ -64,7 +64,7 @@ from .block_sparse import (
     list_walk_start,
     listed_ids,
     program_warps,
-    query_major_blocks_per_step,
+    walk_blocks_per_step,
     walk_key_rows,
 )
 from .common import AUTOTUNE, autotuned, pad_to_blocks
@@ -527,7 +527,7 @@ def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> di
         launch = {}
     else:
         launch = {"num_warps": 1, "num_stages": 3} if one_warp else {"num_warps": walk_warps(head_dim)}
-    per_iter = query_major_blocks_per_step(block_size, block_size, head_dim)  # one block per step on one warp
+    per_iter = walk_blocks_per_step(block_size, block_size, head_dim)  # one block per step on one warp
     return dict(HEAD_DIM=head_dim, BLOCK=block_size, PER_ITER=per_iter, PREC=dot_precision(dtype), **launch)
 
 

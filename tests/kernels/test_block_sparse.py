@@ -341,19 +341,18 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
         _configs_for,
-        key_major_blocks_per_step,
         program_warps,
-        query_major_blocks_per_step,
         transposed_backward,
+        walk_blocks_per_step,
     )
 
     rows = (16, 32, 48, 64, 128, 256)
-    # a one-warp forward or dq walks one listed block per step; the others gather blocks until a step has 64 keys
-    assert [query_major_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
-    assert query_major_blocks_per_step(16, 16, 128) == 4 and query_major_blocks_per_step(32, 32, 64) == 2
-    # so does a one-warp dk/dv (16 keys), one query block per step; wider key groups gather 64 query rows per step
-    assert [key_major_blocks_per_step(16, r, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
-    assert key_major_blocks_per_step(16, 16, 128) == 4 and key_major_blocks_per_step(32, 64, 64) == 2
+    # a one-warp program (16 query rows of a forward or dq, 16 keys of a dk/dv) walks one listed block per step; the
+    # others gather blocks until a step has 64 rows
+    assert [walk_blocks_per_step(r, 16, 64) for r in rows] == [1, 4, 4, 4, 4, 4]
+    assert [walk_blocks_per_step(r, 32, 64) for r in rows] == [1, 2, 2, 2, 2, 2]
+    assert walk_blocks_per_step(16, 16, 128) == 4 and walk_blocks_per_step(32, 32, 64) == 2
+    assert walk_blocks_per_step(64, 32, 64) == 2
     assert [program_warps(r, False, 64) for r in rows] == [1, 2, 2, 4, 8, 8]
     assert [program_warps(r, True, 64) for r in rows] == [1, 4, 4, 4, 8, 8]
     assert [program_warps(r, b, 128) for r in rows for b in (False, True)] == [4] * 8 + [8] * 4
