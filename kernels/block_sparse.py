@@ -757,7 +757,7 @@ _CONFIGS = [
 ] + [triton.Config({}, num_warps=4, num_stages=2, maxnreg=cap) for cap in sorted(set(_REGISTER_CAPS.values()))]
 
 
-def register_cap(kernel: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:
+def register_cap(kernel: str, rows: int, head_dim: int, dtype: torch.dtype | None) -> int | None:
     """``maxnreg`` of a ``kernel`` ("forward", "dq" or "dkdv") program of ``rows`` rows (see ``_REGISTER_CAPS``)."""
     if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
         return None
@@ -837,13 +837,14 @@ _grouped_dkdv = autotuned(
 )
 
 
-def _launch(rows: int, backward: bool, head_dim: int, max_registers: int | None = None) -> dict:
-    """Launch options of a program of ``rows`` query or key rows (none when autotuned); ``max_registers``: its
-    ``register_cap``."""
+def _launch(rows: int, backward: bool, head_dim: int, kernel: str = "", dtype: torch.dtype | None = None) -> dict:
+    """Launch options of a ``kernel`` program of ``rows`` query or key rows (none when autotuned), with its
+    ``register_cap`` for ``dtype`` inputs, as the autotuner's pruning gives it (``_configs_for``)."""
     if AUTOTUNE:
         return {}
     options = {"num_warps": program_warps(rows, backward, head_dim), "num_stages": 2}
-    return options | ({"maxnreg": max_registers} if max_registers else {})
+    cap = register_cap(kernel, rows, head_dim, dtype)
+    return options | ({"maxnreg": cap} if cap else {})
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -1045,7 +1046,7 @@ def _bsa_forward_op(
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-        **_launch(query_block, False, d, register_cap("forward", query_block, d, q.dtype)),
+        **_launch(query_block, False, d, "forward", q.dtype),
     )
     return o, lse
 
@@ -1176,7 +1177,7 @@ def _bsa_backward_dq_op(
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         TRANSPOSED=transposed_backward(query_block, d),
-        **_launch(query_block, True, d, register_cap("dq", query_block, d, q.dtype)),
+        **_launch(query_block, True, d, "dq", q.dtype),
     )
     return dq
 
@@ -1326,7 +1327,7 @@ def _bsa_backward_dkdv_op(
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
         TRANSPOSED=transposed_backward(key_block * group, d),
-        **_launch(key_block * group, True, d, register_cap("dkdv", key_block * group, d, q.dtype)),
+        **_launch(key_block * group, True, d, "dkdv", q.dtype),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
