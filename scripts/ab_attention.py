@@ -6,14 +6,14 @@ timing-picked launch configuration and the card's state change between runs), mo
 This script loads both libraries side by side (``kernel_ab.load_kernels_as``), alternates them for ``--rounds`` rounds
 on the same inputs, and reports the median of the rounds' ``do_bench`` medians and their spread. Several
 ``--kernels-from`` folders (variants of one change) are each timed against the installed library in the same
-process: one table row per case and folder (column "before"), and the device compiles the installed side once. Run it with
-``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration.
+process: one table row per case and folder (column "before"), and the device compiles the installed side once. Run
+it with ``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration.
 
     git archive HEAD~1 kernels | tar -x -C /tmp/base
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --cases vsa:256 sla:256
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
-    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/v1/kernels /tmp/v2/kernels --kernel-time
+    PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/v1/kernels /tmp/v2/kernels
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
 Each call is timed as a model makes it: the output merged into ``[b, N, h * d]`` (the input of the output
