@@ -750,7 +750,8 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # programs share an SM. Capped, the forward and dq hold 128 without spills (4 per SM) and the dk/dv 168 with 16 B
 # spilled (3 per SM): on the H200 LLSA's pooled forward 1.11x, pooled dq 1.08x, coarsest dk/dv 1.12x at 256² (1.48x
 # at 512²) and VSA's 64-key dk/dv 1.21x faster (docs/kernel_notes.md v28). The dk/dv by query group (210 registers)
-# is not capped: 168 would spill 72 B. The autotuner also times the capped configuration against the others.
+# takes the dk/dv's cap too: at 168 it spills 72 B, and still measured 1.11x faster at LLSA 256² and 1.12x at 512²
+# (v29). The autotuner also times the capped configuration against the others.
 _REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 168}
 _CONFIGS = [
     triton.Config({}, num_warps=w, num_stages=s) for w, s in dict.fromkeys(_WARPGROUP_PROGRAMS + _SMALL_PROGRAMS)
@@ -758,7 +759,8 @@ _CONFIGS = [
 
 
 def register_cap(kernel: str, rows: int, head_dim: int, dtype: torch.dtype | None) -> int | None:
-    """``maxnreg`` of a ``kernel`` ("forward", "dq" or "dkdv") program of ``rows`` rows (see ``_REGISTER_CAPS``)."""
+    """``maxnreg`` of a ``kernel`` ("forward", "dq" or "dkdv": key-major or by query group) program of ``rows`` rows
+    (see ``_REGISTER_CAPS``)."""
     if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
         return None
     return _REGISTER_CAPS.get(kernel)
@@ -833,7 +835,7 @@ _grouped_dkdv = autotuned(
     _grouped_dkdv_kernel,
     ["HEAD_DIM", "KEY_BLOCK", "SLOTS", "HAS_LOGW", "EVEN_Q", "PREC"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True),
+    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True, kernel="dkdv"),
 )
 
 
@@ -1449,7 +1451,7 @@ def _bsa_backward_dkdv_grouped_op(
         HAS_LOGW=log_weights is not None,
         EVEN_Q=n_q % group_rows == 0,
         PREC=dot_precision(q.dtype),
-        **_launch(key_block * slots, True, d),
+        **_launch(key_block * slots, True, d, "dkdv", q.dtype),
     )
     _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program: nothing to tune
         partial_k,

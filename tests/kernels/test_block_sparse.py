@@ -362,7 +362,7 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False, kernel="forward")
     dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True, kernel="dq")
     dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True, kernel="dkdv")
-    grouped = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True)
+    grouped = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True, kernel="dkdv")
     bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
 
     def tried(configs):  # the configurations without a register cap
@@ -391,5 +391,6 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert (
         caps(fwd(_CONFIGS, fp32, BLOCK_M=64, HEAD_DIM=64)) == [] == caps(dq(_CONFIGS, bf16, BLOCK_M=128, HEAD_DIM=64))
     )
-    assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == []
+    assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == [(4, 2, 168)]
+    assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=2, HEAD_DIM=64)) == []
     assert tried(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == warpgroup
