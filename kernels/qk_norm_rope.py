@@ -41,7 +41,7 @@ from .ops import custom_op
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
-ROWS_PER_PROGRAM = 64  # tokens per program; one (tokens, head) tile of q, k or v per program
+ROWS_PER_PROGRAM = 64  # tokens per program (the forward: more when pooling, ``_forward_rows``)
 MAX_POOL_BLOCK = 128  # a forward program holds whole blocks (max(64, pool_block) rows): bigger tiles are untried
 
 
@@ -72,11 +72,24 @@ def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, p
 
 
 @triton.jit
-def _program(n, num_heads, ROWS: tl.constexpr):
-    """This program's part (0 = q, 1 = k, 2 = v), batch * head index and token tile, and the number of (batch, head)
-    pairs and of token tiles. A one-dimensional launch (``_grid``) with the parts and heads varying fastest: the
-    programs in flight read the neighbouring channels of the same token rows, so whole rows of qkv stream from
-    memory, instead of one head's 128 bytes of each row, 2,304 bytes apart, in a tile-major order."""
+def _forward_program(n, ROWS: tl.constexpr):
+    """A forward program's part (0 = q, 1 = k, 2 = v), batch index and token tile, and the batch size. One program
+    per (batch, token tile, part), the part varying fastest (``_forward_grid``), that walks every head of its part:
+    a q or k program loads its rows' fp32 cos and sin once for all heads instead of once per head (per token, the
+    twelve loads of a 6-head model were 6 KB of L2 reads against 2.3 KB of qkv), and the three programs of a tile
+    read whole rows of qkv. Measured 1.13-1.15x faster than one program per head (docs/kernel_notes.md v29). The
+    backward keeps one program per head: walking the heads there held 168 registers and measured 1.23x slower."""
+    n_tiles = tl.cdiv(n, ROWS)
+    part, rest = tl.program_id(0) % 3, tl.program_id(0) // 3
+    return part, rest // n_tiles, rest % n_tiles, tl.num_programs(0) // (3 * n_tiles)
+
+
+@triton.jit
+def _backward_program(n, num_heads, ROWS: tl.constexpr):
+    """A backward program's part (0 = q, 1 = k, 2 = v), batch * head index and token tile, and the number of (batch,
+    head) pairs and of token tiles. A one-dimensional launch (``_backward_grid``) with the parts and heads varying
+    fastest: the programs in flight read the neighbouring channels of the same token rows, so whole rows of qkv
+    stream from memory, instead of one head's 128 bytes of each row, 2,304 bytes apart, in a tile-major order."""
     parts = 3 * num_heads  # (part, head) pairs
     n_tiles = tl.cdiv(n, ROWS)
     pair, rest = tl.program_id(0) % parts, tl.program_id(0) // parts
@@ -123,9 +136,10 @@ def _unpairs(even, odd, ROWS: tl.constexpr, DIM_PAD: tl.constexpr):
 
 
 @triton.jit
-def _rotation(COS, SIN, rows, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+def _rotation(COS, SIN, rows, n, needed, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """cos and sin of the rows' RoPE angles (zeros, and nothing read, unless ``needed``)."""
     pairs = tl.arange(0, DIM_PAD // 2)
-    mask = (rows < n)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
+    mask = needed & (rows < n)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
     angle = rows[:, None] * (HEAD_DIM // 2) + pairs[None, :]
     return tl.load(COS + angle, mask=mask, other=0.0), tl.load(SIN + angle, mask=mask, other=0.0)
 
@@ -149,30 +163,35 @@ def _qk_norm_rope_fwd_kernel(
     POOL: tl.constexpr,
     LANES: tl.constexpr,
 ):
-    part, bh, tile, n_bh, _ = _program(n, num_heads, ROWS)
+    part, batch, tile, n_batch = _forward_program(n, ROWS)
     if POOL > 0:
         rows = tile * ROWS + _pooling_order(ROWS, POOL, LANES)
     else:
         rows = tile * ROWS + tl.arange(0, ROWS)
-    dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
-    qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
-    x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
-    if part < 2:
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = x * inv_rms * tl.load(W + part * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
-        even, odd = _pairs(x, ROWS, DIM_PAD)
-        cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
-        x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
+    rotate = part < 2  # q and k: norm and RoPE; v: only the layout changes
+    dims = tl.arange(0, DIM_PAD)
+    cos, sin = _rotation(COS, SIN, rows, n, rotate, HEAD_DIM, DIM_PAD)
+    w = tl.load(W + part * HEAD_DIM + dims, mask=rotate & (dims < HEAD_DIM), other=0.0)[None, :]
+    n_bh = n_batch * num_heads
     out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
-    x = x.to(OUT.dtype.element_ty)
-    tl.store(out + out_offset, x, mask=mask)
-    if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
-        blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
-        tiles = tl.reshape(x.to(tl.float32), [POOL // LANES, ROWS // POOL, LANES, DIM_PAD])  # (repeat, block, lane)
-        sums = tl.sum(tl.sum(tiles, 0), 1)  # the repeats in registers first, then across lanes: fewer shuffles
-        means = MEANS + ((part * n_bh + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
-        block_mask = (blocks < n // POOL)[:, None] & (dims < HEAD_DIM)[None, :]
-        tl.store(means + blocks[:, None] * HEAD_DIM + dims[None, :], sums / POOL, mask=block_mask)
+    for head in range(num_heads):
+        bh = batch * num_heads + head
+        dims, mask, batch64, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
+        x = tl.load(QKV + batch64 * stride_b + rows[:, None] * stride_n + channels, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if rotate:
+            x = x * tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None] * w
+            even, odd = _pairs(x, ROWS, DIM_PAD)
+            x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
+        x = x.to(OUT.dtype.element_ty)
+        tl.store(out + out_offset, x, mask=mask)
+        if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
+            blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
+            tiles = tl.reshape(x.to(tl.float32), [POOL // LANES, ROWS // POOL, LANES, DIM_PAD])  # (repeat, block, lane)
+            sums = tl.sum(tl.sum(tiles, 0), 1)  # the repeats in registers first, then across lanes: fewer shuffles
+            means = MEANS + ((part * n_bh + bh).to(tl.int64) * (n // POOL)) * HEAD_DIM
+            block_mask = (blocks < n // POOL)[:, None] & (dims < HEAD_DIM)[None, :]
+            tl.store(means + blocks[:, None] * HEAD_DIM + dims[None, :], sums / POOL, mask=block_mask)
 
 
 @triton.jit
@@ -197,7 +216,7 @@ def _qk_norm_rope_bwd_kernel(
     DIM_PAD: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    part, bh, tile, n_bh, n_tiles = _program(n, num_heads, ROWS)
+    part, bh, tile, n_bh, n_tiles = _backward_program(n, num_heads, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
     dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
@@ -212,7 +231,7 @@ def _qk_norm_rope_bwd_kernel(
             g = tl.load(DK + out_offset, mask=mask, other=0.0).to(tl.float32)
         # RoPE's adjoint is the rotation by the opposite angle: the gradient w.r.t. the normalised, weighted y
         g_even, g_odd = _pairs(g, ROWS, DIM_PAD)
-        cos, sin = _rotation(COS, SIN, rows, n, HEAD_DIM, DIM_PAD)
+        cos, sin = _rotation(COS, SIN, rows, n, True, HEAD_DIM, DIM_PAD)
         dy = _unpairs(g_even * cos + g_odd * sin, g_odd * cos - g_even * sin, ROWS, DIM_PAD)
         x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
@@ -231,9 +250,15 @@ def _tiles(n: int, rows: int = ROWS_PER_PROGRAM) -> int:
     return triton.cdiv(n, rows)
 
 
-def _grid(b, n, num_heads, rows=ROWS_PER_PROGRAM):
-    """One program per (batch, token tile, part, head), the last varying fastest: see ``_program``."""
-    return (b * _tiles(n, rows) * 3 * num_heads,)
+def _backward_grid(b, n, num_heads):
+    """The backward's programs: one per (batch, token tile, part, head), the last varying fastest
+    (``_backward_program``)."""
+    return (b * _tiles(n) * 3 * num_heads,)
+
+
+def _forward_grid(b, n, rows):
+    """The forward's programs: one per (batch, token tile, part), the last varying fastest (``_forward_program``)."""
+    return (b * _tiles(n, rows) * 3,)
 
 
 def _forward_rows(pool_block: int) -> int:
@@ -320,7 +345,7 @@ def _qk_norm_rope_op(
     out, means = _forward_out(qkv, num_heads, pool_block)
     head_dim = out.shape[-1]
     rows = _forward_rows(pool_block)
-    _qk_norm_rope_fwd_kernel[_grid(b, n, num_heads, rows)](
+    _qk_norm_rope_fwd_kernel[_forward_grid(b, n, rows)](
         qkv,
         weights,
         cos,
@@ -337,6 +362,10 @@ def _qk_norm_rope_op(
         ROWS=rows,
         POOL=pool_block,
         LANES=_lanes(qkv.dtype, triton.next_power_of_2(head_dim), pool_block) if pool_block else 1,
+        # No FMA contraction: with the head walk, the compiler fused the multiply-adds of the norm and the rotation
+        # differently with and without POOL, so fp32 outputs differed in the last bit; unfused, both round every op
+        # the same way (and as fast: the kernel is bound by memory).
+        enable_fp_fusion=False,
     )
     return out, means
 
@@ -362,7 +391,7 @@ def _qk_norm_rope_backward_op(
     b, n, _ = qkv.shape
     dqkv, dw_partial = _backward_out(qkv, num_heads)
     head_dim = dw_partial.shape[-1]
-    _qk_norm_rope_bwd_kernel[_grid(b, n, num_heads)](
+    _qk_norm_rope_bwd_kernel[_backward_grid(b, n, num_heads)](
         qkv,
         weights,
         cos,
