@@ -758,12 +758,12 @@ _CONFIGS = [
 ] + [triton.Config({}, num_warps=4, num_stages=2, maxnreg=cap) for cap in sorted(set(_REGISTER_CAPS.values()))]
 
 
-def register_cap(kernel: str, rows: int, head_dim: int, dtype: torch.dtype | None) -> int | None:
-    """``maxnreg`` of a ``kernel`` ("forward", "dq" or "dkdv": key-major or by query group) program of ``rows`` rows
+def register_cap(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:
+    """``maxnreg`` of a ``kind`` ("forward", "dq" or "dkdv": key-major or by query group) program of ``rows`` rows
     (see ``_REGISTER_CAPS``)."""
     if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
         return None
-    return _REGISTER_CAPS.get(kernel)
+    return _REGISTER_CAPS[kind]
 
 
 def program_warps(rows: int, backward: bool, head_dim: int) -> int:
@@ -787,16 +787,35 @@ def transposed_backward(rows: int, head_dim: int) -> bool:
     return rows < 64 and program_warps(rows, True, head_dim) >= 4
 
 
-def _configs_for(rows_of, backward: bool, kernel: str = ""):
-    """The autotuner's pruning (Triton's ``early_config_prune``): the configurations worth timing for a program
-    of ``rows_of(launch arguments)`` rows, small ones with at most ``program_warps`` warps, and a register-capped one
-    where ``register_cap`` gives ``kernel``'s program a cap."""
+# Each autotuned kernel's program: the kind that ``register_cap`` knows, and the query or key rows that size it, from
+# the launch arguments.
+PROGRAMS = {
+    _fwd_kernel: ("forward", lambda meta: meta["BLOCK_M"]),
+    _dq_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
+    _dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["GROUP"]),
+    _grouped_dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"]),
+}
+
+
+def program_shape(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int | None]:
+    """(``program_warps``, ``register_cap``) of a ``kind`` program of ``rows`` rows with ``dtype`` inputs."""
+    return program_warps(rows, kind != "forward", head_dim), register_cap(kind, rows, head_dim, dtype)
+
+
+def launched_program(kernel, meta: dict, dtype: torch.dtype) -> tuple[int, int | None]:
+    """``program_shape`` of a launch of ``kernel`` (a key of ``PROGRAMS``) with the arguments ``meta``."""
+    kind, rows_of = PROGRAMS[kernel]
+    return program_shape(kind, rows_of(meta), meta["HEAD_DIM"], dtype)
+
+
+def _configs_for(kernel):
+    """The autotuner's pruning (Triton's ``early_config_prune``) of ``kernel``: the configurations worth timing for
+    its program (``launched_program``), small ones with at most ``program_warps`` warps, and the register-capped one
+    where ``register_cap`` gives the program a cap."""
 
     def prune(configs, named_args, **kwargs):
         meta = {**named_args, **kwargs}
-        rows = rows_of(meta)
-        warps = program_warps(rows, backward, meta["HEAD_DIM"])
-        cap = register_cap(kernel, rows, meta["HEAD_DIM"], meta["Q"].dtype)
+        warps, cap = launched_program(kernel, meta, meta["Q"].dtype)
         small = warps < 4
         allowed = _SMALL_PROGRAMS if small else _WARPGROUP_PROGRAMS
         return [
@@ -816,37 +835,36 @@ _fwd = autotuned(
     _fwd_kernel,
     _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=False, kernel="forward"),
+    prune=_configs_for(_fwd_kernel),
 )
 _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
     + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["BLOCK_M"], backward=True, kernel="dq"),
+    prune=_configs_for(_dq_kernel),
 )
 _dkdv = autotuned(
     _dkdv_kernel,
     _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True, kernel="dkdv"),
+    prune=_configs_for(_dkdv_kernel),
 )
 _grouped_dkdv = autotuned(
     _grouped_dkdv_kernel,
     ["HEAD_DIM", "KEY_BLOCK", "SLOTS", "HAS_LOGW", "EVEN_Q", "PREC"],
     _CONFIGS,
-    prune=_configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True, kernel="dkdv"),
+    prune=_configs_for(_grouped_dkdv_kernel),
 )
 
 
-def _launch(rows: int, backward: bool, head_dim: int, kernel: str = "", dtype: torch.dtype | None = None) -> dict:
-    """Launch options of a ``kernel`` program of ``rows`` query or key rows (none when autotuned), with its
-    ``register_cap`` for ``dtype`` inputs, as the autotuner's pruning gives it (``_configs_for``)."""
+def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """Launch options of a ``kind`` program of ``rows`` query or key rows with ``dtype`` inputs (none when
+    autotuned): its ``program_shape``, as the autotuner's pruning gives it (``_configs_for``), and 2 stages."""
     if AUTOTUNE:
         return {}
-    options = {"num_warps": program_warps(rows, backward, head_dim), "num_stages": 2}
-    cap = register_cap(kernel, rows, head_dim, dtype)
-    return options | ({"maxnreg": cap} if cap else {})
+    warps, cap = program_shape(kind, rows, head_dim, dtype)
+    return {"num_warps": warps, "num_stages": 2} | ({"maxnreg": cap} if cap else {})
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -1048,7 +1066,7 @@ def _bsa_forward_op(
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-        **_launch(query_block, False, d, "forward", q.dtype),
+        **_launch("forward", query_block, d, q.dtype),
     )
     return o, lse
 
@@ -1179,7 +1197,7 @@ def _bsa_backward_dq_op(
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         TRANSPOSED=transposed_backward(query_block, d),
-        **_launch(query_block, True, d, "dq", q.dtype),
+        **_launch("dq", query_block, d, q.dtype),
     )
     return dq
 
@@ -1329,7 +1347,7 @@ def _bsa_backward_dkdv_op(
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
         TRANSPOSED=transposed_backward(key_block * group, d),
-        **_launch(key_block * group, True, d, "dkdv", q.dtype),
+        **_launch("dkdv", key_block * group, d, q.dtype),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)
@@ -1451,7 +1469,7 @@ def _bsa_backward_dkdv_grouped_op(
         HAS_LOGW=log_weights is not None,
         EVEN_Q=n_q % group_rows == 0,
         PREC=dot_precision(q.dtype),
-        **_launch(key_block * slots, True, d, "dkdv", q.dtype),
+        **_launch("dkdv", key_block * slots, d, q.dtype),
     )
     _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program: nothing to tune
         partial_k,

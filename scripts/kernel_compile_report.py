@@ -302,17 +302,11 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
 
 def launch_warps(fn, const: dict) -> int:
-    """The warps the launchers give an attention kernel's program without autotuning (block_sparse.program_warps,
+    """The warps the launchers give an attention kernel's program without autotuning (block_sparse.launched_program,
     linear_attention.walk_warps for SLA's own kernels but the query-major walks, query_walk_options)."""
     d = const["HEAD_DIM"]
-    if fn is block_sparse._fwd_kernel:
-        return block_sparse.program_warps(const["BLOCK_M"], False, d)
-    if fn is block_sparse._dq_kernel:
-        return block_sparse.program_warps(const["BLOCK_M"], True, d)
-    if fn is block_sparse._dkdv_kernel:
-        return block_sparse.program_warps(const["KEY_BLOCK"] * const["GROUP"], True, d)
-    if fn is block_sparse._grouped_dkdv_kernel:
-        return block_sparse.program_warps(const["KEY_BLOCK"] * const["SLOTS"], True, d)
+    if fn in block_sparse.PROGRAMS:
+        return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
         return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
     if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel):
@@ -321,12 +315,9 @@ def launch_warps(fn, const: dict) -> int:
 
 
 def launch_register_cap(fn, const: dict) -> int | None:
-    """The ``maxnreg`` the launchers give an attention kernel's program (block_sparse.register_cap), bf16 inputs."""
-    kinds = {block_sparse._fwd_kernel: "forward", block_sparse._dq_kernel: "dq", block_sparse._dkdv_kernel: "dkdv"}
-    if fn not in kinds:
-        return None
-    rows = const["KEY_BLOCK"] * const["GROUP"] if fn is block_sparse._dkdv_kernel else const["BLOCK_M"]
-    return block_sparse.register_cap(kinds[fn], rows, const["HEAD_DIM"], torch.bfloat16)
+    """The ``maxnreg`` the launchers give an attention kernel's program (block_sparse.launched_program), bf16
+    inputs."""
+    return block_sparse.launched_program(fn, const, torch.bfloat16)[1] if fn in block_sparse.PROGRAMS else None
 
 
 def main(argv=None) -> None:

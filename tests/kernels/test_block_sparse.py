@@ -341,6 +341,10 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
         _configs_for,
+        _dkdv_kernel,
+        _dq_kernel,
+        _fwd_kernel,
+        _grouped_dkdv_kernel,
         program_warps,
         transposed_backward,
         walk_blocks_per_step,
@@ -359,10 +363,8 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     # the backward computes transposed exactly where a program of < 64 rows gets a warpgroup
     assert [transposed_backward(r, 64) for r in rows] == [False, True, True, False, False, False]
     assert [transposed_backward(r, 128) for r in rows] == [True, True, True, False, False, False]
-    fwd = _configs_for(lambda meta: meta["BLOCK_M"], backward=False, kernel="forward")
-    dq = _configs_for(lambda meta: meta["BLOCK_M"], backward=True, kernel="dq")
-    dkdv = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["GROUP"], backward=True, kernel="dkdv")
-    grouped = _configs_for(lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"], backward=True, kernel="dkdv")
+    fwd, dq = _configs_for(_fwd_kernel), _configs_for(_dq_kernel)
+    dkdv, grouped = _configs_for(_dkdv_kernel), _configs_for(_grouped_dkdv_kernel)
     bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
 
     def tried(configs):  # the configurations without a register cap
