@@ -204,6 +204,7 @@ def _fwd_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
+    list_bias,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -216,6 +217,8 @@ def _fwd_kernel(
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
+    LIST_BIAS: tl.constexpr,
+    FULL_LIST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -247,6 +250,8 @@ def _fwd_kernel(
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+            if LIST_BIAS:
+                bias += list_bias * 1.4426950408889634
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
                 q, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, m_i, l_i, acc, EVEN_K, PREC
@@ -256,13 +261,21 @@ def _fwd_kernel(
             blk, krow, k_ok = walk_key_rows(
                 ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
             )
-            kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
-            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            if FULL_LIST:  # every slot holds a block and every row exists: no masks
+                kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
+                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
+            else:
+                kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
+                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if LIST_BIAS:  # one weight for every listed block: a scalar, as in the dense tail's steps
+                s = tl.dot(q, kt, input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
+            else:
+                s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if HAS_LOGW:
                 w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                 s += w[None, :] * 1.4426950408889634
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if not FULL_LIST:
+                s = tl.where(k_ok[None, :], s, float("-inf"))
             m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
     if HAS_TAIL:  # then key rows [tail_lo, tail_hi), the same for every query: contiguous steps, one scalar weight
         toff = tl.arange(0, TAIL_STEP)
@@ -377,6 +390,7 @@ def _dq_kernel(
     tail_lo,
     tail_hi,
     tail_bias,
+    list_bias,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -392,6 +406,8 @@ def _dq_kernel(
     EVEN_TAIL: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
     TRANSPOSED: tl.constexpr,
+    LIST_BIAS: tl.constexpr,
+    FULL_LIST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -422,6 +438,8 @@ def _dq_kernel(
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+            if LIST_BIAS:
+                bias += list_bias * 1.4426950408889634
             dq = contiguous_dq_step(
                 q, do, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, lse2, delta, dq, EVEN_K, PREC
             )
@@ -430,16 +448,36 @@ def _dq_kernel(
             blk, krow, k_ok = walk_key_rows(
                 ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
             )
-            k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
-            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if FULL_LIST:  # every slot holds a block and every row exists (see _fwd_kernel)
+                k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :])
+                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
+            else:
+                k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             if TRANSPOSED:  # rows in N: see the note above _dq_kernel
-                st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+                if LIST_BIAS:
+                    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
+                else:
+                    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     st += w[:, None] * 1.4426950408889634
                 dqt = gathered_dq_step_t(st, k, v, do, lse2, delta, k_ok[:, None] & row_ok[None, :], dqt, PREC)
-            else:
+            elif FULL_LIST:  # padded query rows have dO = 0 and Δ = 0, so ds = 0 there: no mask at all
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                if LIST_BIAS:
+                    s += list_bias * 1.4426950408889634
+                if HAS_LOGW:
+                    w = tl.load(LOGW + blk)
+                    s += w[None, :] * 1.4426950408889634
+                p = tl.math.exp2(s - lse2[:, None])
+                ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            else:
+                if LIST_BIAS:
+                    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
@@ -833,14 +871,16 @@ _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 
 _fwd = autotuned(
     _fwd_kernel,
-    _TUNED_KEYS + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
+    _TUNED_KEYS
+    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "LIST_BIAS", "FULL_LIST"],
     _CONFIGS,
     prune=_configs_for(_fwd_kernel),
 )
 _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"],
+    + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"]
+    + ["LIST_BIAS", "FULL_LIST"],
     _CONFIGS,
     prune=_configs_for(_dq_kernel),
 )
@@ -973,6 +1013,20 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
+def _list_args(log_weights, list_log_weight: float | None, full_lists: bool, whole_steps: bool) -> dict:
+    """Kernel arguments of the listed blocks' weights: per block (``log_weights``, a load per key), one for all
+    (``list_log_weight``, a scalar), or none; and ``FULL_LIST`` (no masks) where the caller promises lists without
+    empty slots and the walk's steps are whole (``whole_steps``: every key block has all its rows, and the list
+    length is a multiple of the blocks per step, so no step reads past the list)."""
+    assert log_weights is None or list_log_weight is None, "give log_weights or list_log_weight, not both"
+    return {
+        "list_bias": 0.0 if list_log_weight is None else float(list_log_weight),
+        "HAS_LOGW": log_weights is not None,
+        "LIST_BIAS": list_log_weight is not None,
+        "FULL_LIST": bool(full_lists) and whole_steps,
+    }
+
+
 def bsa_forward(
     q,
     k,
@@ -986,11 +1040,16 @@ def bsa_forward(
     out_dtype=None,
     dense_tail=None,
     out_heads=0,
+    list_log_weight=None,
+    full_lists=False,
 ):
     """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
-    name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d]."""
+    name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
+    ``list_log_weight``: one log weight of every listed block, instead of ``log_weights`` per block (a scalar per
+    step, not a load per key); ``full_lists``: the caller's promise that no slot is empty (-1), so that the walk
+    needs no masks when every key block is whole."""
     o_init, lse_init = init if init is not None else (None, None)
     return _bsa_forward_op(
         q,
@@ -1006,6 +1065,8 @@ def bsa_forward(
         out_dtype or q.dtype,
         out_heads,
         *_tail_tuple(dense_tail),
+        list_log_weight,
+        full_lists,
     )
 
 
@@ -1026,6 +1087,8 @@ def _bsa_forward_op(
     tail_lo: int,
     tail_hi: int,
     tail_log_weight: float,
+    list_log_weight: float | None,
+    full_lists: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     BH, n_q, d = q.shape
     n_k = k.shape[1]
@@ -1055,11 +1118,11 @@ def _bsa_forward_op(
         n_k,
         lists.shape[2],
         scale * LOG2E,
+        **_list_args(log_weights, list_log_weight, full_lists, n_k % key_block == 0 and lists.shape[2] % per_iter == 0),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
         PER_ITER=per_iter,
-        HAS_LOGW=log_weights is not None,
         HAS_INIT=o_init is not None,
         **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
@@ -1102,12 +1165,14 @@ def bsa_backward_dq(
     out_dtype=torch.float32,
     dense_tail=None,
     pooled_add=None,
+    list_log_weight=None,
+    full_lists=False,
 ):
     """dq ([BH, Nq, d], ``out_dtype``) of one query-major pass, plus ``dq`` (fp32, an earlier pass) when given.
     ``do``: [BH, Nq, d] or tokens-major [BH / H, Nq, H, d] (``row_layout``). With ``o`` (same layout as ``do``)
     it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
-    ``dense_tail`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH, ceil(Nq / query_block), d]): adds each query
-    tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
+    ``dense_tail``, ``list_log_weight`` and ``full_lists`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH,
+    ceil(Nq / query_block), d]): adds each query tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
     return _bsa_backward_dq_op(
         q,
         k,
@@ -1125,6 +1190,8 @@ def bsa_backward_dq(
         scale,
         out_dtype,
         *_tail_tuple(dense_tail),
+        list_log_weight,
+        full_lists,
     )
 
 
@@ -1149,6 +1216,8 @@ def _bsa_backward_dq_op(
     tail_lo: int,
     tail_hi: int,
     tail_log_weight: float,
+    list_log_weight: float | None,
+    full_lists: bool,
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
     n_tiles = triton.cdiv(n_q, query_block)
@@ -1183,11 +1252,13 @@ def _bsa_backward_dq_op(
         lists.shape[2],
         scale * LOG2E,
         scale,
+        **_list_args(
+            log_weights, list_log_weight, full_lists, k.shape[1] % key_block == 0 and lists.shape[2] % per_iter == 0
+        ),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
         PER_ITER=per_iter,
-        HAS_LOGW=log_weights is not None,
         ACCUMULATE=accumulate,
         HAS_ADD=pooled_add is not None,
         **_tail_args(tail_lo, tail_hi, tail_log_weight, k.shape[1]),

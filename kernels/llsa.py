@@ -264,9 +264,11 @@ class _LLSATriton(torch.autograd.Function):
         enrich_levels,
         scale,
         reference_l1_grad,
+        full_lists,
     ):
         # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad);
-        # cand_widths: the blocks per list of each candidate level in coarse_lists' columns (finest first)
+        # cand_widths: the blocks per list of each candidate level in coarse_lists' columns (finest first);
+        # full_lists: no empty slot in the candidate lists (a selection made by llsa_attention itself)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
         qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
@@ -296,20 +298,20 @@ class _LLSATriton(torch.autograd.Function):
                 COARSE_TILE,
                 B,
                 scale,
-                logw,
                 init=(o, lse),
                 out_dtype=q.dtype,
                 dense_tail=tail,
                 out_heads=h,
+                **_pooled_list_args(B, L, Le, logw, full_lists),
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
-        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths)
+        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
         return o
 
     @staticmethod
     def backward(ctx, do):
         qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
-        B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths = ctx.cfg
+        B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths, full_lists = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
         do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
@@ -318,7 +320,19 @@ class _LLSATriton(torch.autograd.Function):
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
             dq = bs.bsa_backward_dq(
-                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, logw, o=o, dense_tail=tail
+                qf,
+                bank_k,
+                bank_v,
+                do,
+                lse,
+                delta,
+                coarse_lists,
+                COARSE_TILE,
+                B,
+                scale,
+                o=o,
+                dense_tail=tail,
+                **_pooled_list_args(B, L, Le, logw, full_lists),
             )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
@@ -342,7 +356,18 @@ class _LLSATriton(torch.autograd.Function):
             pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
             out_dtype=dt,
         )
-        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 10
+        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 11
+
+
+def _pooled_list_args(B, L, Le, logw, full_lists: bool) -> dict:
+    """The weights and fullness of the pooled pass's lists for ``bsa_forward`` / ``bsa_backward_dq``: the blocks of
+    one candidate level (L = 2) share its weight ``ln B``, passed as one number (a scalar per step in the kernels,
+    not a load per key); several levels take ``logw`` per bank block. ``full_lists``: no empty slot, so the walk
+    needs no masks; without candidate levels the lists are one empty slot each."""
+    n_cand = min(Le, L - 1)
+    if n_cand == 1:
+        return {"list_log_weight": math.log(B), "full_lists": full_lists}
+    return {"log_weights": logw, "full_lists": full_lists and n_cand >= 1}
 
 
 def _pooled_bank_grads(
@@ -483,6 +508,7 @@ def llsa_attention(
             index = _select(q, k, block_size, cfg, "torch", means)
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
     B, n_bank = block_size, min(Le, L)
+    full_lists = index is None  # a selection made here fills every slot; one given by the caller may hold -1
     q1, k1, v1 = (None, None, None) if means is None else means.unbind(0)
     with torch.no_grad():  # one fp32 pyramid of k serves selection and the bank
         kp = _pyramid(k.detach(), B, L if index is None else n_bank, k1)
@@ -502,6 +528,6 @@ def llsa_attention(
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
     cand_widths = tuple(index[lvl].shape[-1] for lvl in range(1, min(Le, L - 1) + 1))
     o = _LLSATriton.apply(
-        q, k, v, bank_k, bank_v, fine_lists, coarse_lists, cand_widths, B, L, Le, scale, reference_l1_grad
+        q, k, v, bank_k, bank_v, fine_lists, coarse_lists, cand_widths, B, L, Le, scale, reference_l1_grad, full_lists
     )
     return o.transpose(1, 2)  # [b, N, h, d] in memory

@@ -322,6 +322,44 @@ def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
     assert (dk[:, inside.stop :] == 7).all() and (dv[:, inside.stop :] == 7).all()
 
 
+@needs_interpreter
+@pytest.mark.parametrize("key_block,tail", [(16, True), (32, False)])
+def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
+    """LLSA's pooled pass at L = 2 (one candidate level) gives its lists one weight (``list_log_weight``: a scalar per
+    step) and promises no empty slot (``full_lists``: no masks). Forward and dq equal those of the same lists with
+    that weight per block and the masked walk, bit for bit; a list with an empty slot keeps its masks whatever the
+    caller says about fullness (the launcher only drops them over whole steps of full-length lists)."""
+    g = torch.Generator().manual_seed(key_block)
+    bh, d, qb, n_blocks, width = 2, 32, 64, 12, 64 // key_block * 2
+    nq, nk = 3 * qb - 8, n_blocks * key_block + (64 if tail else 0)  # a partial last query tile; tail rows last
+    q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
+    tiles = triton.cdiv(nq, qb)
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:width] for _ in range(bh * tiles)])
+    lists = lists.view(bh, tiles, width).int().to(DEVICE)
+    weight = 2.772588722239781  # ln 16
+    per_block = torch.full((triton.cdiv(nk, key_block),), weight, device=DEVICE)
+    dense_tail = (n_blocks * key_block, nk, 2 * weight) if tail else None
+    bs, scale = block_sparse_module, d**-0.5
+
+    def run(lst, **weights):
+        o, lse = bs.bsa_forward(q, k, v, lst, qb, key_block, scale, dense_tail=dense_tail, **weights)
+        delta = torch.empty(bh, nq, device=DEVICE)
+        dq = bs.bsa_backward_dq(
+            q, k, v, do, lse, delta, lst, qb, key_block, scale, o=o, dense_tail=dense_tail, **weights
+        )
+        return o, lse, delta, dq
+
+    want = run(lists, log_weights=per_block)
+    got = run(lists, list_log_weight=weight, full_lists=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    holed = lists.clone()
+    holed[1, 0, 1] = -1
+    want = run(holed, log_weights=per_block)
+    got = run(holed, list_log_weight=weight, full_lists=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(want[0], run(lists, log_weights=per_block)[0])  # the empty slot mattered
+
+
 def test_block_sparse_rejects_bad_blocks():
     q = torch.randn(1, 1, 64, 32)
     lists = torch.zeros(1, 1, 4, 1, dtype=torch.int32)

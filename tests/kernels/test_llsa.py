@@ -181,6 +181,22 @@ def test_triton_gradients_bitwise_deterministic():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("L", [2, 3])
+def test_triton_selection_made_here_equals_the_same_selection_given(L):
+    """A selection that llsa_attention makes itself fills every slot of the pooled pass's lists, so that pass walks
+    them without masks (and, with one candidate level, with one weight for all listed blocks); the same selection
+    given as ``index`` (which may hold empty slots) takes the masked walk. Output and gradients equal, bit for bit."""
+    g = torch.Generator().manual_seed(11 + L)
+    N = 16**L * 2
+    q, k, v, go = (torch.randn(1, 2, N, 16, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    index = llsa_select(q, k, 16, 4, L)
+    made = grads(lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, impl="triton"), q, k, v, go)
+    given = grads(lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, index=index, impl="triton"), q, k, v, go)
+    assert all(torch.equal(a, b) for a, b in zip(made, given))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("Le", [None, 0])  # the pooled pass writes the output, or the fine pass alone
 def test_triton_output_is_tokens_major_and_takes_its_gradient_in_any_layout(Le):
     """The Triton path returns a transposed view of a tokens-major [b, N, h, d] tensor (a model's projection reads it
