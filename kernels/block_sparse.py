@@ -1172,7 +1172,8 @@ def bsa_backward_dq(
     ``do``: [BH, Nq, d] or tokens-major [BH / H, Nq, H, d] (``row_layout``). With ``o`` (same layout as ``do``)
     it also computes Δ = rowsum(dO * O) into ``delta`` (fp32 [BH, Nq]).
     ``dense_tail``, ``list_log_weight`` and ``full_lists`` as in ``bsa_forward``. ``pooled_add`` (fp32 [BH,
-    ceil(Nq / query_block), d]): adds each query tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool adjoint of a pooled copy of q, fused)."""
+    ceil(Nq / query_block), d]): adds each query tile's ``g[tile] / (its real rows)`` to its rows (the mean-pool
+    adjoint of a pooled copy of q, fused)."""
     return _bsa_backward_dq_op(
         q,
         k,

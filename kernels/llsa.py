@@ -14,7 +14,9 @@ CUDA tensors run Triton (``block_sparse.py``): the fine level is one block-spars
 query blocks; the pooled levels are a second pass over one "bank" (levels 1..L concatenated, fp32-pooled then cast
 to the input dtype) with 64-row query tiles, whose lists are shared by all 64 rows (a level-l list depends only on
 the level-(l+1) ancestor, and B^2 >= 64 rows share it), and the coarsest level, which every query sees, is walked
-as one contiguous range after the list; the second pass continues the first pass's softmax. The
+as one contiguous range after the list; the second pass continues the first pass's softmax. A selection made here
+fills every list slot, so that pass walks its lists without masks, and at L = 2 (one candidate level, one weight)
+adds the weight as a scalar per step (``_pooled_list_args``). The
 backward is dq query-major, dk/dv key-major over the CSC transpose, then the mean-pool adjoint. CPU tensors run the
 exact gather form in fp32 with autograd.
 """
@@ -319,20 +321,9 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
+            weights = _pooled_list_args(B, L, Le, logw, full_lists)
             dq = bs.bsa_backward_dq(
-                qf,
-                bank_k,
-                bank_v,
-                do,
-                lse,
-                delta,
-                coarse_lists,
-                COARSE_TILE,
-                B,
-                scale,
-                o=o,
-                dense_tail=tail,
-                **_pooled_list_args(B, L, Le, logw, full_lists),
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
             )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad

@@ -326,8 +326,8 @@ def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
 @pytest.mark.parametrize("key_block,tail", [(16, True), (32, False)])
 def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
     """LLSA's pooled pass at L = 2 (one candidate level) gives its lists one weight (``list_log_weight``: a scalar per
-    step) and promises no empty slot (``full_lists``: no masks). Forward and dq equal those of the same lists with
-    that weight per block and the masked walk, bit for bit; a list with an empty slot keeps its masks whatever the
+    step) and promises no empty slot (``full_lists``: no masks; at L = 3 with weights per block). Forward and dq equal
+    those of the same lists with that weight per block and the masked walk, bit for bit; a list with an empty slot keeps its masks whatever the
     caller says about fullness (the launcher only drops them over whole steps of full-length lists)."""
     g = torch.Generator().manual_seed(key_block)
     bh, d, qb, n_blocks, width = 2, 32, 64, 12, 64 // key_block * 2
@@ -351,6 +351,8 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
 
     want = run(lists, log_weights=per_block)
     got = run(lists, list_log_weight=weight, full_lists=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got = run(lists, log_weights=per_block, full_lists=True)  # LLSA at L = 3: weights per block, no masks
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     holed = lists.clone()
     holed[1, 0, 1] = -1
