@@ -103,6 +103,15 @@ def step_key_rows(ids, step, koff, n_k, KEY_BLOCK: tl.constexpr, PER_ITER: tl.co
 
 
 @triton.jit
+def full_list_rows(blk, koff, KEY_BLOCK: tl.constexpr):
+    """A gathered step's block ids, key rows and (all true) existence when the caller promised full lists
+    (``FULL_LIST``: no masks): an id < 0, which only a broken promise leaves (e.g. a selection over NaN scores), reads
+    as block 0, so that no load leaves k and v; the result is then wrong, as its inputs were, but nothing faults."""
+    blk = tl.maximum(blk, 0)
+    return blk, blk.to(tl.int64) * KEY_BLOCK + (koff % KEY_BLOCK), blk >= 0
+
+
+@triton.jit
 def walk_key_rows(
     ids,
     list_base,
@@ -262,6 +271,7 @@ def _fwd_kernel(
                 ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
             )
             if FULL_LIST:  # every slot holds a block and every row exists: no masks
+                blk, krow, k_ok = full_list_rows(blk, koff, KEY_BLOCK)
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
                 v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
             else:
@@ -449,6 +459,7 @@ def _dq_kernel(
                 ids, list_base, j, koff, slot, list_len, n_k, KEY_BLOCK, PER_ITER, LIST_SLOTS
             )
             if FULL_LIST:  # every slot holds a block and every row exists (see _fwd_kernel)
+                blk, krow, k_ok = full_list_rows(blk, koff, KEY_BLOCK)
                 k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :])
                 v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
             else:

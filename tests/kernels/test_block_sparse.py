@@ -327,14 +327,14 @@ def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
 def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
     """LLSA's pooled pass at L = 2 (one candidate level) gives its lists one weight (``list_log_weight``: a scalar per
     step) and promises no empty slot (``full_lists``: no masks; at L = 3 with weights per block). Forward and dq equal
-    those of the same lists with that weight per block and the masked walk, bit for bit; a list with an empty slot keeps its masks whatever the
-    caller says about fullness (the launcher only drops them over whole steps of full-length lists)."""
+    those of the same lists with that weight per block and the masked walk, bit for bit. A list with an empty slot
+    keeps its masks unless the caller promises fullness; a broken promise reads block 0 in the empty slot."""
     g = torch.Generator().manual_seed(key_block)
     bh, d, qb, n_blocks, width = 2, 32, 64, 12, 64 // key_block * 2
     nq, nk = 3 * qb - 8, n_blocks * key_block + (64 if tail else 0)  # a partial last query tile; tail rows last
     q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
     tiles = triton.cdiv(nq, qb)
-    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:width] for _ in range(bh * tiles)])
+    lists = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:width] + 1 for _ in range(bh * tiles)])
     lists = lists.view(bh, tiles, width).int().to(DEVICE)
     weight = 2.772588722239781  # ln 16
     per_block = torch.full((triton.cdiv(nk, key_block),), weight, device=DEVICE)
@@ -360,6 +360,10 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
     got = run(holed, list_log_weight=weight, full_lists=False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(want[0], run(lists, log_weights=per_block)[0])  # the empty slot mattered
+    # a broken promise (an empty slot under full_lists, as a selection over NaN scores can leave) reads block 0,
+    # which no list names here, instead of memory outside k and v
+    got = run(holed, list_log_weight=weight, full_lists=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(holed.clamp_min(0), log_weights=per_block)))
 
 
 def test_block_sparse_rejects_bad_blocks():
