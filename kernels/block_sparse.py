@@ -277,10 +277,9 @@ def _fwd_kernel(
             else:
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
                 v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if LIST_BIAS:  # one weight for every listed block: a scalar, as in the dense tail's steps
-                s = tl.dot(q, kt, input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
-            else:
-                s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+                s += list_bias * 1.4426950408889634
             if HAS_LOGW:
                 w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                 s += w[None, :] * 1.4426950408889634
@@ -338,10 +337,13 @@ def contiguous_dq_step(
 
 
 @triton.jit
-def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, PREC: tl.constexpr):
+def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, MASK: tl.constexpr, PREC: tl.constexpr):
     """One dq step over gathered key rows ``k``, ``v`` with their base-2 logits ``s`` (bias included); ``ok`` masks
-    missing keys and padded query rows."""
-    p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+    missing keys and padded query rows. Without ``MASK`` (full lists: every key exists) no mask is applied: padded
+    query rows load dO = 0 and Δ = 0, so their ds is 0 anyway."""
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -466,33 +468,22 @@ def _dq_kernel(
                 k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
                 v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             if TRANSPOSED:  # rows in N: see the note above _dq_kernel
+                st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
                 if LIST_BIAS:
-                    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
-                else:
-                    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+                    st += list_bias * 1.4426950408889634
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     st += w[:, None] * 1.4426950408889634
                 dqt = gathered_dq_step_t(st, k, v, do, lse2, delta, k_ok[:, None] & row_ok[None, :], dqt, PREC)
-            elif FULL_LIST:  # padded query rows have dO = 0 and Δ = 0, so ds = 0 there: no mask at all
+            else:
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 if LIST_BIAS:
                     s += list_bias * 1.4426950408889634
                 if HAS_LOGW:
-                    w = tl.load(LOGW + blk)
-                    s += w[None, :] * 1.4426950408889634
-                p = tl.math.exp2(s - lse2[:, None])
-                ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-                dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-            else:
-                if LIST_BIAS:
-                    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + list_bias * 1.4426950408889634
-                else:
-                    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-                if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
-                dq = gathered_dq_step(s, k, v, do, lse2, delta, k_ok[None, :] & row_ok[:, None], dq, PREC)
+                ok = k_ok[None, :] & row_ok[:, None]
+                dq = gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, not FULL_LIST, PREC)
         if TRANSPOSED:
             dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
@@ -1024,12 +1015,13 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
-def _list_args(log_weights, list_log_weight: float | None, full_lists: bool, whole_steps: bool) -> dict:
+def _list_args(log_weights, list_log_weight: float | None, full_lists: bool, lists, n_k, key_block, per_iter) -> dict:
     """Kernel arguments of the listed blocks' weights: per block (``log_weights``, a load per key), one for all
     (``list_log_weight``, a scalar), or none; and ``FULL_LIST`` (no masks) where the caller promises lists without
-    empty slots and the walk's steps are whole (``whole_steps``: every key block has all its rows, and the list
-    length is a multiple of the blocks per step, so no step reads past the list)."""
+    empty slots and the walk's steps are whole: every one of the ``n_k`` key rows' blocks has all its rows, and the
+    list length is a multiple of the ``per_iter`` blocks per step, so no step reads past the list."""
     assert log_weights is None or list_log_weight is None, "give log_weights or list_log_weight, not both"
+    whole_steps = n_k % key_block == 0 and lists.shape[2] % per_iter == 0
     return {
         "list_bias": 0.0 if list_log_weight is None else float(list_log_weight),
         "HAS_LOGW": log_weights is not None,
@@ -1129,7 +1121,7 @@ def _bsa_forward_op(
         n_k,
         lists.shape[2],
         scale * LOG2E,
-        **_list_args(log_weights, list_log_weight, full_lists, n_k % key_block == 0 and lists.shape[2] % per_iter == 0),
+        **_list_args(log_weights, list_log_weight, full_lists, lists, n_k, key_block, per_iter),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
@@ -1264,9 +1256,7 @@ def _bsa_backward_dq_op(
         lists.shape[2],
         scale * LOG2E,
         scale,
-        **_list_args(
-            log_weights, list_log_weight, full_lists, k.shape[1] % key_block == 0 and lists.shape[2] % per_iter == 0
-        ),
+        **_list_args(log_weights, list_log_weight, full_lists, lists, k.shape[1], key_block, per_iter),
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,

@@ -122,7 +122,7 @@ def _sla_dq_kernel(
         k = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
         v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        dq_s = gathered_dq_step(s, k, v, do_s, lse2, delta_s, k_ok[None, :] & row_ok[:, None], dq_s, PREC)
+        dq_s = gathered_dq_step(s, k, v, do_s, lse2, delta_s, k_ok[None, :] & row_ok[:, None], dq_s, True, PREC)
         if EXCLUDE:
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
             excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)

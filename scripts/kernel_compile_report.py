@@ -186,22 +186,20 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     dq_strides.pop("out_heads")
     flat_out = dict(stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)  # the fine pass's fp32 partial output
 
-    # the pooled passes of LLSA at L = 2: one candidate level, so one weight for every listed block, and full lists
-    pooled_lists = dict(list_bias=math.log(16), LIST_BIAS=True, FULL_LIST=True)
-    no_list_weight = dict(list_bias=0.0, LIST_BIAS=False, FULL_LIST=False)
-
-    def split(list_args):  # (run-time args, constexprs)
-        return {"list_bias": list_args["list_bias"]}, {k: v for k, v in list_args.items() if k != "list_bias"}
+    # (run-time args, constexprs) of the listed blocks' weights: the pooled passes of LLSA at L = 2 have one candidate
+    # level, so one weight for every listed block, and full lists
+    pooled_lists = (dict(list_bias=math.log(16)), dict(LIST_BIAS=True, FULL_LIST=True))
+    no_list_weight = (dict(list_bias=0.0), dict(LIST_BIAS=False, FULL_LIST=False))
 
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, list_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
         args |= flat_out if out == "*fp32" else {}
-        args |= split(list_args)[0]
+        args |= list_args[0]
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
-        const |= split(list_args)[1]
+        const |= list_args[1]
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
@@ -209,10 +207,10 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32")
         args |= dict(DQ_IN="*fp32", DQ=out, LIST="*i32", LOGW="*fp32", ADD_Q="*fp32", stride_kb=n_k * d, stride_kn=d)
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
-        args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args, **split(list_args)[0])
+        args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args, **list_args[0])
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw)
-        const |= split(list_args)[1]
+        const |= list_args[1]
         const |= dict(ACCUMULATE=accumulate, COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))  # (LLSA adds no pooled dq)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d))
