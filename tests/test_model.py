@@ -45,6 +45,26 @@ def test_shapes_and_gradients(size, patch, order):
     assert not missing, missing
 
 
+@pytest.mark.parametrize("size,patch,order", [((8, 12), 1, "zorder"), ((12, 8), 2, "raster"), ((16, 16), 2, "zorder")])
+def test_patch_embedding_is_the_convolution_in_sequence_order(size, patch, order):
+    """``embed`` (the patches reordered, then one matmul with the Conv2d's weights) equals the convolution followed by
+    the token reorder, in value and in the gradients of the image and the conv's parameters."""
+    torch.manual_seed(0)
+    model = tiny(input_size=size, patch_size=patch, token_order=order)
+    perm, inv, _, _ = model._grid_tables(model.grid_size(*size), "cpu")
+    assert order == "raster" or not torch.equal(inv, torch.arange(len(inv)))  # the reorder is exercised
+    x = inputs(2, *size)[0].requires_grad_(True)
+    weights = torch.randn(2, len(inv), model.x_embedder.out_channels)
+    conv = model.x_embedder(x).flatten(2).transpose(1, 2)[:, inv]
+    grads_conv = torch.autograd.grad((conv * weights).sum(), [x, *model.x_embedder.parameters()])
+    embedded = model.embed(x, inv, perm)
+    grads = torch.autograd.grad((embedded * weights).sum(), [x, *model.x_embedder.parameters()])
+    assert embedded.shape == conv.shape and embedded.is_contiguous()
+    torch.testing.assert_close(embedded, conv, atol=1e-5, rtol=1e-5)
+    for got, want, name in zip(grads, grads_conv, ["image", "weight", "bias"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=name)
+
+
 def test_registry_sizes():
     model = build_model("DiT-T", input_size=(4, 8))
     x, t = inputs(1, 4, 8)

@@ -1,9 +1,9 @@
 """The pixel-space diffusion transformer (the LLSA paper's "RopeDiT", generalised; docs/algorithms.md, "The pixel DiT").
 
-    image [b, 3, H, W] --patch embed (Conv2d, patch p)--> tokens [b, N, hidden] in raster order, N = (H/p) * (W/p)
-      --reorder once (token_order: auto = what the attention needs | raster | zorder)--> depth x DiTBlock (adaLN-Zero;
-      attention = swappable backend with RMS qk-norm and 2-D RoPE whose positions follow the tokens) --> final adaLN
-      + Linear --> undo the order once --> unpatchify --> velocity [b, 3, H, W]
+    image [b, 3, H, W] --patches [b, N, 3 p^2], N = (H/p) * (W/p), reordered once (token_order: auto = what the
+      attention needs | raster | zorder)--> patch embed (the Conv2d's weights as one matmul)--> tokens [b, N, hidden]
+      --> depth x DiTBlock (adaLN-Zero; attention = swappable backend with RMS qk-norm and 2-D RoPE whose positions
+      follow the tokens) --> final adaLN + Linear --> undo the order once --> unpatchify --> velocity [b, 3, H, W]
 
 Every block uses the configured attention backend, except the blocks listed in `attention.dense_blocks`, which keep
 full attention (a per-layer schedule, e.g. sparse attention with dense first and last blocks; see
@@ -379,15 +379,36 @@ class DiT(nn.Module):
             t = t.expand(b)
         conds = self.conditioning(t, y)
 
-        x = self.x_embedder(x).flatten(2).transpose(1, 2)  # [b, N, hidden], raster order
-        if self.token_order != "raster":
-            x = PermuteTokens.apply(x, inv, perm)  # sequence position s holds raster token inv[s]
+        x = self.embed(x, inv, perm)  # [b, N, hidden]; sequence position s holds raster token inv[s]
         for block, c in zip(self.blocks, conds):
             x = block(x, c, cos, sin, grid_hw)
         x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, perm, inv)  # back to raster order
         return self.unpatchify(x, grid_hw)
+
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, C, H, W] -> [b, (H/p) * (W/p), C * p * p] in raster order, each patch flattened as the Conv2d's
+        weights are: (channel, row, column)."""
+        b, c, height, width = x.shape
+        p = self.patch_size
+        x = x.reshape(b, c, height // p, p, width // p, p)
+        return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (height // p) * (width // p), c * p * p)
+
+    def embed(self, x: torch.Tensor, order: torch.Tensor, inverse_order: torch.Tensor) -> torch.Tensor:
+        """Patch embedding into sequence order: [b, C, H, W] -> [b, N, hidden], token s = raster patch order[s].
+
+        The same map as ``x_embedder`` (a Conv2d, kept for its parameters and checkpoints), computed as a matmul on
+        the patches after reordering them: the C * p * p values of a patch are cheap to permute, and the result is
+        tokens-major and contiguous. The convolution wrote [b, hidden, H/p, W/p] instead, which the first block's
+        two kernels (Inductor fused the reorder into them) read with each token's hidden values N elements apart:
+        they took 2.2x the time of another block's, and compiled sampling at 256² runs 1.02x faster without them
+        (docs/benchmarks.md)."""
+        patches = self.patchify(x)
+        if self.token_order != "raster":
+            patches = PermuteTokens.apply(patches, order, inverse_order)
+        weight = self.x_embedder.weight
+        return F.linear(patches, weight.reshape(weight.shape[0], -1), self.x_embedder.bias)
 
     def unpatchify(self, x: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """[b, h * w, p * p * C] (raster) -> [b, C, h * p, w * p]."""
