@@ -11,6 +11,8 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --means both  # prologue vs own
+    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --gelu separate \
+        --compile-mode default max-autotune-no-cudagraphs          # Inductor's own matmuls, GELU in their epilogue
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
 
 --profile adds, per row, one more batch under torch.profiler: its GPU time by kind of kernel (the table of
@@ -21,7 +23,9 @@ and the top ops, with the time per image and Euler step.
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
 --means both does the same for LLSA's block means of q, k, v: computed by the qk-norm + RoPE kernel as it writes
 them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
-"means" column.
+"means" column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.
+max-autotune-no-cudagraphs against default, where Inductor times its own Triton matmuls against cuBLAS and may fuse
+the elementwise work after them (with --gelu separate, the GELU) into their epilogue.
 
 Each row also says what the sampling of a 50,000-image FID costs on one such device ("50k h": hours at --steps
 Euler steps; the Inception pass over the samples is not included). With --out DIR: bench_sampling.md (rewritten
@@ -76,6 +80,13 @@ def parse_args(argv=None):
         action="store_true",
         help="torch.compile the forward (static batch shape), as evaluation does on GPUs",
     )
+    parser.add_argument(
+        "--compile-mode",
+        nargs="+",
+        default=["default"],
+        choices=["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"],
+        help="torch.compile modes, with --compile: one row per mode (an A/B in one process; default: default)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="Euler steps per sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -103,7 +114,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str, mode: str) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
@@ -113,7 +124,7 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
         batch = auto_batch_size(model, (side, side), device, args.precision)
     else:
         batch = int(args.batch) if args.batch else DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
-    model = sampling_model(model, device, args.compile)
+    model = sampling_model(model, device, args.compile, mode)
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
     cuda = device.type == "cuda"
 
@@ -130,6 +141,7 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
         "batch": batch,
         "steps": args.steps,
         "compiled": bool(args.compile and cuda),
+        "mode": mode if args.compile and cuda else "-",
         "GELU": gelu if cuda else "separate",
         "means": means,
         "batch s": seconds,
@@ -189,12 +201,14 @@ def variant(row: dict) -> str:
         row["attention"]
         + (" (separate GELU)" if row.get("GELU") == "separate" else "")
         + (" (means in backend)" if row.get("means") == "backend" else "")
+        + (f" ({row['mode']})" if row.get("mode") not in (None, "-", "default") else "")
     )
 
 
 def ab_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(row, twin) for every --gelu / --means A/B: the twin ran the same attention with only that switch off."""
-    switches = {"GELU": "separate", "means": "backend"}
+    """(row, twin) for every --gelu / --means / --compile-mode A/B: the twin ran the same attention with only that
+    switch off (the separate GELU, the backend's own means, the default compile mode)."""
+    switches = {"GELU": "separate", "means": "backend", "mode": "default"}
     pairs = []
     for row in rows:
         for key, off in switches.items():
@@ -264,19 +278,19 @@ def main(argv=None) -> list[dict]:
     )
     rows = []
     gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
+    modes = list(dict.fromkeys(args.compile_mode)) if args.compile else ["default"]
     for side in args.sizes:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
-            for gelu, means in [(g, m) for g in gelus for m in meanses]:
+            for gelu, means, mode in [(g, m, c) for g in gelus for m in meanses for c in modes]:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 label = means if variants[attention].block_means else "-"
                 try:
-                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label))
+                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label, mode))
                 except torch.OutOfMemoryError:
-                    rows.append(
-                        {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu, "means": label}
-                    )
+                    oom = {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu}
+                    rows.append(oom | {"means": label, "mode": mode})
                     torch.cuda.empty_cache()
                 finally:
                     Mlp.fuse_inference_gelu = Attention.fuse_block_means = True

@@ -76,3 +76,23 @@ def test_bench_sampling_profile_groups_the_batch_by_kind_of_kernel(capsys):
     assert "time by kind of kernel" in captured.err
     header = next(line for line in captured.out.splitlines() if line.startswith("| attention | size |"))
     assert "profile" not in header  # a table of its own, not a column of the results table
+
+
+def test_bench_sampling_compile_modes_time_one_row_per_mode(capsys):
+    script = runpy.run_path(str(SCRIPT))
+    seen = []
+    globals_ = script["main"].__globals__  # the functions' own globals (run_path returns a copy)
+    real = globals_["sampling_model"]
+
+    def spy(model, device, compile, mode=None):
+        seen.append((compile, mode))
+        return real(model, device, compile, mode)
+
+    globals_["sampling_model"] = spy
+    argv = ["--device", "cpu", "--quick", "--attention", "llsa", "--compile"]
+    rows = script["main"]([*argv, "--compile-mode", "default", "max-autotune-no-cudagraphs"])
+    assert seen == [(True, "default"), (True, "max-autotune-no-cudagraphs")]
+    assert [r["mode"] for r in rows] == ["-", "-"]  # CPU: nothing is compiled, and the rows say so
+    with pytest.raises(SystemExit):
+        script["main"]([*argv, "--compile-mode", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err

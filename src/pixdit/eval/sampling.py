@@ -36,12 +36,12 @@ def check_batch_size(value, name: str = "batch_size") -> int | str:
     )
 
 
-def sampling_model(model: torch.nn.Module, device, compile: bool) -> torch.nn.Module:
+def sampling_model(model: torch.nn.Module, device, compile: bool, mode: str | None = None) -> torch.nn.Module:
     """The model as the sampler calls it. With ``compile`` on a CUDA device it is compiled in place (once: later
     calls, e.g. the next FID evaluation of a training run, reuse it) for static shapes; ``generate_uint8`` pads the
-    last batch so one shape serves a whole evaluation."""
+    last batch so one shape serves a whole evaluation. ``mode``: torch.compile's mode (None: the default one)."""
     if compile and torch.device(device).type == "cuda" and getattr(model, "_compiled_call_impl", None) is None:
-        model.compile(dynamic=False)
+        model.compile(dynamic=False, mode=mode)
     return model
 
 
