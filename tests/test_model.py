@@ -51,7 +51,7 @@ def test_patch_embedding_is_the_convolution_in_sequence_order(size, patch, order
     the token reorder, in value and in the gradients of the image and the conv's parameters."""
     torch.manual_seed(0)
     model = tiny(input_size=size, patch_size=patch, token_order=order)
-    perm, inv, _, _ = model._grid_tables(model.grid_size(*size), "cpu")
+    perm, inv = model.token_perm, model.token_inv  # the tables of the configured size
     assert order == "raster" or not torch.equal(inv, torch.arange(len(inv)))  # the reorder is exercised
     x = inputs(2, *size)[0].requires_grad_(True)
     weights = torch.randn(2, len(inv), model.x_embedder.out_channels)
