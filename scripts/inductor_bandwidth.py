@@ -27,8 +27,9 @@ from collections import defaultdict
 from pathlib import Path
 
 HEADER = re.compile(r"^TRITON KERNELS BANDWIDTH INFO \((?P<graph>.*)\)\s*$")
-# one kernel call: "0.123ms \t0.456 GB \t 3700.00GB/s \t 12.34% \t triton_red_fused_..." (tabs or spaces)
-CALL = re.compile(r"^\s*(?P<ms>[\d.]+)ms\s+(?P<gb>[\d.]+)\s*GB\s+(?P<gbs>[\d.]+)\s*GB/s\s+[\d.]+%\s+(?P<name>\S+)")
+# one kernel call: "0.123ms \t0.456 GB \t 3700.00GB/s \t 12.34% \t triton_red_fused_..." (tabs or spaces; the share
+# of the graph's time is left out by some torch versions)
+CALL = re.compile(r"^\s*(?P<ms>[\d.]+)ms\s+(?P<gb>[\d.]+)\s*GB\s+(?P<gbs>[\d.]+)\s*GB/s\s+(?:[\d.]+%\s+)?(?P<name>\S+)")
 
 
 def parse(text: str) -> dict[str, list[tuple[str, float, float]]]:
