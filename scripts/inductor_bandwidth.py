@@ -26,6 +26,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # some torch versions colour the slow kernels' lines red, in the file too
 HEADER = re.compile(r"^TRITON KERNELS BANDWIDTH INFO \((?P<graph>.*)\)\s*$")
 # one kernel call: "0.123ms \t0.456 GB \t 3700.00GB/s \t 12.34% \t triton_red_fused_..." (tabs or spaces; the share
 # of the graph's time is left out by some torch versions)
@@ -36,7 +37,7 @@ def parse(text: str) -> dict[str, list[tuple[str, float, float]]]:
     """{graph: [(kernel, ms, GB), ...]} from the last table each graph appended."""
     graphs: dict[str, list[tuple[str, float, float]]] = {}
     current = None
-    for line in text.splitlines():
+    for line in ANSI.sub("", text).splitlines():
         header = HEADER.match(line)
         if header:
             current = header.group("graph")

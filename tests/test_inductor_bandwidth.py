@@ -15,7 +15,8 @@ def graph_table(graph: str, calls: list[tuple[float, float, str]]) -> str:
     lines = ["====================", f"TRITON KERNELS BANDWIDTH INFO ({graph})"]
     for ms, gb, name in sorted(calls, reverse=True):
         suffix = f" \t {ms / total * 100:.2f}% \t {name}"
-        lines.append(create_bandwidth_info_str(ms, gb, gb / (ms / 1e3), suffix=suffix, color=False))
+        line = create_bandwidth_info_str(ms, gb, gb / (ms / 1e3), suffix=suffix, color=False)
+        lines.append(f"\x1b[31m{line}\x1b[0m" if gb / ms < 2.5 else line)  # as some versions colour slow kernels
     lines.append(f"SUMMARY ({graph})\n{total:.2f}ms   \t 1.00 GB\t 1.00GB/s\n")
     return "\n".join(lines) + "\n"
 
