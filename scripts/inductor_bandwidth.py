@@ -27,6 +27,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from pixdit.report import markdown_table
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # some torch versions colour the slow kernels' lines red, in the file too
 HEADER = re.compile(r"^TRITON KERNELS BANDWIDTH INFO \((?P<graph>.*)\)\s*$")
 # one kernel call: "0.123ms \t0.456 GB \t 3700.00GB/s \t 12.34% \t triton_red_fused_..." (tabs or spaces; the share
@@ -80,19 +82,17 @@ def rank(graphs: dict[str, list[tuple[str, float, float]]], peak_tbs: float) -> 
 
 
 def markdown(rows: list[dict], top: int, name_width: int = 90) -> str:
-    columns = ["kernel", "calls", "ms", "GB", "GB/s", "floor ms", "lost ms", "share %"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows[:top]:
-        cells = [row["kernel"][:name_width], str(row["calls"])]
-        cells += [f"{row[key]:,.3f}" if key != "GB/s" else f"{row[key]:,.0f}" for key in columns[2:]]
-        lines.append("| " + " | ".join(cells) + " |")
+    def cell(column: str, value) -> str:
+        if column == "kernel":
+            return value[:name_width]
+        return f"{value:,.0f}" if column == "GB/s" else f"{value:,.3f}" if isinstance(value, float) else str(value)
+
     ms, gb = sum(r["ms"] for r in rows), sum(r["GB"] for r in rows)
     floor, lost = sum(r["floor ms"] for r in rows), sum(r["lost ms"] for r in rows)
-    lines.append(
-        f"\n{len(rows)} kernels, {ms:,.3f} ms, {gb:,.3f} GB ({gb / ms * 1e3 if ms else 0:,.0f} GB/s); "
-        f"floor {floor:,.3f} ms, lost {lost:,.3f} ms"
+    return (
+        f"{markdown_table(rows[:top], cell=cell)}\n\n{len(rows)} kernels, {ms:,.3f} ms, {gb:,.3f} GB "
+        f"({gb / ms * 1e3 if ms else 0:,.0f} GB/s); floor {floor:,.3f} ms, lost {lost:,.3f} ms"
     )
-    return "\n".join(lines)
 
 
 def main(argv=None) -> list[dict]:
