@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from pixdit.errors import PixditError
-from pixdit.eval.sampling import AUTO_BATCH_CAP, auto_batch_size, check_batch_size, generate_uint8
+from pixdit.eval.sampling import (
+    AUTO_BATCH_CAP,
+    SAMPLING_INDUCTOR_OPTIONS,
+    auto_batch_size,
+    check_batch_size,
+    generate_uint8,
+    sampling_model,
+)
 from pixdit.flow import RectifiedFlow
 from pixdit.models import build_model
 
@@ -93,3 +100,23 @@ def test_compiled_auto_batch_on_cuda_matches_eager(attention):
     assert torch.equal(fast_order, order) and fast.shape == eager.shape == (10, 3, *size)
     difference = (fast - eager).abs()
     assert difference.mean() < 1.0 and (difference > 8).float().mean() < 0.01, difference.mean()
+
+
+@pytest.mark.parametrize(
+    "mode, mode_options",
+    [(None, {}), ("max-autotune-no-cudagraphs", {"max_autotune": True, "coordinate_descent_tuning": True})],
+)
+def test_sampling_model_compiles_with_the_modes_options_and_multi_kernel_reductions(monkeypatch, mode, mode_options):
+    model = tiny_model()
+    calls = []
+    monkeypatch.setattr(model, "compile", lambda **kwargs: calls.append(kwargs))
+    assert sampling_model(model, "cpu", compile=True, mode=mode) is model and calls == []  # CPU: never compiled
+    sampling_model(model, "cuda", compile=True, mode=mode)  # nothing runs: model.compile is the spy
+    assert calls == [dict(dynamic=False, options={**mode_options, "triton.multi_kernel": 1})]
+
+
+def test_sampling_inductor_options_are_inductor_settings():
+    # torch.compile checks the option names when it is called, before anything is compiled
+    torch.compile(torch.nn.Linear(2, 2), options=SAMPLING_INDUCTOR_OPTIONS)
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        torch.compile(torch.nn.Linear(2, 2), options={"triton.multi_kernels": 1})
