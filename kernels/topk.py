@@ -99,6 +99,7 @@ def _pooled_topk_kernel(
     CHILD: tl.constexpr,
     N_PARENTS: tl.constexpr,
     D_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -124,7 +125,7 @@ def _pooled_topk_kernel(
     for d0 in range(0, HEAD_DIM, D_CHUNK):
         qc = tl.load(q_at + d0, mask=row_ok[:, None], other=0.0)
         kc = tl.load(k_at + d0, mask=ok[None, :], other=0.0)
-        s = tl.dot(qc, kc, s, input_precision="ieee")
+        s = tl.dot(qc, kc, s, input_precision=PRECISION)
     s = tl.where(ok[None, :], s, float("-inf"))
     big = 2147483647
     out_base = OUT + bh * stride_ob + rows * k

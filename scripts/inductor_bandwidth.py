@@ -12,6 +12,13 @@ the benchmark itself mean nothing in such a run (every kernel is benchmarked whe
 sees only Inductor's own kernels, not cuBLAS or pixdit's custom ops. Any command works (``train.py``,
 ``bench_sampling.py``); without the cache switch a graph compiled earlier is reused without the profiler.
 
+Known not to work with torch 2.11 (the GPU machine's image, 2026-12): with ``TORCHINDUCTOR_PROFILE_OUTPUT`` set, the
+compile fails (``benchmark_compiled_module() missing 1 required positional argument: 'args'``: a whole-graph
+benchmark Inductor runs at compile time when ``benchmark_harness`` is on), and with that benchmark switched off
+(``torch._inductor.config.benchmark_harness = False``) the profiled training step and sampler hit an illegal memory
+access on the H200. There, ``bench_train.py --profile`` / ``bench_sampling.py --profile`` (torch.profiler: every
+kernel's time, no byte counts) is what works.
+
 This script keeps the last table of each graph, adds up the calls of each kernel, and ranks the kernels by the time
 they lose against a bandwidth floor: ``lost = ms - GB / peak``. The default peak, 4 TB/s, is a rate that streaming
 kernels approach on an H200 (its HBM3e is rated 4.8 TB/s; the qk-norm + RoPE kernel and Inductor's faster LayerNorm
