@@ -5,9 +5,12 @@
     idx = pooled_topk(q_pooled, k_pooled, k=8, parents=I2, child_block=16)  # candidates: children of I2[r // 16]
 
 Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
-(-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the kernels, ``input_precision="ieee"``;
-cuBLAS with TF32 off in the PyTorch path); the two-pass path screens with TF32 scores and decides by fp32 ones
-(below), so no selection depends on TF32 rounding. ``k`` is a run-time argument everywhere: a new
+(-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the streaming and rescoring kernels,
+``input_precision="ieee"``; cuBLAS with TF32 off in the PyTorch path); the two-pass path screens with TF32 scores and
+decides by fp32 ones (below), so no selection depends on TF32 rounding. The one-shot kernel's candidate sets of up to
+256 (LLSA's levels at 256²) take their scores from the tensor cores in three TF32 products (``tf32x3``: each fp32
+operand split into a TF32 high part and a TF32 remainder, the remainders' product dropped), within ~2^-20 of the
+fp32 score relative to ``||q|| ||k||``, as close as two fp32 summation orders are to each other (below). ``k`` is a run-time argument everywhere: a new
 k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets per
 row length).
 Four paths, one result:
@@ -35,8 +38,8 @@ Four paths, one result:
 * PyTorch (CPU, larger ``k``, ``k`` equal to the number of candidates, or shapes the kernels do not take): chunked
   fp32 matmuls (TF32 off) + ``topk_desc_fast``; nothing to compile.
 
-Summation order differs between the paths, so on near-ties (differences ~1e-7 relative) they may pick different
-ids; each is an exact fp32 selection. Tests: ``tests/kernels/test_topk.py``, ``tests/kernels/test_block_sparse.py``.
+Summation order (and the one-shot kernel's TF32 split) differs between the paths, so on near-ties (differences
+~1e-7 to ~1e-6 relative) they may pick different ids; each is an exact or near-exact fp32 selection. Tests: ``tests/kernels/test_topk.py``, ``tests/kernels/test_block_sparse.py``.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _pooled_topk_kernel(
     CHILD: tl.constexpr,
     N_PARENTS: tl.constexpr,
     D_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee",
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -114,10 +117,9 @@ def _pooled_topk_kernel(
     else:
         ids = c
         ok = c < n_cand
-    # The scores' product D_CHUNK columns of d at a time, each step continuing the fp32 FMA chains of the last (an
-    # FMA dot sums over d in order, so these are the sums of one [d, CAND] product: on the H200 every probed shape
-    # selected the same ids). The whole key tile at once held 254 registers at 4 warps, two programs per SM, each
-    # waiting on its loads; the chunks are a pipelined loop that fits one warp (_one_shot_launch).
+    # The scores' product D_CHUNK columns of d at a time, each step continuing the fp32 sums of the last. The whole
+    # key tile at once held 254 registers at 4 warps, two programs per SM, each waiting on its loads; the chunks are
+    # a pipelined loop that fits one warp. PRECISION: "tf32x3" (tensor cores) or "ieee" (FMA), see _one_shot_launch.
     dims = tl.arange(0, D_CHUNK)
     q_at = QP + bh * stride_qb + rows[:, None] * HEAD_DIM + dims[None, :]
     k_at = KP + bh * stride_kb + ids[None, :].to(tl.int64) * HEAD_DIM + dims[:, None]
@@ -363,17 +365,20 @@ def _rescore_kernel(
 
 
 def _one_shot_launch(cand: int, d: int) -> dict:
-    """``D_CHUNK`` and launch options of a ``_pooled_topk_kernel`` program of 16 rows and ``cand`` candidate slots.
-    Measured on the H200 (main's whole-tile product at 4 warps against chunks of 16 columns, 12 x 4,096 rows, d = 64):
-    128 candidates (LLSA's children) 152 -> 75 us on one warp with 4 stages, 256 (LLSA's coarsest level at 256^2)
-    21.9 -> 19.7 us on two warps with 3 stages; the selected ids are identical (docs/kernel_notes.md v25). Wider
-    sets (512 or 1,024 candidates) keep the whole-tile form's 8 warps, in chunks too (not re-timed)."""
+    """``D_CHUNK``, product precision and launch options of a ``_pooled_topk_kernel`` program of 16 rows and ``cand``
+    candidate slots. Measured on the H200 (d = 64, docs/kernel_notes.md v25 and v33): the whole-tile FMA product at 4
+    warps -> chunks of 16 columns (FMA, one warp, 4 stages) -> the same chunks on the tensor cores in three TF32
+    products (one warp, 3 stages): LLSA's 128 children at 12 x 4,096 rows 152 -> 75 us (v25), then at 24 x 4,096
+    (a training step's 4 images at 256²) 142 -> 93 us and at 192 x 4,096 (sampling's 32) 1,031 -> 660 us; the 256 candidates of LLSA's coarsest level at 256² (192 x 256 rows)
+    158 us (FMA, two warps) -> 95 us (``tf32x3``, four warps). One TF32 product (no remainders) was only 1.4x faster
+    again and picked other ids in 0.3% of the rows. Wider sets (512 or 1,024 candidates: VSA and SLA at 128²) keep
+    the FMA product at 8 warps (not re-timed with ``tf32x3``)."""
     chunk = {"D_CHUNK": min(_D_CHUNK, d)}
     if cand <= 128:
-        return chunk | {"num_warps": 1, "num_stages": 4}
+        return chunk | {"PRECISION": "tf32x3", "num_warps": 1, "num_stages": 3}
     if cand <= 256:
-        return chunk | {"num_warps": 2, "num_stages": 3}
-    return chunk | {"num_warps": 8}
+        return chunk | {"PRECISION": "tf32x3", "num_warps": 4, "num_stages": 3}
+    return chunk | {"PRECISION": "ieee", "num_warps": 8}
 
 
 def _row_warps(block: int) -> int:

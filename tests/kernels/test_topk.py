@@ -313,3 +313,19 @@ def test_gpu_two_pass_and_streaming_match_torch_at_the_256px_vsa_shape(mark, mon
         assert near_ties_only(screened, want, q, kp), k
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as in a training step: the same selection
             assert torch.equal(topk.pooled_topk(q, kp, k), screened), k
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_one_shot_tensor_core_scores_differ_on_near_ties_only(mark):
+    """The one-shot kernel scores up to 256 candidates on the tensor cores (``tf32x3``, ``_one_shot_launch``): on
+    continuous inputs at LLSA's 256² shapes (a training step's 4 images x 6 heads) its picks are the fp32 ones but on
+    near-ties. One TF32 product instead of three differs in ~0.3% of the rows and fails this."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, kp = (torch.randn(24, 4096, 64, device="cuda", generator=g) for _ in range(2))
+    parents = torch.rand(24, 256, 256, device="cuda", generator=g).argsort(-1)[..., :8]  # 8 of 256 level-2 blocks
+    assert topk._route(128, 64, 8, 16) == "one_shot" and topk._one_shot_launch(128, 64)["PRECISION"] == "tf32x3"
+    got = topk.pooled_topk(q, kp, 8, parents=parents, child_block=16)
+    assert near_ties_only(got, topk.pooled_topk(q, kp, 8, parents=parents, child_block=16, impl="torch"), q, kp)
+    q, kp = q[:, :256], kp[:, :256]  # the coarsest level: all 256 blocks are candidates
+    assert topk._route(256, 64, 8, None) == "one_shot" and topk._one_shot_launch(256, 64)["PRECISION"] == "tf32x3"
+    assert near_ties_only(topk.pooled_topk(q, kp, 8), topk.pooled_topk(q, kp, 8, impl="torch"), q, kp)
