@@ -106,13 +106,14 @@ def test_compiled_auto_batch_on_cuda_matches_eager(attention):
     "mode, mode_options",
     [(None, {}), ("max-autotune-no-cudagraphs", {"max_autotune": True, "coordinate_descent_tuning": True})],
 )
-def test_sampling_model_compiles_with_the_modes_options_and_multi_kernel_reductions(monkeypatch, mode, mode_options):
+def test_sampling_model_compiles_with_the_modes_options_and_ours(monkeypatch, mode, mode_options):
     model = tiny_model()
     calls = []
     monkeypatch.setattr(model, "compile", lambda **kwargs: calls.append(kwargs))
     assert sampling_model(model, "cpu", compile=True, mode=mode) is model and calls == []  # CPU: never compiled
     sampling_model(model, "cuda", compile=True, mode=mode)  # nothing runs: model.compile is the spy
-    assert calls == [dict(dynamic=False, options={**mode_options, "triton.multi_kernel": 1})]
+    options = {**mode_options, "triton.multi_kernel": 1, "fx_graph_cache": False}
+    assert calls == [dict(dynamic=False, options=options)]
 
 
 def test_sampling_inductor_options_are_inductor_settings():
@@ -120,3 +121,40 @@ def test_sampling_inductor_options_are_inductor_settings():
     torch.compile(torch.nn.Linear(2, 2), options=SAMPLING_INDUCTOR_OPTIONS)
     with pytest.raises(RuntimeError, match="Unexpected optimization option"):
         torch.compile(torch.nn.Linear(2, 2), options={"triton.multi_kernels": 1})
+
+
+SECOND_PROCESS = """
+import torch
+from pixdit.eval.sampling import sampling_model
+from pixdit.models import build_model
+from pixdit.runtime import autocast
+
+torch.manual_seed(0)
+size = (32, 32)
+model = build_model("DiT-T", input_size=size, depth=2, hidden_size=384, num_heads=6, attention={"name": "llsa"})
+model = sampling_model(model.eval().cuda(), "cuda", compile=True)
+x, t = torch.randn(2, 3, *size, device="cuda"), torch.full((2,), 500.0, device="cuda")
+with torch.no_grad(), autocast("cuda", "bf16"):
+    out = model(x, t, None)
+assert torch.isfinite(out).all()
+print("sampled", tuple(out.shape))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_sampler_in_a_second_process_on_the_same_machine(tmp_path):
+    """A second evaluation on a machine compiles the sampler where the first one left Inductor's on-disk caches: with
+    the FX graph cache on, torch 2.11 crashed loading the multi-kernels of the cached graph (SAMPLING_INDUCTOR_OPTIONS).
+    Two processes, one cache folder; the first must have generated multi-kernels, or this test tests nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for run in ("first", "second"):
+        done = subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, capture_output=True, text=True)
+        assert done.returncode == 0 and "sampled (2, 3, 32, 32)" in done.stdout, f"{run}: {done.stderr[-3000:]}"
+        if run == "first":
+            code = [p.read_text(errors="replace") for p in (tmp_path / "inductor").rglob("*.py")]
+            assert any("multi_kernel(" in text for text in code), "no multi-kernel in the generated code"

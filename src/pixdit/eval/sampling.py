@@ -41,8 +41,13 @@ def check_batch_size(value, name: str = "batch_size") -> int | str:
 # make its reduction hint not INNER), it builds the persistent and the looped kernel and keeps the faster at the first
 # call (cached on disk per machine). One H200, DiT-S LLSA 256², a compiled forward of 32 images, one process: 1.040x
 # (that kernel 31.3 -> 13.3 ms of 388). A compiled training step gained nothing (1.003x, within noise), so training
-# keeps Inductor's defaults (docs/kernel_notes.md v32).
-SAMPLING_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+# keeps Inductor's defaults (docs/kernel_notes.md v32). No FX graph cache: with torch 2.11 + Triton 3.6, a process
+# that loads a compiled graph holding multi-kernels from Inductor's on-disk cache (the second evaluation on a
+# machine) crashes while it looks up the cached pick (``TypeError: 'NoneType' object does not support the context
+# manager protocol`` from Triton's ``JITFunction.cache_key``); a graph built in the process itself is fine. So each
+# process generates the sampler's code anew (Triton's compiled kernels still come from its cache): seconds, once
+# per evaluation (docs/kernel_notes.md v33).
+SAMPLING_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1, "fx_graph_cache": False}
 
 
 def sampling_model(model: torch.nn.Module, device, compile: bool, mode: str | None = None) -> torch.nn.Module:
