@@ -55,7 +55,8 @@ def one_shot_variant(head_dim: int, cand: int, children: bool = False) -> tuple:
     args |= dict(stride_qb=4096 * head_dim, stride_kb=4096 * head_dim, stride_pb=256 * 8, stride_ob=4096 * 8)
     family = {"CHILD": cand // 8, "N_PARENTS": 8} if children else {"CHILD": 0, "N_PARENTS": 1}
     options = topk._one_shot_launch(cand, head_dim)
-    const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, "D_CHUNK": options.pop("D_CHUNK"), **family}
+    const = {"HEAD_DIM": head_dim, "ROWS": topk._ROWS, "CAND": cand, **family}
+    const |= {name: options.pop(name) for name in ("D_CHUNK", "PRECISION")}  # constexprs, not launch options
     return topk._pooled_topk_kernel, args, const, options
 
 

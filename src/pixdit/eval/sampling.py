@@ -45,8 +45,8 @@ def check_batch_size(value, name: str = "batch_size") -> int | str:
 # that loads a compiled graph holding multi-kernels from Inductor's on-disk cache (the second evaluation on a
 # machine) crashes while it looks up the cached pick (``TypeError: 'NoneType' object does not support the context
 # manager protocol`` from Triton's ``JITFunction.cache_key``); a graph built in the process itself is fine. So each
-# process generates the sampler's code anew (Triton's compiled kernels still come from its cache): seconds, once
-# per evaluation (docs/kernel_notes.md v33).
+# process generates the sampler's code anew (Triton's compiled kernels still come from its cache): at most ~40 s
+# once per evaluation (docs/kernel_notes.md v33).
 SAMPLING_INDUCTOR_OPTIONS = {"triton.multi_kernel": 1, "fx_graph_cache": False}
 
 
