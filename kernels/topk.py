@@ -4,15 +4,15 @@
     idx = pooled_topk(q_pooled, k_pooled, k=8)                              # candidates: every key row
     idx = pooled_topk(q_pooled, k_pooled, k=8, parents=I2, child_block=16)  # candidates: children of I2[r // 16]
 
-Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id
-(-0.0 ties with +0.0), deterministic. Scores are fp32 products (FMA in the streaming and rescoring kernels,
+Semantics = ``blocks.topk_desc`` on fp32 scores ``<q_r, k_c>`` (no scale): descending score, ties -> smaller id (-0.0
+ties with +0.0), deterministic. Scores are fp32 products (FMA in the streaming and rescoring kernels,
 ``input_precision="ieee"``; cuBLAS with TF32 off in the PyTorch path); the two-pass path screens with TF32 scores and
 decides by fp32 ones (below), so no selection depends on TF32 rounding. The one-shot kernel's candidate sets of up to
-256 (LLSA's levels at 256²) take their scores from the tensor cores in three TF32 products (``tf32x3``: each fp32
-operand split into a TF32 high part and a TF32 remainder, the remainders' product dropped), within ~2^-20 of the
-fp32 score relative to ``||q|| ||k||``, as close as two fp32 summation orders are to each other (below). ``k`` is a run-time argument everywhere: a new
-k compiles nothing new (one one-shot variant per candidate count, four row-select and three streaming buckets per
-row length).
+256 (LLSA's levels) take their scores from the tensor cores in three TF32 products (``tf32x3``: each fp32 operand
+split into a TF32 high part and a TF32 remainder, the remainders' product dropped), within ~2^-20 of the fp32 score
+relative to ``||q|| ||k||``, as close as two fp32 summation orders are to each other (below). ``k`` is a run-time
+argument everywhere: a new k compiles nothing new (one one-shot variant per candidate count, four row-select and three
+streaming buckets per row length).
 Four paths, one result:
 
 * ``_pooled_topk_kernel`` (small candidate sets: ``candidates <= 1024`` and a ``[d, candidates]`` tile within
@@ -38,8 +38,9 @@ Four paths, one result:
 * PyTorch (CPU, larger ``k``, ``k`` equal to the number of candidates, or shapes the kernels do not take): chunked
   fp32 matmuls (TF32 off) + ``topk_desc_fast``; nothing to compile.
 
-Summation order (and the one-shot kernel's TF32 split) differs between the paths, so on near-ties (differences
-~1e-7 to ~1e-6 relative) they may pick different ids; each is an exact or near-exact fp32 selection. Tests: ``tests/kernels/test_topk.py``, ``tests/kernels/test_block_sparse.py``.
+Summation order (and the one-shot kernel's TF32 split) differs between the paths, so on near-ties (differences ~1e-7
+to ~1e-6 relative) they may pick different ids; each is an exact or near-exact fp32 selection. Tests:
+``tests/kernels/test_topk.py``, ``tests/kernels/test_block_sparse.py``.
 """
 
 from __future__ import annotations
