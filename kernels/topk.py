@@ -369,11 +369,11 @@ def _one_shot_launch(cand: int, d: int) -> dict:
     """``D_CHUNK``, product precision and launch options of a ``_pooled_topk_kernel`` program of 16 rows and ``cand``
     candidate slots. Measured on the H200 (d = 64, docs/kernel_notes.md v25 and v33): the whole-tile FMA product at 4
     warps -> chunks of 16 columns (FMA, one warp, 4 stages) -> the same chunks on the tensor cores in three TF32
-    products (one warp, 3 stages): LLSA's 128 children at 12 x 4,096 rows 152 -> 75 us (v25), then at 24 x 4,096
-    (a training step's 4 images at 256²) 142 -> 93 us and at 192 x 4,096 (sampling's 32) 1,031 -> 660 us; the 256 candidates of LLSA's coarsest level at 256² (192 x 256 rows)
-    158 us (FMA, two warps) -> 95 us (``tf32x3``, four warps). One TF32 product (no remainders) was only 1.4x faster
-    again and picked other ids in 0.3% of the rows. Wider sets (512 or 1,024 candidates: VSA and SLA at 128²) keep
-    the FMA product at 8 warps (not re-timed with ``tf32x3``)."""
+    products (one warp, 3 stages). LLSA's 128 children: 152 -> 75 us at 12 x 4,096 rows (v25), then 142 -> 93 us at
+    24 x 4,096 (a training step's 4 images at 256²) and 1,031 -> 660 us at 192 x 4,096 (sampling's 32). The 256
+    candidates of LLSA's coarsest level at 256² (192 x 256 rows): 158 us (FMA, two warps) -> 95 us (``tf32x3``, four
+    warps). One TF32 product (no remainders) was only 1.4x faster again and picked other ids in 0.3% of the rows.
+    Wider sets (512 or 1,024 candidates: VSA and SLA at 128²) keep the FMA product at 8 warps (not re-timed)."""
     chunk = {"D_CHUNK": min(_D_CHUNK, d)}
     if cand <= 128:
         return chunk | {"PRECISION": "tf32x3", "num_warps": 1, "num_stages": 3}

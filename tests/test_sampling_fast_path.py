@@ -1,6 +1,10 @@
 """The sampler's fast path: batch size "auto", one static batch shape (the last batch padded) and its checks. The
 compiled forward itself runs on CUDA only (tests/test_train_gpu.py times nothing; scripts/bench_sampling.py does)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -147,10 +151,6 @@ def test_compiled_sampler_in_a_second_process_on_the_same_machine(tmp_path):
     """A second evaluation on a machine compiles the sampler where the first one left Inductor's on-disk caches: with
     the FX graph cache on, torch 2.11 crashed loading the multi-kernels of the cached graph (SAMPLING_INDUCTOR_OPTIONS).
     Two processes, one cache folder; the first must have generated multi-kernels, or this test tests nothing."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     for run in ("first", "second"):
         done = subprocess.run([sys.executable, "-c", SECOND_PROCESS], env=env, capture_output=True, text=True)
