@@ -7,7 +7,11 @@ share of the dense softmax attention (fine queries, all N keys) that falls into 
 hierarchically, by the exact single-level search, and by the best possible K_1 blocks (largest mass, an upper bound).
 "union of 4" is how much 4 neighbouring fine query blocks (a 64-row tile) share their selected blocks: the number
 of distinct blocks in their 4 lists over 4 K_1 (1 = nothing shared, 0.25 = identical lists). A kernel that gives a
-64-row tile the union of its blocks computes 4 K_1 x this value blocks per row instead of K_1.
+64-row tile the union of its blocks computes 4 K_1 x this value blocks per row instead of K_1. "columns of 4" is
+the same for the backward's dk/dv pass, which walks the lists transposed (each fine key block over the query blocks
+that list it): the number of distinct query blocks listing any of 4 neighbouring key blocks, over their 4 column
+lengths together (1 = nothing shared; 0.25 = identical columns). A dk/dv program holding 4 key blocks would load
+each query block's q and dO once instead of this many times fewer.
 
     python scripts/llsa_recall.py                                # random smooth q/k, 128x128 tokens, B=16, K=8, L=2
     python scripts/llsa_recall.py --inputs iid --size 64 --num-levels 2 --layers 4
@@ -84,13 +88,23 @@ def sibling_union(fine_index: torch.Tensor, group: int) -> float:
     return (distinct.float() / (group * k)).mean().item()
 
 
+def column_union(fine_index: torch.Tensor, group: int) -> float:
+    """Distinct (group of ``group`` consecutive key blocks, query block) pairs over all list entries: how much the
+    transposed lists (the key blocks' columns) of neighbouring key blocks share their query blocks."""
+    b, h, n, k = fine_index.shape
+    rows = torch.arange(n, device=fine_index.device).view(1, 1, n, 1)
+    pairs = (fine_index.long() // group * n + rows).reshape(b * h, n * k)
+    distinct = sum(torch.unique(row).numel() for row in pairs)
+    return distinct / pairs.numel()
+
+
 def layer_stats(q, k, args):
     B = args.block_size
     cfg = llsa_check(q.shape[2], B, args.num_levels, args.topk)
     L, ks = cfg["num_levels"], cfg["topk"]
     index = llsa_select(q, k, B, ks, L)
     qf, kf = q.float(), k.float()
-    rows = {"union of 4": sibling_union(index[0], 4)}
+    rows = {"union of 4": sibling_union(index[0], 4), "columns of 4": column_union(index[0], 4)}
     qp, kp = qf, kf
     for lvl in range(1, L + 1):
         qp, kp = block_mean(qp, B), block_mean(kp, B)

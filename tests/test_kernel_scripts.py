@@ -124,6 +124,19 @@ def test_llsa_recall_sibling_union():
     assert union(same, 4) == 0.25 and union(disjoint, 4) == 1.0 and union(half[None, None], 4) == 0.5
 
 
+def test_llsa_recall_column_union():
+    """llsa_recall.py's "columns of 4": every query block listing the same 4 neighbouring key blocks -> 1/4 (each
+    query block counted once per group), lists that never share a group of 4 -> 1."""
+    import torch
+
+    union = runpy.run_path(str(ROOT / "scripts" / "llsa_recall.py"))["column_union"]
+    same_group = torch.arange(8).repeat(1, 1, 6, 1)  # 6 query blocks, each listing key blocks 0..7 (2 groups of 4)
+    spread = (torch.arange(8) * 4).repeat(1, 1, 6, 1)  # key blocks 0, 4, 8, ...: one per group
+    mixed = torch.stack([torch.arange(8) * 4, torch.arange(8)])[None, None]  # one spread list, one grouped
+    assert union(same_group, 4) == 0.25 and union(spread, 4) == 1.0
+    assert union(mixed, 4) == (8 + 2) / 16
+
+
 def test_ab_attention_llsa_block_size_case_and_per_kernel_needs_cuda():
     run = ab_attention("kernels", "--cases", "llsa:32:1:32")
     assert run.returncode == 0, run.stderr
