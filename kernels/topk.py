@@ -373,7 +373,7 @@ def _one_shot_launch(cand: int, d: int) -> dict:
     24 x 4,096 (a training step's 4 images at 256²) and 1,031 -> 660 us at 192 x 4,096 (sampling's 32). The 256
     candidates of LLSA's coarsest level at 256² (192 x 256 rows): 158 us (FMA, two warps) -> 95 us (``tf32x3``, four
     warps). One TF32 product (no remainders) was only 1.4x faster again and picked other ids in 0.3% of the rows.
-    Wider sets (512 or 1,024 candidates: VSA and SLA at 128²) keep the FMA product at 8 warps (not re-timed)."""
+    Wider sets (512 or 1,024 candidates) keep the FMA product at 8 warps (not re-timed)."""
     chunk = {"D_CHUNK": min(_D_CHUNK, d)}
     if cand <= 128:
         return chunk | {"PRECISION": "tf32x3", "num_warps": 1, "num_stages": 3}
