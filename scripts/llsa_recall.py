@@ -11,7 +11,7 @@ of distinct blocks in their 4 lists over 4 K_1 (1 = nothing shared, 0.25 = ident
 the same for the backward's dk/dv pass, which walks the lists transposed (each fine key block over the query blocks
 that list it): the number of distinct query blocks listing any of 4 neighbouring key blocks, over their 4 column
 lengths together (1 = nothing shared; 0.25 = identical columns). A dk/dv program holding 4 key blocks would load
-each query block's q and dO once instead of this many times fewer.
+q and dO this fraction as often as four programs of one key block each.
 
     python scripts/llsa_recall.py                                # random smooth q/k, 128x128 tokens, B=16, K=8, L=2
     python scripts/llsa_recall.py --inputs iid --size 64 --num-levels 2 --layers 4
@@ -93,9 +93,9 @@ def column_union(fine_index: torch.Tensor, group: int) -> float:
     transposed lists (the key blocks' columns) of neighbouring key blocks share their query blocks."""
     b, h, n, k = fine_index.shape
     rows = torch.arange(n, device=fine_index.device).view(1, 1, n, 1)
-    pairs = (fine_index.long() // group * n + rows).reshape(b * h, n * k)
-    distinct = sum(torch.unique(row).numel() for row in pairs)
-    return distinct / pairs.numel()
+    pairs = (fine_index.long() // group * n + rows).reshape(b * h, n * k).sort(-1).values
+    distinct = 1 + (pairs[:, 1:] != pairs[:, :-1]).sum(-1)  # counted as sibling_union counts its lists' blocks
+    return distinct.sum().item() / pairs.numel()
 
 
 def layer_stats(q, k, args):
