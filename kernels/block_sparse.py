@@ -160,6 +160,7 @@ def contiguous_fwd_step(
     v_base,
     krow,
     stride_kn,
+    stride_vn,
     bias,
     row_end,
     qk_scale,
@@ -173,7 +174,7 @@ def contiguous_fwd_step(
     list or a step of the dense tail. Rows ``>= row_end`` are masked unless ``EVEN`` (every row exists)."""
     dims = tl.arange(0, q.shape[1])
     kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
-    v_ptrs = v_base + krow[:, None] * stride_kn + dims[None, :]
+    v_ptrs = v_base + krow[:, None] * stride_vn + dims[None, :]
     if EVEN:
         s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
         v = tl.load(v_ptrs)
@@ -200,6 +201,10 @@ def _fwd_kernel(
     stride_qn,
     stride_kb,
     stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    v_heads,
     stride_ob,
     stride_oh,
     stride_on,
@@ -248,7 +253,7 @@ def _fwd_kernel(
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
-    v_base = V + bh * stride_kb
+    v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)  # v may be tokens-major, e.g. a view of qkv
     if PER_ITER == 1:  # one block per step (blocks of >= 64 keys, or a one-warp program): a scalar id per step, so
         # contiguous (vectorised, pipelined) rows, and an empty slot (-1) is a scalar -inf bias, not a per-element
         # mask; a block of > 64 keys is walked in N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill)
@@ -263,7 +268,7 @@ def _fwd_kernel(
                 bias += list_bias * 1.4426950408889634
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
-                q, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, m_i, l_i, acc, EVEN_K, PREC
+                q, k_base, v_base, krow, stride_kn, stride_vn, bias, n_k, qk_scale, m_i, l_i, acc, EVEN_K, PREC
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
@@ -273,10 +278,10 @@ def _fwd_kernel(
             if FULL_LIST:  # every slot holds a block and every row exists: no masks
                 blk, krow, k_ok = full_list_rows(blk, koff, KEY_BLOCK)
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
-                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
+                v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :])
             else:
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
-                v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * qk_scale
             if LIST_BIAS:  # one weight for every listed block: a scalar, as in the dense tail's steps
                 s += list_bias * 1.4426950408889634
@@ -291,7 +296,20 @@ def _fwd_kernel(
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):  # EVEN_TAIL: the range is whole steps, no mask at all
             krow = (t0 + toff).to(tl.int64)
             m_i, l_i, acc = contiguous_fwd_step(
-                q, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, EVEN_TAIL, PREC
+                q,
+                k_base,
+                v_base,
+                krow,
+                stride_kn,
+                stride_vn,
+                tail_bias,
+                tail_hi,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                EVEN_TAIL,
+                PREC,
             )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
@@ -923,9 +941,10 @@ def flatten_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(batch stride, head stride, row stride, heads)`` of a per-query-row tensor that the kernels read or write as
-    [BH, n, d] (``head_offset``): a plain [BH, n, d] tensor (heads 1), or a tokens-major [b, n, heads, d] one, the
-    layout of an attention output that a model's projection reads without a transpose copy, and of its gradient."""
+    """``(batch stride, head stride, row stride, heads)`` of a per-row tensor that the kernels read or write as
+    [BH, n, d] (``head_offset``): a plain [BH, n, d] tensor (heads 1), or a tokens-major [b, n, heads, d] one with any
+    row stride: the layout of an attention output that a model's projection reads without a transpose copy, of its
+    gradient, and of a v that is a view of the fused qkv projection's output (the forward reads it uncopied)."""
     if x.dim() == 3:
         return x.stride(0), 0, x.stride(1), 1
     return x.stride(0), x.stride(2), x.stride(1), x.shape[2]
@@ -1046,7 +1065,8 @@ def bsa_forward(
     list_log_weight=None,
     full_lists=False,
 ):
-    """One query-major pass. q: [BH, Nq, d]; k, v: [BH, Nk, d]; lists: int32 [BH or 1, n_tiles, len] (stride 0 on
+    """One query-major pass. q: [BH, Nq, d]; k: [BH, Nk, d]; v: like k, or tokens-major [BH / H, Nk, H, d] with any
+    row stride (``row_layout``); lists: int32 [BH or 1, n_tiles, len] (stride 0 on
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
     name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
@@ -1114,6 +1134,7 @@ def _bsa_forward_op(
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        *row_layout(v),
         *row_layout(o),
         _bstride(lists),
         lists.stride(1),

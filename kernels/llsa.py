@@ -249,6 +249,12 @@ def _bank_log_weights(N, B, L, Le, device):
     return w
 
 
+def _tokens_major(x: torch.Tensor) -> bool:
+    """Whether ``[b, h, n, d]`` x is a transposed view of a tokens-major ``[b, n, h, d]`` tensor whose head dim is
+    contiguous (any row stride), the layout ``bsa_forward`` reads v in (``row_layout``)."""
+    return x.stride(3) == 1 and x.stride(1) == x.shape[3] and x.stride(2) >= x.shape[1] * x.shape[3]
+
+
 class _LLSATriton(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -267,13 +273,17 @@ class _LLSATriton(torch.autograd.Function):
         scale,
         reference_l1_grad,
         full_lists,
+        v_in_place,
     ):
         # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad);
         # cand_widths: the blocks per list of each candidate level in coarse_lists' columns (finest first);
         # full_lists: no empty slot in the candidate lists (a selection made by llsa_attention itself)
         b, h, N, d = q.shape
         B, L, Le = block_size, num_levels, enrich_levels
-        qf, (kf, vf) = bs.flatten_heads(q), bs.flatten_kv(k, v)
+        qf = bs.flatten_heads(q)
+        # v_in_place: no backward will run, and v is tokens-major (e.g. qk_norm_rope(..., v_view=True), a view of
+        # qkv), which the forward reads where it is; the backward's kernels read k and v with one layout
+        kf, vf = (bs.flatten_heads(k), v.transpose(1, 2)) if v_in_place else bs.flatten_kv(k, v)
         has_coarse = Le >= 1
         # the last pass writes the output tokens-major ([b, N, h, d]): the model's projection reads it as it is
         # (llsa_attention returns it transposed, a view) and its gradient arrives in that layout, so neither the
@@ -347,7 +357,7 @@ class _LLSATriton(torch.autograd.Function):
             pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
             out_dtype=dt,
         )
-        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 11
+        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
 def _pooled_list_args(B, L, Le, logw, full_lists: bool) -> dict:
@@ -518,7 +528,23 @@ def llsa_attention(
             coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
     cand_widths = tuple(index[lvl].shape[-1] for lvl in range(1, min(Le, L - 1) + 1))
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    v_in_place = not needs_grad and _tokens_major(v)
     o = _LLSATriton.apply(
-        q, k, v, bank_k, bank_v, fine_lists, coarse_lists, cand_widths, B, L, Le, scale, reference_l1_grad, full_lists
+        q,
+        k,
+        v,
+        bank_k,
+        bank_v,
+        fine_lists,
+        coarse_lists,
+        cand_widths,
+        B,
+        L,
+        Le,
+        scale,
+        reference_l1_grad,
+        full_lists,
+        v_in_place,
     )
     return o.transpose(1, 2)  # [b, N, h, d] in memory

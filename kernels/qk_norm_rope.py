@@ -25,6 +25,9 @@ an fp32 write of 1/8 of the output's bf16 bytes instead of a separate pass that 
 compiled 256² sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s; the kernel takes 7% longer with
 them, and sampling got 1.10x faster: docs/kernel_notes.md v20).
 
+With ``v_view=True`` v is not written: it is returned as a view of qkv's v columns, for a consumer that reads it
+there (LLSA's forward without autograd: sampling), which saves a sixth of the kernel's bytes.
+
 CPU tensors (and ``impl="torch"``) run ``qk_norm_rope_torch``, the plain PyTorch composition.
 """
 
@@ -162,8 +165,11 @@ def _qk_norm_rope_fwd_kernel(
     ROWS: tl.constexpr,
     POOL: tl.constexpr,
     LANES: tl.constexpr,
+    STORE_V: tl.constexpr,
 ):
     part, batch, tile, n_batch = _forward_program(n, ROWS)
+    if not STORE_V and POOL == 0 and part == 2:  # v stays where it is in qkv (``v_view``): nothing to do
+        return
     if POOL > 0:
         rows = tile * ROWS + _pooling_order(ROWS, POOL, LANES)
     else:
@@ -173,7 +179,7 @@ def _qk_norm_rope_fwd_kernel(
     cos, sin = _rotation(COS, SIN, rows, n, rotate, HEAD_DIM, DIM_PAD)
     w = tl.load(W + part * HEAD_DIM + dims, mask=rotate & (dims < HEAD_DIM), other=0.0)[None, :]
     n_bh = n_batch * num_heads
-    out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k, v stacked: [3, b, heads, n, d]
+    out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k (and v) stacked: [3 or 2, b, heads, n, d]
     for head in range(num_heads):
         bh = batch * num_heads + head
         dims, mask, batch64, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
@@ -184,7 +190,8 @@ def _qk_norm_rope_fwd_kernel(
             even, odd = _pairs(x, ROWS, DIM_PAD)
             x = _unpairs(even * cos - odd * sin, even * sin + odd * cos, ROWS, DIM_PAD)
         x = x.to(OUT.dtype.element_ty)
-        tl.store(out + out_offset, x, mask=mask)
+        if STORE_V or part < 2:
+            tl.store(out + out_offset, x, mask=mask)
         if POOL > 0:  # fp32 means of the stored (rounded) rows, POOL per block; n is a multiple of POOL
             blocks = tile * (ROWS // POOL) + tl.arange(0, ROWS // POOL)
             tiles = tl.reshape(x.to(tl.float32), [POOL // LANES, ROWS // POOL, LANES, DIM_PAD])  # (repeat, block, lane)
@@ -276,17 +283,19 @@ def _lanes(dtype: torch.dtype, dim_pad: int, pool_block: int) -> int:
 
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps, pool_block):
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps, pool_block, store_v):
+        # store_v False: v is not written (the caller takes a view of qkv), so it gets no gradient here
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        out, means = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps, pool_block)
+        out, means = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v)
         ctx.save_for_backward(qkv, weights, cos, sin)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
         ctx.mark_non_differentiable(means)
-        return out[0], out[1], out[2], means
+        return (*out.unbind(0), means)  # q, k, (v,) means
 
     @staticmethod
-    def backward(ctx, dq, dk, dv, _dmeans):
+    def backward(ctx, dq, dk, *rest):
+        dv = rest[0] if len(rest) == 2 else None  # rest: (dv, d means), or (d means,) without store_v
         qkv, weights, cos, sin = ctx.saved_tensors
         b, n, width = qkv.shape
         num_heads = ctx.num_heads
@@ -305,19 +314,22 @@ class _QKNormRope(torch.autograd.Function):
         dqkv, dw_partial = _qk_norm_rope_backward_op(qkv, weights, cos, sin, *grads, num_heads, ctx.eps)
         dw = dw_partial.sum(dim=(1, 2))  # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
-        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None, None
+        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None, None, None
 
 
 # The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). Each op's
 # outputs are allocated by one function that its fake-tensor rule returns too, so the two cannot disagree on a shape
 # or a layout.
-def _forward_out(qkv: torch.Tensor, num_heads: int, pool_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v stacked ``[3, b, heads, n, head_dim]`` in qkv's dtype, and their fp32 block means stacked
-    ``[3, b, heads, n / pool_block, head_dim]`` (no blocks when ``pool_block`` is 0)."""
+def _forward_out(
+    qkv: torch.Tensor, num_heads: int, pool_block: int, store_v: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k and v (q and k without ``store_v``) stacked ``[3 or 2, b, heads, n, head_dim]`` in qkv's dtype, and the
+    fp32 block means of q, k, v stacked ``[3, b, heads, n / pool_block, head_dim]`` (no blocks when ``pool_block`` is
+    0)."""
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     blocks = n // pool_block if pool_block else 0
-    return qkv.new_empty((3, b, num_heads, n, head_dim)), qkv.new_empty(
+    return qkv.new_empty((3 if store_v else 2, b, num_heads, n, head_dim)), qkv.new_empty(
         (3, b, num_heads, blocks, head_dim), dtype=torch.float32
     )
 
@@ -340,9 +352,10 @@ def _qk_norm_rope_op(
     num_heads: int,
     eps: float,
     pool_block: int,
+    store_v: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, _ = qkv.shape
-    out, means = _forward_out(qkv, num_heads, pool_block)
+    out, means = _forward_out(qkv, num_heads, pool_block, store_v)
     head_dim = out.shape[-1]
     rows = _forward_rows(pool_block)
     _qk_norm_rope_fwd_kernel[_forward_grid(b, n, rows)](
@@ -362,6 +375,7 @@ def _qk_norm_rope_op(
         ROWS=rows,
         POOL=pool_block,
         LANES=_lanes(qkv.dtype, triton.next_power_of_2(head_dim), pool_block) if pool_block else 1,
+        STORE_V=store_v,
         # No FMA contraction: with the head walk, the compiler fused the multiply-adds of the norm and the rotation
         # differently with and without POOL, so fp32 outputs differed in the last bit; unfused, both round every op
         # the same way (and as fast: the kernel is bound by memory).
@@ -371,8 +385,8 @@ def _qk_norm_rope_op(
 
 
 @_qk_norm_rope_op.register_fake
-def _(qkv, weights, cos, sin, num_heads, eps, pool_block):
-    return _forward_out(qkv, num_heads, pool_block)
+def _(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v):
+    return _forward_out(qkv, num_heads, pool_block, store_v)
 
 
 # Returns ``_backward_out``'s two tensors, filled.
@@ -430,6 +444,7 @@ def qk_norm_rope(
     eps: float = 1e-5,
     impl: str = "auto",
     pool_block: int | None = None,
+    v_view: bool = False,
 ):
     """RMS qk-norm with per-channel weights, 2-D RoPE on q and k, and the head split, differentiable in qkv and
     both weights; with ``pool_block``, also the block means of q, k and v.
@@ -442,8 +457,13 @@ def qk_norm_rope(
         eps: added to the mean square.
         impl: "auto" (Triton on CUDA, PyTorch on CPU), "triton" (also under TRITON_INTERPRET=1), "torch".
         pool_block: None, or a power of two up to 128 dividing ``tokens``: also return ``means``.
+        v_view: return v as a view of qkv's v columns (``[batch, num_heads, tokens, head_dim]`` with qkv's strides)
+            instead of writing a contiguous copy: a sixth of the kernel's bytes, for a consumer that reads v where
+            it is (``llsa_attention`` when no gradient is needed, i.e. sampling). Still differentiable (v's gradient
+            then reaches qkv through the view, an extra pass), so meant for inference.
     Returns:
-        q, k, v: ``[batch, num_heads, tokens, head_dim]`` in qkv's dtype (contiguous on the Triton path).
+        q, k, v: ``[batch, num_heads, tokens, head_dim]`` in qkv's dtype (contiguous on the Triton path, but v with
+        ``v_view``).
         means (only with ``pool_block``): fp32 ``[3, batch, num_heads, tokens / pool_block, head_dim]``, the means of
         each ``pool_block`` consecutive tokens of the returned q, k, v (``block_mean``; the summation order may
         differ, so equal to fp32 rounding), without gradient.
@@ -485,5 +505,8 @@ def qk_norm_rope(
         raise ValueError(f"qk_norm_rope: head_dim must be even and at most 256 on the Triton path, got {head_dim}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    q, k, v, means = _QKNormRope.apply(qkv, q_weight, k_weight, cos, sin, num_heads, float(eps), pool_block or 0)
+    *outs, means = _QKNormRope.apply(
+        qkv, q_weight, k_weight, cos, sin, num_heads, float(eps), pool_block or 0, not v_view
+    )
+    q, k, v = outs if not v_view else (*outs, qkv.unflatten(-1, (3, num_heads, head_dim))[:, :, 2].transpose(1, 2))
     return (q, k, v) if pool_block is None else (q, k, v, means)

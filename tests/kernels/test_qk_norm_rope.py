@@ -119,6 +119,29 @@ def test_torch_path_block_means():
     check_pooled(2, 64, 2, 16, torch.float32, "cpu", "torch", 16)
 
 
+def check_v_view(b, n, heads, d, dtype, device, pool_block):
+    """With v_view: v is qkv's v columns in place (no copy), and q, k, the means and every gradient are bitwise those
+    of the call that writes v (v's gradient then reaches qkv through the view)."""
+    qkv, q_weight, k_weight, angles, upstream = make_inputs(b, n, heads, d, dtype, device)
+    args = (qkv, heads, q_weight, k_weight, angles.cos(), angles.sin())
+    viewed = qk_norm_rope(*args, impl="triton", pool_block=pool_block, v_view=True)
+    plain = qk_norm_rope(*args, impl="triton", pool_block=pool_block)
+    v = viewed[2]
+    assert v.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr() and not v.is_contiguous()
+    assert v.shape == (b, heads, n, d)
+    assert all(torch.equal(x, y) for x, y in zip(viewed, plain))  # q, k, v (and the means)
+    leaves = (qkv, q_weight, k_weight)
+    got = torch.autograd.grad(viewed[:3], leaves, upstream)
+    want = torch.autograd.grad(plain[:3], leaves, upstream)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@interpreter_only
+@pytest.mark.parametrize("pool_block", [None, 16])
+def test_interpreted_triton_v_view(pool_block):
+    check_v_view(2, 80, 3, 16, torch.float32, "cpu", pool_block)
+
+
 def test_bad_inputs_name_the_parameter():
     qkv, q_weight, k_weight, angles, _ = make_inputs(1, 8, 2, 16, torch.float32, "cpu")
     cos, sin = angles.cos(), angles.sin()
@@ -153,6 +176,13 @@ def test_gpu_matches_oracle(b, n, heads, d, dtype):
 @pytest.mark.parametrize("n,pool_block", [(4096, 16), (1024, 128), (1040, 16)])
 def test_gpu_block_means(n, pool_block, dtype):
     check_pooled(2, n, 6, 64, dtype, "cuda", "triton", pool_block)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pool_block", [None, 16])
+def test_gpu_v_view(pool_block):
+    check_v_view(2, 4096, 6, 64, torch.bfloat16, "cuda", pool_block)
 
 
 @pytest.mark.gpu

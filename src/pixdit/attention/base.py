@@ -49,6 +49,7 @@ class AttentionBackend(nn.Module):
     renamed_options: dict[str, str] = {}
     head_dims: tuple[int, ...] | None = None  # the head dims the backend's kernels take (None: any)
     pool_block: int | None = None  # see forward's ``means``
+    reads_v_view: bool = False  # see forward's ``v``
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -82,6 +83,9 @@ class AttentionBackend(nn.Module):
         A backend whose ``pool_block`` is set also takes ``means=``: the fp32 means of every ``pool_block``
         consecutive tokens of q, k and v stacked, [3, batch, heads, tokens / pool_block, head_dim], without gradient
         (what ``pixdit.kernels.qk_norm_rope(..., pool_block=...)`` returns), or None (pool them yourself).
+        A backend whose ``reads_v_view`` is set is given, when no gradient is needed (sampling), a v that is a
+        strided view of the qkv projection's output (``qk_norm_rope(..., v_view=True)``), which it reads without a
+        copy; otherwise v is contiguous.
         Returns [batch, heads, tokens, head_dim]."""
         raise NotImplementedError
 

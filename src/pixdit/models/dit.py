@@ -133,9 +133,12 @@ class Attention(nn.Module):
     them from that kernel, which has the rows in registers as it writes them: a separate pass would read q, k and v
     again (docs/benchmarks.md, "block means in the prologue"). ``fuse_block_means`` turns it off for A/B benchmarks
     (``scripts/bench_sampling.py --means``, ``scripts/bench_train.py --means``); the backend then pools them itself.
+    Without autograd (sampling), a backend that reads v in place (``backend.reads_v_view``: LLSA) gets v as a view of
+    the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks.
     """
 
     fuse_block_means = True
+    view_v = True
 
     def __init__(self, dim: int, num_heads: int, attention: Mapping[str, Any] | str | None, qk_norm_eps: float = 1e-5):
         super().__init__()
@@ -151,8 +154,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
         pool = self.backend.pool_block if self.fuse_block_means else None
+        view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         weights = (self.q_norm_weight, self.k_norm_weight)
-        outs = qk_norm_rope(self.qkv(x), self.num_heads, *weights, cos, sin, eps=self.qk_norm_eps, pool_block=pool)
+        outs = qk_norm_rope(
+            self.qkv(x), self.num_heads, *weights, cos, sin, eps=self.qk_norm_eps, pool_block=pool, v_view=view_v
+        )
         if pool is None:  # q, k, v: each [b, heads, n, head_dim]
             out = self.backend(*outs, grid_hw=grid_hw, hidden=x)
         else:  # and their block means
