@@ -195,6 +195,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, list_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
+        args |= dict(stride_vb=n_k * d, stride_vh=0, stride_vn=d, v_heads=1)  # v flat like k (training's layout)
         args |= dict(stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len, qk_scale=0.18, **strides, **tail_args)
         args |= flat_out if out == "*fp32" else {}
         args |= list_args[0]

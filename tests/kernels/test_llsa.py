@@ -217,6 +217,35 @@ def test_triton_output_is_tokens_major_and_takes_its_gradient_in_any_layout(Le):
     assert all(torch.equal(a, b) for a, b in zip(broadcast, grads(fn, q, k, v, row.expand(2, 2, 256, 16).clone())))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("L,Le", [(2, None), (1, 0)])
+def test_triton_reads_v_in_place_without_autograd(L, Le, monkeypatch):
+    """v as qk_norm_rope(..., v_view=True) gives it in sampling: the v columns of a [b, N, 3 * h * d] qkv tensor.
+    Without autograd the forward reads it where it is (k and v are not flattened into one layout), with the same
+    output, bit for bit, as a contiguous copy; with autograd it is flattened, and the gradients are the same too."""
+    from pixdit.kernels import block_sparse
+
+    b, h, N, d = 2, 2, 256, 16
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, N, 3 * h * d, generator=g).to(DEVICE)
+    q, k, v = qkv.unflatten(-1, (3, h, d)).unbind(2)
+    q, k, v = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2)
+    index = llsa_select(q, k, 16, 4, L)
+    fn = lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, Le, index=index, impl="triton")  # noqa: E731
+    want = fn(q, k, v.contiguous())
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(block_sparse, "flatten_kv", lambda k, v: pytest.fail("v was copied"))
+        assert torch.equal(fn(q, k, v), want)
+    if Le == 0:  # (the gradients: once with the pooled pass, once without)
+        return
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    go = torch.randn(b, h, N, d, generator=g).to(DEVICE)
+    strided_v = qkv.clone().unflatten(-1, (3, h, d))[:, :, 2].transpose(1, 2)
+    strided_v.copy_(leaves[2].detach())  # the same values, in qkv's layout, as a leaf
+    strided_v.requires_grad_()
+    assert all(torch.equal(x, y) for x, y in zip(grads(fn, *leaves[:2], strided_v, go), grads(fn, *leaves, go)))
+
+
 # ------------------------------------------------------------------------------------------------ selection
 def sets(t):
     return t.long().sort(-1).values
