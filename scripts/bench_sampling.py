@@ -11,6 +11,7 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa --sizes 128 256 512 --compile --out bench/sampling   # + files
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --means both  # prologue vs own
+    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --v both   # v in place vs copied
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --gelu separate \
         --compile-mode default max-autotune-no-cudagraphs          # Inductor's own matmuls, GELU in their epilogue
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
@@ -23,7 +24,9 @@ and the top ops, with the time per image and Euler step.
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
 --means both does the same for LLSA's block means of q, k, v: computed by the qk-norm + RoPE kernel as it writes
 them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
-"means" column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.
+"means" column. --v both does it for the v that LLSA's forward reads: a view of the qkv projection's output (what
+sampling uses, pixdit.models.dit.Attention.view_v) or the contiguous copy that training's backward needs, the "v"
+column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.
 max-autotune-no-cudagraphs against default, where Inductor times its own Triton matmuls against cuBLAS and may fuse
 the elementwise work after them (with --gelu separate, the GELU) into their epilogue.
 
@@ -106,6 +109,13 @@ def parse_args(argv=None):
     )
     add_block_means_option(parser)
     parser.add_argument(
+        "--v",
+        default="view",
+        choices=["view", "copy", "both"],
+        help="the v of a backend that reads it in place (LLSA): a view of the qkv projection's output, a contiguous "
+        "copy written by the qk-norm kernel (as in training), or both, one row each (an A/B in one process)",
+    )
+    parser.add_argument(
         "--kernels-from",
         default=None,
         metavar="DIR",
@@ -114,7 +124,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str, mode: str) -> dict:
+def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str, v: str, mode: str) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
@@ -144,6 +154,7 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
         "mode": mode if args.compile and cuda else "-",
         "GELU": gelu if cuda else "separate",
         "means": means,
+        "v": v,
         "batch s": seconds,
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
@@ -201,14 +212,15 @@ def variant(row: dict) -> str:
         row["attention"]
         + (" (separate GELU)" if row.get("GELU") == "separate" else "")
         + (" (means in backend)" if row.get("means") == "backend" else "")
+        + (" (v copied)" if row.get("v") == "copy" else "")
         + (f" ({row['mode']})" if row.get("mode") not in (None, "-", "default") else "")
     )
 
 
 def ab_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(row, twin) for every --gelu / --means / --compile-mode A/B: the twin ran the same attention with only that
-    switch off (the separate GELU, the backend's own means, the default compile mode)."""
-    switches = {"GELU": "separate", "means": "backend", "mode": "default"}
+    """(row, twin) for every --gelu / --means / --v / --compile-mode A/B: the twin ran the same attention with only
+    that switch off (the separate GELU, the backend's own means, v copied, the default compile mode)."""
+    switches = {"GELU": "separate", "means": "backend", "v": "copy", "mode": "default"}
     pairs = []
     for row in rows:
         for key, off in switches.items():
@@ -282,18 +294,22 @@ def main(argv=None) -> list[dict]:
     for side in args.sizes:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
-            for gelu, means, mode in [(g, m, c) for g in gelus for m in meanses for c in modes]:
+            # (the --v switch changes nothing for a backend that does not read v in place: one row)
+            vs = (["view", "copy"] if args.v == "both" else [args.v])[: 2 if variants[attention].v_view else 1]
+            for gelu, means, v, mode in [(g, m, v, c) for g in gelus for m in meanses for v in vs for c in modes]:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
+                Attention.view_v = v == "view"
                 label = means if variants[attention].block_means else "-"
+                v_label = v if variants[attention].v_view else "-"
                 try:
-                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label, mode))
+                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label, v_label, mode))
                 except torch.OutOfMemoryError:
                     oom = {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu}
-                    rows.append(oom | {"means": label, "mode": mode})
+                    rows.append(oom | {"means": label, "v": v_label, "mode": mode})
                     torch.cuda.empty_cache()
                 finally:
-                    Mlp.fuse_inference_gelu = Attention.fuse_block_means = True
+                    Mlp.fuse_inference_gelu = Attention.fuse_block_means = Attention.view_v = True
                 print(rows[-1], file=sys.stderr, flush=True)
                 if args.out:
                     write_files(args.out, command, settings, rows)

@@ -40,6 +40,7 @@ from pixdit.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = ("val_loss", "val_loss_ema")  # summarize_run's names of val/loss and val/loss_ema
+FAILED_LOG_LINES = 15  # lines of a failed run's log printed with its exit code
 
 
 def parse_args(argv=None):
@@ -82,6 +83,9 @@ def train(overrides: list[str], seed: int, run_dir: Path, env: dict | None, log:
             done = subprocess.run(command, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         print(f"# exit code {done.returncode}" + (f", output in {log}" if log else ""), flush=True)
+        if log is not None:  # the error itself, so that a failed run needs no second look
+            tail = log.read_text(errors="replace").splitlines()[-FAILED_LOG_LINES:]
+            print("\n".join(f"#   {line[:300]}" for line in tail), flush=True)
     return summarize_run(run_dir)
 
 

@@ -65,6 +65,26 @@ def test_bench_sampling_means_both_times_prologue_and_backend_pooling_and_restor
     assert "16x16 llsa (separate GELU): " in capsys.readouterr().out  # the A/B line: prologue / backend
 
 
+def test_bench_sampling_v_both_times_the_view_and_the_copy_and_restores_the_switch(capsys, monkeypatch):
+    """--v both: LLSA (which reads v in place) runs once with v as a view of qkv and once copied; full attention,
+    which does not, once."""
+    from pixdit.models.dit import Attention
+
+    seen = []
+    forward = Attention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.view_v)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Attention, "forward", spy)
+    script = runpy.run_path(str(SCRIPT))
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa", "--v", "both"])
+    assert [(r["attention"], r["v"]) for r in rows] == [("full", "-"), ("llsa", "view"), ("llsa", "copy")]
+    assert True in seen and False in seen and Attention.view_v is True
+    assert "16x16 llsa (separate GELU): " in capsys.readouterr().out  # the A/B line: view / copy
+
+
 def test_bench_sampling_profile_groups_the_batch_by_kind_of_kernel(capsys):
     script = runpy.run_path(str(SCRIPT))
     rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--profile"])

@@ -75,6 +75,23 @@ def test_jobs_run_side_by_side_each_with_its_own_log(script, monkeypatch, tmp_pa
     assert verdicts[0]["head - base"] == pytest.approx(0.0) and verdicts[0]["within noise"] == "yes"
 
 
+def test_a_failed_run_prints_the_end_of_its_log(script, monkeypatch, tmp_path, capsys):
+    """A run that fails while its output goes to a log: the exit code and the log's last lines (the error) are
+    printed, so that the reason needs no second look (a remote machine may not return nested run folders)."""
+    import subprocess
+
+    def failing_run(command, env, cwd, stdout, stderr):
+        stdout.write("".join(f"line {i}\n" for i in range(30)) + "RuntimeError: boom\n")
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(script.subprocess, "run", failing_run)
+    run_dir = tmp_path / "head" / "seed0"
+    script.train(["x=1"], 0, run_dir, None, log=run_dir / "train.log")
+    out = capsys.readouterr().out
+    assert f"# exit code 1, output in {run_dir / 'train.log'}" in out
+    assert "#   RuntimeError: boom" in out and "#   line 16" in out and "line 15" not in out
+
+
 def test_bad_arguments_are_named(script, tmp_path, capsys):
     (tmp_path / "pyproject.toml").write_text("")
     for argv, message in [

@@ -36,6 +36,7 @@ class Variant:
     attention: dict  # the attention config section: {"name": ..., options...}
     token_order: str  # what the backend needs ("zorder" for the block-sparse methods), else "raster"
     block_means: bool = False  # the backend takes block means of q, k, v from the model (AttentionBackend.pool_block)
+    v_view: bool = False  # in sampling, the backend reads v as a view of qkv (AttentionBackend.reads_v_view)
 
 
 def split_options(text: str) -> list[str]:
@@ -72,7 +73,9 @@ def parse_variant(spec: str) -> Variant:
         backend = build_attention(attention, **PROBE_DIMS)
     except PixditError as error:
         raise PixditError(f"--attention {spec}: {error}") from None
-    return Variant(spec, attention, backend.token_order or "raster", backend.pool_block is not None)
+    return Variant(
+        spec, attention, backend.token_order or "raster", backend.pool_block is not None, backend.reads_v_view
+    )
 
 
 def add_block_means_option(parser) -> None:
