@@ -274,3 +274,23 @@ def test_a_key_nothing_reads_is_an_invalid_run():
             [["+foo=1"], ["seed=1"]], lambda job: compose(config_name="train", overrides=base + job)
         )
     assert [job for job, _ in invalid] == [["+foo=1"]] and "unknown config key(s) foo" in invalid[0][1]
+
+
+def test_single_runs_do_not_need_the_submitit_launcher():
+    """Without hydra-submitit-launcher installed, pixdit.sweep (whose SweepCallback every training run loads) still
+    imports, and only the local_gpus launcher fails, with one message naming the package."""
+    script = """
+import sys
+sys.modules["hydra_plugins.hydra_submitit_launcher"] = None  # what a missing package gives: ImportError on import
+sys.modules["hydra_plugins.hydra_submitit_launcher.submitit_launcher"] = None
+from pixdit.errors import PixditError
+from pixdit.sweep import LocalGPUPool, SweepCallback
+SweepCallback()
+try:
+    LocalGPUPool()
+except PixditError as error:
+    print(error)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hydra/launcher=local_gpus needs the hydra-submitit-launcher package" in done.stdout

@@ -40,9 +40,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
 from pixdit.errors import PixditError
 from pixdit.runtime import check_compile_memory_budget, is_rank_zero
+
+try:  # only the local_gpus launcher needs it: single runs and the sweep's pre-flight check run without it
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
+except ImportError:
+    LocalLauncher = None
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +247,7 @@ def gpu_slots(gpus: Sequence[int], gpus_per_job: int) -> list[tuple[int, ...]]:
     return [tuple(gpus[i : i + gpus_per_job]) for i in range(0, len(gpus) - gpus_per_job + 1, gpus_per_job)]
 
 
-class LocalGPUPool(LocalLauncher):
+class LocalGPUPool(LocalLauncher or object):  # (object: the launcher package is missing, see __init__)
     """hydra-submitit-launcher's ``LocalLauncher`` with a GPU pool: each job gets its own ``gpus_per_job`` GPUs
     (CUDA_VISIBLE_DEVICES, set by submitit's local executor); the next job starts when a GPU group is free.
 
@@ -255,6 +259,11 @@ class LocalGPUPool(LocalLauncher):
     def __init__(
         self, gpus: Sequence[int] | None = None, gpus_per_job: int = 1, poll_s: float = 2.0, **params: Any
     ) -> None:
+        if LocalLauncher is None:
+            raise PixditError(
+                "hydra/launcher=local_gpus needs the hydra-submitit-launcher package, which is not installed: "
+                "pip install hydra-submitit-launcher (a dependency of pixdit), or launch with another hydra/launcher"
+            )
         super().__init__(**params)
         self.gpus = None if gpus is None else [int(g) for g in gpus]
         self.gpus_per_job = int(gpus_per_job)
