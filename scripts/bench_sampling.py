@@ -49,7 +49,12 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel
 
     apply_from_argv(sys.argv)
 
-from pixdit.attention.variants import add_block_means_option, block_means_settings, parse_variant  # noqa: E402
+from pixdit.attention.variants import (  # noqa: E402
+    add_block_means_option,
+    block_means_settings,
+    parse_variant,
+    switch_settings,
+)
 from pixdit.errors import PixditError  # noqa: E402
 from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
@@ -294,8 +299,7 @@ def main(argv=None) -> list[dict]:
     for side in args.sizes:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
-            # (the --v switch changes nothing for a backend that does not read v in place: one row)
-            vs = (["view", "copy"] if args.v == "both" else [args.v])[: 2 if variants[attention].v_view else 1]
+            vs = switch_settings(args.v, ("view", "copy"), variants[attention].v_view)
             for gelu, means, v, mode in [(g, m, v, c) for g in gelus for m in meanses for v in vs for c in modes]:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"

@@ -26,6 +26,9 @@ class LLSAAttention(AttentionBackend):
 
     token_order = "zorder"
     head_dims = HEAD_DIMS
+    # Without autograd, the forward reads v from the qkv projection's output (a strided view), so the prologue does
+    # not copy it (docs/kernel_notes.md v34)
+    reads_v_view = True
 
     def __init__(
         self,
@@ -47,9 +50,6 @@ class LLSAAttention(AttentionBackend):
         # for B = 16, the measured case (docs/kernel_notes.md v20): the kernel sums a block of 16 inside one warp,
         # while a larger block spans warps and is summed through shared memory, which made the kernel 2.3x slower.
         self.pool_block = 16 if block_size == 16 else None
-        # Without autograd, the forward reads v from the qkv projection's output (a strided view), so the prologue
-        # does not copy it (docs/kernel_notes.md v34)
-        self.reads_v_view = True
 
     def plan(self, num_tokens: int) -> dict:
         """pixdit.kernels.llsa_check with this backend's settings: the levels, K per level and tokens per query."""

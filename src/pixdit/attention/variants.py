@@ -25,6 +25,7 @@ __all__ = [
     "parse_variant",
     "read_options",
     "split_options",
+    "switch_settings",
 ]
 
 PROBE_DIMS = dict(dim=128, num_heads=2)  # the variants' options are checked on a backend of this size
@@ -90,8 +91,15 @@ def add_block_means_option(parser) -> None:
     )
 
 
+def switch_settings(choice: str, values: tuple[str, str], applies: bool) -> list[str]:
+    """The settings of an A/B switch of the bench scripts (e.g. ``--means prologue|backend|both``) that a variant runs
+    with: both ``values`` for ``both`` where the switch ``applies`` to its backend, else one (it would change
+    nothing)."""
+    settings = list(values) if choice == "both" else [choice]
+    return settings if applies else settings[:1]
+
+
 def block_means_settings(choice: str, variant: Variant) -> list[str]:
-    """The ``--means`` settings ``variant`` runs with: both settings for ``both`` where its backend takes block means,
-    else one (the switch changes nothing for a backend without them)."""
-    settings = ["prologue", "backend"] if choice == "both" else [choice]
-    return settings if variant.block_means else settings[:1]
+    """The ``--means`` settings ``variant`` runs with (``switch_settings``; the switch applies where its backend
+    takes block means)."""
+    return switch_settings(choice, ("prologue", "backend"), variant.block_means)
