@@ -180,11 +180,17 @@ def _qk_norm_rope_fwd_kernel(
     w = tl.load(W + part * HEAD_DIM + dims, mask=rotate & (dims < HEAD_DIM), other=0.0)[None, :]
     n_bh = n_batch * num_heads
     out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k (and v) stacked: [3 or 2, b, heads, n, d]
+    # The head loop is not software-pipelined (its loads feed no dot), so it loads the next head's tile before
+    # working on this one's: two tiles in flight per program instead of one. 128 registers instead of 96-111 (four
+    # programs per SM instead of five), and the kernel 1.02x faster in sampling (docs/kernel_notes.md v35).
+    dims, mask, batch64, channels, out_offset = _tile(batch * num_heads, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
+    head0 = QKV + batch64 * stride_b + rows[:, None] * stride_n + channels  # head 0's channels of these rows
+    x_next = tl.load(head0, mask=mask, other=0.0)
     for head in range(num_heads):
         bh = batch * num_heads + head
-        dims, mask, batch64, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
-        x = tl.load(QKV + batch64 * stride_b + rows[:, None] * stride_n + channels, mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)[4]
+        x = x_next.to(tl.float32)
+        x_next = tl.load(head0 + (head + 1) * HEAD_DIM, mask=mask & (head + 1 < num_heads), other=0.0)
         if rotate:
             x = x * tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None] * w
             even, odd = _pairs(x, ROWS, DIM_PAD)
