@@ -180,9 +180,9 @@ def _qk_norm_rope_fwd_kernel(
     w = tl.load(W + part * HEAD_DIM + dims, mask=rotate & (dims < HEAD_DIM), other=0.0)[None, :]
     n_bh = n_batch * num_heads
     out = OUT + (part * n_bh).to(tl.int64) * n * HEAD_DIM  # q, k (and v) stacked: [3 or 2, b, heads, n, d]
-    # The head loop is not software-pipelined (its loads feed no dot), so it loads the next head's tile before
-    # working on this one's: two tiles in flight per program instead of one. 128 registers instead of 96-111 (four
-    # programs per SM instead of five), and the kernel 1.02x faster in sampling (docs/kernel_notes.md v35).
+    # Triton pipelines only loads that feed a dot, so the head loop loads the next head's tile before working on
+    # this one's: two tiles in flight per program instead of one, for 128 registers instead of 96-111 (four programs
+    # per SM). Bitwise the same; 1.02x faster without the v store (sampling), 1.004x with it (docs/kernel_notes.md v35).
     dims, mask, batch64, channels, out_offset = _tile(batch * num_heads, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     head0 = QKV + batch64 * stride_b + rows[:, None] * stride_n + channels  # head 0's channels of these rows
     x_next = tl.load(head0, mask=mask, other=0.0)
