@@ -183,7 +183,7 @@ def _qk_norm_rope_fwd_kernel(
     # Triton pipelines only loads that feed a dot, so the head loop loads the next head's tile before working on
     # this one's: two tiles in flight per program instead of one, for 128 registers instead of 96-111 (four programs
     # per SM). Bitwise the same; 1.02x faster without the v store (sampling), 1.004x with it (docs/kernel_notes.md v35).
-    dims, mask, batch64, channels, out_offset = _tile(batch * num_heads, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
+    dims, mask, batch64, channels, _ = _tile(batch * num_heads, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     head0 = QKV + batch64 * stride_b + rows[:, None] * stride_n + channels  # head 0's channels of these rows
     x_next = tl.load(head0, mask=mask, other=0.0)
     for head in range(num_heads):
