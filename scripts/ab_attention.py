@@ -34,7 +34,7 @@ import argparse
 import statistics
 
 import torch
-from kernel_ab import launch_breakdown, load_kernels_as
+from kernel_ab import launch_breakdown, load_kernels_as, timer
 
 import pixdit.kernels as current
 from pixdit.report import kernel_ms, markdown_table
@@ -127,25 +127,10 @@ def attention_call(lib, method: str, x: int, block: int, q, k, v, gate):
     return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-def timer(args):
-    if args.device.startswith("cuda"):
-        import triton.testing
-
-        return lambda fn, rep: triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-    import time
-
-    def wall_ms(fn, rep):
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    return wall_ms
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     bases = [(d, load_kernels_as(d, f"pixdit_kernels_base{i}")) for i, d in enumerate(args.kernels_from)]
-    time_ms = timer(args)
+    time_ms = timer(args.device)
     times = {}  # (case, version) -> [(fwd ms, fwd+bwd ms) per round]; version: a --kernels-from DIR or "after"
     results = {}  # (case, version) -> output and gradients of round 0, to compare the versions
     per_kernel = {}  # (case, version) -> {kernel launch: ms per forward + backward call}, round 0

@@ -2,8 +2,9 @@
 library in DIR (a copy of another commit's ``kernels/``, e.g. ``git archive HEAD~1 kernels | tar -x -C /tmp/base``)
 in place of the installed ``pixdit.kernels``. Must run before anything imports ``pixdit.kernels``.
 ``load_kernels_as(DIR, name)`` loads DIR next to the installed library instead, under another module name, so that
-one process can interleave the two versions (scripts/ab_attention.py). ``launch_breakdown(lib, fn)`` times ``fn()``'s
-kernels by launch: each Triton launch of the library named by its block constants and grid."""
+one process can interleave the two versions (scripts/ab_attention.py, scripts/ab_qk_norm.py). ``launch_breakdown(lib,
+fn)`` times ``fn()``'s kernels by launch: each Triton launch of the library named by its block constants and grid;
+``timer(device)`` the A/B scripts' timing."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def apply_from_argv(argv: list[str]) -> None:
             use_kernels_from(argv[i + 1])
         elif arg.startswith("--kernels-from="):
             use_kernels_from(arg.split("=", 1)[1])
+
+
+def timer(device: str):
+    """``time_ms(fn, rep)``: on CUDA the median of ``do_bench`` over ``rep`` ms after warm-up; elsewhere one call's
+    wall time (the CPU smoke runs of the A/B scripts)."""
+    if device.startswith("cuda"):
+        import triton.testing
+
+        return lambda fn, rep: triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    import time
+
+    def wall_ms(fn, rep):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall_ms
 
 
 # The constants that tell one launch of a kernel from another (its program's rows, step and split), where set.

@@ -1,5 +1,5 @@
-"""The kernel scripts: scripts/ab_attention.py (interleaved A/B of two kernel libraries in one process) runs end to end, a
-CPU smoke run with the repository's own kernels/ as the "before" side, loaded a second time under another module
+"""The kernel scripts: scripts/ab_attention.py and scripts/ab_qk_norm.py (interleaved A/Bs of two kernel libraries in
+one process) run end to end, a CPU smoke run with the repository's own kernels/ as the "before" side, loaded a second time under another module
 name; scripts/kernel_compile_report.py describes every argument of the attention kernels it compiles (a kernel that
 gains an argument must show up here, not as a broken report on the next device-free session)."""
 
@@ -73,6 +73,34 @@ def test_ab_attention_names_a_missing_library():
 def test_ab_attention_names_a_bad_case():
     run = ab_attention("kernels", "--cases", "vsa:big")
     assert run.returncode != 0 and "--cases 'vsa:big': expected METHOD:SIDE[:X[:B]]" in run.stderr
+
+
+def test_ab_qk_norm_quick_cpu():
+    """The qk-norm + RoPE A/B: one row per call, the same library on both sides computes the same tensors."""
+    command = [sys.executable, "scripts/ab_qk_norm.py", "--kernels-from", "kernels", "--quick", "--device", "cpu"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    header, rule, sampling, forward, both = run.stdout.strip().splitlines()[-5:]
+    assert "before ms" in header and "TB/s after" in header and "max rel. diff" in header
+    assert sampling.startswith("| sampling |") and forward.startswith("| forward |")
+    assert both.startswith("| forward+backward |") and "| - | - |" in both  # no byte count for the backward
+    assert all(row.endswith("| 0.0e+00 |") for row in (sampling, forward, both))
+    bad = subprocess.run([*command, "--pool", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--pool must be a power of two up to 128 that divides side² = 1024" in bad.stderr
+
+
+def test_ab_qk_norm_reports_a_library_that_computes_something_else(tmp_path):
+    """A "before" library whose qk-norm uses another eps: the comparison column is no longer zero."""
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    module = tmp_path / "kernels" / "qk_norm_rope.py"
+    source = module.read_text()
+    assert "    eps: float = 1e-5,\n" in source
+    module.write_text(source.replace("    eps: float = 1e-5,\n", "    eps: float = 1e-1,\n"))
+    command = [sys.executable, "scripts/ab_qk_norm.py", "--kernels-from", str(tmp_path / "kernels"), "--quick"]
+    run = subprocess.run([*command, "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = run.stdout.strip().splitlines()[-3:]
+    assert len(rows) == 3 and not any(row.endswith("| 0.0e+00 |") for row in rows)
 
 
 def test_compile_report_gives_every_kernel_argument():
