@@ -4,7 +4,7 @@ in place of the installed ``pixdit.kernels``. Must run before anything imports `
 ``load_kernels_as(DIR, name)`` loads DIR next to the installed library instead, under another module name, so that
 one process can interleave the two versions (scripts/ab_attention.py, scripts/ab_qk_norm.py). ``launch_breakdown(lib,
 fn)`` times ``fn()``'s kernels by launch: each Triton launch of the library named by its block constants and grid;
-``timer(device)`` the A/B scripts' timing."""
+``timer(device)`` and ``rel_diff(a, b)`` the A/B scripts' timing and comparison."""
 
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ def timer(device: str):
         return (time.perf_counter() - start) * 1e3
 
     return wall_ms
+
+
+def rel_diff(a, b) -> float:
+    """The largest difference of two versions' tensors relative to ``b``'s largest value (0 = bit for bit; bf16
+    rounding is ~4e-3)."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 # The constants that tell one launch of a kernel from another (its program's rows, step and split), where set.
