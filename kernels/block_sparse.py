@@ -32,12 +32,16 @@ CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exac
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .blocks import block_mean_adjoint, csr_to_csc
-from .common import AUTOTUNE, autocast_inputs, autotuned, check_qkv, use_triton
+from .common import AUTOTUNE, INTERPRET, autocast_inputs, autotuned, check_qkv, use_triton
 from .ops import custom_op
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
@@ -142,11 +146,15 @@ def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(s, m_i, l_i, acc, v, PREC: tl.constexpr):
-    """One online-softmax update with a tile of base-2 logits ``s`` (-inf = masked) and its values ``v``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+def softmax_step(s, scale, shift, m_i, l_i, acc, v, PREC: tl.constexpr):
+    """One online-softmax update with a tile of raw logits ``s`` (-inf = masked) whose base-2 logits are
+    ``s * scale + shift``; ``shift`` is one number for the whole step (a block's or a level's log weight, -inf for an
+    empty list slot). Scale and shift enter each logit's exponent as one FMA, ``exp2(s * scale - (m - shift))``, and
+    the row maximum as ``max(s) * scale + shift``: one operation per logit fewer than scaling and shifting the tile
+    first, in the part of the loop that runs on the CUDA cores between the two products (docs/kernel_notes.md v36)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale + shift)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without a key so far: exp2(-inf) = 0, not NaN
+    p = tl.math.exp2(s * scale - (m_use - shift)[:, None])  # shift = -inf: m_use - shift = +inf, so p = 0
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
@@ -158,7 +166,7 @@ def contiguous_fwd_step(
     q,
     k_base,
     v_base,
-    krow,
+    row0,
     stride_kn,
     stride_vn,
     bias,
@@ -167,23 +175,39 @@ def contiguous_fwd_step(
     m_i,
     l_i,
     acc,
+    k_desc,
+    v_desc,
+    k_drow,
+    k_col,
+    v_drow,
+    v_col,
+    KEY_ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """One forward step over contiguous key rows ``krow`` with one scalar (base-2) ``bias``: a scalar-id block of the
-    list or a step of the dense tail. Rows ``>= row_end`` are masked unless ``EVEN`` (every row exists)."""
-    dims = tl.arange(0, q.shape[1])
-    kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
-    v_ptrs = v_base + krow[:, None] * stride_vn + dims[None, :]
-    if EVEN:
-        s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC) * qk_scale + bias
-        v = tl.load(v_ptrs)
+    """One forward step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2)
+    ``bias``: a scalar-id block of the list or a step of the dense tail. Rows ``>= row_end`` are masked unless
+    ``EVEN`` (every row exists). ``TMA`` (``EVEN`` steps only): K and V arrive by tensor-memory-accelerator copies
+    through the 2-D descriptors ``k_desc`` / ``v_desc`` (``fwd_descriptors``), at descriptor rows ``k_drow + row0``
+    / ``v_drow + row0`` and columns ``k_col`` / ``v_col``."""
+    if TMA:
+        s = tl.dot(q, tl.trans(k_desc.load([(k_drow + row0).to(tl.int32), k_col])), input_precision=PREC)
+        v = v_desc.load([(v_drow + row0).to(tl.int32), v_col])
     else:
-        k_ok = krow < row_end
-        kt = tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0)
-        s = tl.where(k_ok[None, :], tl.dot(q, kt, input_precision=PREC) * qk_scale + bias, float("-inf"))
-        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-    return softmax_step(s, m_i, l_i, acc, v, PREC)
+        dims = tl.arange(0, q.shape[1])
+        krow = row0 + tl.arange(0, KEY_ROWS)
+        kt_ptrs = k_base + krow[None, :] * stride_kn + dims[:, None]
+        v_ptrs = v_base + krow[:, None] * stride_vn + dims[None, :]
+        if EVEN:
+            s = tl.dot(q, tl.load(kt_ptrs), input_precision=PREC)
+            v = tl.load(v_ptrs)
+        else:
+            k_ok = krow < row_end
+            s = tl.dot(q, tl.load(kt_ptrs, mask=k_ok[None, :], other=0.0), input_precision=PREC)
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+    return softmax_step(s, qk_scale, bias, m_i, l_i, acc, v, PREC)
 
 
 @triton.jit
@@ -197,6 +221,8 @@ def _fwd_kernel(
     LOGW,
     O_INIT,
     LSE_INIT,
+    K_DESC,
+    V_DESC,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -233,6 +259,7 @@ def _fwd_kernel(
     LIST_SLOTS: tl.constexpr,
     LIST_BIAS: tl.constexpr,
     FULL_LIST: tl.constexpr,
+    DESC_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -254,13 +281,25 @@ def _fwd_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)  # v may be tokens-major, e.g. a view of qkv
+    # DESC_ROWS > 0: K_DESC / V_DESC are 2-D descriptors of DESC_ROWS-row tiles (fwd_descriptors): k as [BH * n_k,
+    # d], v as [BH / v_heads * n_k, v_heads * d]; the contiguous walks whose steps are whole tiles of that size load
+    # by TMA
+    k_drow, v_drow, v_col = bh * n_k, (bh // v_heads) * n_k, ((bh % v_heads) * HEAD_DIM).to(tl.int32)
     if PER_ITER == 1:  # one block per step (blocks of >= 64 keys, or a one-warp program): a scalar id per step, so
         # contiguous (vectorised, pipelined) rows, and an empty slot (-1) is a scalar -inf bias, not a per-element
-        # mask; a block of > 64 keys is walked in N_SUB tiles of 64 (a [BLOCK_M, 128] fp32 logit tile would spill)
-        toff = tl.arange(0, KEY_BLOCK // N_SUB)
+        # mask; a block of > 64 keys is walked in N_SUB tiles of KEY_BLOCK // N_SUB rows
+        STEP_ROWS: tl.constexpr = KEY_BLOCK // N_SUB
+        if LIST_SLOTS == 0:  # ids from memory, each loaded one step ahead: the step's addresses then come from a
+            # value of the previous iteration, which Triton pipelines num_stages deep (an id loaded and used in one
+            # iteration keeps two K/V buffers whatever num_stages says; docs/kernel_notes.md v15, v36)
+            nxt = tl.load(list_base, mask=list_len > 0, other=-1)
         for j in range(0, list_len * N_SUB):
-            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
-            krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
+            if LIST_SLOTS > 0:
+                blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
+            else:
+                blk = nxt
+                nxt = tl.load(list_base + tl.minimum((j + 1) // N_SUB, list_len - 1))
+            row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
@@ -268,7 +307,28 @@ def _fwd_kernel(
                 bias += list_bias * 1.4426950408889634
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
-                q, k_base, v_base, krow, stride_kn, stride_vn, bias, n_k, qk_scale, m_i, l_i, acc, EVEN_K, PREC
+                q,
+                k_base,
+                v_base,
+                row0,
+                stride_kn,
+                stride_vn,
+                bias,
+                n_k,
+                qk_scale,
+                m_i,
+                l_i,
+                acc,
+                K_DESC,
+                V_DESC,
+                k_drow,
+                0,
+                v_drow,
+                v_col,
+                STEP_ROWS,
+                EVEN_K,
+                PREC,
+                DESC_ROWS == STEP_ROWS and EVEN_K,
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
@@ -282,24 +342,28 @@ def _fwd_kernel(
             else:
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
                 v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :], mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
-            if LIST_BIAS:  # one weight for every listed block: a scalar, as in the dense tail's steps
-                s += list_bias * 1.4426950408889634
-            if HAS_LOGW:
-                w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-                s += w[None, :] * 1.4426950408889634
+            s = tl.dot(q, kt, input_precision=PREC)
+            if LIST_BIAS or HAS_LOGW:  # weighted walks scale and shift the tile first, as before v36, so one weight
+                # for every listed block (LIST_BIAS, a scalar) stays bit for bit the same weight per block (HAS_LOGW)
+                s = s * qk_scale
+                if LIST_BIAS:
+                    s += list_bias * 1.4426950408889634
+                if HAS_LOGW:
+                    w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
+                    s += w[None, :] * 1.4426950408889634
+                scale = 1.0
+            else:
+                scale = qk_scale
             if not FULL_LIST:
                 s = tl.where(k_ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, v, PREC)
+            m_i, l_i, acc = softmax_step(s, scale, 0.0, m_i, l_i, acc, v, PREC)
     if HAS_TAIL:  # then key rows [tail_lo, tail_hi), the same for every query: contiguous steps, one scalar weight
-        toff = tl.arange(0, TAIL_STEP)
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):  # EVEN_TAIL: the range is whole steps, no mask at all
-            krow = (t0 + toff).to(tl.int64)
             m_i, l_i, acc = contiguous_fwd_step(
                 q,
                 k_base,
                 v_base,
-                krow,
+                tl.cast(t0, tl.int64),
                 stride_kn,
                 stride_vn,
                 tail_bias,
@@ -308,8 +372,16 @@ def _fwd_kernel(
                 m_i,
                 l_i,
                 acc,
+                K_DESC,
+                V_DESC,
+                k_drow,
+                0,
+                v_drow,
+                v_col,
+                TAIL_STEP,
                 EVEN_TAIL,
                 PREC,
+                DESC_ROWS == TAIL_STEP and EVEN_TAIL,
             )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
@@ -892,7 +964,8 @@ _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 _fwd = autotuned(
     _fwd_kernel,
     _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "LIST_BIAS", "FULL_LIST"],
+    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "LIST_BIAS", "FULL_LIST"]
+    + ["DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_fwd_kernel),
 )
@@ -950,6 +1023,55 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(2), x.stride(1), x.shape[2]
 
 
+# The forward's contiguous walks (scalar-id blocks of >= 64 keys, the dense tail) take K and V by TMA, Hopper's tensor
+# memory accelerator, instead of pointer loads: with each id loaded a step ahead and 3 stages, blocks of 128 keys ran
+# ~5% faster, a dense walk ~1% (docs/kernel_notes.md v36). Needs compute capability >= 9 (or the interpreter);
+# PIXDIT_KERNELS_TMA=0 keeps pointer loads everywhere.
+TMA_LOADS = os.environ.get("PIXDIT_KERNELS_TMA", "1") not in ("", "0")
+TMA_MIN_ROWS = 64  # narrower steps (one-warp programs over 16-key blocks) keep pointer loads: not measured by TMA
+
+
+@functools.cache
+def _tma_capable(device_type: str, index: int | None) -> bool:
+    if device_type != "cuda":
+        return INTERPRET
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_rows(x: torch.Tensor, heads: int, n: int) -> int | None:
+    """The row stride of ``x`` seen as a 2-D ``[x.numel() / (heads * d) rows, heads * d]`` matrix whose rows are
+    key rows: a ``[BH, n, d]`` tensor (heads 1) or a tokens-major ``[b, n, heads, d]`` one whose heads sit side by
+    side; None when x is not such a matrix or breaks TMA's rules (16-byte aligned base and row stride, int32 rows)."""
+    d = x.shape[-1]
+    b_stride, h_stride, n_stride, _ = row_layout(x)
+    rows = x.numel() // (heads * d)
+    ok = (
+        x.stride(-1) == 1
+        and (heads == 1 or h_stride == d)
+        and b_stride == n * n_stride
+        and (n_stride * x.element_size()) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and rows < 2**31
+    )
+    return n_stride if ok else None
+
+
+def fwd_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int):
+    """``(K_DESC, V_DESC, DESC_ROWS)`` of a forward launch whose contiguous walk steps over ``rows`` key rows: 2-D TMA
+    descriptors of ``rows``-row tiles, k as ``[BH * n_k, d]`` and v as ``[BH / heads * n_k, heads * d]`` (``row_layout``),
+    or ``(k, v, 0)`` (pointer loads) where TMA is off, unsupported or the layouts do not allow it."""
+    n, d = k.shape[1], k.shape[2]
+    if not TMA_LOADS or rows < TMA_MIN_ROWS or not _tma_capable(k.device.type, k.device.index):
+        return k, v, 0
+    heads = row_layout(v)[3]
+    k_stride, v_stride = _tma_rows(k, 1, n), _tma_rows(v, heads, n)
+    if k_stride is None or v_stride is None:
+        return k, v, 0
+    k_desc = TensorDescriptor(k, [k.numel() // d, d], [k_stride, 1], [rows, d])
+    v_desc = TensorDescriptor(v, [v.numel() // (heads * d), heads * d], [v_stride, 1], [rows, d])
+    return k_desc, v_desc, rows
+
+
 def flatten_heads(x: torch.Tensor) -> torch.Tensor:
     """[b, h, n, d] -> [b*h, n, d] with unit stride on d (a view when possible)."""
     x = x.reshape(-1, x.shape[-2], x.shape[-1])
@@ -997,13 +1119,21 @@ def walk_blocks_per_step(program_rows: int, walked_block: int, head_dim: int) ->
 LIST_IN_REGISTERS = 128
 
 
-def list_slots(list_len: int, per_iter: int) -> int:
+def list_slots(list_len: int, per_iter: int, limit: int = LIST_IN_REGISTERS) -> int:
     """``LIST_SLOTS`` of a walk over ``list_len`` ids: the power of two >= it (and >= ``per_iter``) when the list is
-    loaded before the walk, 0 when it is read step by step (empty or longer than ``LIST_IN_REGISTERS``). Power-of-two
-    buckets: one compilation serves every length up to the bucket."""
-    if list_len == 0 or list_len > LIST_IN_REGISTERS:
+    loaded before the walk, 0 when it is read step by step (empty or longer than ``limit``). Power-of-two buckets:
+    one compilation serves every length up to the bucket."""
+    if list_len == 0 or list_len > limit:
         return 0
     return max(per_iter, triton.next_power_of_2(list_len))
+
+
+def forward_ids_in_registers(rows: int, head_dim: int) -> int:
+    """The longest list a forward program of ``rows`` query rows keeps in registers (``list_slots``' limit). Each step
+    takes its id from them by a masked sum over the whole list, which on an 8-warp program (128 rows) is a reduction
+    across the warps: at 64 ids that program ran 1.46x slower than one loading each id a step ahead (blocks of 128,
+    the fixed launch), at 8-32 ids 3-5% faster (docs/kernel_notes.md v36)."""
+    return min(32, LIST_IN_REGISTERS) if program_warps(rows, False, head_dim) >= 8 else LIST_IN_REGISTERS
 
 
 def _n_sub(block: int) -> int:
@@ -1120,6 +1250,13 @@ def _bsa_forward_op(
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
+    # the contiguous walk that may load by TMA (fwd_descriptors decides): the scalar-id list walk, in steps of
+    # key_block / N_SUB rows, else the dense tail, in steps of TAIL_STEP
+    if per_iter == 1 and lists.shape[2] > 0:
+        step_rows = key_block // _n_sub(key_block)
+    else:
+        step_rows = TAIL_STEP.value if tail_hi > 0 else 0
+    k_desc, v_desc, desc_rows = fwd_descriptors(k, v, step_rows)
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -1130,6 +1267,8 @@ def _bsa_forward_op(
         log_weights if log_weights is not None else lse,
         o_init if o_init is not None else o,
         lse_init if lse_init is not None else lse,
+        k_desc,
+        v_desc,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1152,7 +1291,8 @@ def _bsa_forward_op(
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=_n_sub(key_block),
-        LIST_SLOTS=list_slots(lists.shape[2], per_iter),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, d)),
+        DESC_ROWS=desc_rows,
         **_launch("forward", query_block, d, q.dtype),
     )
     return o, lse

@@ -22,7 +22,10 @@ credited with the copies it saves, and one that does not pays them.
 
 A case is ``METHOD:SIDE[:X[:B]]`` (tokens = SIDE², head_dim 64): ``llsa:256:2`` is LLSA with K = 8, L = 2 and blocks
 of B = 16; ``llsa:256:2:32`` the same with B = 32; ``vsa:256`` / ``sla:256`` are VSA (gated) and SLA with 16-token tiles
-and the K of ``bench_attention.py``'s VSA/SLA rows (``--baseline-topk``), ``vsa:256:64`` for K = 64.
+and the K of ``bench_attention.py``'s VSA/SLA rows (``--baseline-topk``), ``vsa:256:64`` for K = 64; ``bsa:256:16`` is
+``block_sparse_attention`` with K = 16 listed blocks of 128 tokens (``bsa:256:32:64``: K = 32 blocks of 64), on random
+lists drawn as ``bench_attention.py`` draws them for its bsa and flex rows (the same lists for both libraries);
+``flash:256`` is the dense ``flash_attention``.
 ``--per-kernel N`` (GPU) adds each case's N largest kernels of a forward + backward call, both versions side by side;
 each Triton launch is its own row, named by its block constants and grid (``kernel_ab.launch_breakdown``), so the
 fine and the pooled passes of one kernel are told apart.
@@ -53,8 +56,9 @@ def parse_args(argv=None):
         "--cases",
         nargs="+",
         default=None,
-        help="METHOD:SIDE[:X[:B]]: llsa:SIDE:LEVELS[:B], vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]] (default: llsa:128:2 "
-        "llsa:256:2 llsa:256:3 llsa:512:2; with --quick: llsa:32:1 vsa:32:2)",
+        help="METHOD:SIDE[:X[:B]]: llsa:SIDE:LEVELS[:B], vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]], bsa:SIDE:K[:B] (B "
+        "default 128), flash:SIDE (default: llsa:128:2 llsa:256:2 llsa:256:3 llsa:512:2; with --quick: llsa:32:1 "
+        "vsa:32:2)",
     )
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
     p.add_argument("--heads", type=int, default=6)
@@ -95,32 +99,48 @@ def parse_args(argv=None):
 
 
 DEFAULT_K = {64: 8, 128: 20, 256: 32, 512: 32}  # VSA / SLA top-K per image side, as bench_attention.py's rows
-METHODS = ("llsa", "vsa", "sla")
+METHODS = ("llsa", "vsa", "sla", "bsa", "flash")
 
 
 def parse_case(case: str) -> tuple[str, int, int, int]:
-    """``METHOD:SIDE[:X[:B]]`` -> (method, side, X, B): X = levels for LLSA (required), top-K for VSA / SLA; B = the
-    block size (16 unless given)."""
+    """``METHOD:SIDE[:X[:B]]`` -> (method, side, X, B): X = levels for LLSA (required), top-K for VSA / SLA / bsa
+    (required for bsa); B = the block size (16 unless given; 128 for bsa); flash takes neither."""
     parts = case.split(":")
     ok = len(parts) in (2, 3, 4) and parts[0] in METHODS and all(p.isdigit() for p in parts[1:])
-    if not ok or (parts[0] == "llsa" and len(parts) < 3):
+    ok = ok and not (parts[0] in ("llsa", "bsa") and len(parts) < 3) and not (parts[0] == "flash" and len(parts) > 2)
+    if not ok:
         raise SystemExit(
             f"--cases {case!r}: expected METHOD:SIDE[:X[:B]] with METHOD in {METHODS} (llsa:SIDE:LEVELS[:B], "
-            "vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]]), e.g. llsa:256:2, llsa:256:2:32 or vsa:256"
+            "vsa:SIDE[:K[:B]], sla:SIDE[:K[:B]], bsa:SIDE:K[:B], flash:SIDE), e.g. llsa:256:2, llsa:256:2:32, vsa:256, "
+            "bsa:256:16 or flash:256"
         )
     side = int(parts[1])
     x = int(parts[2]) if len(parts) >= 3 else DEFAULT_K.get(side, 32)
-    return parts[0], side, x, int(parts[3]) if len(parts) == 4 else 16
+    block = int(parts[3]) if len(parts) == 4 else 128 if parts[0] == "bsa" else 16
+    return parts[0], side, x, block
 
 
-def attention_call(lib, method: str, x: int, block: int, q, k, v, gate):
+def random_lists(shape, block: int, k: int, device) -> torch.Tensor:
+    """bsa's lists, as bench_attention.py draws them: per (batch, head, query tile of ``block`` rows) ``k`` distinct
+    key blocks in a random order (seeded, so every round and library walks the same lists)."""
+    b, h, n = shape[:3]
+    g = torch.Generator(device=device).manual_seed(0)
+    order = torch.rand(b, h, n // block, n // block, device=device, generator=g).argsort(-1)
+    return order[..., :k].to(torch.int32).contiguous()
+
+
+def attention_call(lib, method: str, x: int, block: int, q, k, v, gate, lists=None):
     """The timed call of one library: its output merged into ``[b, N, h * d]`` as a model does before its output
     projection, so that a library returning tokens-major memory saves that copy here too and the gradient arrives in
-    the layout a model hands back (a tensor to differentiate)."""
+    the layout a model hands back (a tensor to differentiate). ``lists``: bsa's block lists."""
     if method == "llsa":
         out = lib.llsa_attention(q, k, v, block_size=block, topk=8, num_levels=x)
     elif method == "vsa":
         out = lib.vsa_attention(q, k, v, block_size=block, topk=x, gate=gate)
+    elif method == "bsa":
+        out = lib.block_sparse_attention(q, k, v, lists, query_block=block, key_block=block)
+    elif method == "flash":
+        out = lib.flash_attention(q, k, v)
     else:
         out = sum(lib.sla_attention(q, k, v, block_size=block, topk=x))
     b, h, n, d = out.shape
@@ -147,10 +167,11 @@ def main(argv=None) -> list[dict]:
             # VSA's gate with a gradient, as in training (its backward then computes d_gate)
             do = torch.randn(shape[0], n, shape[1] * shape[3], device=args.device, dtype=dtype, generator=g)
             gate = torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_()
+            lists = random_lists(shape, block, x, args.device) if method == "bsa" else None
             for version, lib in [*bases, ("after", current)]:
 
                 def forward(lib=lib):
-                    return attention_call(lib, method, x, block, q, k, v, gate)
+                    return attention_call(lib, method, x, block, q, k, v, gate, lists)
 
                 def forward_backward(forward=forward):
                     return torch.autograd.grad(forward(), (q, k, v), do)
@@ -169,8 +190,12 @@ def main(argv=None) -> list[dict]:
     for case in args.cases:
         method, side, x, block = case
         for directory, _ in bases:
-            row = {"method": method, "size": f"{side}²", "L or K": f"L={x}" if method == "llsa" else f"K={x}"}
-            row |= {"B": block} | ({"before": directory} if len(bases) > 1 else {})
+            row = {
+                "method": method,
+                "size": f"{side}²",
+                "L or K": {"llsa": f"L={x}", "flash": "-"}.get(method, f"K={x}"),
+            }
+            row |= {"B": "-" if method == "flash" else block} | ({"before": directory} if len(bases) > 1 else {})
             for i, what in enumerate(("fwd", "fwd+bwd")):
                 before = statistics.median(t[i] for t in times[(case, directory)])
                 after = statistics.median(t[i] for t in times[(case, "after")])

@@ -111,8 +111,10 @@ def launch_variant(fn, args: dict, constexprs: dict) -> tuple[dict, dict]:
         if name in constexprs:
             continue
         value = args[name]
-        if isinstance(value, str):
-            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        if isinstance(value, str):  # a pointer ("*bf16") or a TMA descriptor ("tensordesc<bf16[64, 64]>")
+            signature[name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
@@ -200,9 +202,14 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= flat_out if out == "*fp32" else {}
         args |= list_args[0]
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
+        # the dense tail's steps load K and V by TMA (block_sparse.fwd_descriptors), the 16-key walks by pointers
+        desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
+        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
+        args |= dict(K_DESC=desc, V_DESC=desc)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= list_args[1]
-        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))
+        ids = block_sparse.forward_ids_in_registers(block_m, d)
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter, ids), DESC_ROWS=desc_rows)
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dq(block_m, n_k, list_len, out, accumulate, compute_delta, has_logw, tail_args, list_args):

@@ -75,6 +75,18 @@ def test_ab_attention_names_a_bad_case():
     assert run.returncode != 0 and "--cases 'vsa:big': expected METHOD:SIDE[:X[:B]]" in run.stderr
 
 
+def test_ab_attention_block_sparse_and_dense_cases():
+    """bsa:SIDE:K[:B] (random lists, the same for both libraries) and flash:SIDE; bsa needs its K, flash takes none."""
+    run = ab_attention("kernels", "--cases", "bsa:32:2:16", "flash:32")
+    assert run.returncode == 0, run.stderr
+    bsa, flash = run.stdout.strip().splitlines()[-2:]
+    assert bsa.startswith("| bsa | 32² | K=2 | 16 |") and flash.startswith("| flash | 32² | - | - |")
+    assert bsa.endswith("| 0.0e+00, 0.0e+00, 0.0e+00, 0.0e+00 |") and flash.endswith("0.0e+00, 0.0e+00 |")
+    for bad in ("bsa:32", "flash:32:2"):
+        run = ab_attention("kernels", "--cases", bad)
+        assert run.returncode != 0 and f"--cases {bad!r}: expected METHOD:SIDE[:X[:B]]" in run.stderr
+
+
 def test_ab_qk_norm_quick_cpu():
     """The qk-norm + RoPE A/B: one row per call, the same library on both sides computes the same tensors."""
     command = [sys.executable, "scripts/ab_qk_norm.py", "--kernels-from", "kernels", "--quick", "--device", "cpu"]

@@ -366,6 +366,56 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
     assert all(torch.equal(a, b) for a, b in zip(got, run(holed.clamp_min(0), log_weights=per_block)))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # (the interpreter computes no bf16 on the CPU)
+# (query rows, key block, tail rows): the scalar-id walk in steps of 64 keys (blocks of 64, or 128 in two steps), the
+# dense tail, both in one launch, and a 16-key walk (narrower than TMA_MIN_ROWS: pointer loads either way)
+@pytest.mark.parametrize("qb,kb,tail", [(64, 64, 0), (128, 128, 0), (64, 64, 128), (64, 16, 128), (16, 16, 0)])
+@pytest.mark.parametrize("v_view", [False, True])  # v as the columns of a fused qkv tensor (tokens-major, row stride)
+def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_view, monkeypatch):
+    """The forward's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole rows
+    (``fwd_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are empty
+    and ids read a step ahead (lists longer than the registers hold); and the fp64 oracle."""
+    g = torch.Generator().manual_seed(kb + tail)
+    b, h, d = 2, 3, 32
+    n_blocks = 6 if kb < 128 else 3
+    nq, nk = 256, n_blocks * kb + tail
+    q = torch.randn(b, h, nq, d, generator=g).to(dtype)
+    kv = torch.randn(b, nk, 2, h, d, generator=g).to(dtype)
+    k = kv[:, :, 0].transpose(1, 2).contiguous()
+    v = kv[:, :, 1].transpose(1, 2)  # [b, h, nk, d] as a view of kv: tokens-major, rows 2 * h * d apart
+    v = v if v_view else v.contiguous()
+    n_tiles = nq // qb
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[: n_blocks - 1] for _ in range(b * h * n_tiles)])
+    lists = lists.view(b * h, n_tiles, n_blocks - 1).int()
+    lists[:, ::2, 0] = -1  # the walk's first step is an empty slot
+    lists[:, 1::2, 1:3] = -1  # empty slots inside the list (every tile keeps a block)
+    dense_tail = (n_blocks * kb, nk, 0.5) if tail else None
+    bs = block_sparse_module
+    qf, kf = (t.reshape(b * h, -1, d).to(DEVICE) for t in (q, k))
+    vf = v.to(DEVICE).transpose(1, 2) if v_view else v.reshape(b * h, nk, d).to(DEVICE)
+    made = []
+    descriptors = bs.fwd_descriptors
+    monkeypatch.setattr(bs, "fwd_descriptors", lambda *a: made.append(descriptors(*a)[2]) or descriptors(*a))
+
+    def run(tma, ids_in_registers):
+        monkeypatch.setattr(bs, "TMA_LOADS", tma)
+        monkeypatch.setattr(bs, "LIST_IN_REGISTERS", 128 if ids_in_registers else 0)
+        return bs.bsa_forward(qf, kf, vf, lists.to(DEVICE), qb, kb, d**-0.5, dense_tail=dense_tail)
+
+    want = run(False, True)
+    assert made[-1] == 0
+    for tma, in_registers in ((True, True), (True, False), (False, False)):
+        got = run(tma, in_registers)
+        assert all(torch.equal(a, w) for a, w in zip(got, want)), (tma, in_registers)
+        assert made[-1] == (64 if tma and (kb >= 64 or tail) else 0)  # the walk that can, loads by TMA
+    # the oracle: the dense tail as more listed blocks of every tile, with the tail's log weight
+    tail_ids = torch.arange(n_blocks, nk // kb).int().expand(b * h, n_tiles, -1)
+    logw = torch.tensor([0.0] * n_blocks + [0.5] * (tail // kb))
+    ref, _ = dense_masked_reference(q, k, v, torch.cat([lists, tail_ids], -1).view(b, h, n_tiles, -1), qb, kb, logw)
+    assert rel(want[0], ref.reshape(b * h, nq, d)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_block_sparse_rejects_bad_blocks():
     q = torch.randn(1, 1, 64, 32)
     lists = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
