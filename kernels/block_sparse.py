@@ -1000,6 +1000,37 @@ def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
     return {"num_warps": warps, "num_stages": 2} | ({"maxnreg": cap} if cap else {})
 
 
+# The forward's 128-row programs (block_sparse_attention over blocks of 128, the dense flash_attention) walk with
+# their K and V loaded by TMA and more stages (fwd_descriptors): over blocks of >= 128 keys in steps of 128 keys on
+# 4 warps (a [128, 128] fp32 logit tile in 128 registers per thread, no spills at head dim 64), else in steps of 64
+# on 8 warps; 3 stages either way. On the H200 (blocks of 128, 2 x 6 x 65,536 x 64 bf16): K = 64 blocks 3.92 ms
+# against 4.33 in steps of 64 on 8 warps and 2 stages, Flex 4.20; K = 16 1.05 ms (1.07, Flex 1.11); the dense walk
+# 30.9 ms at 3 stages against 32.2 at 2 (docs/kernel_notes.md v36).
+def forward_step_keys(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per step of a forward program of ``rows`` query rows walking listed blocks of ``key_block`` keys one
+    at a time (``PER_ITER = 1``): 128 for 128-row programs over blocks of >= 128 keys with 16-bit inputs and a head
+    dim of <= 64, else at most 64 (``N_SUB = key_block // this``)."""
+    wide = rows >= 128 and key_block >= 128 and head_dim <= 64 and dtype in (torch.float16, torch.bfloat16)
+    return 128 if wide else min(key_block, 64)
+
+
+def forward_warps(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Warps of a forward program without autotuning: ``program_warps``, but 4 for steps of 128 keys."""
+    wide = forward_step_keys(rows, key_block, head_dim, dtype) == 128
+    return 4 if wide else program_warps(rows, False, head_dim)
+
+
+def _forward_launch(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """``_launch`` of a forward program: its ``forward_warps``, and 3 stages for 128-row programs."""
+    if AUTOTUNE:
+        return {}
+    options = _launch("forward", rows, head_dim, dtype)
+    return options | {
+        "num_warps": forward_warps(rows, key_block, head_dim, dtype),
+        "num_stages": 3 if rows >= 128 else 2,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------- launchers
 def flatten_grad(x: torch.Tensor) -> torch.Tensor:
     """``flatten_heads(x.contiguous())`` for a backward's incoming gradient that several kernel ops read, through
@@ -1128,16 +1159,17 @@ def list_slots(list_len: int, per_iter: int, limit: int = LIST_IN_REGISTERS) -> 
     return max(per_iter, triton.next_power_of_2(list_len))
 
 
-def forward_ids_in_registers(rows: int, head_dim: int) -> int:
+def forward_ids_in_registers(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> int:
     """The longest list a forward program of ``rows`` query rows keeps in registers (``list_slots``' limit). Each step
-    takes its id from them by a masked sum over the whole list, which on an 8-warp program (128 rows) is a reduction
-    across the warps: at 64 ids that program ran 1.46x slower than one loading each id a step ahead (blocks of 128,
-    the fixed launch), at 8-32 ids 3-5% faster (docs/kernel_notes.md v36)."""
-    return min(32, LIST_IN_REGISTERS) if program_warps(rows, False, head_dim) >= 8 else LIST_IN_REGISTERS
+    takes its id from them by a masked sum over the whole list, which on an 8-warp program (``forward_warps``) is a
+    reduction across the warps: with pointer loads, at 64 ids that program ran 1.46x slower than one loading each id a
+    step ahead (blocks of 128, 2 stages), at 8-32 ids 3-5% faster (docs/kernel_notes.md v36)."""
+    narrow = forward_warps(rows, key_block, head_dim, dtype) < 8
+    return LIST_IN_REGISTERS if narrow else min(32, LIST_IN_REGISTERS)
 
 
 def _n_sub(block: int) -> int:
-    """Steps per block: a block of more than 64 rows is walked in tiles of 64."""
+    """Steps per block of the backward's walks: a block of more than 64 rows is walked in tiles of 64."""
     return max(1, block // 64)
 
 
@@ -1250,10 +1282,11 @@ def _bsa_forward_op(
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
+    step_keys = forward_step_keys(query_block, key_block, d, q.dtype)
     # the contiguous walk that may load by TMA (fwd_descriptors decides): the scalar-id list walk, in steps of
-    # key_block / N_SUB rows, else the dense tail, in steps of TAIL_STEP
+    # step_keys rows, else the dense tail, in steps of TAIL_STEP
     if per_iter == 1 and lists.shape[2] > 0:
-        step_rows = key_block // _n_sub(key_block)
+        step_rows = step_keys
     else:
         step_rows = TAIL_STEP.value if tail_hi > 0 else 0
     k_desc, v_desc, desc_rows = fwd_descriptors(k, v, step_rows)
@@ -1290,10 +1323,10 @@ def _bsa_forward_op(
         **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
-        N_SUB=_n_sub(key_block),
-        LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, d)),
+        N_SUB=max(1, key_block // step_keys),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, key_block, d, q.dtype)),
         DESC_ROWS=desc_rows,
-        **_launch("forward", query_block, d, q.dtype),
+        **_forward_launch(query_block, key_block, d, q.dtype),
     )
     return o, lse
 

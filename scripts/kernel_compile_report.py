@@ -208,7 +208,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(K_DESC=desc, V_DESC=desc)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= list_args[1]
-        ids = block_sparse.forward_ids_in_registers(block_m, d)
+        ids = block_sparse.forward_ids_in_registers(block_m, 16, d, torch.bfloat16)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter, ids), DESC_ROWS=desc_rows)
         return args, const | dict(EVEN_K=True, N_SUB=1, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 

@@ -408,12 +408,30 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     for tma, in_registers in ((True, True), (True, False), (False, False)):
         got = run(tma, in_registers)
         assert all(torch.equal(a, w) for a, w in zip(got, want)), (tma, in_registers)
-        assert made[-1] == (64 if tma and (kb >= 64 or tail) else 0)  # the walk that can, loads by TMA
+        # the walk that can, loads by TMA: the list walk's steps (128 keys for 128-row programs with 16-bit inputs over
+        # blocks of 128), else the dense tail's 64
+        rows = bs.forward_step_keys(qb, kb, d, dtype) if kb >= 64 else 64
+        assert made[-1] == (rows if tma and (kb >= 64 or tail) else 0)
     # the oracle: the dense tail as more listed blocks of every tile, with the tail's log weight
     tail_ids = torch.arange(n_blocks, nk // kb).int().expand(b * h, n_tiles, -1)
     logw = torch.tensor([0.0] * n_blocks + [0.5] * (tail // kb))
     ref, _ = dense_masked_reference(q, k, v, torch.cat([lists, tail_ids], -1).view(b, h, n_tiles, -1), qb, kb, logw)
     assert rel(want[0], ref.reshape(b * h, nq, d)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_forward_programs_of_128_rows():
+    """128-row forward programs walk blocks of >= 128 keys in steps of 128 on 4 warps (16-bit inputs, head dim <=
+    64), everything else in steps of at most 64 on ``program_warps``; 8-warp programs keep at most 32 ids in
+    registers (more read a step ahead), the others up to LIST_IN_REGISTERS."""
+    bs, bf16, f32 = block_sparse_module, torch.bfloat16, torch.float32
+    assert [bs.forward_step_keys(128, kb, 64, bf16) for kb in (16, 64, 128, 256)] == [16, 64, 128, 128]
+    assert bs.forward_step_keys(64, 128, 64, bf16) == 64 and bs.forward_step_keys(128, 128, 128, bf16) == 64
+    assert bs.forward_step_keys(128, 128, 64, f32) == 64
+    assert [bs.forward_warps(128, kb, 64, bf16) for kb in (64, 128)] == [8, 4]
+    assert bs.forward_warps(64, 128, 64, bf16) == 4 and bs.forward_warps(16, 16, 64, bf16) == 1
+    assert bs.forward_ids_in_registers(128, 64, 64, bf16) == 32
+    assert bs.forward_ids_in_registers(128, 128, 64, bf16) == bs.LIST_IN_REGISTERS
+    assert bs.list_slots(33, 1, 32) == 0 and bs.list_slots(32, 1, 32) == 32 and bs.list_slots(20, 1) == 32
 
 
 def test_block_sparse_rejects_bad_blocks():
