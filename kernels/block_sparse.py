@@ -1282,7 +1282,8 @@ def _bsa_forward_op(
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
-    step_keys = forward_step_keys(query_block, key_block, d, q.dtype)
+    walked = key_block if lists.shape[2] > 0 else TAIL_STEP.value  # a dense walk (no list) steps by TAIL_STEP
+    step_keys = forward_step_keys(query_block, walked, d, q.dtype)
     # the contiguous walk that may load by TMA (fwd_descriptors decides): the scalar-id list walk, in steps of
     # step_keys rows, else the dense tail, in steps of TAIL_STEP
     if per_iter == 1 and lists.shape[2] > 0:
@@ -1324,9 +1325,9 @@ def _bsa_forward_op(
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
         N_SUB=max(1, key_block // step_keys),
-        LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, key_block, d, q.dtype)),
+        LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, walked, d, q.dtype)),
         DESC_ROWS=desc_rows,
-        **_forward_launch(query_block, key_block, d, q.dtype),
+        **_forward_launch(query_block, walked, d, q.dtype),
     )
     return o, lse
 
