@@ -22,6 +22,8 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer.
+The forward's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on Hopper
+(``fwd_descriptors``), and 128-row programs over blocks of >= 128 keys step 128 keys at a time (``forward_step_keys``).
 Per step the query-major passes (forward, dq) gather ``max(1, 64 // key_block)`` listed key blocks and the key-major
 backward ``max(1, 64 // query_block)`` query tiles, so small blocks still feed the tensor cores 64-wide dots; a
 one-warp program (16 query rows, or 16 keys) instead walks one listed block per step, which holds far fewer
@@ -1055,8 +1057,9 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 # The forward's contiguous walks (scalar-id blocks of >= 64 keys, the dense tail) take K and V by TMA, Hopper's tensor
-# memory accelerator, instead of pointer loads: with each id loaded a step ahead and 3 stages, blocks of 128 keys ran
-# ~5% faster, a dense walk ~1% (docs/kernel_notes.md v36). Needs compute capability >= 9 (or the interpreter);
+# memory accelerator, instead of pointer loads: the copies need no address registers and Triton buffers them as deep
+# as num_stages says. On the H200 (2 x 6 x 65,536 x 64 bf16) blocks of 128 keys ran 7-16% faster in their launch, the
+# dense walk 2.5% (docs/kernel_notes.md v36). Needs compute capability >= 9 (or the interpreter);
 # PIXDIT_KERNELS_TMA=0 keeps pointer loads everywhere.
 TMA_LOADS = os.environ.get("PIXDIT_KERNELS_TMA", "1") not in ("", "0")
 TMA_MIN_ROWS = 64  # narrower steps (one-warp programs over 16-key blocks) keep pointer loads: not measured by TMA
