@@ -434,6 +434,22 @@ def test_forward_programs_of_128_rows():
     assert bs.list_slots(33, 1, 32) == 0 and bs.list_slots(32, 1, 32) == 32 and bs.list_slots(20, 1) == 32
 
 
+@needs_interpreter
+def test_a_dense_walk_launches_by_its_tail_steps(monkeypatch):
+    """flash_attention's query tiles and key blocks are 128 rows, but it walks no list, only the dense tail in steps
+    of TAIL_STEP: its launch takes the rules of those steps (8 warps), not the 128-key steps of listed blocks, whose
+    never-run loop would still be compiled (112 KB of shared memory instead of 65 on the H200)."""
+    bs = block_sparse_module
+    seen = []
+    launch = bs._forward_launch
+    monkeypatch.setattr(bs, "_forward_launch", lambda *a: seen.append(a) or launch(*a))
+    q = torch.randn(1, 1, 256, 32, dtype=torch.float16).to(DEVICE)
+    flash_attention(q, q, q, impl="triton")
+    rows, walked, head_dim, dtype = seen[-1]
+    assert (rows, walked) == (bs.DENSE_TILE, bs.TAIL_STEP.value)
+    assert bs.forward_warps(rows, walked, head_dim, dtype) == 8
+
+
 def test_block_sparse_rejects_bad_blocks():
     q = torch.randn(1, 1, 64, 32)
     lists = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
