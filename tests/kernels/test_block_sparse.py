@@ -379,7 +379,7 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     g = torch.Generator().manual_seed(kb + tail)
     b, h, d = 2, 3, 32
     n_blocks = 6 if kb < 128 else 3
-    nq, nk = 256, n_blocks * kb + tail
+    nq, nk = 256 if qb >= 64 else 64, n_blocks * kb + tail  # (16-row programs: fewer of them, for the time)
     q = torch.randn(b, h, nq, d, generator=g).to(dtype)
     kv = torch.randn(b, nk, 2, h, d, generator=g).to(dtype)
     k = kv[:, :, 0].transpose(1, 2).contiguous()
