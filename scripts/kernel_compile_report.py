@@ -292,6 +292,20 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(DO=p, O=p, KV_TOTAL="*fp32", Z_TOTAL="*fp32", DPHI="*fp32", DELTA="*fp32", n=n)
         return args, dict(common, TILE=linear_attention.GLOBAL_TILE)
 
+    def fwd_wide(key_block, n_sub, list_len, tail_args):  # 128-row programs: block_sparse_attention, flash_attention
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*bf16")
+        args |= dict(LSE_INIT="*fp32", stride_kb=n * d, stride_kn=d, stride_vb=n * d, stride_vh=0, stride_vn=d)
+        args |= dict(v_heads=1, stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)
+        args |= dict(stride_lb=(n // 128) * list_len, stride_lt=list_len, n_q=n, n_k=n, list_len=list_len)
+        args |= dict(qk_scale=0.18, **tail_args, **no_list_weight[0])
+        desc_rows = key_block // n_sub if block_sparse.TMA_LOADS else 0  # (fwd_descriptors: K and V by TMA)
+        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
+        args |= dict(K_DESC=desc, V_DESC=desc)
+        const = dict(common, BLOCK_M=128, KEY_BLOCK=key_block, PER_ITER=1, HAS_LOGW=False, HAS_INIT=False)
+        ids = block_sparse.forward_ids_in_registers(128, key_block // n_sub, d, torch.bfloat16)
+        const |= no_list_weight[1] | dict(LIST_SLOTS=block_sparse.list_slots(list_len, 1, ids), DESC_ROWS=desc_rows)
+        return args, const | dict(EVEN_K=True, N_SUB=n_sub, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
+
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail, no_list_weight)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, False, tail, pooled_lists)
     dq_pooled = dq(64, bank, 8, "*fp32", False, True, False, tail, pooled_lists)
@@ -301,6 +315,14 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("fwd pooled (64-row tiles + tail)", block_sparse._fwd_kernel, *fwd_pooled),
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
         ("dq fine", block_sparse._dq_kernel, *dq_fine),
+        # block_sparse_attention over blocks of 128 (K = 64, 128 keys per step) and the dense flash_attention (every
+        # key as the tail, in steps of 64; its tiles are 128-key blocks walked in two steps, as its launcher passes)
+        ("fwd bsa 128 (K = 64)", block_sparse._fwd_kernel, *fwd_wide(128, 1, 64, no_tail)),
+        (
+            "fwd dense 128 (tail)",
+            block_sparse._fwd_kernel,
+            *fwd_wide(128, 2, 0, dict(tail_lo=0, tail_hi=n, tail_bias=0.0)),
+        ),
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
         ("dkdv pooled candidates (by query group)", block_sparse._grouped_dkdv_kernel, *grouped_dkdv(256, 8)),
         ("dkdv pooled candidates, partials summed", block_sparse._sum_slots_kernel, *sum_slots(8)),
@@ -322,6 +344,8 @@ def launch_warps(fn, const: dict) -> int:
     """The warps the launchers give an attention kernel's program without autotuning (block_sparse.launched_program,
     linear_attention.walk_warps for SLA's own kernels but the query-major walks, query_walk_options)."""
     d = const["HEAD_DIM"]
+    if fn is block_sparse._fwd_kernel:  # its keys per step decide (block_sparse.forward_warps)
+        return block_sparse.forward_warps(const["BLOCK_M"], const["KEY_BLOCK"] // const["N_SUB"], d, torch.bfloat16)
     if fn in block_sparse.PROGRAMS:
         return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
