@@ -37,7 +37,7 @@ import argparse
 import statistics
 
 import torch
-from kernel_ab import launch_breakdown, load_kernels_as, rel_diff, timer
+from kernel_ab import launch_breakdown, load_kernels_as, random_block_order, rel_diff, timer
 
 import pixdit.kernels as current
 from pixdit.report import kernel_ms, markdown_table
@@ -120,15 +120,6 @@ def parse_case(case: str) -> tuple[str, int, int, int]:
     return parts[0], side, x, block
 
 
-def random_lists(shape, block: int, k: int, device) -> torch.Tensor:
-    """bsa's lists, as bench_attention.py draws them: per (batch, head, query tile of ``block`` rows) ``k`` distinct
-    key blocks in a random order (seeded, so every round and library walks the same lists)."""
-    b, h, n = shape[:3]
-    g = torch.Generator(device=device).manual_seed(0)
-    order = torch.rand(b, h, n // block, n // block, device=device, generator=g).argsort(-1)
-    return order[..., :k].to(torch.int32).contiguous()
-
-
 def attention_call(lib, method: str, x: int, block: int, q, k, v, gate, lists=None):
     """The timed call of one library: its output merged into ``[b, N, h * d]`` as a model does before its output
     projection, so that a library returning tokens-major memory saves that copy here too and the gradient arrives in
@@ -167,7 +158,8 @@ def main(argv=None) -> list[dict]:
             # VSA's gate with a gradient, as in training (its backward then computes d_gate)
             do = torch.randn(shape[0], n, shape[1] * shape[3], device=args.device, dtype=dtype, generator=g)
             gate = torch.randn(shape, device=args.device, dtype=dtype, generator=g).requires_grad_()
-            lists = random_lists(shape, block, x, args.device) if method == "bsa" else None
+            # bsa: the first x blocks of a random order per query tile, as bench_attention.py's bsa and flex rows
+            lists = random_block_order(shape, block, args.device)[..., :x].contiguous() if method == "bsa" else None
             for version, lib in [*bases, ("after", current)]:
 
                 def forward(lib=lib):

@@ -28,6 +28,7 @@ import os
 import sys
 
 import torch
+from kernel_ab import random_block_order
 
 from pixdit.report import kernel_ms, time_median
 
@@ -85,14 +86,6 @@ def make_sla(args, q, k, v):
     ]
 
 
-def _random_lists(q, block, K, seed=0):
-    """Per (batch, head, query tile) a random order of all key blocks; the first K are the tile's list."""
-    b, h, N = q.shape[:3]
-    n = N // block
-    g = torch.Generator(device=q.device).manual_seed(seed)
-    return torch.rand(b, h, n, n, device=q.device, generator=g).argsort(-1).to(torch.int32)
-
-
 def _bsa_cases(args, q):
     """(block, K) pairs of the block-sparse rows: --bsa-cases "128:16,128:64,64:32,64:128"."""
     cases = [tuple(int(x) for x in item.split(":")) for item in args.bsa_cases.split(",") if item]
@@ -105,7 +98,7 @@ def make_bsa(args, q, k, v):
 
     rows = []
     for blk, K in _bsa_cases(args, q):
-        lists = _random_lists(q, blk, K)[..., :K].contiguous()
+        lists = random_block_order(q.shape, blk, q.device)[..., :K].contiguous()
         fn = lambda lists=lists, blk=blk: block_sparse_attention(q, k, v, lists, query_block=blk, key_block=blk)
         rows.append((f"block_sparse {blk} K={K}", fn, K * blk))
     return rows
@@ -119,7 +112,7 @@ def make_flex(args, q, k, v):
     flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for blk, K in _bsa_cases(args, q):
-        perm = _random_lists(q, blk, K)
+        perm = random_block_order(q.shape, blk, q.device)
         b, h, n = perm.shape[:3]
         counts = torch.full((b, h, n), K, device=q.device, dtype=torch.int32)
         try:

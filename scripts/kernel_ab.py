@@ -4,7 +4,8 @@ in place of the installed ``pixdit.kernels``. Must run before anything imports `
 ``load_kernels_as(DIR, name)`` loads DIR next to the installed library instead, under another module name, so that
 one process can interleave the two versions (scripts/ab_attention.py, scripts/ab_qk_norm.py). ``launch_breakdown(lib,
 fn)`` times ``fn()``'s kernels by launch: each Triton launch of the library named by its block constants and grid;
-``timer(device)`` and ``rel_diff(a, b)`` the A/B scripts' timing and comparison."""
+``timer(device)`` and ``rel_diff(a, b)`` the A/B scripts' timing and comparison; ``random_block_order`` the random
+block lists of the block-sparse benchmarks."""
 
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def timer(device: str):
         return (time.perf_counter() - start) * 1e3
 
     return wall_ms
+
+
+def random_block_order(shape, block: int, device, seed: int = 0):
+    """Random block lists of the block-sparse benchmarks (bench_attention.py's bsa and flex rows, ab_attention.py's
+    bsa cases): per (batch, head, query tile of ``block`` rows of a ``[b, h, n, d]`` shape) every key block in a
+    random order, int32 ``[b, h, n / block, n / block]``; the first K of each row are that tile's list. Seeded, so
+    every library and every round walks the same lists."""
+    import torch
+
+    b, h, n = shape[:3]
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(b, h, n // block, n // block, device=device, generator=g).argsort(-1).to(torch.int32)
 
 
 def rel_diff(a, b) -> float:

@@ -87,6 +87,20 @@ def test_ab_attention_block_sparse_and_dense_cases():
         assert run.returncode != 0 and f"--cases {bad!r}: expected METHOD:SIDE[:X[:B]]" in run.stderr
 
 
+def test_random_block_order_is_a_seeded_permutation_per_tile():
+    """The block-sparse benchmarks' lists (kernel_ab.random_block_order): every key block once per query tile, the
+    same for the same seed (so both libraries of an A/B, and Flex, walk the same lists), other for another seed."""
+    import torch
+
+    order = runpy.run_path(str(ROOT / "scripts" / "kernel_ab.py"))["random_block_order"]
+    a = order((2, 3, 256, 16), 32, "cpu")
+    assert a.shape == (2, 3, 8, 8) and a.dtype == torch.int32
+    assert (a.sort(-1).values == torch.arange(8, dtype=torch.int32)).all()
+    assert torch.equal(a, order((2, 3, 256, 16), 32, "cpu")) and not torch.equal(
+        a, order((2, 3, 256, 16), 32, "cpu", 1)
+    )
+
+
 def test_ab_qk_norm_quick_cpu():
     """The qk-norm + RoPE A/B: one row per call, the same library on both sides computes the same tensors."""
     command = [sys.executable, "scripts/ab_qk_norm.py", "--kernels-from", "kernels", "--quick", "--device", "cpu"]
