@@ -194,6 +194,10 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     pooled_lists = (dict(list_bias=math.log(16)), dict(LIST_BIAS=True, FULL_LIST=True))
     no_list_weight = (dict(list_bias=0.0), dict(LIST_BIAS=False, FULL_LIST=False))
 
+    def descriptors(desc_rows):  # the forward's K_DESC / V_DESC: TMA descriptors of desc_rows-row tiles, or pointers
+        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
+        return dict(K_DESC=desc, V_DESC=desc)
+
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, list_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
         args |= dict(LSE_INIT="*fp32", stride_kb=n_k * d, stride_kn=d, stride_lb=(n // block_m) * list_len)
@@ -204,8 +208,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
         # the dense tail's steps load K and V by TMA (block_sparse.fwd_descriptors), the 16-key walks by pointers
         desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
-        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
-        args |= dict(K_DESC=desc, V_DESC=desc)
+        args |= descriptors(desc_rows)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= list_args[1]
         ids = block_sparse.forward_ids_in_registers(block_m, 16, d, torch.bfloat16)
@@ -299,8 +302,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_lb=(n // 128) * list_len, stride_lt=list_len, n_q=n, n_k=n, list_len=list_len)
         args |= dict(qk_scale=0.18, **tail_args, **no_list_weight[0])
         desc_rows = key_block // n_sub if block_sparse.TMA_LOADS else 0  # (fwd_descriptors: K and V by TMA)
-        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
-        args |= dict(K_DESC=desc, V_DESC=desc)
+        args |= descriptors(desc_rows)
         const = dict(common, BLOCK_M=128, KEY_BLOCK=key_block, PER_ITER=1, HAS_LOGW=False, HAS_INIT=False)
         ids = block_sparse.forward_ids_in_registers(128, key_block // n_sub, d, torch.bfloat16)
         const |= no_list_weight[1] | dict(LIST_SLOTS=block_sparse.list_slots(list_len, 1, ids), DESC_ROWS=desc_rows)

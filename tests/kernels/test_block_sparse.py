@@ -394,9 +394,15 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     bs = block_sparse_module
     qf, kf = (t.reshape(b * h, -1, d).to(DEVICE) for t in (q, k))
     vf = v.to(DEVICE).transpose(1, 2) if v_view else v.reshape(b * h, nk, d).to(DEVICE)
-    made = []
+    made = []  # DESC_ROWS of each launch (0: pointer loads)
     descriptors = bs.fwd_descriptors
-    monkeypatch.setattr(bs, "fwd_descriptors", lambda *a: made.append(descriptors(*a)[2]) or descriptors(*a))
+
+    def recorded(*args):
+        got = descriptors(*args)
+        made.append(got[2])
+        return got
+
+    monkeypatch.setattr(bs, "fwd_descriptors", recorded)
 
     def run(tma, ids_in_registers):
         monkeypatch.setattr(bs, "TMA_LOADS", tma)
