@@ -399,7 +399,7 @@ def contiguous_dq_step(
     do,
     k_base,
     v_base,
-    krow,
+    row0,
     stride_kn,
     bias,
     row_end,
@@ -407,22 +407,35 @@ def contiguous_dq_step(
     lse2,
     delta,
     dq,
+    k_desc,
+    v_desc,
+    drow,
+    KEY_ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """One dq step over contiguous key rows ``krow`` with one scalar (base-2) ``bias`` (see contiguous_fwd_step).
-    Padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0: no row mask needed."""
-    dims = tl.arange(0, q.shape[1])
-    kv_offs = krow[:, None] * stride_kn + dims[None, :]
-    if EVEN:
-        k = tl.load(k_base + kv_offs)
-        v = tl.load(v_base + kv_offs)
+    """One dq step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2) ``bias`` (see
+    contiguous_fwd_step; ``TMA``: K and V by the descriptors at row ``drow + row0``). The scale and the bias enter the
+    exponent as one FMA per logit, ``exp2(s * scale - (lse - bias))``. Padded query rows load q = dO = 0 (and Δ = 0),
+    so their ds is 0: no row mask needed."""
+    if TMA:
+        k = k_desc.load([(drow + row0).to(tl.int32), 0])
+        v = v_desc.load([(drow + row0).to(tl.int32), 0])
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
     else:
-        k_ok = krow < row_end
-        k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
-        bias = tl.where(k_ok, bias, float("-inf"))[None, :]
-    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale + bias - lse2[:, None])
+        krow = row0 + tl.arange(0, KEY_ROWS)
+        kv_offs = krow[:, None] * stride_kn + tl.arange(0, q.shape[1])[None, :]
+        if EVEN:
+            k = tl.load(k_base + kv_offs)
+            v = tl.load(v_base + kv_offs)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        else:
+            k_ok = krow < row_end
+            k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
+            s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
+    p = tl.math.exp2(s * qk_scale - (lse2 - bias)[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -476,6 +489,8 @@ def _dq_kernel(
     LIST,
     LOGW,
     ADD_Q,
+    K_DESC,
+    V_DESC,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -512,6 +527,7 @@ def _dq_kernel(
     TRANSPOSED: tl.constexpr,
     LIST_BIAS: tl.constexpr,
     FULL_LIST: tl.constexpr,
+    DESC_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -534,18 +550,43 @@ def _dq_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
+    drow = bh * n_k  # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (fwd_descriptors)
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
-        toff = tl.arange(0, KEY_BLOCK // N_SUB)
+        STEP_ROWS: tl.constexpr = KEY_BLOCK // N_SUB
+        if LIST_SLOTS == 0:  # ids from memory, each loaded one step ahead (see _fwd_kernel)
+            nxt = tl.load(list_base, mask=list_len > 0, other=-1)
         for j in range(0, list_len * N_SUB):
-            blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
-            krow = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * (KEY_BLOCK // N_SUB) + toff
+            if LIST_SLOTS > 0:
+                blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
+            else:
+                blk = nxt
+                nxt = tl.load(list_base + tl.minimum((j + 1) // N_SUB, list_len - 1))
+            row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
             if LIST_BIAS:
                 bias += list_bias * 1.4426950408889634
             dq = contiguous_dq_step(
-                q, do, k_base, v_base, krow, stride_kn, bias, n_k, qk_scale, lse2, delta, dq, EVEN_K, PREC
+                q,
+                do,
+                k_base,
+                v_base,
+                row0,
+                stride_kn,
+                bias,
+                n_k,
+                qk_scale,
+                lse2,
+                delta,
+                dq,
+                K_DESC,
+                V_DESC,
+                drow,
+                STEP_ROWS,
+                EVEN_K,
+                PREC,
+                DESC_ROWS == STEP_ROWS and EVEN_K,
             )
     else:
         for j in range(0, list_len, PER_ITER):
@@ -579,11 +620,27 @@ def _dq_kernel(
         if TRANSPOSED:
             dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
-        toff = tl.arange(0, TAIL_STEP)
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):
-            krow = (t0 + toff).to(tl.int64)
             dq = contiguous_dq_step(
-                q, do, k_base, v_base, krow, stride_kn, tail_bias, tail_hi, qk_scale, lse2, delta, dq, EVEN_TAIL, PREC
+                q,
+                do,
+                k_base,
+                v_base,
+                tl.cast(t0, tl.int64),
+                stride_kn,
+                tail_bias,
+                tail_hi,
+                qk_scale,
+                lse2,
+                delta,
+                dq,
+                K_DESC,
+                V_DESC,
+                drow,
+                TAIL_STEP,
+                EVEN_TAIL,
+                PREC,
+                DESC_ROWS == TAIL_STEP and EVEN_TAIL,
             )
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
@@ -975,7 +1032,7 @@ _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
     + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"]
-    + ["LIST_BIAS", "FULL_LIST"],
+    + ["LIST_BIAS", "FULL_LIST", "DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_dq_kernel),
 )
@@ -1429,6 +1486,9 @@ def _bsa_backward_dq_op(
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
+    # the contiguous walk that may load by TMA, as in _bsa_forward_op (the dq keeps steps of at most 64 keys)
+    step_rows = min(key_block, 64) if per_iter == 1 and lists.shape[2] > 0 else TAIL_STEP.value if tail_hi > 0 else 0
+    k_desc, v_desc, desc_rows = fwd_descriptors(k, v, step_rows)
     _dq[(n_tiles, BH)](
         q,
         k,
@@ -1442,6 +1502,8 @@ def _bsa_backward_dq_op(
         lists,
         log_weights if log_weights is not None else lse,
         pooled_add if pooled_add is not None else lse,
+        k_desc,
+        v_desc,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1468,6 +1530,7 @@ def _bsa_backward_dq_op(
         N_SUB=_n_sub(key_block),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         TRANSPOSED=transposed_backward(query_block, d),
+        DESC_ROWS=desc_rows,
         **_launch("dq", query_block, d, q.dtype),
     )
     return dq

@@ -221,11 +221,15 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_lb=(n // block_m) * list_len, stride_lt=list_len, n_q=n, n_k=n_k, list_len=list_len)
         args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args, **list_args[0])
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
+        # as the forward: the dense tail's steps by TMA
+        desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
+        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
+        args |= dict(K_DESC=desc, V_DESC=desc)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw)
         const |= list_args[1]
         const |= dict(ACCUMULATE=accumulate, COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)
         const |= dict(LIST_SLOTS=block_sparse.list_slots(list_len, per_iter))  # (LLSA adds no pooled dq)
-        const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d))
+        const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d), DESC_ROWS=desc_rows)
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
     def dkdv(query_block, n_k, group, n_split, has_logw, has_add):

@@ -373,7 +373,7 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
 @pytest.mark.parametrize("qb,kb,tail", [(64, 64, 0), (128, 128, 0), (64, 64, 128), (64, 16, 128), (16, 16, 0)])
 @pytest.mark.parametrize("v_view", [False, True])  # v as the columns of a fused qkv tensor (tokens-major, row stride)
 def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_view, monkeypatch):
-    """The forward's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole rows
+    """The forward's and the dq's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole rows
     (``fwd_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are empty
     and ids read a step ahead (lists longer than the registers hold); and the fp64 oracle."""
     g = torch.Generator().manual_seed(kb + tail)
@@ -404,20 +404,29 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
 
     monkeypatch.setattr(bs, "fwd_descriptors", recorded)
 
+    do = torch.randn(b * h, nq, d, generator=g).to(dtype).to(DEVICE)
+    v_flat = v.reshape(b * h, nk, d).to(DEVICE)  # the dq reads k and v with one layout
+
     def run(tma, ids_in_registers):
         monkeypatch.setattr(bs, "TMA_LOADS", tma)
         monkeypatch.setattr(bs, "LIST_IN_REGISTERS", 128 if ids_in_registers else 0)
-        return bs.bsa_forward(qf, kf, vf, lists.to(DEVICE), qb, kb, d**-0.5, dense_tail=dense_tail)
+        o, lse = bs.bsa_forward(qf, kf, vf, lists.to(DEVICE), qb, kb, d**-0.5, dense_tail=dense_tail)
+        delta = torch.empty(b * h, nq, device=DEVICE)
+        dq = bs.bsa_backward_dq(
+            qf, kf, v_flat, do, lse, delta, lists.to(DEVICE), qb, kb, d**-0.5, o=o, dense_tail=dense_tail
+        )
+        return o, lse, delta, dq
 
     want = run(False, True)
-    assert made[-1] == 0
+    assert made[-2:] == [0, 0]  # the forward's and the dq's launch
     for tma, in_registers in ((True, True), (True, False), (False, False)):
         got = run(tma, in_registers)
         assert all(torch.equal(a, w) for a, w in zip(got, want)), (tma, in_registers)
         # the walk that can, loads by TMA: the list walk's steps (128 keys for 128-row programs with 16-bit inputs over
         # blocks of 128), else the dense tail's 64
         rows = bs.forward_step_keys(qb, kb, d, dtype) if kb >= 64 else 64
-        assert made[-1] == (rows if tma and (kb >= 64 or tail) else 0)
+        assert made[-2] == (rows if tma and (kb >= 64 or tail) else 0)
+        assert made[-1] == (64 if tma and (kb >= 64 or tail) else 0)  # the dq steps by at most 64 keys
     # the oracle: the dense tail as more listed blocks of every tile, with the tail's log weight
     tail_ids = torch.arange(n_blocks, nk // kb).int().expand(b * h, n_tiles, -1)
     logw = torch.tensor([0.0] * n_blocks + [0.5] * (tail // kb))
