@@ -139,12 +139,27 @@ def walk_key_rows(
 
 
 @triton.jit
-def walk_block_id(ids, list_base, slot, LIST_SLOTS: tl.constexpr):
-    """The block id at list slot ``slot`` of a scalar-id walk (one block per step), as ``walk_key_rows``."""
+def first_scalar_id(list_base, list_len, LIST_SLOTS: tl.constexpr):
+    """The id that a scalar-id walk (one block per step) reading its list from memory carries into its first step
+    (``scalar_step_id``); unused when the list is in registers."""
+    nxt = -1
+    if LIST_SLOTS == 0:
+        nxt = tl.load(list_base, mask=list_len > 0, other=-1)
+    return nxt
+
+
+@triton.jit
+def scalar_step_id(ids, list_base, nxt, j, list_len, N_SUB: tl.constexpr, LIST_SLOTS: tl.constexpr):
+    """``(block id, carried id)`` of step ``j`` of a scalar-id walk over blocks of ``N_SUB`` steps: from the ids in
+    registers (``listed_ids``), or from memory, each loaded one step ahead. Then a step's addresses come from a value
+    of the previous iteration, which Triton pipelines num_stages deep; an id loaded and used in one iteration keeps
+    two K/V buffers whatever num_stages says (docs/kernel_notes.md v15, v36)."""
     if LIST_SLOTS > 0:
-        return tl.sum(step_ids(ids, slot))
+        blk = tl.sum(step_ids(ids, j // N_SUB))
     else:
-        return tl.load(list_base + slot)
+        blk = nxt
+        nxt = tl.load(list_base + tl.minimum((j + 1) // N_SUB, list_len - 1))
+    return blk, nxt
 
 
 @triton.jit
@@ -166,23 +181,14 @@ def softmax_step(s, scale, shift, m_i, l_i, acc, v, PREC: tl.constexpr):
 @triton.jit
 def contiguous_fwd_step(
     q,
-    k_base,
-    v_base,
+    kv,
     row0,
-    stride_kn,
-    stride_vn,
     bias,
     row_end,
     qk_scale,
     m_i,
     l_i,
     acc,
-    k_desc,
-    v_desc,
-    k_drow,
-    k_col,
-    v_drow,
-    v_col,
     KEY_ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
@@ -190,11 +196,13 @@ def contiguous_fwd_step(
 ):
     """One forward step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2)
     ``bias``: a scalar-id block of the list or a step of the dense tail. Rows ``>= row_end`` are masked unless
-    ``EVEN`` (every row exists). ``TMA`` (``EVEN`` steps only): K and V arrive by tensor-memory-accelerator copies
-    through the 2-D descriptors ``k_desc`` / ``v_desc`` (``fwd_descriptors``), at descriptor rows ``k_drow + row0``
-    / ``v_drow + row0`` and columns ``k_col`` / ``v_col``."""
+    ``EVEN`` (every row exists). ``kv = (k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow,
+    v_col)`` says where K and V are: by pointers, or for ``TMA`` (``EVEN`` steps only) by tensor-memory-accelerator
+    copies through the 2-D descriptors of ``fwd_descriptors``, K at descriptor rows ``k_drow + row0`` from column 0,
+    V at rows ``v_drow + row0`` from column ``v_col``."""
+    k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow, v_col = kv
     if TMA:
-        s = tl.dot(q, tl.trans(k_desc.load([(k_drow + row0).to(tl.int32), k_col])), input_precision=PREC)
+        s = tl.dot(q, tl.trans(k_desc.load([(k_drow + row0).to(tl.int32), 0])), input_precision=PREC)
         v = v_desc.load([(v_drow + row0).to(tl.int32), v_col])
     else:
         dims = tl.arange(0, q.shape[1])
@@ -286,21 +294,16 @@ def _fwd_kernel(
     # DESC_ROWS > 0: K_DESC / V_DESC are 2-D descriptors of DESC_ROWS-row tiles (fwd_descriptors): k as [BH * n_k,
     # d], v as [BH / v_heads * n_k, v_heads * d]; the contiguous walks whose steps are whole tiles of that size load
     # by TMA
-    k_drow, v_drow, v_col = bh * n_k, (bh // v_heads) * n_k, ((bh % v_heads) * HEAD_DIM).to(tl.int32)
+    v_col = ((bh % v_heads) * HEAD_DIM).to(tl.int32)
+    kv = (k_base, v_base, stride_kn, stride_vn, K_DESC, V_DESC, bh * n_k, (bh // v_heads) * n_k, v_col)
     if PER_ITER == 1:  # one block per step (blocks of >= 64 keys, or a one-warp program): a scalar id per step, so
         # contiguous (vectorised, pipelined) rows, and an empty slot (-1) is a scalar -inf bias, not a per-element
         # mask; a block of > 64 keys is walked in N_SUB tiles of KEY_BLOCK // N_SUB rows
         STEP_ROWS: tl.constexpr = KEY_BLOCK // N_SUB
-        if LIST_SLOTS == 0:  # ids from memory, each loaded one step ahead: the step's addresses then come from a
-            # value of the previous iteration, which Triton pipelines num_stages deep (an id loaded and used in one
-            # iteration keeps two K/V buffers whatever num_stages says; docs/kernel_notes.md v15, v36)
-            nxt = tl.load(list_base, mask=list_len > 0, other=-1)
+        LIST_TMA: tl.constexpr = DESC_ROWS == STEP_ROWS and EVEN_K
+        nxt = first_scalar_id(list_base, list_len, LIST_SLOTS)
         for j in range(0, list_len * N_SUB):
-            if LIST_SLOTS > 0:
-                blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
-            else:
-                blk = nxt
-                nxt = tl.load(list_base + tl.minimum((j + 1) // N_SUB, list_len - 1))
+            blk, nxt = scalar_step_id(ids, list_base, nxt, j, list_len, N_SUB, LIST_SLOTS)
             row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -309,28 +312,7 @@ def _fwd_kernel(
                 bias += list_bias * 1.4426950408889634
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
-                q,
-                k_base,
-                v_base,
-                row0,
-                stride_kn,
-                stride_vn,
-                bias,
-                n_k,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                K_DESC,
-                V_DESC,
-                k_drow,
-                0,
-                v_drow,
-                v_col,
-                STEP_ROWS,
-                EVEN_K,
-                PREC,
-                DESC_ROWS == STEP_ROWS and EVEN_K,
+                q, kv, row0, bias, n_k, qk_scale, m_i, l_i, acc, STEP_ROWS, EVEN_K, PREC, LIST_TMA
             )
     else:  # PER_ITER small blocks gathered per step (>= 64 keys per dot)
         for j in range(0, list_len, PER_ITER):
@@ -360,30 +342,11 @@ def _fwd_kernel(
                 s = tl.where(k_ok[None, :], s, float("-inf"))
             m_i, l_i, acc = softmax_step(s, scale, 0.0, m_i, l_i, acc, v, PREC)
     if HAS_TAIL:  # then key rows [tail_lo, tail_hi), the same for every query: contiguous steps, one scalar weight
+        TAIL_TMA: tl.constexpr = DESC_ROWS == TAIL_STEP and EVEN_TAIL
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):  # EVEN_TAIL: the range is whole steps, no mask at all
+            tail_row = tl.cast(t0, tl.int64)
             m_i, l_i, acc = contiguous_fwd_step(
-                q,
-                k_base,
-                v_base,
-                tl.cast(t0, tl.int64),
-                stride_kn,
-                stride_vn,
-                tail_bias,
-                tail_hi,
-                qk_scale,
-                m_i,
-                l_i,
-                acc,
-                K_DESC,
-                V_DESC,
-                k_drow,
-                0,
-                v_drow,
-                v_col,
-                TAIL_STEP,
-                EVEN_TAIL,
-                PREC,
-                DESC_ROWS == TAIL_STEP and EVEN_TAIL,
+                q, kv, tail_row, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, TAIL_STEP, EVEN_TAIL, PREC, TAIL_TMA
             )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
@@ -397,43 +360,41 @@ def _fwd_kernel(
 def contiguous_dq_step(
     q,
     do,
-    k_base,
-    v_base,
+    kv,
     row0,
-    stride_kn,
     bias,
     row_end,
     qk_scale,
     lse2,
     delta,
     dq,
-    k_desc,
-    v_desc,
-    drow,
     KEY_ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """One dq step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2) ``bias`` (see
-    contiguous_fwd_step; ``TMA``: K and V by the descriptors at row ``drow + row0``). The scale and the bias enter the
-    exponent as one FMA per logit, ``exp2(s * scale - (lse - bias))``. Padded query rows load q = dO = 0 (and Δ = 0),
-    so their ds is 0: no row mask needed."""
+    """One dq step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2) ``bias``, K
+    and V where ``kv`` says (both as contiguous_fwd_step). The scale and the bias enter the exponent as one FMA per
+    logit, ``exp2(s * scale - (lse - bias))``. Padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0: no
+    row mask needed."""
+    k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow, v_col = kv
     if TMA:
-        k = k_desc.load([(drow + row0).to(tl.int32), 0])
-        v = v_desc.load([(drow + row0).to(tl.int32), 0])
+        k = k_desc.load([(k_drow + row0).to(tl.int32), 0])
+        v = v_desc.load([(v_drow + row0).to(tl.int32), v_col])
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
     else:
         krow = row0 + tl.arange(0, KEY_ROWS)
-        kv_offs = krow[:, None] * stride_kn + tl.arange(0, q.shape[1])[None, :]
+        dims = tl.arange(0, q.shape[1])[None, :]
+        # the dq's k and v share strides: then the two offsets are one tensor (the SASS of the form before the tuple)
+        k_offs, v_offs = krow[:, None] * stride_kn + dims, krow[:, None] * stride_vn + dims
         if EVEN:
-            k = tl.load(k_base + kv_offs)
-            v = tl.load(v_base + kv_offs)
+            k = tl.load(k_base + k_offs)
+            v = tl.load(v_base + v_offs)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
         else:
             k_ok = krow < row_end
-            k = tl.load(k_base + kv_offs, mask=k_ok[:, None], other=0.0)
-            v = tl.load(v_base + kv_offs, mask=k_ok[:, None], other=0.0)
+            k = tl.load(k_base + k_offs, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_base + v_offs, mask=k_ok[:, None], other=0.0)
             s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
     p = tl.math.exp2(s * qk_scale - (lse2 - bias)[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -550,17 +511,14 @@ def _dq_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    drow = bh * n_k  # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (fwd_descriptors)
+    # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (fwd_descriptors); k and v share strides
+    kv = (k_base, v_base, stride_kn, stride_kn, K_DESC, V_DESC, bh * n_k, bh * n_k, 0)
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         STEP_ROWS: tl.constexpr = KEY_BLOCK // N_SUB
-        if LIST_SLOTS == 0:  # ids from memory, each loaded one step ahead (see _fwd_kernel)
-            nxt = tl.load(list_base, mask=list_len > 0, other=-1)
+        LIST_TMA: tl.constexpr = DESC_ROWS == STEP_ROWS and EVEN_K
+        nxt = first_scalar_id(list_base, list_len, LIST_SLOTS)
         for j in range(0, list_len * N_SUB):
-            if LIST_SLOTS > 0:
-                blk = walk_block_id(ids, list_base, j // N_SUB, LIST_SLOTS)
-            else:
-                blk = nxt
-                nxt = tl.load(list_base + tl.minimum((j + 1) // N_SUB, list_len - 1))
+            blk, nxt = scalar_step_id(ids, list_base, nxt, j, list_len, N_SUB, LIST_SLOTS)
             row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
@@ -568,25 +526,7 @@ def _dq_kernel(
             if LIST_BIAS:
                 bias += list_bias * 1.4426950408889634
             dq = contiguous_dq_step(
-                q,
-                do,
-                k_base,
-                v_base,
-                row0,
-                stride_kn,
-                bias,
-                n_k,
-                qk_scale,
-                lse2,
-                delta,
-                dq,
-                K_DESC,
-                V_DESC,
-                drow,
-                STEP_ROWS,
-                EVEN_K,
-                PREC,
-                DESC_ROWS == STEP_ROWS and EVEN_K,
+                q, do, kv, row0, bias, n_k, qk_scale, lse2, delta, dq, STEP_ROWS, EVEN_K, PREC, LIST_TMA
             )
     else:
         for j in range(0, list_len, PER_ITER):
@@ -620,27 +560,11 @@ def _dq_kernel(
         if TRANSPOSED:
             dq = tl.trans(dqt)
     if HAS_TAIL:  # key rows [tail_lo, tail_hi) of every query (see _fwd_kernel)
+        TAIL_TMA: tl.constexpr = DESC_ROWS == TAIL_STEP and EVEN_TAIL
         for t0 in range(tail_lo, tail_hi, TAIL_STEP):
+            tail_row = tl.cast(t0, tl.int64)
             dq = contiguous_dq_step(
-                q,
-                do,
-                k_base,
-                v_base,
-                tl.cast(t0, tl.int64),
-                stride_kn,
-                tail_bias,
-                tail_hi,
-                qk_scale,
-                lse2,
-                delta,
-                dq,
-                K_DESC,
-                V_DESC,
-                drow,
-                TAIL_STEP,
-                EVEN_TAIL,
-                PREC,
-                DESC_ROWS == TAIL_STEP and EVEN_TAIL,
+                q, do, kv, tail_row, tail_bias, tail_hi, qk_scale, lse2, delta, dq, TAIL_STEP, EVEN_TAIL, PREC, TAIL_TMA
             )
     dq = dq * sm_scale
     dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
@@ -1052,11 +976,13 @@ _grouped_dkdv = autotuned(
 
 def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Launch options of a ``kind`` program of ``rows`` query or key rows with ``dtype`` inputs (none when
-    autotuned): its ``program_shape``, as the autotuner's pruning gives it (``_configs_for``), and 2 stages."""
+    autotuned): its ``program_shape``, as the autotuner's pruning gives it (``_configs_for``), and 2 stages, 3 for
+    the 128-row forward and dq programs (their contiguous walks load by TMA with ids read a step ahead, note below)."""
     if AUTOTUNE:
         return {}
     warps, cap = program_shape(kind, rows, head_dim, dtype)
-    return {"num_warps": warps, "num_stages": 2} | ({"maxnreg": cap} if cap else {})
+    stages = 3 if rows >= 128 and kind in ("forward", "dq") else 2
+    return {"num_warps": warps, "num_stages": stages} | ({"maxnreg": cap} if cap else {})
 
 
 # The forward's 128-row programs (block_sparse_attention over blocks of 128, the dense flash_attention) walk with
@@ -1064,7 +990,8 @@ def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
 # 4 warps (a [128, 128] fp32 logit tile in 128 registers per thread, no spills at head dim 64), else in steps of 64
 # on 8 warps; 3 stages either way. On the H200 (blocks of 128, 2 x 6 x 65,536 x 64 bf16): K = 64 blocks 3.92 ms
 # against 4.33 in steps of 64 on 8 warps and 2 stages, Flex 4.20; K = 16 1.05 ms (1.07, Flex 1.11); the dense walk
-# 30.9 ms at 3 stages against 32.2 at 2 (docs/kernel_notes.md v36).
+# 30.9 ms at 3 stages against 32.2 at 2 (docs/kernel_notes.md v36). The dq's 128-row programs (steps of 64 keys on
+# 8 warps) load the same way at 3 stages: forward + backward 1.04x (K = 16), 1.06x (K = 64), dense 1.02x (v37).
 def forward_step_keys(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> int:
     """Keys per step of a forward program of ``rows`` query rows walking listed blocks of ``key_block`` keys one
     at a time (``PER_ITER = 1``): 128 for 128-row programs over blocks of >= 128 keys with 16-bit inputs and a head
@@ -1080,14 +1007,10 @@ def forward_warps(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) 
 
 
 def _forward_launch(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """``_launch`` of a forward program: its ``forward_warps``, and 3 stages for 128-row programs."""
+    """``_launch`` of a forward program with its ``forward_warps``."""
     if AUTOTUNE:
         return {}
-    options = _launch("forward", rows, head_dim, dtype)
-    return options | {
-        "num_warps": forward_warps(rows, key_block, head_dim, dtype),
-        "num_stages": 3 if rows >= 128 else 2,
-    }
+    return _launch("forward", rows, head_dim, dtype) | {"num_warps": forward_warps(rows, key_block, head_dim, dtype)}
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -1228,9 +1151,10 @@ def forward_ids_in_registers(rows: int, key_block: int, head_dim: int, dtype: to
     return LIST_IN_REGISTERS if narrow else min(32, LIST_IN_REGISTERS)
 
 
-def _n_sub(block: int) -> int:
-    """Steps per block of the backward's walks: a block of more than 64 rows is walked in tiles of 64."""
-    return max(1, block // 64)
+def _n_sub(block: int, step: int = 64) -> int:
+    """Steps per block of a walk in steps of at most ``step`` rows (the backward's: 64; the forward's:
+    ``forward_step_keys``): a larger block is walked in tiles of ``step``."""
+    return max(1, block // step)
 
 
 def _tail_tuple(dense_tail) -> tuple[int, int, float]:
@@ -1384,7 +1308,7 @@ def _bsa_forward_op(
         **_tail_args(tail_lo, tail_hi, tail_log_weight, n_k),
         PREC=dot_precision(q.dtype),
         EVEN_K=n_k % key_block == 0,
-        N_SUB=max(1, key_block // step_keys),
+        N_SUB=_n_sub(key_block, step_keys),
         LIST_SLOTS=list_slots(lists.shape[2], per_iter, forward_ids_in_registers(query_block, walked, d, q.dtype)),
         DESC_ROWS=desc_rows,
         **_forward_launch(query_block, walked, d, q.dtype),

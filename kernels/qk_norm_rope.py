@@ -102,6 +102,12 @@ def _backward_program(n, num_heads, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _out_offset(bh, rows, dims, n, HEAD_DIM: tl.constexpr):
+    """Offsets of these token rows and channels in one [b, heads, n, d] output (``bh = batch * heads + head``)."""
+    return bh.to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+
+
+@triton.jit
 def _tile(bh, part, rows, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """One tile of q, k or v with these token rows: its channels, mask of real rows and channels (DIM_PAD = head_dim
     rounded up to a power of two), batch index, channel offsets in a [b, n, 3, heads, d] row, and offsets in one
@@ -109,7 +115,7 @@ def _tile(bh, part, rows, num_heads, n, HEAD_DIM: tl.constexpr, DIM_PAD: tl.cons
     dims = tl.arange(0, DIM_PAD)
     mask = (rows < n)[:, None] & (dims < HEAD_DIM)[None, :]
     channels = (part * num_heads + bh % num_heads) * HEAD_DIM + dims[None, :]
-    out_offset = bh.to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    out_offset = _out_offset(bh, rows, dims, n, HEAD_DIM)
     # the batch index in int64: batch * stride_b passes 2^31 at e.g. 32 images of 256^2 tokens x 1152 channels
     return dims, mask, (bh // num_heads).to(tl.int64), channels, out_offset
 
@@ -188,7 +194,7 @@ def _qk_norm_rope_fwd_kernel(
     x_next = tl.load(head0, mask=mask, other=0.0)
     for head in range(num_heads):
         bh = batch * num_heads + head
-        out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)[4]
+        out_offset = _out_offset(bh, rows, dims, n, HEAD_DIM)
         x = x_next.to(tl.float32)
         x_next = tl.load(head0 + (head + 1) * HEAD_DIM, mask=mask & (head + 1 < num_heads), other=0.0)
         if rotate:

@@ -434,11 +434,17 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     assert rel(want[0], ref.reshape(b * h, nq, d)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_forward_programs_of_128_rows():
+def test_programs_of_128_rows(monkeypatch):
     """128-row forward programs walk blocks of >= 128 keys in steps of 128 on 4 warps (16-bit inputs, head dim <=
     64), everything else in steps of at most 64 on ``program_warps``; 8-warp programs keep at most 32 ids in
-    registers (more read a step ahead), the others up to LIST_IN_REGISTERS."""
+    registers (more read a step ahead), the others up to LIST_IN_REGISTERS. Without autotuning, 128-row forward and
+    dq programs launch with 3 stages, every other program with 2."""
     bs, bf16, f32 = block_sparse_module, torch.bfloat16, torch.float32
+    monkeypatch.setattr(bs, "AUTOTUNE", False)
+    assert [bs._launch(kind, 128, 64, bf16)["num_stages"] for kind in ("forward", "dq", "dkdv")] == [3, 3, 2]
+    assert [bs._launch(kind, 64, 64, bf16)["num_stages"] for kind in ("forward", "dq", "dkdv")] == [2, 2, 2]
+    assert bs._forward_launch(128, 128, 64, bf16) == {"num_warps": 4, "num_stages": 3}
+    assert bs._n_sub(256) == 4 and bs._n_sub(256, 128) == 2 and bs._n_sub(16) == 1
     assert [bs.forward_step_keys(128, kb, 64, bf16) for kb in (16, 64, 128, 256)] == [16, 64, 128, 128]
     assert bs.forward_step_keys(64, 128, 64, bf16) == 64 and bs.forward_step_keys(128, 128, 128, bf16) == 64
     assert bs.forward_step_keys(128, 128, 64, f32) == 64
