@@ -23,7 +23,7 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer.
 The forward's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on Hopper
-(``fwd_descriptors``), and 128-row programs over blocks of >= 128 keys step 128 keys at a time (``forward_step_keys``).
+(``tma_descriptors``), and 128-row programs over blocks of >= 128 keys step 128 keys at a time (``forward_step_keys``).
 Per step the query-major passes (forward, dq) gather ``max(1, 64 // key_block)`` listed key blocks and the key-major
 backward ``max(1, 64 // query_block)`` query tiles, so small blocks still feed the tensor cores 64-wide dots; a
 one-warp program (16 query rows, or 16 keys) instead walks one listed block per step, which holds far fewer
@@ -198,7 +198,7 @@ def contiguous_fwd_step(
     ``bias``: a scalar-id block of the list or a step of the dense tail. Rows ``>= row_end`` are masked unless
     ``EVEN`` (every row exists). ``kv = (k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow,
     v_col)`` says where K and V are: by pointers, or for ``TMA`` (``EVEN`` steps only) by tensor-memory-accelerator
-    copies through the 2-D descriptors of ``fwd_descriptors``, K at descriptor rows ``k_drow + row0`` from column 0,
+    copies through the 2-D descriptors of ``tma_descriptors``, K at descriptor rows ``k_drow + row0`` from column 0,
     V at rows ``v_drow + row0`` from column ``v_col``."""
     k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow, v_col = kv
     if TMA:
@@ -291,7 +291,7 @@ def _fwd_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)  # v may be tokens-major, e.g. a view of qkv
-    # DESC_ROWS > 0: K_DESC / V_DESC are 2-D descriptors of DESC_ROWS-row tiles (fwd_descriptors): k as [BH * n_k,
+    # DESC_ROWS > 0: K_DESC / V_DESC are 2-D descriptors of DESC_ROWS-row tiles (tma_descriptors): k as [BH * n_k,
     # d], v as [BH / v_heads * n_k, v_heads * d]; the contiguous walks whose steps are whole tiles of that size load
     # by TMA
     v_col = ((bh % v_heads) * HEAD_DIM).to(tl.int32)
@@ -511,7 +511,7 @@ def _dq_kernel(
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
-    # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (fwd_descriptors); k and v share strides
+    # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (tma_descriptors); k and v share strides
     kv = (k_base, v_base, stride_kn, stride_kn, K_DESC, V_DESC, bh * n_k, bh * n_k, 0)
     if PER_ITER == 1:  # blocks of >= 64 keys: scalar ids, contiguous rows, tiles of 64 keys (see _fwd_kernel)
         STEP_ROWS: tl.constexpr = KEY_BLOCK // N_SUB
@@ -629,6 +629,8 @@ def _dkdv_kernel(
     LOGW,
     ADD_K,
     ADD_V,
+    Q_DESC,
+    DO_DESC,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -660,6 +662,7 @@ def _dkdv_kernel(
     EVEN_Q: tl.constexpr,
     N_SUB: tl.constexpr,
     TRANSPOSED: tl.constexpr,
+    DESC_ROWS: tl.constexpr,
 ):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
     g = tl.program_id(0)
@@ -693,10 +696,17 @@ def _dkdv_kernel(
     slot = roff // QUERY_BLOCK
     rows_base = ROWS + bh * stride_rb
     do_base = DO + head_offset(bh, do_heads, stride_db, stride_dh)
+    if PER_ITER == 1:  # query tiles of >= 64 rows: scalar tile ids, each read a step ahead (as the forward's list)
+        nxt = first_scalar_id(rows_base + s0, s1 - s0, 0)
+    # DESC_ROWS = QROWS: Q_DESC / DO_DESC are descriptors of q as [BH * n_q, d] and dO as [BH / do_heads * n_q,
+    # do_heads * d] (tma_descriptors), and steps of whole tiles take q and dO by TMA
+    QUERY_TMA: tl.constexpr = PER_ITER == 1 and DESC_ROWS == QROWS and not MASK_ROWS
+    do_col = ((bh % do_heads) * HEAD_DIM).to(tl.int32)
     for j in range(s0 * N_SUB, s1 * N_SUB, PER_ITER):
-        if PER_ITER == 1:  # query tiles of >= 64 rows: a scalar tile id, contiguous rows, steps of 64 rows
-            t = tl.load(rows_base + j // N_SUB)
-            rows = t.to(tl.int64) * QUERY_BLOCK + (j % N_SUB) * QROWS + roff
+        if PER_ITER == 1:  # contiguous rows, steps of 64
+            t, nxt = scalar_step_id(0, rows_base, nxt, j, s1, N_SUB, 0)
+            row0 = t.to(tl.int64) * QUERY_BLOCK + (j % N_SUB) * QROWS
+            rows = row0 + roff
         else:
             e_ok = (j + slot) < s1
             t = tl.load(rows_base + j + slot, mask=e_ok, other=0)
@@ -704,9 +714,15 @@ def _dkdv_kernel(
         r_ok = rows < n_q
         if PER_ITER > 1:
             r_ok = r_ok & e_ok
-        q, do, lse2, delta = query_rows(
-            Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK_ROWS
-        )
+        if QUERY_TMA:
+            q = Q_DESC.load([(bh * n_q + row0).to(tl.int32), 0])
+            do = DO_DESC.load([((bh // do_heads) * n_q + row0).to(tl.int32), do_col])
+            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n_q + rows)
+        else:
+            q, do, lse2, delta = query_rows(
+                Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK_ROWS
+            )
         if TRANSPOSED:  # keys in N: see the note above _dq_kernel
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             if HAS_LOGW:
@@ -962,7 +978,7 @@ _dq = autotuned(
 )
 _dkdv = autotuned(
     _dkdv_kernel,
-    _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q"],
+    _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q", "DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_dkdv_kernel),
 )
@@ -986,7 +1002,7 @@ def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
 
 
 # The forward's 128-row programs (block_sparse_attention over blocks of 128, the dense flash_attention) walk with
-# their K and V loaded by TMA and more stages (fwd_descriptors): over blocks of >= 128 keys in steps of 128 keys on
+# their K and V loaded by TMA and more stages (tma_descriptors): over blocks of >= 128 keys in steps of 128 keys on
 # 4 warps (a [128, 128] fp32 logit tile in 128 registers per thread, no spills at head dim 64), else in steps of 64
 # on 8 warps; 3 stages either way. On the H200 (blocks of 128, 2 x 6 x 65,536 x 64 bf16): K = 64 blocks 3.92 ms
 # against 4.33 in steps of 64 on 8 warps and 2 stages, Flex 4.20; K = 16 1.05 ms (1.07, Flex 1.11); the dense walk
@@ -1036,11 +1052,12 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(2), x.stride(1), x.shape[2]
 
 
-# The forward's contiguous walks (scalar-id blocks of >= 64 keys, the dense tail) take K and V by TMA, Hopper's tensor
-# memory accelerator, instead of pointer loads: the copies need no address registers and Triton buffers them as deep
-# as num_stages says. On the H200 (2 x 6 x 65,536 x 64 bf16) blocks of 128 keys ran 7-16% faster in their launch, the
-# dense walk 2.5% (docs/kernel_notes.md v36). Needs compute capability >= 9 (or the interpreter);
-# PIXDIT_KERNELS_TMA=0 keeps pointer loads everywhere.
+# The forward's and the dq's contiguous walks (scalar-id blocks of >= 64 keys, the dense tail) take K and V by TMA,
+# Hopper's tensor memory accelerator, instead of pointer loads, and the key-major dk/dv its query tiles' q and dO: the
+# copies need no address registers and Triton buffers them as deep as num_stages says. On the H200 (2 x 6 x 65,536 x
+# 64 bf16) blocks of 128 keys ran 7-16% faster in the forward's launch, the dense walk 2.5% (docs/kernel_notes.md
+# v36); the dk/dv by TMA took the dense backward 1.04x faster, blocks of 64 1.05x (v37). Needs compute capability >= 9
+# (or the interpreter); PIXDIT_KERNELS_TMA=0 keeps pointer loads everywhere.
 TMA_LOADS = os.environ.get("PIXDIT_KERNELS_TMA", "1") not in ("", "0")
 TMA_MIN_ROWS = 64  # narrower steps (one-warp programs over 16-key blocks) keep pointer loads: not measured by TMA
 
@@ -1070,10 +1087,11 @@ def _tma_rows(x: torch.Tensor, heads: int, n: int) -> int | None:
     return n_stride if ok else None
 
 
-def fwd_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int):
-    """``(K_DESC, V_DESC, DESC_ROWS)`` of a forward launch whose contiguous walk steps over ``rows`` key rows: 2-D TMA
-    descriptors of ``rows``-row tiles, k as ``[BH * n_k, d]`` and v as ``[BH / heads * n_k, heads * d]`` (``row_layout``),
-    or ``(k, v, 0)`` (pointer loads) where TMA is off, unsupported or the layouts do not allow it."""
+def tma_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int):
+    """``(K_DESC, V_DESC, DESC_ROWS)`` of a launch whose contiguous walk steps over ``rows`` key rows (the key-major
+    dk/dv passes q and dO for k and v, and steps over query rows): 2-D TMA descriptors of ``rows``-row tiles, k as
+    ``[BH * n_k, d]`` and v as ``[BH / heads * n_k, heads * d]`` (``row_layout``), or ``(k, v, 0)`` (pointer loads)
+    where TMA is off, unsupported or the layouts do not allow it."""
     n, d = k.shape[1], k.shape[2]
     if not TMA_LOADS or rows < TMA_MIN_ROWS or not _tma_capable(k.device.type, k.device.index):
         return k, v, 0
@@ -1268,13 +1286,13 @@ def _bsa_forward_op(
     per_iter = walk_blocks_per_step(query_block, key_block, d)
     walked = key_block if lists.shape[2] > 0 else TAIL_STEP.value  # a dense walk (no list) steps by TAIL_STEP
     step_keys = forward_step_keys(query_block, walked, d, q.dtype)
-    # the contiguous walk that may load by TMA (fwd_descriptors decides): the scalar-id list walk, in steps of
+    # the contiguous walk that may load by TMA (tma_descriptors decides): the scalar-id list walk, in steps of
     # step_keys rows, else the dense tail, in steps of TAIL_STEP
     if per_iter == 1 and lists.shape[2] > 0:
         step_rows = step_keys
     else:
         step_rows = TAIL_STEP.value if tail_hi > 0 else 0
-    k_desc, v_desc, desc_rows = fwd_descriptors(k, v, step_rows)
+    k_desc, v_desc, desc_rows = tma_descriptors(k, v, step_rows)
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -1412,7 +1430,7 @@ def _bsa_backward_dq_op(
     per_iter = walk_blocks_per_step(query_block, key_block, d)
     # the contiguous walk that may load by TMA, as in _bsa_forward_op (the dq keeps steps of at most 64 keys)
     step_rows = min(key_block, 64) if per_iter == 1 and lists.shape[2] > 0 else TAIL_STEP.value if tail_hi > 0 else 0
-    k_desc, v_desc, desc_rows = fwd_descriptors(k, v, step_rows)
+    k_desc, v_desc, desc_rows = tma_descriptors(k, v, step_rows)
     _dq[(n_tiles, BH)](
         q,
         k,
@@ -1563,6 +1581,9 @@ def _bsa_backward_dkdv_op(
     else:
         tgt_k, tgt_v = dk, dv
         out_row0, out_rows = 0, n_k
+    # q and dO by TMA where a step is whole tiles' rows (query tiles of >= 64 rows, every tile whole)
+    step_rows = query_block // _n_sub(query_block) if per_iter == 1 and n_q % query_block == 0 else 0
+    q_desc, do_desc, desc_rows = tma_descriptors(q, do, step_rows)
     _dkdv[(n_groups, BH, n_split)](
         q,
         k,
@@ -1577,6 +1598,8 @@ def _bsa_backward_dkdv_op(
         log_weights if log_weights is not None else lse,
         pooled_k if pooled_k is not None else lse,
         pooled_v if pooled_v is not None else lse,
+        q_desc,
+        do_desc,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1605,6 +1628,7 @@ def _bsa_backward_dkdv_op(
         EVEN_Q=n_q % query_block == 0,
         N_SUB=_n_sub(query_block),
         TRANSPOSED=transposed_backward(key_block * group, d),
+        DESC_ROWS=desc_rows,
         **_launch("dkdv", key_block * group, d, q.dtype),
     )
     if n_split > 1:

@@ -11,8 +11,8 @@ a register jump that costs occupancy, or a jump in compile time shows here first
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
-levels: 64-row tiles over the bank, the coarsest level as a dense tail), and SLA's dq and linear dk/dv kernels at
-256^2 (K = 32), at the warps their launchers give them (``--warps launch``, the default) or the ones given.
+levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and linear dk/dv kernels at
+256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the warps their launchers give them (``--warps launch``, the default) or the ones given.
 Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
 the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend
@@ -194,9 +194,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     pooled_lists = (dict(list_bias=math.log(16)), dict(LIST_BIAS=True, FULL_LIST=True))
     no_list_weight = (dict(list_bias=0.0), dict(LIST_BIAS=False, FULL_LIST=False))
 
-    def descriptors(desc_rows):  # the forward's K_DESC / V_DESC: TMA descriptors of desc_rows-row tiles, or pointers
+    def descriptors(desc_rows, names=("K_DESC", "V_DESC")):  # TMA descriptors of desc_rows-row tiles, or pointers
         desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
-        return dict(K_DESC=desc, V_DESC=desc)
+        return dict.fromkeys(names, desc)
 
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, list_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
@@ -206,7 +206,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= flat_out if out == "*fp32" else {}
         args |= list_args[0]
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
-        # the dense tail's steps load K and V by TMA (block_sparse.fwd_descriptors), the 16-key walks by pointers
+        # the dense tail's steps load K and V by TMA (block_sparse.tma_descriptors), the 16-key walks by pointers
         desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
         args |= descriptors(desc_rows)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
@@ -223,8 +223,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
         # as the forward: the dense tail's steps by TMA
         desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
-        desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
-        args |= dict(K_DESC=desc, V_DESC=desc)
+        args |= descriptors(desc_rows)
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw)
         const |= list_args[1]
         const |= dict(ACCUMULATE=accumulate, COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)
@@ -232,16 +231,21 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d), DESC_ROWS=desc_rows)
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
-    def dkdv(query_block, n_k, group, n_split, has_logw, has_add):
+    def dkdv(query_block, n_k, group, n_split, has_logw, has_add, key_block=16):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
         args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **dq_strides)
-        args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // 16 + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
+        args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // key_block + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
         args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
-        per_iter = block_sparse.walk_blocks_per_step(16 * group, query_block, d)
-        const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=16, GROUP=group, PER_ITER=per_iter)
-        const |= dict(TRANSPOSED=block_sparse.transposed_backward(16 * group, d))
-        return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=1)
+        per_iter = block_sparse.walk_blocks_per_step(key_block * group, query_block, d)
+        n_sub = block_sparse._n_sub(query_block)
+        # q and dO of whole steps of >= 64 rows by TMA (block_sparse.tma_descriptors)
+        step_rows = query_block // n_sub if per_iter == 1 else 0
+        desc_rows = step_rows if step_rows >= block_sparse.TMA_MIN_ROWS and block_sparse.TMA_LOADS else 0
+        args |= descriptors(desc_rows, ("Q_DESC", "DO_DESC"))
+        const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter)
+        const |= dict(TRANSPOSED=block_sparse.transposed_backward(key_block * group, d), DESC_ROWS=desc_rows)
+        return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=n_sub)
 
     def grouped_dkdv(group_rows, width):  # the candidate levels' dk/dv by query group (ancestors of 256 queries)
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", LIST="*i32")
@@ -305,7 +309,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(v_heads=1, stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)
         args |= dict(stride_lb=(n // 128) * list_len, stride_lt=list_len, n_q=n, n_k=n, list_len=list_len)
         args |= dict(qk_scale=0.18, **tail_args, **no_list_weight[0])
-        desc_rows = key_block // n_sub if block_sparse.TMA_LOADS else 0  # (fwd_descriptors: K and V by TMA)
+        desc_rows = key_block // n_sub if block_sparse.TMA_LOADS else 0  # (tma_descriptors: K and V by TMA)
         args |= descriptors(desc_rows)
         const = dict(common, BLOCK_M=128, KEY_BLOCK=key_block, PER_ITER=1, HAS_LOGW=False, HAS_INIT=False)
         ids = block_sparse.forward_ids_in_registers(128, key_block // n_sub, d, torch.bfloat16)
@@ -333,6 +337,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dkdv pooled candidates (by query group)", block_sparse._grouped_dkdv_kernel, *grouped_dkdv(256, 8)),
         ("dkdv pooled candidates, partials summed", block_sparse._sum_slots_kernel, *sum_slots(8)),
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),
+        # flash_attention's (and block_sparse_attention's over blocks of 128) key-major dk/dv: 128-key programs
+        ("dkdv dense 128", block_sparse._dkdv_kernel, *dkdv(128, n, 1, 1, False, False, key_block=128)),
         # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own list-walking kernels
         ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
         ("sla linear dkdv (16-key blocks)", linear_attention._dk_dv_kernel, *linear_dkdv(64)),

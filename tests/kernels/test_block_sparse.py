@@ -374,7 +374,7 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
 @pytest.mark.parametrize("v_view", [False, True])  # v as the columns of a fused qkv tensor (tokens-major, row stride)
 def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_view, monkeypatch):
     """The forward's and the dq's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole rows
-    (``fwd_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are empty
+    (``tma_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are empty
     and ids read a step ahead (lists longer than the registers hold); and the fp64 oracle."""
     g = torch.Generator().manual_seed(kb + tail)
     b, h, d = 2, 3, 32
@@ -395,14 +395,14 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     qf, kf = (t.reshape(b * h, -1, d).to(DEVICE) for t in (q, k))
     vf = v.to(DEVICE).transpose(1, 2) if v_view else v.reshape(b * h, nk, d).to(DEVICE)
     made = []  # DESC_ROWS of each launch (0: pointer loads)
-    descriptors = bs.fwd_descriptors
+    descriptors = bs.tma_descriptors
 
     def recorded(*args):
         got = descriptors(*args)
         made.append(got[2])
         return got
 
-    monkeypatch.setattr(bs, "fwd_descriptors", recorded)
+    monkeypatch.setattr(bs, "tma_descriptors", recorded)
 
     do = torch.randn(b * h, nq, d, generator=g).to(dtype).to(DEVICE)
     v_flat = v.reshape(b * h, nk, d).to(DEVICE)  # the dq reads k and v with one layout
@@ -432,6 +432,56 @@ def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_v
     logw = torch.tensor([0.0] * n_blocks + [0.5] * (tail // kb))
     ref, _ = dense_masked_reference(q, k, v, torch.cat([lists, tail_ids], -1).view(b, h, n_tiles, -1), qb, kb, logw)
     assert rel(want[0], ref.reshape(b * h, nq, d)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_interpreter
+# (query tile, query rows): tiles of 64 rows in one step, of 128 in two; 200 rows leave a partial last tile, so every
+# step masks its rows and loads q and dO by pointers
+@pytest.mark.parametrize("qb,nq", [(64, 256), (128, 256), (64, 200)])
+@pytest.mark.parametrize("do_view", [False, True])  # dO tokens-major [b, N, h, d], as a model hands it back
+def test_key_major_backward_by_tma_is_the_pointer_walk_bit_for_bit(qb, nq, do_view, monkeypatch):
+    """The key-major dk/dv walks its query tiles of >= 64 rows in steps of 64 whole rows and takes their q and dO by
+    TMA descriptors (``tma_descriptors``) where every row exists: the same dk and dv as pointer loads, bit for bit;
+    and the fp64 oracle's gradients."""
+    g = torch.Generator().manual_seed(qb + nq)
+    b, h, d, kb, nk, dtype = 2, 3, 32, 64, 256, torch.float16
+    n_tiles, n_blocks = -(-nq // qb), nk // kb
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for n in (nq, nk, nk))
+    do = torch.randn(b, nq, h, d, generator=g).to(dtype)  # tokens-major
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:3] for _ in range(b * h * n_tiles)]).int()
+    lists = lists.view(b * h, n_tiles, 3)
+    bs = block_sparse_module
+    qf, kf, vf = (t.reshape(b * h, -1, d).to(DEVICE) for t in (q, k, v))
+    do_flat = do.transpose(1, 2).reshape(b * h, nq, d).to(DEVICE)
+    o, lse = bs.bsa_forward(qf, kf, vf, lists.to(DEVICE), qb, kb, d**-0.5)
+    delta = bs.delta_rows(o, do_flat)
+    csc = bs.csr_to_csc(lists.to(DEVICE), n_blocks)
+    seen = []  # DESC_ROWS of each dk/dv launch (0: pointer loads)
+
+    class Recorded:  # the autotuned launcher, recording its DESC_ROWS
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["DESC_ROWS"]) or self.kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(bs, "_dkdv", Recorded(bs._dkdv))
+
+    def run(tma):
+        monkeypatch.setattr(bs, "TMA_LOADS", tma)
+        grad = do.to(DEVICE) if do_view else do_flat
+        return bs.bsa_backward_dkdv(qf, kf, vf, grad, lse, delta, csc, qb, kb, d**-0.5)
+
+    want = run(False)
+    got = run(True)
+    assert seen == [0, 0 if nq % qb else 64]
+    assert all(torch.equal(a, w) for a, w in zip(got, want))
+    # the oracle: fp64 autograd through the dense masked softmax
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = dense_masked_reference(q64, k64, v64, lists.view(b, h, n_tiles, 3), qb, kb)
+    ref.backward(do.transpose(1, 2).double())
+    for mine, exact in zip(got, (k64.grad, v64.grad)):
+        assert rel(mine.reshape(b, h, nk, d), exact) < 2e-3
 
 
 def test_programs_of_128_rows(monkeypatch):
