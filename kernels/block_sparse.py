@@ -22,8 +22,9 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer.
-The forward's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on Hopper
-(``tma_descriptors``), and 128-row programs over blocks of >= 128 keys step 128 keys at a time (``forward_step_keys``).
+The forward's and the dq's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on
+Hopper, the key-major dk/dv its query tiles' q and dO (``tma_descriptors``), and 128-row forward programs over blocks
+of >= 128 keys step 128 keys at a time (``forward_step_keys``).
 Per step the query-major passes (forward, dq) gather ``max(1, 64 // key_block)`` listed key blocks and the key-major
 backward ``max(1, 64 // query_block)`` query tiles, so small blocks still feed the tensor cores 64-wide dots; a
 one-warp program (16 query rows, or 16 keys) instead walks one listed block per step, which holds far fewer
