@@ -12,7 +12,8 @@ compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, ro
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
 levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and linear dk/dv kernels at
-256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the warps their launchers give them (``--warps launch``, the default) or the ones given.
+256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the
+warps their launchers give them (``--warps launch``, the default) or the ones given.
 Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
 the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend

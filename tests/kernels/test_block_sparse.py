@@ -373,9 +373,9 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
 @pytest.mark.parametrize("qb,kb,tail", [(64, 64, 0), (128, 128, 0), (64, 64, 128), (64, 16, 128), (16, 16, 0)])
 @pytest.mark.parametrize("v_view", [False, True])  # v as the columns of a fused qkv tensor (tokens-major, row stride)
 def test_forward_by_tma_is_the_pointer_walk_bit_for_bit(dtype, qb, kb, tail, v_view, monkeypatch):
-    """The forward's and the dq's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole rows
-    (``tma_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are empty
-    and ids read a step ahead (lists longer than the registers hold); and the fp64 oracle."""
+    """The forward's and the dq's contiguous walks take K and V by TMA descriptors where their steps are >= 64 whole
+    rows (``tma_descriptors``): the same numbers as pointer loads, bit for bit, including lists whose first slots are
+    empty and ids read a step ahead (lists longer than the registers hold); and the fp64 oracle."""
     g = torch.Generator().manual_seed(kb + tail)
     b, h, d = 2, 3, 32
     n_blocks = 6 if kb < 128 else 3
