@@ -1088,6 +1088,15 @@ def _tma_rows(x: torch.Tensor, heads: int, n: int) -> int | None:
     return n_stride if ok else None
 
 
+def tma_walk_rows(per_iter: int, list_len: int, list_step: int, tail_hi: int) -> int:
+    """Rows per step of a query-major launch's contiguous walk that may load by TMA (``tma_descriptors`` decides):
+    the scalar-id list walk (``per_iter == 1``) in steps of ``list_step`` rows, else the dense tail in steps of
+    ``TAIL_STEP``, else none (0)."""
+    if per_iter == 1 and list_len > 0:
+        return list_step
+    return TAIL_STEP.value if tail_hi > 0 else 0
+
+
 def tma_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int):
     """``(K_DESC, V_DESC, DESC_ROWS)`` of a launch whose contiguous walk steps over ``rows`` key rows (the key-major
     dk/dv passes q and dO for k and v, and steps over query rows): 2-D TMA descriptors of ``rows``-row tiles, k as
@@ -1287,13 +1296,7 @@ def _bsa_forward_op(
     per_iter = walk_blocks_per_step(query_block, key_block, d)
     walked = key_block if lists.shape[2] > 0 else TAIL_STEP.value  # a dense walk (no list) steps by TAIL_STEP
     step_keys = forward_step_keys(query_block, walked, d, q.dtype)
-    # the contiguous walk that may load by TMA (tma_descriptors decides): the scalar-id list walk, in steps of
-    # step_keys rows, else the dense tail, in steps of TAIL_STEP
-    if per_iter == 1 and lists.shape[2] > 0:
-        step_rows = step_keys
-    else:
-        step_rows = TAIL_STEP.value if tail_hi > 0 else 0
-    k_desc, v_desc, desc_rows = tma_descriptors(k, v, step_rows)
+    k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
     _fwd[(n_tiles, BH)](
         q,
         k,
@@ -1429,9 +1432,9 @@ def _bsa_backward_dq_op(
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
-    # the contiguous walk that may load by TMA, as in _bsa_forward_op (the dq keeps steps of at most 64 keys)
-    step_rows = min(key_block, 64) if per_iter == 1 and lists.shape[2] > 0 else TAIL_STEP.value if tail_hi > 0 else 0
-    k_desc, v_desc, desc_rows = tma_descriptors(k, v, step_rows)
+    # (the dq walks listed blocks in steps of at most 64 keys, N_SUB below)
+    step_keys = key_block // _n_sub(key_block)
+    k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
     _dq[(n_tiles, BH)](
         q,
         k,
