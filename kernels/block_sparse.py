@@ -586,14 +586,23 @@ def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_q
     if MASK:
         q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
         do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
     else:
         q = tl.load(Q + q_offs)
         do = tl.load(do_base + do_offs)
+    lse2, delta = query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK)
+    return q, do, lse2, delta
+
+
+@triton.jit
+def query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK: tl.constexpr):
+    """The base-2 log-sum-exp and Delta of query rows ``rows`` (``MASK``: rows outside ``r_ok`` read as zeros)."""
+    if MASK:
+        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
+    else:
         lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
         delta = tl.load(DELTA + bh * n_q + rows)
-    return q, do, lse2, delta
+    return lse2, delta
 
 
 @triton.jit
@@ -718,8 +727,7 @@ def _dkdv_kernel(
         if QUERY_TMA:
             q = Q_DESC.load([(bh * n_q + row0).to(tl.int32), 0])
             do = DO_DESC.load([((bh // do_heads) * n_q + row0).to(tl.int32), do_col])
-            lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n_q + rows)
+            lse2, delta = query_stats(LSE, DELTA, bh, rows, r_ok, n_q, False)
         else:
             q, do, lse2, delta = query_rows(
                 Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK_ROWS
