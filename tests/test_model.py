@@ -284,7 +284,7 @@ def test_compiled_gelu_is_the_tanh_gelu_in_its_sigmoid_form():
         graphs.append(gm)
         return gm.forward
 
-    def oracle(x):  # fp64, and 0.5 (1 + tanh u) as sigmoid(2u): even fp64's 1 + tanh(u) is 0 below x = -6
+    def oracle(x):  # fp64, and 0.5 (1 + tanh u) as sigmoid(2u): even fp64's 1 + tanh(u) is 0 below x = -7.14
         return x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
 
     x = torch.linspace(-8, 8, 4001)
