@@ -171,16 +171,6 @@ def test_triton_reference_l1_grad():
 
 
 @needs_interpreter
-def test_triton_gradients_bitwise_deterministic():
-    g = torch.Generator().manual_seed(5)
-    q, k, v, go = (torch.randn(1, 2, 512, 32, generator=g).to(DEVICE) for _ in range(4))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    fn = lambda q, k, v: llsa_attention(q, k, v, 16, 4, 2, impl="triton")  # noqa: E731
-    a, b = grads(fn, q, k, v, go), grads(fn, q, k, v, go)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@needs_interpreter
 def test_triton_selection_made_here_equals_the_same_selection_given():
     """A selection that llsa_attention makes itself fills every slot of the pooled pass's lists, so that pass walks
     them without masks; the same selection given as ``index`` (which may hold empty slots) takes the masked walk.
