@@ -1440,8 +1440,8 @@ def _bsa_backward_dq_op(
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
-    # (the dq walks listed blocks in steps of at most 64 keys, N_SUB below)
-    step_keys = key_block // _n_sub(key_block)
+    n_sub = _n_sub(key_block)  # the dq walks listed blocks in steps of at most 64 keys
+    step_keys = key_block // n_sub
     k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
     _dq[(n_tiles, BH)](
         q,
@@ -1481,7 +1481,7 @@ def _bsa_backward_dq_op(
         COMPUTE_DELTA=o is not None,
         PREC=dot_precision(q.dtype),
         EVEN_K=k.shape[1] % key_block == 0,
-        N_SUB=_n_sub(key_block),
+        N_SUB=n_sub,
         LIST_SLOTS=list_slots(lists.shape[2], per_iter),
         TRANSPOSED=transposed_backward(query_block, d),
         DESC_ROWS=desc_rows,
@@ -1594,7 +1594,8 @@ def _bsa_backward_dkdv_op(
         tgt_k, tgt_v = dk, dv
         out_row0, out_rows = 0, n_k
     # q and dO by TMA where a step is whole tiles' rows (query tiles of >= 64 rows, every tile whole)
-    step_rows = query_block // _n_sub(query_block) if per_iter == 1 and n_q % query_block == 0 else 0
+    n_sub = _n_sub(query_block)
+    step_rows = query_block // n_sub if per_iter == 1 and n_q % query_block == 0 else 0
     q_desc, do_desc, desc_rows = tma_descriptors(q, do, step_rows)
     _dkdv[(n_groups, BH, n_split)](
         q,
@@ -1638,7 +1639,7 @@ def _bsa_backward_dkdv_op(
         HAS_ADD=pooled_k is not None,
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
-        N_SUB=_n_sub(query_block),
+        N_SUB=n_sub,
         TRANSPOSED=transposed_backward(key_block * group, d),
         DESC_ROWS=desc_rows,
         **_launch("dkdv", key_block * group, d, q.dtype),
