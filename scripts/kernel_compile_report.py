@@ -195,9 +195,12 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     pooled_lists = (dict(list_bias=math.log(16)), dict(LIST_BIAS=True, FULL_LIST=True))
     no_list_weight = (dict(list_bias=0.0), dict(LIST_BIAS=False, FULL_LIST=False))
 
-    def descriptors(desc_rows, names=("K_DESC", "V_DESC")):  # TMA descriptors of desc_rows-row tiles, or pointers
+    def descriptors(step_rows, names=("K_DESC", "V_DESC")):
+        """(arguments, DESC_ROWS) of a launch whose contiguous walk steps over ``step_rows`` rows: TMA descriptors
+        where block_sparse.tma_descriptors gives them (TMA on, steps of >= TMA_MIN_ROWS rows), else pointers."""
+        desc_rows = step_rows if step_rows >= block_sparse.TMA_MIN_ROWS and block_sparse.TMA_LOADS else 0
         desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
-        return dict.fromkeys(names, desc)
+        return dict.fromkeys(names, desc), desc_rows
 
     def fwd(block_m, n_k, list_len, out, has_init, has_logw, tail_args, list_args):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O=out, LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*fp32")
@@ -207,9 +210,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= flat_out if out == "*fp32" else {}
         args |= list_args[0]
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
-        # the dense tail's steps load K and V by TMA (block_sparse.tma_descriptors), the 16-key walks by pointers
-        desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
-        args |= descriptors(desc_rows)
+        # the dense tail's steps load K and V by TMA, the 16-key walks by pointers
+        desc_args, desc_rows = descriptors(block_sparse.tma_walk_rows(per_iter, list_len, 16, tail_args["tail_hi"]))
+        args |= desc_args
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw, HAS_INIT=has_init)
         const |= list_args[1]
         ids = block_sparse.forward_ids_in_registers(block_m, 16, d, torch.bfloat16)
@@ -223,8 +226,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(qk_scale=0.18, sm_scale=0.125, **dq_strides, **tail_args, **list_args[0])
         per_iter = block_sparse.walk_blocks_per_step(block_m, 16, d)
         # as the forward: the dense tail's steps by TMA
-        desc_rows = block_sparse.TAIL_STEP.value if tail_args["tail_hi"] > 0 and block_sparse.TMA_LOADS else 0
-        args |= descriptors(desc_rows)
+        desc_args, desc_rows = descriptors(block_sparse.tma_walk_rows(per_iter, list_len, 16, tail_args["tail_hi"]))
+        args |= desc_args
         const = dict(common, BLOCK_M=block_m, KEY_BLOCK=16, PER_ITER=per_iter, HAS_LOGW=has_logw)
         const |= list_args[1]
         const |= dict(ACCUMULATE=accumulate, COMPUTE_DELTA=compute_delta, HAS_ADD=False, EVEN_K=True, N_SUB=1)
@@ -240,10 +243,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
         per_iter = block_sparse.walk_blocks_per_step(key_block * group, query_block, d)
         n_sub = block_sparse._n_sub(query_block)
-        # q and dO of whole steps of >= 64 rows by TMA (block_sparse.tma_descriptors)
-        step_rows = query_block // n_sub if per_iter == 1 else 0
-        desc_rows = step_rows if step_rows >= block_sparse.TMA_MIN_ROWS and block_sparse.TMA_LOADS else 0
-        args |= descriptors(desc_rows, ("Q_DESC", "DO_DESC"))
+        # q and dO of whole steps of >= 64 rows by TMA
+        desc_args, desc_rows = descriptors(query_block // n_sub if per_iter == 1 else 0, ("Q_DESC", "DO_DESC"))
+        args |= desc_args
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(key_block * group, d), DESC_ROWS=desc_rows)
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=n_sub)
@@ -310,8 +312,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(v_heads=1, stride_qb=n * d, stride_qn=d, stride_ob=n * d, stride_oh=0, stride_on=d, out_heads=1)
         args |= dict(stride_lb=(n // 128) * list_len, stride_lt=list_len, n_q=n, n_k=n, list_len=list_len)
         args |= dict(qk_scale=0.18, **tail_args, **no_list_weight[0])
-        desc_rows = key_block // n_sub if block_sparse.TMA_LOADS else 0  # (tma_descriptors: K and V by TMA)
-        args |= descriptors(desc_rows)
+        desc_args, desc_rows = descriptors(key_block // n_sub)  # K and V by TMA
+        args |= desc_args
         const = dict(common, BLOCK_M=128, KEY_BLOCK=key_block, PER_ITER=1, HAS_LOGW=False, HAS_INIT=False)
         ids = block_sparse.forward_ids_in_registers(128, key_block // n_sub, d, torch.bfloat16)
         const |= no_list_weight[1] | dict(LIST_SLOTS=block_sparse.list_slots(list_len, 1, ids), DESC_ROWS=desc_rows)
