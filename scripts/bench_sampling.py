@@ -18,7 +18,8 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
 
 --profile adds, per row, one more batch under torch.profiler: its GPU time by kind of kernel (the table of
 bench_train.py --profile: matmul, sparse attention, block means, selection, qk-norm + RoPE, Inductor's fused kernels)
-and the top ops, with the time per image and Euler step.
+and the top ops, with the time per image and Euler step; with --compile, also Inductor's kernels ranked by the time
+they lose against a bandwidth floor (as bench_train.py --compile --profile).
 
 --gelu both times every variant twice in one process: with the MLP's fc1 + GELU as one cuBLASLt call (what sampling
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
@@ -61,7 +62,15 @@ from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
 from pixdit.models.dit import Attention, Mlp  # noqa: E402
-from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
+from pixdit.report import (  # noqa: E402
+    bandwidth_markdown,
+    bandwidth_table,
+    enable_inductor_kernel_bytes,
+    inductor_kernel_gb,
+    kernel_table,
+    markdown_table,
+    time_median,
+)
 from pixdit.runtime import PRECISIONS, autocast  # noqa: E402
 
 DEFAULT_BATCH = {64: 256, 128: 64, 256: 16, 512: 4}
@@ -190,6 +199,14 @@ def print_profile(sample, network_calls: int, title: str, cuda: bool, row_limit:
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\ntop {row_limit} ops by {sort_by}:", file=sys.stderr)
     print(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=70), file=sys.stderr)
+    kernel_gb = inductor_kernel_gb() if cuda else {}
+    if kernel_gb:  # compiled, with the byte estimates on (main)
+        rows = bandwidth_table(prof, kernel_gb)
+        print(
+            f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n",
+            file=sys.stderr,
+        )
+        print(bandwidth_markdown(rows, row_limit), file=sys.stderr)
     return table
 
 
@@ -286,6 +303,8 @@ def main(argv=None) -> list[dict]:
         variants = {spec: parse_variant(spec) for spec in args.attention}
     except PixditError as error:
         sys.exit(f"error: {error}")
+    if args.profile and args.compile:
+        enable_inductor_kernel_bytes()  # for the profile's bandwidth table of Inductor's kernels
     command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     settings = (

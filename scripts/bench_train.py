@@ -45,7 +45,9 @@ timed with CUDA events (``--steps-at SIDE:WARMUP:STEPS`` changes the counts at o
 attention takes ~10 s/step). ``--profile`` adds, per row, where a step's time goes: by phase (forward+loss,
 backward, clip, optimizer, EMA; CUDA events between the phases, median of 3 steps), by kind of kernel (one step under
 torch.profiler: matmul, sparse attention, selection, qk-norm + RoPE, Inductor's fused kernels, ...) and the ops with
-the most self CUDA time; the two tables also go into the JSON record (``profile``).
+the most self CUDA time; with ``--compile``, also Inductor's kernels ranked by the time they lose against a
+bandwidth floor (Inductor's own byte estimate per kernel, moved at 4 TB/s; pixdit.report.bandwidth_table). The
+tables also go into the JSON record (``profile``).
 
 Speed-up: tokens/s of this row / tokens/s of the first ``full`` variant of ``--attention`` for the same model, size
 and grad checkpointing ("-" when full was not measured). MFU: model FLOPs per step / step time / --peak-tflops (989 =
@@ -86,7 +88,15 @@ from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.models.dit import Attention  # noqa: E402
-from pixdit.report import kernel_table, markdown_table, time_median  # noqa: E402
+from pixdit.report import (  # noqa: E402
+    bandwidth_markdown,
+    bandwidth_table,
+    enable_inductor_kernel_bytes,
+    inductor_kernel_gb,
+    kernel_table,
+    markdown_table,
+    time_median,
+)
 from pixdit.runtime import set_compile_memory_budget  # noqa: E402
 
 QUICK_MODEL = dict(hidden_size=64, depth=2, num_heads=2)  # --quick: a model small enough for a CPU check
@@ -346,7 +356,8 @@ def phase_times(phases, device: torch.device, steps: int = PHASE_STEPS) -> list[
 def print_profile(train_step, phases: list[dict], device: torch.device, title: str, row_limit: int = 25) -> dict:
     """Where the step's time goes: ``phases`` (phase_times: forward, backward, clip, optimizer, EMA), then one more
     step under torch.profiler grouped by kind of kernel (device time; CPU time on CPU), then the ops with the most
-    self time. Returns the two tables for the JSON record."""
+    self time; compiled (``enable_inductor_kernel_bytes``), Inductor's kernels against the bandwidth floor. Returns
+    the tables for the JSON record."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -370,7 +381,14 @@ def print_profile(train_step, phases: list[dict], device: torch.device, title: s
         ),
         flush=True,
     )
-    return {"phases": phases, "kernels": categories}
+    record = {"phases": phases, "kernels": categories}
+    kernel_gb = inductor_kernel_gb() if cuda else {}
+    if kernel_gb:  # compiled, with the byte estimates on (main)
+        rows = bandwidth_table(prof, kernel_gb)
+        print(f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n")
+        print(bandwidth_markdown(rows, row_limit), flush=True)
+        record["inductor"] = rows
+    return record
 
 
 def release_memory(device: torch.device) -> None:
@@ -712,6 +730,8 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
     torch.backends.cudnn.allow_tf32 = True
+    if args.profile and args.compile:
+        enable_inductor_kernel_bytes()  # for the profile's bandwidth table of Inductor's kernels
     command = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
     settings_text = settings_line(args, models, settings)
     out = Path(args.out) if args.out else None

@@ -895,3 +895,66 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
         "block means (pooling)": 1.0,
         "other": 0.5,
     }
+
+
+def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch):
+    """--compile --profile's bandwidth table: byte estimates read from the loaded kernel modules (two graphs' kernels
+    of one name with different estimates get none), joined with the profiled calls by name; floor = GB / 4 TB/s."""
+    import types
+    from types import SimpleNamespace
+
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from pixdit.report import bandwidth_markdown, bandwidth_table, inductor_kernel_gb
+
+    def kernel_module(name, gb):
+        kernel = CachingAutotuner.__new__(CachingAutotuner)  # only its metadata is read
+        kernel.inductor_meta = {"kernel_num_gb": gb}
+        module = types.ModuleType("kernel")
+        setattr(module, name, kernel)
+        module.get_args = lambda: ()  # what benchmark_kernel adds, and a name that is not a kernel
+        return module
+
+    modules = [
+        kernel_module("triton_poi_fused_gelu_0", 1.6),
+        kernel_module("triton_red_fused_layer_norm_1", 0.4),
+        kernel_module("triton_poi_fused_add_2", 0.2),
+        kernel_module("triton_poi_fused_add_2", 0.3),  # the backward graph's kernel of the same name
+    ]
+    monkeypatch.setattr(PyCodeCache, "modules", modules)
+    kernel_gb = inductor_kernel_gb()
+    assert kernel_gb == {
+        "triton_poi_fused_gelu_0": 1.6,
+        "triton_red_fused_layer_norm_1": 0.4,
+        "triton_poi_fused_add_2": None,
+    }
+
+    events = [  # name, device, calls, self microseconds
+        ("triton_poi_fused_gelu_0", "CUDA", 12, 4800),  # 19.2 GB in 4.8 ms: at the floor
+        ("triton_red_fused_layer_norm_1", "CUDA", 12, 2400),  # 4.8 GB in 2.4 ms: 1.2 ms lost
+        ("triton_red_fused_layer_norm_1", "CPU", 12, 9000),  # the launch on the host: not device time
+        ("triton_poi_fused_add_2", "CUDA", 24, 500),
+        ("nvjet_sm90_tst_192x192", "CUDA", 24, 9000),  # not Inductor's
+    ]
+    prof = SimpleNamespace(
+        key_averages=lambda **_: [
+            SimpleNamespace(key=k, device_type=f"DeviceType.{t}", count=n, self_device_time_total=us)
+            for k, t, n, us in events
+        ]
+    )
+    rows = bandwidth_table(prof, kernel_gb, peak_tbs=4.0)
+    assert [row["kernel"] for row in rows] == [
+        "triton_red_fused_layer_norm_1",
+        "triton_poi_fused_add_2",  # no byte count: ranked by its time
+        "triton_poi_fused_gelu_0",
+    ]
+    norm = rows[0]
+    assert norm["calls"] == 12 and norm["ms"] == pytest.approx(2.4) and norm["GB"] == pytest.approx(4.8)
+    assert norm["floor ms"] == pytest.approx(1.2) and norm["lost ms"] == pytest.approx(1.2)
+    assert rows[2]["GB/s"] == pytest.approx(4000) and rows[2]["lost ms"] == pytest.approx(0)
+    assert "GB" not in rows[1]
+    summary = bandwidth_markdown(rows, top=2)
+    assert summary.count("| triton_") == 2 and "| triton_poi_fused_add_2 | 24 | 0.500 | ? |" in summary
+    assert "3 Inductor kernels, 7.700 ms, 24.000 GB" in summary and "lost 1.200 ms" in summary
+    assert "1 kernels without one byte count" in summary

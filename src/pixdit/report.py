@@ -1,6 +1,7 @@
 """Result tables for the benchmark and sweep scripts (GitHub markdown, as pasted into docs/benchmarks.md), the timers
-they share (``time_median``, ``kernel_ms``, ``kernel_events``) and ``kernel_table``, a profiler run grouped by kind
-of kernel."""
+they share (``time_median``, ``kernel_ms``, ``kernel_events``), ``kernel_table``, a profiler run grouped by kind
+of kernel, and ``bandwidth_table``, the same run's Inductor kernels ranked by the time they lose against a
+bandwidth floor."""
 
 from __future__ import annotations
 
@@ -132,3 +133,77 @@ def kernel_table(prof, cuda: bool) -> list[dict]:
         {"part": name, "ms": ms, "share %": 100 * ms / total}
         for name, ms in sorted(groups.items(), key=lambda item: -item[1])
     ]
+
+
+def inductor_kernel_gb() -> dict[str, float | None]:
+    """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel Inductor has
+    loaded in this process; None where two kernels of one name (from different graphs) differ in their estimate.
+
+    Inductor writes the estimate into a kernel's metadata (``kernel_num_gb``) only with
+    ``torch._inductor.config.benchmark_kernel`` on (env ``TORCHINDUCTOR_BENCHMARK_KERNEL=1``), set before the
+    compile: ``enable_inductor_kernel_bytes``. Its other route, the bandwidth profiler (``TORCHINDUCTOR_PROFILE=1``),
+    fails to compile a training step on torch 2.11; this one only adds code to the kernels' modules."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    found: dict[str, set[float]] = {}
+    for module in list(PyCodeCache.modules):
+        for name, value in vars(module).items():
+            if name.startswith("triton_") and isinstance(value, CachingAutotuner):
+                gb = (value.inductor_meta or {}).get("kernel_num_gb")
+                if gb is not None:
+                    found.setdefault(name, set()).add(round(float(gb), 9))
+    return {name: next(iter(values)) if len(values) == 1 else None for name, values in found.items()}
+
+
+def enable_inductor_kernel_bytes() -> None:
+    """Have Inductor record each generated kernel's byte estimate (for ``inductor_kernel_gb``); call it before the
+    first compiled call. The kernels themselves are unchanged; a graph already in Inductor's caches without the
+    estimates would be reused as it is, so the caches are bypassed."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.benchmark_kernel = True
+    inductor_config.force_disable_caches = True
+
+
+def bandwidth_table(prof, kernel_gb: dict[str, float | None], peak_tbs: float = 4.0) -> list[dict]:
+    """Inductor's kernels in ``prof`` (a torch.profiler run on CUDA), most time lost first: per kernel name its calls,
+    device milliseconds, GB moved (``kernel_gb`` per call, from ``inductor_kernel_gb``), GB/s, the bandwidth floor
+    ``GB / peak_tbs`` and the time lost against it. A kernel near zero lost time moves its bytes about as fast as
+    HBM allows (4 TB/s is what streaming kernels reach on an H200, rated 4.8): only fewer bytes (fusion) can make
+    it faster; one far above it is bound by something else (its arithmetic, a looped reduction, L2 misses)."""
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=False):
+        if event.key not in kernel_gb or str(getattr(event, "device_type", "")).endswith("CPU"):
+            continue
+        ms, gb_per_call = _self_time(event, True) / 1000, kernel_gb[event.key]
+        row = {"kernel": event.key, "calls": event.count, "ms": ms}
+        if gb_per_call is not None:
+            gb = gb_per_call * event.count
+            floor = gb / peak_tbs  # GB / (TB/s) = ms
+            row.update({"GB": gb, "GB/s": gb / ms * 1e3 if ms else 0.0, "floor ms": floor, "lost ms": ms - floor})
+        rows.append(row)
+    return sorted(rows, key=lambda row: -row.get("lost ms", row["ms"]))
+
+
+def bandwidth_markdown(rows: list[dict], top: int = 25, peak_tbs: float = 4.0) -> str:
+    """The first ``top`` rows of a ``bandwidth_table`` as markdown, and a line for all of them: kernels, their time,
+    bytes, the floor and the time lost."""
+
+    def cell(column: str, value) -> str:
+        if value == "":
+            return "?"  # two kernels of this name in different graphs, with different byte counts
+        if column == "kernel":
+            return value[:90]  # Inductor's names list every fused op
+        return f"{value:,.0f}" if column == "GB/s" else f"{value:,.3f}" if isinstance(value, float) else str(value)
+
+    columns = ["kernel", "calls", "ms", "GB", "GB/s", "floor ms", "lost ms"]
+    known = [row for row in rows if "GB" in row]
+    ms, gb = sum(row["ms"] for row in rows), sum(row["GB"] for row in known)
+    lost = sum(row["lost ms"] for row in known)
+    unknown = len(rows) - len(known)
+    return (
+        f"{markdown_table(rows[:top], columns, cell=cell)}\n\n{len(rows)} Inductor kernels, {ms:,.3f} ms, {gb:,.3f} GB; "
+        f"floor at {peak_tbs:g} TB/s {gb / peak_tbs:,.3f} ms, lost {lost:,.3f} ms"
+        + (f" ({unknown} kernels without one byte count)" if unknown else "")
+    )
