@@ -897,37 +897,43 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
     }
 
 
-def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch):
-    """--compile --profile's bandwidth table: byte estimates read from the loaded kernel modules (two graphs' kernels
-    of one name with different estimates get none), joined with the profiled calls by name; floor = GB / 4 TB/s."""
+def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_path):
+    """--compile --profile's bandwidth table: byte estimates read from the output code of the loaded graphs (two
+    graphs' kernels of one name with different estimates get none), joined with the profiled calls by name; floor =
+    GB / 4 TB/s."""
     import types
     from types import SimpleNamespace
 
     from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     from pixdit.report import bandwidth_markdown, bandwidth_table, inductor_kernel_gb
 
-    def kernel_module(name, gb):
-        kernel = CachingAutotuner.__new__(CachingAutotuner)  # only its metadata is read
-        kernel.inductor_meta = {"kernel_num_gb": gb}
-        module = types.ModuleType("kernel")
-        setattr(module, name, kernel)
-        module.get_args = lambda: ()  # what benchmark_kernel adds, and a name that is not a kernel
-        return module
+    def kernel(name, gb):  # how Inductor's output code holds a kernel, with config.benchmark_kernel on
+        meta = f"{{'grid_type': 'Grid1D', 'kernel_name': '{name}', 'num_load': 1, 'kernel_num_gb': {gb}, 'kernel_flop': 0}}"
+        return f"{name} = async_compile.triton('{name}', '''\n@triton_heuristics.pointwise(\n    inductor_meta={meta},\n)\n''')\n"
 
-    modules = [
-        kernel_module("triton_poi_fused_gelu_0", 1.6),
-        kernel_module("triton_red_fused_layer_norm_1", 0.4),
-        kernel_module("triton_poi_fused_add_2", 0.2),
-        kernel_module("triton_poi_fused_add_2", 0.3),  # the backward graph's kernel of the same name
-    ]
+    graphs = {
+        "forward.py": kernel("triton_poi_fused_gelu_0", 1.6) + kernel("triton_red_fused_layer_norm_1", 0.4),
+        "backward.py": kernel("triton_poi_fused_add_2", 0.2) + kernel("triton_poi_fused_stack_3", 1.024e-06),
+        "backward2.py": kernel("triton_poi_fused_add_2", 0.3),  # another graph's kernel of the same name
+    }
+    modules = []
+    for file, source in graphs.items():
+        (tmp_path / file).write_text(source)
+        modules.append(types.ModuleType(file))
+        modules[-1].__file__ = str(tmp_path / file)
+    modules.append(types.ModuleType("no_file"))  # loaded modules without a file are skipped
     monkeypatch.setattr(PyCodeCache, "modules", modules)
     kernel_gb = inductor_kernel_gb()
     assert kernel_gb == {
         "triton_poi_fused_gelu_0": 1.6,
         "triton_red_fused_layer_norm_1": 0.4,
         "triton_poi_fused_add_2": None,
+        "triton_poi_fused_stack_3": 1.024e-06,
+    }
+    assert inductor_kernel_gb([graphs["forward.py"]]) == {
+        "triton_poi_fused_gelu_0": 1.6,
+        "triton_red_fused_layer_norm_1": 0.4,
     }
 
     events = [  # name, device, calls, self microseconds

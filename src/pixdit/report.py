@@ -135,24 +135,28 @@ def kernel_table(prof, cuda: bool) -> list[dict]:
     ]
 
 
-def inductor_kernel_gb() -> dict[str, float | None]:
-    """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel Inductor has
-    loaded in this process; None where two kernels of one name (from different graphs) differ in their estimate.
+def inductor_kernel_gb(sources: Sequence[str] | None = None) -> dict[str, float | None]:
+    """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel in ``sources``
+    (the text of Inductor's output code; default: every module Inductor has loaded in this process); None where two
+    kernels of one name (from different graphs) differ in their estimate.
 
-    Inductor writes the estimate into a kernel's metadata (``kernel_num_gb``) only with
-    ``torch._inductor.config.benchmark_kernel`` on (env ``TORCHINDUCTOR_BENCHMARK_KERNEL=1``), set before the
-    compile: ``enable_inductor_kernel_bytes``. Its other route, the bandwidth profiler (``TORCHINDUCTOR_PROFILE=1``),
-    fails to compile a training step on torch 2.11; this one only adds code to the kernels' modules."""
-    from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    Inductor writes the estimate into each kernel's metadata (``'kernel_num_gb'`` next to ``'kernel_name'``) only
+    with ``torch._inductor.config.benchmark_kernel`` on (env ``TORCHINDUCTOR_BENCHMARK_KERNEL=1``), set before the
+    compile: ``enable_inductor_kernel_bytes``. It is read from the source text, which every torch version writes
+    the same way, because the kernel objects a graph holds at run time differ between versions. (Inductor's other
+    route, its bandwidth profiler, ``TORCHINDUCTOR_PROFILE=1``, fails to compile a training step on torch 2.11.)"""
+    import re
 
+    if sources is None:
+        from torch._inductor.codecache import PyCodeCache
+
+        files = {getattr(module, "__file__", None) for module in list(PyCodeCache.modules)}
+        sources = [open(path).read() for path in sorted(f for f in files if f)]
+    meta = re.compile(r"'kernel_name': '(\w+)'[^\n]*?'kernel_num_gb': ([0-9.eE+-]+)")
     found: dict[str, set[float]] = {}
-    for module in list(PyCodeCache.modules):
-        for name, value in vars(module).items():
-            if name.startswith("triton_") and isinstance(value, CachingAutotuner):
-                gb = (value.inductor_meta or {}).get("kernel_num_gb")
-                if gb is not None:
-                    found.setdefault(name, set()).add(round(float(gb), 9))
+    for source in sources:
+        for name, gb in meta.findall(source):
+            found.setdefault(name, set()).add(float(gb))
     return {name: next(iter(values)) if len(values) == 1 else None for name, values in found.items()}
 
 
