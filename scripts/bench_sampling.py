@@ -158,7 +158,7 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
 
     seconds, peak_gb = time_median(sample, args.warmup, args.repeats, device)
     title = f"{attention}, {side}x{side}, batch {batch}"
-    profile = print_profile(sample, batch * args.steps, title, cuda) if args.profile else None
+    profile = print_profile(sample, batch * args.steps, title, cuda, args.inductor_dir) if args.profile else None
     result = {
         "attention": attention,
         "size": f"{side}x{side}",
@@ -181,9 +181,12 @@ def bench(args, attention: str, attention_config: dict, side: int, gelu: str, me
     return result
 
 
-def print_profile(sample, network_calls: int, title: str, cuda: bool, row_limit: int = 25) -> list[dict]:
+def print_profile(
+    sample, network_calls: int, title: str, cuda: bool, inductor_dir=None, row_limit: int = 25
+) -> list[dict]:
     """One batch under torch.profiler: the time by kind of kernel (device time on CUDA, the ops' CPU time on CPU), per
-    batch and per image and Euler step (``network_calls`` = images x steps), then the top ops. Returns the table."""
+    batch and per image and Euler step (``network_calls`` = images x steps), then the top ops; with ``inductor_dir``
+    (``enable_inductor_kernel_bytes``), Inductor's kernels against the bandwidth floor. Returns the table."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -199,8 +202,8 @@ def print_profile(sample, network_calls: int, title: str, cuda: bool, row_limit:
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\ntop {row_limit} ops by {sort_by}:", file=sys.stderr)
     print(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=70), file=sys.stderr)
-    kernel_gb = inductor_kernel_gb() if cuda else {}
-    if kernel_gb:  # compiled, with the byte estimates on (main)
+    kernel_gb = inductor_kernel_gb(inductor_dir) if cuda and inductor_dir else {}
+    if kernel_gb:
         rows = bandwidth_table(prof, kernel_gb)
         print(
             f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n",
@@ -303,8 +306,8 @@ def main(argv=None) -> list[dict]:
         variants = {spec: parse_variant(spec) for spec in args.attention}
     except PixditError as error:
         sys.exit(f"error: {error}")
-    if args.profile and args.compile:
-        enable_inductor_kernel_bytes()  # for the profile's bandwidth table of Inductor's kernels
+    # the profile's bandwidth table of Inductor's kernels reads their byte estimates from the output code there
+    args.inductor_dir = enable_inductor_kernel_bytes() if args.profile and args.compile else None
     command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     settings = (

@@ -309,7 +309,7 @@ def measure(args, side: int, batch: int, config: dict, label: str, warmup: int, 
     profile = None
     if args.profile:
         title = f"{label} at {side}x{side}, batch {batch}"
-        profile = print_profile(train_step, phase_times(phases, device), device, title)
+        profile = print_profile(train_step, phase_times(phases, device), device, title, args.inductor_dir)
     flops = batch * training_flops_per_image(model, module.tokens_per_image)
     return {
         "ms_per_step": 1000 * step_s,
@@ -353,11 +353,13 @@ def phase_times(phases, device: torch.device, steps: int = PHASE_STEPS) -> list[
     return [{"phase": name, "ms": ms, "share %": 100 * ms / total} for name, ms in times.items()]
 
 
-def print_profile(train_step, phases: list[dict], device: torch.device, title: str, row_limit: int = 25) -> dict:
+def print_profile(
+    train_step, phases: list[dict], device: torch.device, title: str, inductor_dir=None, row_limit: int = 25
+) -> dict:
     """Where the step's time goes: ``phases`` (phase_times: forward, backward, clip, optimizer, EMA), then one more
     step under torch.profiler grouped by kind of kernel (device time; CPU time on CPU), then the ops with the most
-    self time; compiled (``enable_inductor_kernel_bytes``), Inductor's kernels against the bandwidth floor. Returns
-    the tables for the JSON record."""
+    self time; with ``inductor_dir`` (``enable_inductor_kernel_bytes``), Inductor's kernels against the bandwidth
+    floor. Returns the tables for the JSON record."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -382,8 +384,8 @@ def print_profile(train_step, phases: list[dict], device: torch.device, title: s
         flush=True,
     )
     record = {"phases": phases, "kernels": categories}
-    kernel_gb = inductor_kernel_gb() if cuda else {}
-    if kernel_gb:  # compiled, with the byte estimates on (main)
+    kernel_gb = inductor_kernel_gb(inductor_dir) if cuda and inductor_dir else {}
+    if kernel_gb:
         rows = bandwidth_table(prof, kernel_gb)
         print(f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n")
         print(bandwidth_markdown(rows, row_limit), flush=True)
@@ -730,8 +732,8 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
     torch.backends.cudnn.allow_tf32 = True
-    if args.profile and args.compile:
-        enable_inductor_kernel_bytes()  # for the profile's bandwidth table of Inductor's kernels
+    # the profile's bandwidth table of Inductor's kernels reads their byte estimates from the output code there
+    args.inductor_dir = enable_inductor_kernel_bytes() if args.profile and args.compile else None
     command = "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv)
     settings_text = settings_line(args, models, settings)
     out = Path(args.out) if args.out else None

@@ -898,15 +898,22 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
 
 
 def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_path):
-    """--compile --profile's bandwidth table: byte estimates read from the output code of the loaded graphs (two
-    graphs' kernels of one name with different estimates get none), joined with the profiled calls by name; floor =
-    GB / 4 TB/s."""
+    """--compile --profile's bandwidth table: byte estimates read from the output code Inductor writes under the
+    directory ``enable_inductor_kernel_bytes`` gives it (two graphs' kernels of one name with different estimates get
+    none), joined with the profiled calls by name; floor = GB / 4 TB/s."""
     import types
     from types import SimpleNamespace
 
+    import torch._inductor.config as inductor_config
     from torch._inductor.codecache import PyCodeCache
 
-    from pixdit.report import bandwidth_markdown, bandwidth_table, inductor_kernel_gb
+    from pixdit.report import bandwidth_markdown, bandwidth_table, enable_inductor_kernel_bytes, inductor_kernel_gb
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "old"))  # both restored after the test
+    monkeypatch.setattr(inductor_config, "benchmark_kernel", False)
+    directory = enable_inductor_kernel_bytes()
+    assert inductor_config.benchmark_kernel and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(directory)
+    assert directory.is_dir() and not any(directory.iterdir())
 
     def kernel(name, gb):  # how Inductor's output code holds a kernel, with config.benchmark_kernel on
         meta = f"{{'grid_type': 'Grid1D', 'kernel_name': '{name}', 'num_load': 1, 'kernel_num_gb': {gb}, 'kernel_flop': 0}}"
@@ -917,14 +924,12 @@ def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_pa
         "backward.py": kernel("triton_poi_fused_add_2", 0.2) + kernel("triton_poi_fused_stack_3", 1.024e-06),
         "backward2.py": kernel("triton_poi_fused_add_2", 0.3),  # another graph's kernel of the same name
     }
-    modules = []
-    for file, source in graphs.items():
-        (tmp_path / file).write_text(source)
-        modules.append(types.ModuleType(file))
-        modules[-1].__file__ = str(tmp_path / file)
-    modules.append(types.ModuleType("no_file"))  # loaded modules without a file are skipped
-    monkeypatch.setattr(PyCodeCache, "modules", modules)
-    kernel_gb = inductor_kernel_gb()
+    for file, source in graphs.items():  # as Inductor writes output code under its cache directory
+        (tmp_path / "ab" / file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ab" / file).write_text(source)
+    (tmp_path / "ab" / "notes.txt").write_text(kernel("triton_poi_fused_other_9", 5.0))  # not a .py file
+    monkeypatch.setattr(PyCodeCache, "modules", [types.ModuleType("no_file")])  # loaded modules without a file
+    kernel_gb = inductor_kernel_gb(tmp_path)
     assert kernel_gb == {
         "triton_poi_fused_gelu_0": 1.6,
         "triton_red_fused_layer_norm_1": 0.4,

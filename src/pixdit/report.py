@@ -6,6 +6,7 @@ bandwidth floor."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -135,39 +136,47 @@ def kernel_table(prof, cuda: bool) -> list[dict]:
     ]
 
 
-def inductor_kernel_gb(sources: Sequence[str] | None = None) -> dict[str, float | None]:
-    """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel in ``sources``
-    (the text of Inductor's output code; default: every module Inductor has loaded in this process); None where two
-    kernels of one name (from different graphs) differ in their estimate.
+def enable_inductor_kernel_bytes() -> Path:
+    """Have Inductor record each generated kernel's byte estimate, in output code written under a fresh directory
+    (returned; read by ``inductor_kernel_gb``). Call it before the first compiled call. The kernels are unchanged;
+    the fresh cache directory (``TORCHINDUCTOR_CACHE_DIR``) also keeps Inductor from reusing a graph compiled
+    earlier without the estimates."""
+    import os
+    import tempfile
+
+    import torch._inductor.config as inductor_config
+
+    inductor_config.benchmark_kernel = True
+    directory = Path(tempfile.mkdtemp(prefix="pixdit_inductor_"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)  # read at every compile
+    return directory
+
+
+def inductor_kernel_gb(sources: Path | Sequence[str]) -> dict[str, float | None]:
+    """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel in ``sources``:
+    the text of Inductor's output code, or a directory from ``enable_inductor_kernel_bytes`` (its ``*.py`` files,
+    and those of every module Inductor loaded in this process). None where two kernels of one name (from different
+    graphs) differ in their estimate.
 
     Inductor writes the estimate into each kernel's metadata (``'kernel_num_gb'`` next to ``'kernel_name'``) only
-    with ``torch._inductor.config.benchmark_kernel`` on (env ``TORCHINDUCTOR_BENCHMARK_KERNEL=1``), set before the
-    compile: ``enable_inductor_kernel_bytes``. It is read from the source text, which every torch version writes
-    the same way, because the kernel objects a graph holds at run time differ between versions. (Inductor's other
-    route, its bandwidth profiler, ``TORCHINDUCTOR_PROFILE=1``, fails to compile a training step on torch 2.11.)"""
+    with ``torch._inductor.config.benchmark_kernel`` on. It is read from the source text, which every torch version
+    writes the same way, because the kernel objects a graph holds at run time differ between versions. (Inductor's
+    other route, its bandwidth profiler, ``TORCHINDUCTOR_PROFILE=1``, fails to compile a training step on torch
+    2.11.)"""
     import re
 
-    if sources is None:
+    if isinstance(sources, Path):
         from torch._inductor.codecache import PyCodeCache
 
-        files = {getattr(module, "__file__", None) for module in list(PyCodeCache.modules)}
-        sources = [open(path).read() for path in sorted(f for f in files if f)]
+        loaded = {getattr(module, "__file__", None) for module in list(PyCodeCache.modules)}
+        files = {*sources.rglob("*.py"), *(Path(f) for f in loaded if f)}
+        sources = [path.read_text() for path in sorted(files) if path.is_file()]
     meta = re.compile(r"'kernel_name': '(\w+)'[^\n]*?'kernel_num_gb': ([0-9.eE+-]+)")
     found: dict[str, set[float]] = {}
     for source in sources:
         for name, gb in meta.findall(source):
             found.setdefault(name, set()).add(float(gb))
     return {name: next(iter(values)) if len(values) == 1 else None for name, values in found.items()}
-
-
-def enable_inductor_kernel_bytes() -> None:
-    """Have Inductor record each generated kernel's byte estimate (for ``inductor_kernel_gb``); call it before the
-    first compiled call. The kernels themselves are unchanged; a graph already in Inductor's caches without the
-    estimates would be reused as it is, so the caches are bypassed."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.benchmark_kernel = True
-    inductor_config.force_disable_caches = True
 
 
 def bandwidth_table(prof, kernel_gb: dict[str, float | None], peak_tbs: float = 4.0) -> list[dict]:
