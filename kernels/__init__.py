@@ -11,7 +11,6 @@ into: Dynamo would hand the Triton kernels to Inductor, which types their float 
 them (torch 2.11), and their host logic (autotuning, routing between selection paths) is not traceable.
 """
 
-from .bias_gelu import bias_gelu  # the MLP's fc1 bias + GELU, the bias gradient in the backward's pass
 from .block_sparse import block_sparse_attention, flash_attention
 from .blocks import block_mean, csr_to_csc, topk_desc
 from .llsa import llsa_attention, llsa_check, llsa_num_levels, llsa_select
@@ -20,7 +19,6 @@ from .sla import sla_attention, sla_select  # SLA: top-K sparse + linear attenti
 from .vsa import vsa_attention, vsa_select  # VSA: coarse + top-K block-sparse fine attention
 
 __all__ = [
-    "bias_gelu",
     "block_sparse_attention",
     "flash_attention",
     "block_mean",

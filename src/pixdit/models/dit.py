@@ -37,7 +37,6 @@ from torch import nn
 
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
-from pixdit.kernels.bias_gelu import bias_gelu
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (
@@ -62,17 +61,17 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return torch.addcmul(shift[:, None], x, 1 + scale[:, None])
 
 
-def fc1_gelu(fc1: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The tanh GELU of ``fc1(x)``. Eager: F.gelu on the linear layer's output (two ATen kernels). Compiled: the
-    matmul without its bias, then ``pixdit.kernels.bias_gelu``, the bias add and the GELU in fp32 in one elementwise
-    pass, rounded once. Two reasons (docs/kernel_notes.md v38, v39): Inductor lowers F.gelu's tanh to libdevice's
-    accurate tanh, which made its GELU kernels compute-bound, where bias_gelu's sigmoid form goes through a fast exp
-    (and is the more accurate one in the negative tail); and with the bias outside the matmul, bias_gelu's backward
-    computes the bias gradient in the pass that writes the GELU's gradient, where Inductor read that 4x-wide
-    gradient once more for it. The compiled form differs from the eager one by one rounding of the pre-activation."""
+def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh form, computed in fp32 and rounded once to h's dtype. Eager: F.gelu (one ATen kernel). Compiled:
+    written as h * sigmoid(2u), u = sqrt(2 / pi) (h + 0.044715 h^3), the same function (0.5 (1 + tanh u) =
+    sigmoid(2u)), because Inductor lowers F.gelu's tanh to libdevice's accurate tanh, dozens of instructions an
+    element, which made the GELU kernels of a compiled step compute-bound, and sigmoid to its fast exp (the forward
+    kernel 1.39x, the backward 1.13x faster; docs/kernel_notes.md v38). The sigmoid form is also the more accurate
+    one in the negative tail, where 1 + tanh(u) cancels."""
     if not torch.compiler.is_compiling():
-        return F.gelu(fc1(x), approximate="tanh")
-    return bias_gelu(F.linear(x, fc1.weight), fc1.bias)
+        return F.gelu(h, approximate="tanh")
+    x = h.float()
+    return (x * torch.sigmoid(x * (1.5957691216057308 + 0.07135481627260025 * x * x))).to(h.dtype)
 
 
 class PermuteTokens(torch.autograd.Function):
@@ -188,7 +187,7 @@ class Mlp(nn.Module):
     Without autograd on CUDA (sampling, evaluation), fc1 and its GELU are one cuBLASLt matmul with the GELU in its
     epilogue (``torch._addmm_activation``, whose CUDA GELU is the tanh form): the 4x-wide hidden activation is
     written once instead of written, read and written again (compiled sampling at 256² measured 1.07x faster,
-    docs/benchmarks.md). Training keeps separate ops (``fc1_gelu``), because the backward needs the
+    docs/benchmarks.md). Training keeps the separate ops (the GELU as ``gelu_tanh``), because the backward needs the
     pre-activation, which that call does not return, and torch has no public op for it (``F.linear`` does not take an
     activation); Triton GEMMs with the GELU (and its derivative) in their epilogues were measured and did not pay
     (docs/kernel_notes.md v38). The fused result differs from the separate ops by one bf16 rounding of the
@@ -206,7 +205,7 @@ class Mlp(nn.Module):
     def forward(self, x):
         if self.fuse_inference_gelu and x.is_cuda and not torch.is_grad_enabled():
             return self.fc2(self._fc1_gelu_fused(x))
-        return self.fc2(fc1_gelu(self.fc1, x))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
     def _fc1_gelu_fused(self, x: torch.Tensor) -> torch.Tensor:
         # autocast does not cover _addmm_activation: cast to the dtype it would give the matmul
