@@ -63,10 +63,8 @@ from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
 from pixdit.models.dit import Attention, Mlp  # noqa: E402
 from pixdit.report import (  # noqa: E402
-    bandwidth_markdown,
-    bandwidth_table,
+    bandwidth_report,
     enable_inductor_kernel_bytes,
-    inductor_kernel_gb,
     kernel_table,
     markdown_table,
     time_median,
@@ -202,14 +200,9 @@ def print_profile(
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\ntop {row_limit} ops by {sort_by}:", file=sys.stderr)
     print(prof.key_averages().table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=70), file=sys.stderr)
-    kernel_gb = inductor_kernel_gb(inductor_dir) if cuda and inductor_dir else {}
-    if kernel_gb:
-        rows = bandwidth_table(prof, kernel_gb)
-        print(
-            f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n",
-            file=sys.stderr,
-        )
-        print(bandwidth_markdown(rows, row_limit), file=sys.stderr)
+    rows, text = bandwidth_report(prof, inductor_dir if cuda else None, row_limit)
+    if rows:
+        print(f"\n{text}", file=sys.stderr)
     return table
 
 

@@ -89,10 +89,8 @@ from pixdit.models import DIT_MODELS  # noqa: E402
 from pixdit.models.checkpointing import grad_checkpointing_plan  # noqa: E402
 from pixdit.models.dit import Attention  # noqa: E402
 from pixdit.report import (  # noqa: E402
-    bandwidth_markdown,
-    bandwidth_table,
+    bandwidth_report,
     enable_inductor_kernel_bytes,
-    inductor_kernel_gb,
     kernel_table,
     markdown_table,
     time_median,
@@ -384,11 +382,9 @@ def print_profile(
         flush=True,
     )
     record = {"phases": phases, "kernels": categories}
-    kernel_gb = inductor_kernel_gb(inductor_dir) if cuda and inductor_dir else {}
-    if kernel_gb:
-        rows = bandwidth_table(prof, kernel_gb)
-        print(f"\nInductor's kernels, most time lost against the bandwidth floor first (top {row_limit}):\n")
-        print(bandwidth_markdown(rows, row_limit), flush=True)
+    rows, text = bandwidth_report(prof, inductor_dir if cuda else None, row_limit)
+    if rows:
+        print(f"\n{text}", flush=True)
         record["inductor"] = rows
     return record
 

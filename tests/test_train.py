@@ -907,7 +907,13 @@ def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_pa
     import torch._inductor.config as inductor_config
     from torch._inductor.codecache import PyCodeCache
 
-    from pixdit.report import bandwidth_markdown, bandwidth_table, enable_inductor_kernel_bytes, inductor_kernel_gb
+    from pixdit.report import (
+        bandwidth_markdown,
+        bandwidth_report,
+        bandwidth_table,
+        enable_inductor_kernel_bytes,
+        inductor_kernel_gb,
+    )
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "old"))  # both restored after the test
     monkeypatch.setattr(inductor_config, "benchmark_kernel", False)
@@ -969,3 +975,7 @@ def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_pa
     assert summary.count("| triton_") == 2 and "| triton_poi_fused_add_2 | 24 | 0.500 | ? |" in summary
     assert "3 Inductor kernels, 7.700 ms, 24.000 GB" in summary and "lost 1.200 ms" in summary
     assert "1 kernels without one byte count" in summary
+    # what the scripts call: the table with the estimates under the directory, titled; nothing without them
+    report_rows, text = bandwidth_report(prof, tmp_path, top=2)
+    assert report_rows == rows and text.startswith("Inductor's kernels, most time lost") and summary in text
+    assert bandwidth_report(prof, None) == ([], "")

@@ -220,3 +220,14 @@ def bandwidth_markdown(rows: list[dict], top: int = 25, peak_tbs: float = 4.0) -
         f"floor at {peak_tbs:g} TB/s {gb / peak_tbs:,.3f} ms, lost {lost:,.3f} ms"
         + (f" ({unknown} kernels without one byte count)" if unknown else "")
     )
+
+
+def bandwidth_report(prof, directory: Path | None, top: int = 25) -> tuple[list[dict], str]:
+    """``bandwidth_table`` of ``prof`` with the byte estimates under ``directory`` (``enable_inductor_kernel_bytes``;
+    None: not compiled with them) and its first ``top`` rows as titled markdown; ([], "") without estimates."""
+    kernel_gb = inductor_kernel_gb(directory) if directory is not None else {}
+    if not kernel_gb:
+        return [], ""
+    rows = bandwidth_table(prof, kernel_gb)
+    title = f"Inductor's kernels, most time lost against the bandwidth floor first (top {top}):"
+    return rows, f"{title}\n\n{bandwidth_markdown(rows, top)}"
