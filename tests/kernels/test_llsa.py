@@ -193,18 +193,20 @@ def test_triton_output_is_tokens_major_and_takes_its_gradient_in_any_layout(Le):
     without a copy); the gradient arriving in that layout (the model's case), transposed or broadcast (stride 0) gives
     the same gradients, bit for bit."""
     g = torch.Generator().manual_seed(7)
-    q, k, v, go = (torch.randn(2, 2, 256, 16, generator=g).to(DEVICE) for _ in range(4))
+    # one sample of two heads: the tokens-major layout [b, N, h, d] still interleaves the heads (the interpreter
+    # runs four backward passes here; two samples doubled the suite's longest test)
+    q, k, v, go = (torch.randn(1, 2, 256, 16, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     index = llsa_select(q, k, 16, 4, 2)
     fn = lambda q, k, v: llsa_attention(q, k, v, 16, 4, 2, Le, index=index, impl="triton")  # noqa: E731
     o = fn(q, k, v)
-    assert o.shape == (2, 2, 256, 16) and o.transpose(1, 2).is_contiguous()
+    assert o.shape == (1, 2, 256, 16) and o.transpose(1, 2).is_contiguous()
     want = grads(fn, q, k, v, go)
     tokens_major = go.transpose(1, 2).contiguous().transpose(1, 2)
     assert all(torch.equal(a, b) for a, b in zip(grads(fn, q, k, v, tokens_major), want))
     row = torch.randn(16, generator=g).to(DEVICE)
-    broadcast = grads(fn, q, k, v, row.expand(2, 2, 256, 16))
-    assert all(torch.equal(a, b) for a, b in zip(broadcast, grads(fn, q, k, v, row.expand(2, 2, 256, 16).clone())))
+    broadcast = grads(fn, q, k, v, row.expand(1, 2, 256, 16))
+    assert all(torch.equal(a, b) for a, b in zip(broadcast, grads(fn, q, k, v, row.expand(1, 2, 256, 16).clone())))
 
 
 @needs_interpreter
