@@ -154,9 +154,9 @@ def enable_inductor_kernel_bytes() -> Path:
 
 def inductor_kernel_gb(sources: Path | Sequence[str]) -> dict[str, float | None]:
     """{kernel name: GB one call reads and writes, Inductor's own estimate} for every Triton kernel in ``sources``:
-    the text of Inductor's output code, or a directory from ``enable_inductor_kernel_bytes`` (its ``*.py`` files,
-    and those of every module Inductor loaded in this process). None where two kernels of one name (from different
-    graphs) differ in their estimate.
+    the text of Inductor's output code, or a directory from ``enable_inductor_kernel_bytes`` (its ``*.py`` files:
+    Inductor writes all its output code under its cache directory). None where two kernels of one name (from
+    different graphs) differ in their estimate.
 
     Inductor writes the estimate into each kernel's metadata (``'kernel_num_gb'`` next to ``'kernel_name'``) only
     with ``torch._inductor.config.benchmark_kernel`` on. It is read from the source text, which every torch version
@@ -166,11 +166,7 @@ def inductor_kernel_gb(sources: Path | Sequence[str]) -> dict[str, float | None]
     import re
 
     if isinstance(sources, Path):
-        from torch._inductor.codecache import PyCodeCache
-
-        loaded = {getattr(module, "__file__", None) for module in list(PyCodeCache.modules)}
-        files = {*sources.rglob("*.py"), *(Path(f) for f in loaded if f)}
-        sources = [path.read_text() for path in sorted(files) if path.is_file()]
+        sources = [path.read_text() for path in sorted(sources.rglob("*.py")) if path.is_file()]
     meta = re.compile(r"'kernel_name': '(\w+)'[^\n]*?'kernel_num_gb': ([0-9.eE+-]+)")
     found: dict[str, set[float]] = {}
     for source in sources:
@@ -199,9 +195,9 @@ def bandwidth_table(prof, kernel_gb: dict[str, float | None], peak_tbs: float = 
     return sorted(rows, key=lambda row: -row.get("lost ms", row["ms"]))
 
 
-def bandwidth_markdown(rows: list[dict], top: int = 25, peak_tbs: float = 4.0) -> str:
+def bandwidth_markdown(rows: list[dict], top: int = 25) -> str:
     """The first ``top`` rows of a ``bandwidth_table`` as markdown, and a line for all of them: kernels, their time,
-    bytes, the floor and the time lost."""
+    bytes, the floor (and its rate, from the rows' own floors) and the time lost."""
 
     def cell(column: str, value) -> str:
         if value == "":
@@ -213,11 +209,12 @@ def bandwidth_markdown(rows: list[dict], top: int = 25, peak_tbs: float = 4.0) -
     columns = ["kernel", "calls", "ms", "GB", "GB/s", "floor ms", "lost ms"]
     known = [row for row in rows if "GB" in row]
     ms, gb = sum(row["ms"] for row in rows), sum(row["GB"] for row in known)
-    lost = sum(row["lost ms"] for row in known)
+    floor, lost = sum(row["floor ms"] for row in known), sum(row["lost ms"] for row in known)
+    rate = f" at {gb / floor:g} TB/s" if floor else ""
     unknown = len(rows) - len(known)
     return (
         f"{markdown_table(rows[:top], columns, cell=cell)}\n\n{len(rows)} Inductor kernels, {ms:,.3f} ms, {gb:,.3f} GB; "
-        f"floor at {peak_tbs:g} TB/s {gb / peak_tbs:,.3f} ms, lost {lost:,.3f} ms"
+        f"floor{rate} {floor:,.3f} ms, lost {lost:,.3f} ms"
         + (f" ({unknown} kernels without one byte count)" if unknown else "")
     )
 
