@@ -1105,13 +1105,19 @@ def tma_walk_rows(per_iter: int, list_len: int, list_step: int, tail_hi: int) ->
     return TAIL_STEP.value if tail_hi > 0 else 0
 
 
+def tma_step_rows(rows: int) -> int:
+    """``rows`` where a contiguous walk in steps of ``rows`` rows may load by TMA (TMA on and steps of at least
+    ``TMA_MIN_ROWS``), else 0: the rule ``tma_descriptors`` applies before it looks at the device and the layouts."""
+    return rows if TMA_LOADS and rows >= TMA_MIN_ROWS else 0
+
+
 def tma_descriptors(k: torch.Tensor, v: torch.Tensor, rows: int):
     """``(K_DESC, V_DESC, DESC_ROWS)`` of a launch whose contiguous walk steps over ``rows`` key rows (the key-major
     dk/dv passes q and dO for k and v, and steps over query rows): 2-D TMA descriptors of ``rows``-row tiles, k as
     ``[BH * n_k, d]`` and v as ``[BH / heads * n_k, heads * d]`` (``row_layout``), or ``(k, v, 0)`` (pointer loads)
     where TMA is off, unsupported or the layouts do not allow it."""
     n, d = k.shape[1], k.shape[2]
-    if not TMA_LOADS or rows < TMA_MIN_ROWS or not _tma_capable(k.device.type, k.device.index):
+    if not tma_step_rows(rows) or not _tma_capable(k.device.type, k.device.index):
         return k, v, 0
     heads = row_layout(v)[3]
     k_stride, v_stride = _tma_rows(k, 1, n), _tma_rows(v, heads, n)

@@ -197,8 +197,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     def descriptors(step_rows, names=("K_DESC", "V_DESC")):
         """(arguments, DESC_ROWS) of a launch whose contiguous walk steps over ``step_rows`` rows: TMA descriptors
-        where block_sparse.tma_descriptors gives them (TMA on, steps of >= TMA_MIN_ROWS rows), else pointers."""
-        desc_rows = step_rows if step_rows >= block_sparse.TMA_MIN_ROWS and block_sparse.TMA_LOADS else 0
+        where block_sparse.tma_descriptors gives them (block_sparse.tma_step_rows), else pointers."""
+        desc_rows = block_sparse.tma_step_rows(step_rows)
         desc = f"tensordesc<bf16[{desc_rows}, {d}]>" if desc_rows else "*bf16"
         return dict.fromkeys(names, desc), desc_rows
 
