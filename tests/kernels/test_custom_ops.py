@@ -223,6 +223,14 @@ def _recorded_calls():
             qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8
         )
         _loss(tuple(out)).backward()
+        # the DiT block's two joints: before the attention (no branch) and after it
+        from pixdit.kernels.adaln_joint import ROWS_PER_PROGRAM, adaln_joint
+
+        x = torch.randn(2, ROWS_PER_PROGRAM, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        branch = torch.randn_like(x, requires_grad=True)
+        mods = [torch.randn(2, 24, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3)]
+        x1, h1 = adaln_joint(x, None, None, mods[1], mods[2], 1e-6, impl="triton")
+        _loss(adaln_joint(x1, branch * h1, mods[0], mods[1], mods[2], 1e-5, impl="triton")).backward()
     return mode.calls
 
 
@@ -240,6 +248,7 @@ OPS = [
     "sla_backward_dq",
     "qk_norm_rope",
     "qk_norm_rope_backward",
+    "adaln_joint_backward",
 ]
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
+from pixdit.kernels.adaln_joint import adaln_joint
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (
@@ -227,6 +228,12 @@ class DiTBlock(nn.Module):
 
     def forward(self, x, c, cos, sin, grid_hw):
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            # the same ops, but the joints' backward computes d shift, d scale, d gate in the LayerNorm's pass
+            # (docs/kernel_notes.md v39); the forward is traced as before
+            x, h = adaln_joint(x, None, None, shift1, scale1, eps=1e-6)
+            x, h = adaln_joint(x, self.attn(h, cos, sin, grid_hw), gate1, shift2, scale2, eps=1e-5)
+            return torch.addcmul(x, gate2[:, None], self.mlp(h))
         h = modulate(layer_norm(x, eps=1e-6), shift1, scale1)
         x = torch.addcmul(x, gate1[:, None], self.attn(h, cos, sin, grid_hw))  # x + gate1 * attn
         h = modulate(layer_norm(x, eps=1e-5), shift2, scale2)

@@ -1,0 +1,79 @@
+"""adaln_joint (gated residual + LayerNorm + adaLN modulation; per-sample shift / scale / gate gradients in the
+backward's pass) against an fp64 oracle written here from its definition, differentiated by autograd. On CPU the
+Triton kernel runs in the interpreter (tests/kernels/conftest.py)."""
+
+import pytest
+import torch
+
+from pixdit.kernels.adaln_joint import ROWS_PER_PROGRAM, adaln_joint
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def oracle(x, branch, gate, shift, scale, eps):
+    x_new = x if branch is None else x + gate[:, None] * branch
+    mean = x_new.mean(-1, keepdim=True)
+    var = (x_new - mean).square().mean(-1, keepdim=True)
+    return x_new, (x_new - mean) / torch.sqrt(var + eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def make_inputs(b, n, dim, dtype, device, with_branch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape, s=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g) * s + shift).to(device, dtype).requires_grad_()
+
+    x = t(b, n, dim, s=2.0, shift=0.5)
+    branch, gate = (t(b, n, dim), t(b, dim, s=0.5)) if with_branch else (None, None)
+    return x, branch, gate, t(b, dim, s=0.3), t(b, dim, s=0.3)
+
+
+def compare(b, n, dim, dtype, device, impl, with_branch, eps=1e-5):
+    x, branch, gate, shift, scale = make_inputs(b, n, dim, dtype, device, with_branch)
+    leaves = [t for t in (x, branch, gate, shift, scale) if t is not None]
+    x_new, h = adaln_joint(x, branch, gate, shift, scale, eps, impl=impl)
+    g = torch.Generator().manual_seed(1)
+    up = [torch.randn(t.shape, generator=g).to(device, dtype) for t in (x_new, h)]
+    grads = torch.autograd.grad((x_new, h), leaves, up)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    it = iter(ref_leaves)
+    rx = next(it)
+    rb, rg = (next(it), next(it)) if with_branch else (None, None)
+    rs, rc = next(it), next(it)
+    want = oracle(rx, rb, rg, rs, rc, eps)
+    want_grads = torch.autograd.grad(want, ref_leaves, [u.double() for u in up])
+    names = ["x_new", "h", "dx"] + (["dbranch", "dgate"] if with_branch else []) + ["dshift", "dscale"]
+    for name, got, ref in zip(names, (x_new, h, *grads), (*want, *want_grads), strict=True):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        error = ((got.double() - ref).norm() / ref.norm()).item()
+        assert error < TOL[dtype], f"{name}: relative error {error:.2e} (tolerance {TOL[dtype]:.0e})"
+    return (x_new, h, *grads)
+
+
+# dims: a power of two and a padded one; two samples of two programs each
+CASES = [(2, 2 * ROWS_PER_PROGRAM, 48), (1, ROWS_PER_PROGRAM, 64)]
+
+
+@pytest.mark.parametrize("with_branch", [True, False])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_fp64_oracle(case, dtype, impl, with_branch):
+    if impl == "triton" and CUDA:
+        pytest.skip("interpreter test (the GPU twin is below)")
+    compare(*case, dtype, "cpu", impl, with_branch)
+
+
+def test_tokens_not_a_multiple_of_the_program_run_the_torch_path():
+    compare(2, ROWS_PER_PROGRAM + 8, 32, torch.float32, "cpu", "triton" if not CUDA else "auto", True)
+
+
+@pytest.mark.parametrize("with_branch", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gpu_matches_the_fp64_oracle_and_is_deterministic(dtype, with_branch, mark):
+    first = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
+    second = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
