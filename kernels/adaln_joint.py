@@ -26,13 +26,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import use_triton
+from .common import AUTOTUNE, autotuned, use_triton
 from .ops import custom_op
 
-__all__ = ["adaln_joint", "adaln_joint_backward_torch"]
+__all__ = ["adaln_joint", "adaln_joint_backward_torch", "backward_launches", "joint_backward"]
 
 ROWS_PER_PROGRAM = 128  # rows of one sample per backward program (the sample's tokens must be a multiple)
-BLOCK_ROWS = 8
 
 
 def adaln_joint_forward(x, branch, gate, shift, scale, eps):
@@ -85,6 +84,7 @@ def _joint_bwd_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sample = (pid * ROWS_PER_PROGRAM) // n  # a program's rows lie in one sample (n % ROWS_PER_PROGRAM == 0)
@@ -98,7 +98,7 @@ def _joint_bwd_kernel(
     sum_dh = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
     sum_dh_xhat = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
     sum_dxn_branch = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
-    for step in range(0, ROWS_PER_PROGRAM, BLOCK_ROWS):
+    for step in tl.range(0, ROWS_PER_PROGRAM, BLOCK_ROWS, num_stages=NUM_STAGES):
         row = pid * ROWS_PER_PROGRAM + step + tl.arange(0, BLOCK_ROWS)
         offset = row.to(tl.int64)[:, None] * dim + col[None, :]
         xn = tl.load(x_ptr + offset, mask=ok, other=0.0).to(tl.float32)
@@ -130,6 +130,50 @@ def _joint_bwd_kernel(
     tl.store(base + 2 * dim + col, tl.sum(sum_dxn_branch, axis=0), mask=col_ok)
 
 
+ROW_STEPS = (1, 2, 4, 8, 16, 32)  # rows per step of the backward's walk (a power of two up to ROWS_PER_PROGRAM)
+
+
+def _elements_per_thread(block_rows: int, dim: int, warps: int) -> int:
+    return block_rows * triton.next_power_of_2(dim) // (32 * warps)
+
+
+def backward_launches(dim: int) -> list[dict]:
+    """The backward kernel's launch configurations for rows of ``dim``: rows per step, warps, pipeline stages (the
+    walk's loads issued that many steps ahead; only ``tl.range``'s stages pipeline a loop without dots). Each holds
+    2-8 elements of a row tile per thread (at least one row a step): compiled for sm_90 (the compile report's
+    ``--kernels joint``), 8 rows of 512 columns on 4 warps (32 a thread) took 255 registers and spilled, 2 rows took
+    106 and did not."""
+    return [
+        {"BLOCK_ROWS": rows, "NUM_STAGES": stages, "num_warps": warps}
+        for warps in (4, 8)
+        for rows in ROW_STEPS
+        for stages in (2, 3)
+        if 2 <= _elements_per_thread(rows, dim, warps) <= 8 or (rows == 1 and _elements_per_thread(1, dim, warps) > 8)
+    ]
+
+
+def fixed_launch(dim: int) -> dict:
+    """The launch without autotuning: 8 elements a thread, on 4 warps up to 1,024 columns."""
+    warps = 4 if triton.next_power_of_2(dim) <= 1024 else 8
+    rows = max(1, min(ROW_STEPS[-1], 8 * 32 * warps // triton.next_power_of_2(dim)))
+    return {"BLOCK_ROWS": rows, "NUM_STAGES": 2, "num_warps": warps}
+
+
+def _prune(configs, named_args, **kwargs):
+    dim = named_args["dim"]
+    allowed = [(c["BLOCK_ROWS"], c["NUM_STAGES"], c["num_warps"]) for c in backward_launches(dim)]
+    return [c for c in configs if (c.kwargs["BLOCK_ROWS"], c.kwargs["NUM_STAGES"], c.num_warps) in allowed]
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_ROWS": rows, "NUM_STAGES": stages}, num_warps=warps)
+    for warps in (4, 8)
+    for rows in ROW_STEPS
+    for stages in (2, 3)
+]
+_joint_bwd = autotuned(_joint_bwd_kernel, ["dim", "HAS_BRANCH", "HAS_DRES"], _CONFIGS, prune=_prune)
+
+
 def _backward_out(x: torch.Tensor, has_branch: bool):
     """dx, d branch (x's shape and dtype; an empty tensor without a branch) and the per-program fp32 sums
     ``[programs, 3, d]``."""
@@ -139,19 +183,15 @@ def _backward_out(x: torch.Tensor, has_branch: bool):
     return torch.empty_like(x), dbranch, x.new_empty((programs, 3, dim), dtype=torch.float32)
 
 
-@custom_op("adaln_joint_backward")
-def _adaln_joint_backward_op(
-    dh: torch.Tensor,
-    dres: torch.Tensor | None,
-    x: torch.Tensor,
-    branch: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    scale: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | None = None):
+    """The Triton backward (the custom op's launcher): dx, d branch and the per-program sums of ``_backward_out``.
+    ``launch``: one of ``backward_launches(dim)``; None = autotuned over them on the GPU (common.AUTOTUNE), else
+    ``fixed_launch(dim)``. dres, branch and gate may be None (not read)."""
     dx, dbranch, partial = _backward_out(x, branch is not None)
     b, n, dim = x.shape
-    _joint_bwd_kernel[(partial.shape[0],)](
+    kernel = _joint_bwd_kernel if launch is not None or not AUTOTUNE else _joint_bwd
+    launch = launch if launch is not None else ({} if AUTOTUNE else fixed_launch(dim))
+    kernel[(partial.shape[0],)](
         dh,
         dres if dres is not None else dh,  # not read without HAS_DRES
         x,
@@ -167,11 +207,23 @@ def _adaln_joint_backward_op(
         HAS_BRANCH=branch is not None,
         HAS_DRES=dres is not None,
         ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
-        BLOCK_ROWS=BLOCK_ROWS,
         DIM_PAD=triton.next_power_of_2(dim),
-        num_warps=4,
+        **launch,
     )
     return dx, dbranch, partial
+
+
+@custom_op("adaln_joint_backward")
+def _adaln_joint_backward_op(
+    dh: torch.Tensor,
+    dres: torch.Tensor | None,
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return joint_backward(dh, dres, x, branch, gate, scale, eps)
 
 
 @_adaln_joint_backward_op.register_fake

@@ -5,7 +5,13 @@ Triton kernel runs in the interpreter (tests/kernels/conftest.py)."""
 import pytest
 import torch
 
-from pixdit.kernels.adaln_joint import ROWS_PER_PROGRAM, adaln_joint
+from pixdit.kernels.adaln_joint import (
+    ROWS_PER_PROGRAM,
+    adaln_joint,
+    adaln_joint_backward_torch,
+    backward_launches,
+    joint_backward,
+)
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -77,3 +83,27 @@ def test_gpu_matches_the_fp64_oracle_and_is_deterministic(dtype, with_branch, ma
     first = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
     second = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("with_branch", [True, False])
+def test_every_launch_the_autotuner_may_pick_gives_the_same_gradients(with_branch):
+    """Each of backward_launches (rows per step x warps x stages) against the PyTorch backward: a launch whose walk
+    skipped or repeated rows, or summed a step twice, would differ."""
+    if CUDA:
+        pytest.skip("interpreter test (on the GPU, the autotuned launch runs in the oracle test)")
+    b, n, dim = 2, 2 * ROWS_PER_PROGRAM, 48
+    x, branch, gate, _, scale = (
+        t.detach() if t is not None else None for t in make_inputs(b, n, dim, torch.float32, "cpu", with_branch)
+    )
+    g = torch.Generator().manual_seed(2)
+    dh, dres = torch.randn(b, n, dim, generator=g), torch.randn(b, n, dim, generator=g)
+    want_dx, want_dbranch, want_sums = adaln_joint_backward_torch(dh, dres, x, branch, gate, scale, 1e-5)
+    launches = backward_launches(dim)
+    assert len({(c["BLOCK_ROWS"], c["num_warps"]) for c in launches}) >= 4, launches
+    for launch in launches:
+        dx, dbranch, partial = joint_backward(dh, dres, x, branch, gate, scale, 1e-5, launch=launch)
+        sums = partial.view(b, n // ROWS_PER_PROGRAM, 3, dim).sum(1)
+        torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-5, msg=f"dx at {launch}")
+        torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-4, msg=f"sums at {launch}")
+        if with_branch:
+            torch.testing.assert_close(dbranch, want_dbranch, rtol=1e-5, atol=1e-5, msg=f"d branch at {launch}")
