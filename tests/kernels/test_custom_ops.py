@@ -218,9 +218,11 @@ def _recorded_calls():
         qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
         angles = torch.rand(16, 4, device=DEVICE)
-        # with the block means (the path LLSA models take), so the op's check covers its second output
+        # with the block means and the projection's bias (the path LLSA models train with), so the op's check
+        # covers its second output and the bias's partial sums
+        bias = torch.randn(3 * 2 * 8, device=DEVICE, requires_grad=True)
         *out, _ = qk_norm_rope(
-            qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8
+            qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8, bias=bias
         )
         _loss(tuple(out)).backward()
         # the DiT block's two joints: before the attention (no branch) and after it

@@ -148,7 +148,8 @@ class Attention(nn.Module):
     again (docs/benchmarks.md, "block means in the prologue"). ``fuse_block_means`` turns it off for A/B benchmarks
     (``scripts/bench_sampling.py --means``, ``scripts/bench_train.py --means``); the backend then pools them itself.
     Without autograd (sampling), a backend that reads v in place (``backend.reads_v_view``: LLSA) gets v as a view of
-    the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks.
+    the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks. Otherwise the qkv
+    projection's bias is added by that kernel, which sums its gradient in its backward.
     """
 
     fuse_block_means = True
@@ -170,8 +171,21 @@ class Attention(nn.Module):
         pool = self.backend.pool_block if self.fuse_block_means else None
         view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         weights = (self.q_norm_weight, self.k_norm_weight)
+        # The projection's bias is added inside qk_norm_rope, whose backward sums its gradient in the pass that
+        # writes d(qkv) (autograd's sum read d(qkv) again: docs/kernel_notes.md v40); but a v read in place from
+        # the projection's output (sampling) must hold it, so there the matmul adds it.
+        bias_in_kernel = not view_v
+        qkv = F.linear(x, self.qkv.weight, None if bias_in_kernel else self.qkv.bias)
         outs = qk_norm_rope(
-            self.qkv(x), self.num_heads, *weights, cos, sin, eps=self.qk_norm_eps, pool_block=pool, v_view=view_v
+            qkv,
+            self.num_heads,
+            *weights,
+            cos,
+            sin,
+            eps=self.qk_norm_eps,
+            pool_block=pool,
+            v_view=view_v,
+            bias=self.qkv.bias if bias_in_kernel else None,
         )
         if pool is None:  # q, k, v: each [b, heads, n, head_dim]
             out = self.backend(*outs, grid_hw=grid_hw, hidden=x)
