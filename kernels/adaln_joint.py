@@ -11,10 +11,17 @@ Why (docs/kernel_notes.md v39): under torch.compile, Inductor computes d shift, 
 reduction passes of their own that read dh, the block's input and the branch once more after the LayerNorm's
 backward pass read them (~0.8 GB per joint at 262,144 tokens of 384; the d shift / d scale pass ran at ~2 TB/s), and
 its mix-order reductions cannot join them (they sum over the tokens of each sample, the middle of [b, n, d]). Here
-the forward is plain PyTorch (Inductor traces and fuses it as before); the backward is one Triton pass over
-``ROWS_PER_PROGRAM`` rows of one sample per program: it recomputes x_new and the row statistics, writes dx (and the
-branch's gradient) and adds the rows' dh, dh x^ and dx_new branch into per-program sums, which a fixed-order sum
-over each sample's programs turns into the three per-sample gradients (deterministic, no atomics).
+the forward is plain PyTorch (Inductor traces and fuses it as before); the backward is one Triton pass: it recomputes
+x_new and the row statistics, writes dx (and the branch's gradient) and adds the rows' dh, dh x^ and dx_new branch
+into per-program sums, which a fixed-order sum over each sample's programs turns into the three per-sample gradients
+(deterministic, no atomics).
+
+The backward's grid is sized to the GPU, not to the tokens: ``programs_per_sample`` programs per sample, about
+``PROGRAMS_PER_SM`` per multiprocessor in all, each walking every P-th step of its sample's rows (P = programs per
+sample; neighbouring programs read neighbouring rows at the same time). So the programs are equal and come in whole
+waves for most launches: with one program per 128 rows, 2,048 programs at 262,144 tokens would run as ~3.1 waves of
+~660 (5 resident per multiprocessor) on an H200, the last one a tenth full. Any token count works (rows past the
+end are masked), and the per-program sums stay small (14.6 MB at DiT-S on 132 multiprocessors).
 
 CPU tensors (and ``impl="torch"``) run ``adaln_joint_backward_torch``, the same math in PyTorch.
 """
@@ -31,7 +38,20 @@ from .ops import custom_op
 
 __all__ = ["adaln_joint", "adaln_joint_backward_torch", "backward_launches", "joint_backward"]
 
-ROWS_PER_PROGRAM = 128  # rows of one sample per backward program (the sample's tokens must be a multiple)
+# The backward's programs per multiprocessor: whole waves for 2, 3, 4, 6 or 8 resident programs (the launches of
+# backward_launches hold 2-8); with 5 or 7, 96% or 86% of the waves' slots are busy
+PROGRAMS_PER_SM = 24
+INTERPRETER_PROGRAMS = 6  # the backward's programs per call off the GPU (tests: several programs, interleaved steps)
+
+
+def programs_per_sample(batch: int, tokens: int, device: torch.device) -> int:
+    """The backward's programs per sample: ~PROGRAMS_PER_SM per multiprocessor in all (at least one per sample, at
+    most one per row). A function of the shape and the device only, so results are deterministic on one GPU model."""
+    if device.type == "cuda":
+        total = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        total = INTERPRETER_PROGRAMS
+    return max(1, min(tokens, total // batch))
 
 
 def adaln_joint_forward(x, branch, gate, shift, scale, eps):
@@ -78,19 +98,20 @@ def _joint_bwd_kernel(
     partial_ptr,
     n,
     dim,
+    programs,
     eps,
     HAS_BRANCH: tl.constexpr,
     HAS_DRES: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # ``programs`` per sample; this one walks steps slot, slot + programs, ... of BLOCK_ROWS rows of its sample
     pid = tl.program_id(0)
-    sample = (pid * ROWS_PER_PROGRAM) // n  # a program's rows lie in one sample (n % ROWS_PER_PROGRAM == 0)
+    sample, slot = pid // programs, pid % programs
+    n_steps = tl.cdiv(tl.cdiv(n, BLOCK_ROWS), programs)
     col = tl.arange(0, DIM_PAD)
     col_ok = col < dim
-    ok = col_ok[None, :]
     scale = tl.load(scale_ptr + sample * dim + col, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BRANCH:
         gate = tl.load(gate_ptr + sample * dim + col, mask=col_ok, other=0.0).to(tl.float32)
@@ -98,9 +119,11 @@ def _joint_bwd_kernel(
     sum_dh = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
     sum_dh_xhat = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
     sum_dxn_branch = tl.zeros([BLOCK_ROWS, DIM_PAD], dtype=tl.float32)
-    for step in tl.range(0, ROWS_PER_PROGRAM, BLOCK_ROWS, num_stages=NUM_STAGES):
-        row = pid * ROWS_PER_PROGRAM + step + tl.arange(0, BLOCK_ROWS)
-        offset = row.to(tl.int64)[:, None] * dim + col[None, :]
+    for step in tl.range(0, n_steps, num_stages=NUM_STAGES):
+        row = (step * programs + slot) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        # rows past the sample's end load zeros: their dx, d branch are not stored and they add 0 to every sum
+        ok = (row < n)[:, None] & col_ok[None, :]
+        offset = (sample.to(tl.int64) * n + row)[:, None] * dim + col[None, :]
         xn = tl.load(x_ptr + offset, mask=ok, other=0.0).to(tl.float32)
         if HAS_BRANCH:
             branch = tl.load(branch_ptr + offset, mask=ok, other=0.0).to(tl.float32)
@@ -108,7 +131,7 @@ def _joint_bwd_kernel(
                 (xn + gate[None, :] * branch).to(x_ptr.dtype.element_ty).to(tl.float32)
             )  # x_new as the forward rounded it
         mean = tl.sum(xn, axis=1) / dim
-        centred = tl.where(ok, xn - mean[:, None], 0.0)
+        centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / dim + eps)
         xhat = centred * rstd[:, None]
         dh = tl.load(dh_ptr + offset, mask=ok, other=0.0).to(tl.float32)
@@ -130,7 +153,7 @@ def _joint_bwd_kernel(
     tl.store(base + 2 * dim + col, tl.sum(sum_dxn_branch, axis=0), mask=col_ok)
 
 
-ROW_STEPS = (1, 2, 4, 8, 16, 32)  # rows per step of the backward's walk (a power of two up to ROWS_PER_PROGRAM)
+ROW_STEPS = (1, 2, 4, 8, 16, 32)  # rows per step of the backward's walk
 
 
 def _elements_per_thread(block_rows: int, dim: int, warps: int) -> int:
@@ -178,7 +201,7 @@ def _backward_out(x: torch.Tensor, has_branch: bool):
     """dx, d branch (x's shape and dtype; an empty tensor without a branch) and the per-program fp32 sums
     ``[programs, 3, d]``."""
     b, n, dim = x.shape
-    programs = b * n // ROWS_PER_PROGRAM
+    programs = b * programs_per_sample(b, n, x.device)
     dbranch = torch.empty_like(x) if has_branch else x.new_empty(0)
     return torch.empty_like(x), dbranch, x.new_empty((programs, 3, dim), dtype=torch.float32)
 
@@ -203,10 +226,10 @@ def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | 
         partial,
         n,
         dim,
+        partial.shape[0] // b,
         eps,
         HAS_BRANCH=branch is not None,
         HAS_DRES=dres is not None,
-        ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
         DIM_PAD=triton.next_power_of_2(dim),
         **launch,
     )
@@ -248,7 +271,7 @@ class _AdaLNJoint(torch.autograd.Function):
         dx_new = dx_new.contiguous() if dx_new is not None else None
         if ctx.triton_path:
             dx, dbranch, partial = _adaln_joint_backward_op(dh, dx_new, x, branch, gate, scale, ctx.eps)
-            sums = partial.view(b, n // ROWS_PER_PROGRAM, 3, dim).sum(1)  # fixed order: deterministic
+            sums = partial.view(b, -1, 3, dim).sum(1)  # fixed order: deterministic
             dbranch = dbranch if ctx.has_branch else None
         else:
             dx, dbranch, sums = adaln_joint_backward_torch(dh, dx_new, x, branch, gate, scale, ctx.eps)
@@ -258,9 +281,7 @@ class _AdaLNJoint(torch.autograd.Function):
 
 
 def adaln_joint(x, branch, gate, shift, scale, eps: float, impl: str = "auto"):
-    """(x_new, h) of the module docstring; differentiable in all tensors. The Triton backward needs the tokens per
-    sample (x.shape[1]) to be a multiple of ROWS_PER_PROGRAM and x, branch contiguous; otherwise the PyTorch one
-    runs."""
+    """(x_new, h) of the module docstring; differentiable in all tensors."""
     if x.ndim != 3 or (branch is not None and branch.shape != x.shape):
         raise ValueError(
             f"adaln_joint: x must be [batch, tokens, dim] and branch None or of x's shape, got x {tuple(x.shape)} "
@@ -272,7 +293,7 @@ def adaln_joint(x, branch, gate, shift, scale, eps: float, impl: str = "auto"):
             raise ValueError(f"adaln_joint: {name} must be [batch, dim] = ({b}, {dim}), got {tuple(t.shape)}")
     if (branch is None) != (gate is None):
         raise ValueError("adaln_joint: branch and gate come together (both None before the attention)")
-    triton_path = use_triton(x, impl) and n % ROWS_PER_PROGRAM == 0
+    triton_path = use_triton(x, impl)
     x, scale = x.contiguous(), scale.contiguous()  # the modulation's chunks are strided views
     branch = branch.contiguous() if branch is not None else None
     gate = gate.contiguous() if gate is not None else None

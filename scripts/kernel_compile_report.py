@@ -386,11 +386,12 @@ def joint_variants() -> list[tuple[str, object, dict, dict, dict]]:
     for dim in (384, 768, 1152):
         for has_branch in (False, True):
             args = {name: "*bf16" for name in ("dh_ptr", "dres_ptr", "x_ptr", "branch_ptr", "gate_ptr", "scale_ptr")}
-            args |= dict(dx_ptr="*bf16", dbranch_ptr="*bf16", partial_ptr="*fp32", n=65536, dim=dim, eps=1e-6)
+            args |= dict(dx_ptr="*bf16", dbranch_ptr="*bf16", partial_ptr="*fp32", n=65536, dim=dim, programs=264)
+            args["eps"] = 1e-6
             for launch in adaln_joint.backward_launches(dim):
                 launch = dict(launch)
-                const = dict(HAS_BRANCH=has_branch, HAS_DRES=True, ROWS_PER_PROGRAM=adaln_joint.ROWS_PER_PROGRAM)
-                const |= dict(DIM_PAD=triton.next_power_of_2(dim), BLOCK_ROWS=launch.pop("BLOCK_ROWS"))
+                const = dict(HAS_BRANCH=has_branch, HAS_DRES=True, DIM_PAD=triton.next_power_of_2(dim))
+                const["BLOCK_ROWS"] = launch.pop("BLOCK_ROWS")
                 const["NUM_STAGES"] = launch.pop("NUM_STAGES")
                 label = f"joint d={dim}{' branch' if has_branch else ''} rows/step={const['BLOCK_ROWS']}"
                 variants.append((label, adaln_joint._joint_bwd_kernel, args, const, launch))

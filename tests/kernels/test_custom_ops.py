@@ -226,9 +226,9 @@ def _recorded_calls():
         )
         _loss(tuple(out)).backward()
         # the DiT block's two joints: before the attention (no branch) and after it
-        from pixdit.kernels.adaln_joint import ROWS_PER_PROGRAM, adaln_joint
+        from pixdit.kernels.adaln_joint import adaln_joint
 
-        x = torch.randn(2, ROWS_PER_PROGRAM, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        x = torch.randn(2, 40, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
         branch = torch.randn_like(x, requires_grad=True)
         mods = [torch.randn(2, 24, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3)]
         x1, h1 = adaln_joint(x, None, None, mods[1], mods[2], 1e-6, impl="triton")
