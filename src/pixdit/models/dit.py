@@ -62,6 +62,13 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return torch.addcmul(shift[:, None], x, 1 + scale[:, None])
 
 
+def joined_residuals() -> bool:
+    """Whether the blocks add their residuals inside the LayerNorm joints that follow them (``DiTBlock.forward``):
+    when training under torch.compile, where the joints' backward in one Triton pass pays. Eager mode and sampling
+    keep the plain ops."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
+
+
 def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
     """GELU, tanh form, computed in fp32 and rounded once to h's dtype. Eager: F.gelu (one ATen kernel). Compiled:
     written as h * sigmoid(2u), u = sqrt(2 / pi) (h + 0.044715 h^3), the same function (0.5 (1 + tanh u) =
@@ -240,18 +247,24 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
-    def forward(self, x, c, cos, sin, grid_hw):
+    def forward(self, x, c, cos, sin, grid_hw, residual=None):
+        """-> (x, residual). Eager, and without autograd: x with both residual adds done, and None.
+
+        Compiled with autograd, each residual add happens inside the LayerNorm joint that follows it
+        (``pixdit.kernels.adaln_joint``, whose backward computes d shift, d scale and d gate in the LayerNorm's pass;
+        the forward is the same ops, traced as before; docs/kernel_notes.md v40). So the MLP's add is left to the
+        next block's first joint: this block returns x before it and ``residual`` = (MLP output, gate2), and takes
+        the previous block's as ``residual`` (the final layer takes the last one)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
-        if torch.compiler.is_compiling() and torch.is_grad_enabled():
-            # the same ops, but the joints' backward computes d shift, d scale, d gate in the LayerNorm's pass
-            # (docs/kernel_notes.md v39); the forward is traced as before
-            x, h = adaln_joint(x, None, None, shift1, scale1, eps=1e-6)
+        if joined_residuals():
+            branch, gate = residual if residual is not None else (None, None)
+            x, h = adaln_joint(x, branch, gate, shift1, scale1, eps=1e-6)
             x, h = adaln_joint(x, self.attn(h, cos, sin, grid_hw), gate1, shift2, scale2, eps=1e-5)
-            return torch.addcmul(x, gate2[:, None], self.mlp(h))
+            return x, (self.mlp(h), gate2)
         h = modulate(layer_norm(x, eps=1e-6), shift1, scale1)
         x = torch.addcmul(x, gate1[:, None], self.attn(h, cos, sin, grid_hw))  # x + gate1 * attn
         h = modulate(layer_norm(x, eps=1e-5), shift2, scale2)
-        return torch.addcmul(x, gate2[:, None], self.mlp(h))  # x + gate2 * mlp
+        return torch.addcmul(x, gate2[:, None], self.mlp(h)), None  # x + gate2 * mlp
 
 
 class FinalLayer(nn.Module):
@@ -260,8 +273,11 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
 
-    def forward(self, x, c):
+    def forward(self, x, c, residual=None):
+        """``residual``: the last block's MLP output and gate2 not yet added to x (``DiTBlock.forward``)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        if residual is not None:
+            return self.linear(adaln_joint(x, *residual, shift, scale, eps=1e-6)[1])
         return self.linear(modulate(layer_norm(x, eps=1e-6), shift, scale))
 
 
@@ -422,9 +438,12 @@ class DiT(nn.Module):
         conds = self.conditioning(t, y)
 
         x = self.embed(x, inv, perm)  # [b, N, hidden]; sequence position s holds raster token inv[s]
+        residual = None  # a block's MLP output and gate2 left for the next joint (DiTBlock.forward)
         for block, c in zip(self.blocks, conds):
-            x = block(x, c, cos, sin, grid_hw)
-        x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+            x, residual = block(x, c, cos, sin, grid_hw, residual)
+        x = self.final_layer(
+            x, conds[0], residual
+        )  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, perm, inv)  # back to raster order
         return self.unpatchify(x, grid_hw)
