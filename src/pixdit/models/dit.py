@@ -441,9 +441,8 @@ class DiT(nn.Module):
         residual = None  # a block's MLP output and gate2 left for the next joint (DiTBlock.forward)
         for block, c in zip(self.blocks, conds):
             x, residual = block(x, c, cos, sin, grid_hw, residual)
-        x = self.final_layer(
-            x, conds[0], residual
-        )  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+        # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+        x = self.final_layer(x, conds[0], residual)
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, perm, inv)  # back to raster order
         return self.unpatchify(x, grid_hw)
