@@ -25,6 +25,11 @@ an fp32 write of 1/8 of the output's bf16 bytes instead of a separate pass that 
 compiled 256² sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s; the kernel takes 7% longer with
 them, and sampling got 1.10x faster: docs/kernel_notes.md v20).
 
+With ``bias`` (the qkv projection's bias, left out of its matmul) the kernel adds it to the rows it reads, in
+fp32, and its backward sums the gradient it writes over each program's rows: the bias's gradient without the
+separate pass over d(qkv) that autograd's sum would make (0.6 GB per DiT-S block at 256², ~2 ms of a 157 ms
+training step; docs/kernel_notes.md v40). The bias is then in q, k and v, and the means.
+
 With ``v_view=True`` v is not written: it is returned as a view of qkv's v columns, for a consumer that reads it
 there (LLSA's forward without autograd: sampling), which saves a sixth of the kernel's bytes.
 
@@ -56,9 +61,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
-def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, pool_block=None):
+def qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps=1e-5, pool_block=None, bias=None):
     """The PyTorch composition (the CPU path; what the model ran before the kernel). Returns [b, heads, n, d] views
     (and the stacked block means when ``pool_block`` is given)."""
+    if bias is not None:  # as the projection adds it: in fp32, rounded once to qkv's dtype
+        qkv = (qkv.float() + bias.float()).to(qkv.dtype)
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
     q, k, v = qkv.view(b, n, 3, num_heads, head_dim).unbind(2)
@@ -157,6 +164,7 @@ def _rotation(COS, SIN, rows, n, needed, HEAD_DIM: tl.constexpr, DIM_PAD: tl.con
 def _qk_norm_rope_fwd_kernel(
     QKV,
     W,
+    BIAS,
     COS,
     SIN,
     OUT,
@@ -172,6 +180,7 @@ def _qk_norm_rope_fwd_kernel(
     POOL: tl.constexpr,
     LANES: tl.constexpr,
     STORE_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     part, batch, tile, n_batch = _forward_program(n, ROWS)
     if not STORE_V and POOL == 0 and part == 2:  # v stays where it is in qkv (``v_view``): nothing to do
@@ -197,6 +206,8 @@ def _qk_norm_rope_fwd_kernel(
         out_offset = _out_offset(bh, rows, dims, n, HEAD_DIM)
         x = x_next.to(tl.float32)
         x_next = tl.load(head0 + (head + 1) * HEAD_DIM, mask=mask & (head + 1 < num_heads), other=0.0)
+        if HAS_BIAS:  # this head's channels of the bias (masked rows then hold the bias: never stored)
+            x += tl.load(BIAS + (part * num_heads + head) * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
         if rotate:
             x = x * tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None] * w
             even, odd = _pairs(x, ROWS, DIM_PAD)
@@ -217,6 +228,7 @@ def _qk_norm_rope_fwd_kernel(
 def _qk_norm_rope_bwd_kernel(
     QKV,
     W,
+    BIAS,
     COS,
     SIN,
     DQ,
@@ -224,6 +236,7 @@ def _qk_norm_rope_bwd_kernel(
     DV,
     DQKV,
     DW_PARTIAL,
+    DB_PARTIAL,
     n,
     num_heads,
     stride_b,
@@ -234,15 +247,20 @@ def _qk_norm_rope_bwd_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     part, bh, tile, n_bh, n_tiles = _backward_program(n, num_heads, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
     dims, mask, batch, channels, out_offset = _tile(bh, part, rows, num_heads, n, HEAD_DIM, DIM_PAD)
     qkv_offset = batch * stride_b + rows[:, None] * stride_n + channels
     d_offset = batch * stride_db + rows[:, None] * stride_dn + channels  # d(qkv): its own strides
+    # the bias's gradient: this program's partial sum over its rows of the gradient it writes (before rounding)
+    b_partial = DB_PARTIAL + ((part * n_bh + bh) * n_tiles + tile) * HEAD_DIM + dims
     if part == 2:  # v: only the layout changes
         dv = tl.load(DV + out_offset, mask=mask, other=0.0)
         tl.store(DQKV + d_offset, dv.to(DQKV.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            tl.store(b_partial, tl.sum(dv.to(tl.float32), 0), mask=dims < HEAD_DIM)
     else:
         if part == 0:
             g = tl.load(DQ + out_offset, mask=mask, other=0.0).to(tl.float32)
@@ -253,6 +271,8 @@ def _qk_norm_rope_bwd_kernel(
         cos, sin = _rotation(COS, SIN, rows, n, True, HEAD_DIM, DIM_PAD)
         dy = _unpairs(g_even * cos + g_odd * sin, g_odd * cos - g_even * sin, ROWS, DIM_PAD)
         x = tl.load(QKV + qkv_offset, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # masked rows hold the bias, but their dy is 0, so are their gradients
+            x += tl.load(BIAS + channels, mask=(dims < HEAD_DIM)[None, :], other=0.0)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
         xhat = x * inv_rms
         w = tl.load(W + part * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
@@ -262,7 +282,10 @@ def _qk_norm_rope_bwd_kernel(
         # d x = inv_rms * (dxhat - xhat * mean(dxhat * xhat)), dxhat = dy * w
         dxhat = dy * w
         mean_dot = (tl.sum(dxhat * xhat, 1) / HEAD_DIM)[:, None]
-        tl.store(DQKV + d_offset, (inv_rms * (dxhat - xhat * mean_dot)).to(DQKV.dtype.element_ty), mask=mask)
+        dx = inv_rms * (dxhat - xhat * mean_dot)
+        tl.store(DQKV + d_offset, dx.to(DQKV.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            tl.store(b_partial, tl.sum(dx, 0), mask=dims < HEAD_DIM)
 
 
 def _tiles(n: int, rows: int = ROWS_PER_PROGRAM) -> int:
@@ -295,20 +318,22 @@ def _lanes(dtype: torch.dtype, dim_pad: int, pool_block: int) -> int:
 
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps, pool_block, store_v):
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, num_heads, eps, pool_block, store_v, bias):
         # store_v False: v is not written (the caller takes a view of qkv), so it gets no gradient here
         weights = torch.stack([q_weight, k_weight]).float().contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        out, means = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v)
-        ctx.save_for_backward(qkv, weights, cos, sin)
+        bias32 = bias.float().contiguous() if bias is not None else None
+        out, means = _qk_norm_rope_op(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v, bias32)
+        ctx.save_for_backward(qkv, weights, cos, sin, bias32)
         ctx.num_heads, ctx.eps, ctx.weight_dtypes = num_heads, eps, (q_weight.dtype, k_weight.dtype)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.mark_non_differentiable(means)
         return (*out.unbind(0), means)  # q, k, (v,) means
 
     @staticmethod
     def backward(ctx, dq, dk, *rest):
         dv = rest[0] if len(rest) == 2 else None  # rest: (dv, d means), or (d means,) without store_v
-        qkv, weights, cos, sin = ctx.saved_tensors
+        qkv, weights, cos, sin, bias32 = ctx.saved_tensors
         b, n, width = qkv.shape
         num_heads = ctx.num_heads
         head_dim = width // (3 * num_heads)
@@ -323,10 +348,16 @@ class _QKNormRope(torch.autograd.Function):
                 )
                 g = zeros
             grads.append(g.contiguous())
-        dqkv, dw_partial = _qk_norm_rope_backward_op(qkv, weights, cos, sin, *grads, num_heads, ctx.eps)
+        dqkv, dw_partial, db_partial = _qk_norm_rope_backward_op(
+            qkv, weights, cos, sin, *grads, num_heads, ctx.eps, bias32
+        )
         dw = dw_partial.sum(dim=(1, 2))  # fixed reduction order: deterministic
         (q_dtype, k_dtype) = ctx.weight_dtypes
-        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None, None, None
+        dbias = None
+        if bias32 is not None:  # [3, b * heads, tiles, d] -> the channels (part, head, d) of qkv's last dim
+            db = db_partial.view(3, b, num_heads, -1, head_dim).sum(dim=(1, 3))
+            dbias = db.reshape(width).to(ctx.bias_dtype)
+        return dqkv, dw[0].to(q_dtype), dw[1].to(k_dtype), None, None, None, None, None, None, dbias
 
 
 # The two launches as torch custom ops (opaque to torch.compile, which traces the code around them). Each op's
@@ -346,13 +377,16 @@ def _forward_out(
     )
 
 
-def _backward_out(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """d qkv (contiguous ``[b, n, width]``, whatever qkv's layout) and the weights' per-program partial gradients
-    (fp32 ``[2, b * heads, programs, head_dim]``)."""
+def _backward_out(qkv: torch.Tensor, num_heads: int, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d qkv (contiguous ``[b, n, width]``, whatever qkv's layout), the weights' per-program partial gradients
+    (fp32 ``[2, b * heads, programs, head_dim]``) and the bias's (``[3, b * heads, programs, head_dim]``; empty without
+    a bias)."""
     b, n, width = qkv.shape
     programs = _tiles(n)
-    dw_partial = qkv.new_empty((2, b * num_heads, programs, width // (3 * num_heads)), dtype=torch.float32)
-    return qkv.new_empty((b, n, width)), dw_partial
+    head_dim = width // (3 * num_heads)
+    dw_partial = qkv.new_empty((2, b * num_heads, programs, head_dim), dtype=torch.float32)
+    db_shape = (3, b * num_heads, programs, head_dim) if has_bias else (0,)
+    return qkv.new_empty((b, n, width)), dw_partial, qkv.new_empty(db_shape, dtype=torch.float32)
 
 
 @custom_op("qk_norm_rope")
@@ -365,6 +399,7 @@ def _qk_norm_rope_op(
     eps: float,
     pool_block: int,
     store_v: bool,
+    bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, _ = qkv.shape
     out, means = _forward_out(qkv, num_heads, pool_block, store_v)
@@ -373,6 +408,7 @@ def _qk_norm_rope_op(
     _qk_norm_rope_fwd_kernel[_forward_grid(b, n, rows)](
         qkv,
         weights,
+        bias if bias is not None else weights,  # not read without HAS_BIAS
         cos,
         sin,
         out,
@@ -388,6 +424,7 @@ def _qk_norm_rope_op(
         POOL=pool_block,
         LANES=_lanes(qkv.dtype, triton.next_power_of_2(head_dim), pool_block) if pool_block else 1,
         STORE_V=store_v,
+        HAS_BIAS=bias is not None,
         # No FMA contraction: with the head walk, the compiler fused the multiply-adds of the norm and the rotation
         # differently with and without POOL, so fp32 outputs differed in the last bit; unfused, both round every op
         # the same way (and as fast: the kernel is bound by memory).
@@ -397,11 +434,11 @@ def _qk_norm_rope_op(
 
 
 @_qk_norm_rope_op.register_fake
-def _(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v):
+def _(qkv, weights, cos, sin, num_heads, eps, pool_block, store_v, bias):
     return _forward_out(qkv, num_heads, pool_block, store_v)
 
 
-# Returns ``_backward_out``'s two tensors, filled.
+# Returns ``_backward_out``'s three tensors, filled.
 @custom_op("qk_norm_rope_backward")
 def _qk_norm_rope_backward_op(
     qkv: torch.Tensor,
@@ -413,13 +450,15 @@ def _qk_norm_rope_backward_op(
     dv: torch.Tensor,
     num_heads: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, n, _ = qkv.shape
-    dqkv, dw_partial = _backward_out(qkv, num_heads)
+    dqkv, dw_partial, db_partial = _backward_out(qkv, num_heads, bias is not None)
     head_dim = dw_partial.shape[-1]
     _qk_norm_rope_bwd_kernel[_backward_grid(b, n, num_heads)](
         qkv,
         weights,
+        bias if bias is not None else weights,  # not read without HAS_BIAS
         cos,
         sin,
         dq,
@@ -427,6 +466,7 @@ def _qk_norm_rope_backward_op(
         dv,
         dqkv,
         dw_partial,
+        db_partial if bias is not None else dw_partial,  # not written without HAS_BIAS
         n,
         num_heads,
         qkv.stride(0),
@@ -437,13 +477,14 @@ def _qk_norm_rope_backward_op(
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
         ROWS=ROWS_PER_PROGRAM,
+        HAS_BIAS=bias is not None,
     )
-    return dqkv, dw_partial
+    return dqkv, dw_partial, db_partial
 
 
 @_qk_norm_rope_backward_op.register_fake
-def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps):
-    return _backward_out(qkv, num_heads)
+def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps, bias):
+    return _backward_out(qkv, num_heads, bias is not None)
 
 
 def qk_norm_rope(
@@ -457,6 +498,7 @@ def qk_norm_rope(
     impl: str = "auto",
     pool_block: int | None = None,
     v_view: bool = False,
+    bias: torch.Tensor | None = None,
 ):
     """RMS qk-norm with per-channel weights, 2-D RoPE on q and k, and the head split, differentiable in qkv and
     both weights; with ``pool_block``, also the block means of q, k and v.
@@ -473,6 +515,9 @@ def qk_norm_rope(
             instead of writing a contiguous copy: a sixth of the kernel's bytes, for a consumer that reads v where
             it is (``llsa_attention`` when no gradient is needed, i.e. sampling). Still differentiable (v's gradient
             then reaches qkv through the view, an extra pass), so meant for inference.
+        bias: None, or ``[3 * num_heads * head_dim]``: added to qkv first (in fp32 on the Triton path; the qkv
+            projection's bias, left out of its matmul), differentiable, its gradient summed in the backward's pass.
+            Not with ``v_view`` (the view would lack it).
     Returns:
         q, k, v: ``[batch, num_heads, tokens, head_dim]`` in qkv's dtype (contiguous on the Triton path, but v with
         ``v_view``).
@@ -509,8 +554,13 @@ def qk_norm_rope(
             f"qk_norm_rope: pool_block must be None or a power of two up to {MAX_POOL_BLOCK} that divides "
             f"tokens={n}, got {pool_block!r}"
         )
+    if bias is not None and (tuple(bias.shape) != (width,) or v_view):
+        raise ValueError(
+            f"qk_norm_rope: bias must be None or of shape ({width},) (qkv's last dim), and None with v_view=True "
+            f"(v is then a view of qkv, without the bias), got shape {tuple(bias.shape)} and v_view={v_view}"
+        )
     if not use_triton(qkv, impl):
-        return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps, pool_block)
+        return qk_norm_rope_torch(qkv, num_heads, q_weight, k_weight, cos, sin, eps, pool_block, bias)
     if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"qk_norm_rope: qkv dtype must be float16, bfloat16 or float32, got {qkv.dtype}")
     if head_dim % 2 or head_dim > 256:
@@ -518,7 +568,7 @@ def qk_norm_rope(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     *outs, means = _QKNormRope.apply(
-        qkv, q_weight, k_weight, cos, sin, num_heads, float(eps), pool_block or 0, not v_view
+        qkv, q_weight, k_weight, cos, sin, num_heads, float(eps), pool_block or 0, not v_view, bias
     )
     q, k, v = outs if not v_view else (*outs, qkv.unflatten(-1, (3, num_heads, head_dim))[:, :, 2].transpose(1, 2))
     return (q, k, v) if pool_block is None else (q, k, v, means)

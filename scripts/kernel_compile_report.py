@@ -6,6 +6,7 @@ a register jump that costs occupancy, or a jump in compile time shows here first
     python scripts/kernel_compile_report.py --kernels attention --warps launch 4 8 --stages 2 3
     python scripts/kernel_compile_report.py --kernels topk --head-dim 128 --dump /tmp/sass   # + PTX / SASS to read
     python scripts/kernel_compile_report.py --kernels topk --kernels-from /tmp/variant/kernels  # another library
+    python scripts/kernel_compile_report.py --kernels joint      # the DiT block's joint backward, every launch
 
 ``topk``: ``k`` is a run-time argument of the selection kernels, so the rows are all the variants a sweep over k
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
@@ -13,7 +14,9 @@ and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
 levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and linear dk/dv kernels at
 256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the
-warps their launchers give them (``--warps launch``, the default) or the ones given.
+warps their launchers give them (``--warps launch``, the default) or the ones given. ``joint``: the backward of
+``adaln_joint`` (the DiT block's residual + LayerNorm + modulation) at DiT-S/B/XL widths, with and without the
+branch, at every launch its autotuning may pick (``adaln_joint.backward_launches``).
 Arguments get the divisibility-by-16 hints the launcher gives them at run time.
 Registers and spills come from the ptxas bundled with Triton (``-v``), SASS from its cuobjdump; the compile time is
 the whole Triton pipeline (IR passes + ptxas) on this machine, with Triton's cache bypassed. Register counts depend
@@ -43,7 +46,7 @@ if any(arg.startswith("--kernels-from") for arg in sys.argv):  # swap the kernel
 
     apply_from_argv(sys.argv)
 
-from pixdit.kernels import block_sparse, linear_attention, sla_triton, topk  # noqa: E402
+from pixdit.kernels import adaln_joint, block_sparse, linear_attention, sla_triton, topk  # noqa: E402
 from pixdit.report import markdown_table  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
@@ -376,9 +379,28 @@ def launch_register_cap(fn, const: dict) -> int | None:
     return block_sparse.launched_program(fn, const, torch.bfloat16)[1] if fn in block_sparse.PROGRAMS else None
 
 
+def joint_variants() -> list[tuple[str, object, dict, dict, dict]]:
+    """(label, kernel, run-time args, constexprs, launch) of adaln_joint's backward: DiT-S, -B and -XL widths, the
+    joint before the attention (no branch) and after it, each launch of ``backward_launches``."""
+    variants = []
+    for dim in (384, 768, 1152):
+        for has_branch in (False, True):
+            args = {name: "*bf16" for name in ("dh_ptr", "dres_ptr", "x_ptr", "branch_ptr", "gate_ptr", "scale_ptr")}
+            args |= dict(dx_ptr="*bf16", dbranch_ptr="*bf16", partial_ptr="*fp32", n=65536, dim=dim, programs=264)
+            args["eps"] = 1e-6
+            for launch in adaln_joint.backward_launches(dim):
+                launch = dict(launch)
+                const = dict(HAS_BRANCH=has_branch, HAS_DRES=True, DIM_PAD=triton.next_power_of_2(dim))
+                const["BLOCK_ROWS"] = launch.pop("BLOCK_ROWS")
+                const["NUM_STAGES"] = launch.pop("NUM_STAGES")
+                label = f"joint d={dim}{' branch' if has_branch else ''} rows/step={const['BLOCK_ROWS']}"
+                variants.append((label, adaln_joint._joint_bwd_kernel, args, const, launch))
+    return variants
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention"])
+    parser.add_argument("--kernels", nargs="+", default=["topk", "attention"], choices=["topk", "attention", "joint"])
     parser.add_argument("--kernels-from", metavar="DIR", help="compile another kernels/ folder (e.g. a variant's)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument(
@@ -407,10 +429,23 @@ def main(argv=None) -> None:
                     row.update(compile_one(fn, signature, const, warps, args.dump, name, attrs, stages, cap))
                     rows.append(row)
                     print(row, flush=True)
-    if "topk" not in args.kernels:
-        print(f"\ntriton {triton.__version__}, target sm_90\n")
-        print(markdown_table(rows))
-        return
+    if "joint" in args.kernels:
+        for label, fn, run_args, const, launch in joint_variants():
+            signature, attrs = launch_variant(fn, run_args, const)
+            row = {"kernel": label, "head_dim": "-", "stages": const["NUM_STAGES"], "maxnreg": "-"}
+            name = label.replace(" ", "_").replace("=", "").replace("/", "_")
+            row.update(compile_one(fn, signature, const, launch["num_warps"], args.dump, name, attrs))
+            rows.append(row)
+            print(row, flush=True)
+    if "topk" in args.kernels:
+        rows += topk_rows(args)
+    print(f"\ntriton {triton.__version__}, target sm_90\n")
+    print(markdown_table(rows))
+
+
+def topk_rows(args) -> list[dict]:
+    """The selection kernels' rows (see the module docstring)."""
+    rows = []
     variants = [
         (f"one-shot cand={c}", one_shot_variant(args.head_dim, c))
         for c in (64, 256, 512, 1024)
@@ -436,8 +471,7 @@ def main(argv=None) -> None:
         )
         rows.append(row)
         print(row, flush=True)
-    print(f"\ntriton {triton.__version__}, target sm_90\n")
-    print(markdown_table(rows))
+    return rows
 
 
 if __name__ == "__main__":

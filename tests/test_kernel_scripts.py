@@ -143,6 +143,14 @@ def test_compile_report_gives_every_kernel_argument():
         assert all(attrs.get((fn.arg_names.index(p),)) for p, t in signature.items() if t.startswith("*")), label
         if label in ("streaming", "rescore"):  # k = 32 is a multiple of 16, but k is do_not_specialize: no hint
             assert "k" in signature and (fn.arg_names.index("k"),) not in attrs, label
+    joints = report["joint_variants"]()
+    assert {label.split(" rows")[0] for label, *_ in joints} == {
+        f"joint d={d}{b}" for d in (384, 768, 1152) for b in ("", " branch")
+    }
+    for label, fn, args, constexprs, launch in joints:
+        signature, attrs = report["launch_variant"](fn, args, constexprs)
+        assert len(signature) + len(constexprs) == len(fn.arg_names), label
+        assert set(launch) == {"num_warps"}, label
 
 
 def test_compile_report_launch_warps_are_the_launchers():
@@ -299,3 +307,22 @@ def test_launch_breakdown_matches_kernels_to_launches_in_order():
     assert float(rows["_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)"]) == (3 + 7) / 2
     assert float(rows["_pooled_topk_kernel grid (1, 1)"]) == (1 + 5) / 2 and float(rows["a copy"]) == 0.25
     assert "mismatch: launch_breakdown: the profiler saw" in run.stdout
+
+
+def test_bench_joint_quick_cpu():
+    """The joints' benchmark: both compiled forms give the same gradients (fp32 here), and in the interpreter the
+    Triton backward runs at every launch, the fixed one marked once per joint."""
+    command = [sys.executable, "scripts/bench_joint.py", "--quick", "--device", "cpu"]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    plain, fused = (line for line in lines if line.startswith(("| Inductor", "| adaln_joint")))
+    assert float(fused.split("|")[-2]) < 1e-5, fused
+    launches = [line for line in lines if line.startswith(("| before the attention", "| after the attention"))]
+    from pixdit.kernels.adaln_joint import backward_launches
+
+    assert len(launches) == 2 * sum(launch["NUM_STAGES"] == 2 for launch in backward_launches(48))
+    assert sum("| yes |" in line for line in launches) == 2
+    bad = subprocess.run([*command[:2], "--side", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--side must be >= 1, got 0" in bad.stderr

@@ -308,6 +308,46 @@ def test_compiled_gelu_is_the_tanh_gelu_in_its_sigmoid_form():
     assert torch.equal(gelu_tanh(xb), F.gelu(xb, approximate="tanh"))
 
 
+def test_compiled_training_runs_every_joint_as_adaln_joint():
+    """Compiled with autograd, every residual add + LayerNorm + modulation of the DiT is pixdit.kernels.adaln_joint's
+    Function (its backward computes the per-sample shift / scale / gate gradients in the LayerNorm's pass): two per
+    block, each block's MLP residual joined to the next block's first LayerNorm and the last one to the final
+    layer's. Outputs and gradients equal eager mode's up to fp32 summation order (tests/test_compile.py compares
+    every attention backend); without autograd the compiled model keeps the plain ops."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = build_model("DiT-T", input_size=(8, 8), num_classes=3).eval()  # eval: no random label dropout
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)  # adaLN-Zero would zero the gates and their gradients' paths
+    x, t, y = torch.randn(2, 3, 8, 8), torch.rand(2) * 1000, torch.tensor([0, 2])
+    params = list(model.parameters())
+    eager = model(x, t, y)
+    eager_grads = torch.autograd.grad(eager.square().sum(), params)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    out = compiled(x, t, y)
+    grads = torch.autograd.grad(out.square().sum(), params)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    for (name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
+        assert want.abs().max() > 0, f"{name} gets no gradient: the check would be vacuous"
+        assert (got - want).norm() <= 1e-5 * want.norm(), name
+
+    def joints():
+        return [n for gm in graphs for n in gm.graph.nodes if str(n.target) == "autograd_function_apply"]
+
+    assert len(joints()) == 2 * len(model.blocks) + 1, [str(n.target) for gm in graphs for n in gm.graph.nodes]
+    graphs.clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=capture, fullgraph=True)(x, t, y), eager)
+    assert graphs and not joints()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_inference_gelu_matches_the_separate_ops():

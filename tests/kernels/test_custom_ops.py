@@ -218,11 +218,21 @@ def _recorded_calls():
         qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
         angles = torch.rand(16, 4, device=DEVICE)
-        # with the block means (the path LLSA models take), so the op's check covers its second output
+        # with the block means and the projection's bias (the path LLSA models train with), so the op's check
+        # covers its second output and the bias's partial sums
+        bias = torch.randn(3 * 2 * 8, device=DEVICE, requires_grad=True)
         *out, _ = qk_norm_rope(
-            qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8
+            qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8, bias=bias
         )
         _loss(tuple(out)).backward()
+        # the DiT block's two joints: before the attention (no branch) and after it
+        from pixdit.kernels.adaln_joint import adaln_joint
+
+        x = torch.randn(2, 40, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
+        branch = torch.randn_like(x, requires_grad=True)
+        mods = [torch.randn(2, 24, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3)]
+        x1, h1 = adaln_joint(x, None, None, mods[1], mods[2], 1e-6, impl="triton")
+        _loss(adaln_joint(x1, branch * h1, mods[0], mods[1], mods[2], 1e-5, impl="triton")).backward()
     return mode.calls
 
 
@@ -240,6 +250,7 @@ OPS = [
     "sla_backward_dq",
     "qk_norm_rope",
     "qk_norm_rope_backward",
+    "adaln_joint_backward",
 ]
 
 

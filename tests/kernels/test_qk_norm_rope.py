@@ -44,14 +44,23 @@ def make_inputs(b, n, heads, d, dtype, device, seed=0, width_pad=0):
     return qkv, q_weight, k_weight, angles, upstream
 
 
-def compare(b, n, heads, d, dtype, device, impl, tol, width_pad=0, eps=1e-5):
+def compare(b, n, heads, d, dtype, device, impl, tol, width_pad=0, eps=1e-5, with_bias=False):
+    """With ``with_bias``: an fp32 bias of qkv's channels (the projection's, left out of its matmul) and its gradient."""
     qkv, q_weight, k_weight, angles, upstream = make_inputs(b, n, heads, d, dtype, device, width_pad=width_pad)
-    outs = qk_norm_rope(qkv, heads, q_weight, k_weight, angles.cos(), angles.sin(), eps=eps, impl=impl)
-    grads = torch.autograd.grad(outs, (qkv, q_weight, k_weight), upstream)
-    leaves = [x.detach().double().requires_grad_() for x in (qkv, q_weight, k_weight)]
-    want = oracle(leaves[0], heads, leaves[1], leaves[2], angles, eps)
+    inputs = [qkv, q_weight, k_weight]
+    bias = None
+    if with_bias:
+        g = torch.Generator().manual_seed(7)
+        bias = torch.randn(3 * heads * d, generator=g).to(device).requires_grad_()
+        inputs.append(bias)
+    outs = qk_norm_rope(qkv, heads, q_weight, k_weight, angles.cos(), angles.sin(), eps=eps, impl=impl, bias=bias)
+    grads = torch.autograd.grad(outs, inputs, upstream)
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    biased = leaves[0] + leaves[3] if with_bias else leaves[0]
+    want = oracle(biased, heads, leaves[1], leaves[2], angles, eps)
     want_grads = torch.autograd.grad(want, leaves, [u.double() for u in upstream])
-    for name, got, ref in zip(("q", "k", "v", "dqkv", "dq_weight", "dk_weight"), (*outs, *grads), (*want, *want_grads)):
+    names = ("q", "k", "v", "dqkv", "dq_weight", "dk_weight", "dbias")
+    for name, got, ref in zip(names, (*outs, *grads), (*want, *want_grads)):
         assert got.dtype == (dtype if name in ("q", "k", "v", "dqkv") else torch.float32), name
         assert got.shape == ref.shape, name
         error = ((got.double() - ref).norm() / ref.norm()).item()
@@ -71,6 +80,21 @@ def test_interpreted_triton_matches_oracle(b, n, heads, d, width_pad):
 @pytest.mark.parametrize("b,n,heads,d", [(2, 70, 3, 16), (1, 33, 2, 64)])
 def test_torch_path_matches_oracle(b, n, heads, d):
     compare(b, n, heads, d, torch.float32, "cpu", "torch", 1e-6)
+
+
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=interpreter_only), "torch"])
+@pytest.mark.parametrize("b,n,heads,d", [(2, 70, 3, 16), (1, 20, 2, 24)])  # a partial last tile; head_dim padded
+def test_bias_and_its_gradient_match_oracle(b, n, heads, d, impl):
+    compare(b, n, heads, d, torch.float32, "cpu", impl, 1e-5, with_bias=True)
+
+
+def test_bias_with_v_view_is_refused():
+    qkv, q_weight, k_weight, angles, _ = make_inputs(1, 8, 2, 16, torch.float32, "cpu")
+    args = (qkv, 2, q_weight, k_weight, angles.cos(), angles.sin())
+    with pytest.raises(ValueError, match=r"bias must be None or of shape \(96,\) \(qkv's last dim\), and None with"):
+        qk_norm_rope(*args, bias=torch.zeros(96), v_view=True)
+    with pytest.raises(ValueError, match=r"bias must be None or of shape \(96,\).*got shape \(95,\)"):
+        qk_norm_rope(*args, bias=torch.zeros(95))
 
 
 @interpreter_only
@@ -168,6 +192,14 @@ def test_bad_inputs_name_the_parameter():
 @pytest.mark.parametrize("b,n,heads,d", [(4, 4096, 6, 64), (2, 1000, 3, 128), (1, 16384, 6, 64), (2, 1024, 16, 72)])
 def test_gpu_matches_oracle(b, n, heads, d, dtype):
     compare(b, n, heads, d, dtype, "cuda", "triton", TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,n,heads,d", [(4, 4096, 6, 64), (2, 1000, 3, 128)])
+def test_gpu_bias_matches_oracle(b, n, heads, d, dtype):
+    compare(b, n, heads, d, dtype, "cuda", "triton", TOL[dtype], with_bias=True)
 
 
 @pytest.mark.gpu

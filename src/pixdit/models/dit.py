@@ -37,6 +37,7 @@ from torch import nn
 
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
+from pixdit.kernels.adaln_joint import adaln_joint
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (
@@ -59,6 +60,13 @@ def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x * (1 + scale) + shift per sample, as one fused op (no [batch, tokens, dim] temporary in eager mode)."""
     return torch.addcmul(shift[:, None], x, 1 + scale[:, None])
+
+
+def joined_residuals() -> bool:
+    """Whether the blocks add their residuals inside the LayerNorm joints that follow them (``DiTBlock.forward``):
+    when training under torch.compile, where the joints' backward in one Triton pass pays. Eager mode and sampling
+    keep the plain ops."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
 def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
@@ -147,7 +155,8 @@ class Attention(nn.Module):
     again (docs/benchmarks.md, "block means in the prologue"). ``fuse_block_means`` turns it off for A/B benchmarks
     (``scripts/bench_sampling.py --means``, ``scripts/bench_train.py --means``); the backend then pools them itself.
     Without autograd (sampling), a backend that reads v in place (``backend.reads_v_view``: LLSA) gets v as a view of
-    the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks.
+    the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks. Otherwise the qkv
+    projection's bias is added by that kernel, which sums its gradient in its backward.
     """
 
     fuse_block_means = True
@@ -169,8 +178,21 @@ class Attention(nn.Module):
         pool = self.backend.pool_block if self.fuse_block_means else None
         view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         weights = (self.q_norm_weight, self.k_norm_weight)
+        # The projection's bias is added inside qk_norm_rope, whose backward sums its gradient in the pass that
+        # writes d(qkv) (autograd's sum read d(qkv) again: docs/kernel_notes.md v40); but a v read in place from
+        # the projection's output (sampling) must hold it, so there the matmul adds it.
+        bias_in_kernel = not view_v
+        qkv = F.linear(x, self.qkv.weight, None if bias_in_kernel else self.qkv.bias)
         outs = qk_norm_rope(
-            self.qkv(x), self.num_heads, *weights, cos, sin, eps=self.qk_norm_eps, pool_block=pool, v_view=view_v
+            qkv,
+            self.num_heads,
+            *weights,
+            cos,
+            sin,
+            eps=self.qk_norm_eps,
+            pool_block=pool,
+            v_view=view_v,
+            bias=self.qkv.bias if bias_in_kernel else None,
         )
         if pool is None:  # q, k, v: each [b, heads, n, head_dim]
             out = self.backend(*outs, grid_hw=grid_hw, hidden=x)
@@ -225,12 +247,24 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
-    def forward(self, x, c, cos, sin, grid_hw):
+    def forward(self, x, c, cos, sin, grid_hw, residual=None):
+        """-> (x, residual). Eager, and without autograd: x with both residual adds done, and None.
+
+        Compiled with autograd, each residual add happens inside the LayerNorm joint that follows it
+        (``pixdit.kernels.adaln_joint``, whose backward computes d shift, d scale and d gate in the LayerNorm's pass;
+        the forward is the same ops, traced as before; docs/kernel_notes.md v40). So the MLP's add is left to the
+        next block's first joint: this block returns x before it and ``residual`` = (MLP output, gate2), and takes
+        the previous block's as ``residual`` (the final layer takes the last one)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
+        if joined_residuals():
+            branch, gate = residual if residual is not None else (None, None)
+            x, h = adaln_joint(x, branch, gate, shift1, scale1, eps=1e-6)
+            x, h = adaln_joint(x, self.attn(h, cos, sin, grid_hw), gate1, shift2, scale2, eps=1e-5)
+            return x, (self.mlp(h), gate2)
         h = modulate(layer_norm(x, eps=1e-6), shift1, scale1)
         x = torch.addcmul(x, gate1[:, None], self.attn(h, cos, sin, grid_hw))  # x + gate1 * attn
         h = modulate(layer_norm(x, eps=1e-5), shift2, scale2)
-        return torch.addcmul(x, gate2[:, None], self.mlp(h))  # x + gate2 * mlp
+        return torch.addcmul(x, gate2[:, None], self.mlp(h)), None  # x + gate2 * mlp
 
 
 class FinalLayer(nn.Module):
@@ -239,8 +273,11 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
 
-    def forward(self, x, c):
+    def forward(self, x, c, residual=None):
+        """``residual``: the last block's MLP output and gate2 not yet added to x (``DiTBlock.forward``)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        if residual is not None:
+            return self.linear(adaln_joint(x, *residual, shift, scale, eps=1e-6)[1])
         return self.linear(modulate(layer_norm(x, eps=1e-6), shift, scale))
 
 
@@ -401,9 +438,11 @@ class DiT(nn.Module):
         conds = self.conditioning(t, y)
 
         x = self.embed(x, inv, perm)  # [b, N, hidden]; sequence position s holds raster token inv[s]
+        residual = None  # a block's MLP output and gate2 left for the next joint (DiTBlock.forward)
         for block, c in zip(self.blocks, conds):
-            x = block(x, c, cos, sin, grid_hw)
-        x = self.final_layer(x, conds[0])  # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+            x, residual = block(x, c, cos, sin, grid_hw, residual)
+        # [b, N, p * p * C]; per-block conditioning: block 0's, as the reference
+        x = self.final_layer(x, conds[0], residual)
         if self.token_order != "raster":
             x = PermuteTokens.apply(x, perm, inv)  # back to raster order
         return self.unpatchify(x, grid_hw)
