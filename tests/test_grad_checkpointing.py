@@ -105,3 +105,17 @@ def test_bad_value_names_the_allowed_ones(value):
     message = str(error.value)
     assert "model.grad_checkpointing" in message and "from 0 to 4" in message
     assert all(word in message for word in ("false", "true", "'mlp'", "'attention'"))
+
+
+@pytest.mark.parametrize("setting", [True, "attention"])
+def test_compiled_training_recomputes_the_joints_exactly(setting):
+    """Compiled with autograd, the blocks' residual adds run inside the adaLN joints (pixdit.kernels.adaln_joint) and
+    a block returns its MLP output for the next block's joint: recomputing whole blocks or only the attention gives
+    the loss and gradients of the compiled model without it."""
+    torch._dynamo.reset()
+    reference_loss, reference_grads = loss_and_grads(torch.compile(tiny(), backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(torch.compile(tiny(setting), backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name].flatten(), grad.flatten(), rtol=1e-5, atol=1e-7, msg=name)
