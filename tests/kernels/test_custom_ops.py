@@ -193,18 +193,21 @@ def test_dynamic_shapes_compile_matches_eager(name):
 
 
 class _RecordOps(TorchDispatchMode):
-    """Records every ``pixdit::`` op call with detached copies of its arguments (taken before the call: some ops
-    write into theirs)."""
+    """Records one call of every ``pixdit::`` op with detached copies of its arguments (taken before the call: some
+    ops write into theirs): the first call that gives the most optional arguments (e.g. the fine level's dk/dv, which
+    also keeps dS, over the pooled levels' that do not)."""
 
     def __init__(self):
         super().__init__()
         self.calls = {}
+        self.given = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "pixdit" and func not in self.calls:
+        given = sum(a is not None for a in (*args, *kwargs.values()))
+        if func.namespace == "pixdit" and given > self.given.get(func, -1):
             copy = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
-            self.calls[func] = copy
+            self.calls[func], self.given[func] = copy, given
         return func(*args, **kwargs)
 
 
@@ -231,6 +234,7 @@ OPS = [
     "bsa_backward_dq",
     "bsa_backward_dkdv",
     "bsa_backward_dkdv_grouped",
+    "bsa_backward_ds_dq",
     "pooled_topk",
     "vsa_combine",
     "vsa_combine_backward",
