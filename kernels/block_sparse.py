@@ -22,7 +22,7 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
                     partial sums are added in a fixed order, so every gradient row has one writer. One-warp
-                    programs of one key block can also keep each listed pair's dS (``ds_buffer``) for
+                    programs of one key block can also keep each listed pair's dS (``ds_buffer``) for the next.
 * ``_ds_dq_kernel`` query-major: dq = scale * sum of dS K over the list, from the kept dS (``bsa_backward_ds_dq``;
                     LLSA's fine level): nothing recomputed, no q, dO, V, LSE or Delta read.
 The forward's and the dq's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on
