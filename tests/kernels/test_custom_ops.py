@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 
 import pytest
@@ -150,12 +151,14 @@ def check_fullgraph(name: str, backend: str):
 
 
 def _incoming_gradients(code: list[str]) -> list[str]:
-    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv`` call in Inductor's generated wrapper code.
-    A view of an unrealized copy made Inductor copy it once per op that needs exact strides (five copies of LLSA's dO
-    before ``block_sparse.flatten_grad``): then each op reads another buffer."""
+    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv(_grouped)`` call in Inductor's generated
+    wrapper code (``bsa_backward_ds_dq`` reads no dO). A view of an unrealized copy made Inductor copy it once per op
+    that needs exact strides (five copies of LLSA's dO before ``block_sparse.flatten_grad``): then each op reads
+    another buffer."""
     found = []
+    reads_do = re.compile(r"torch\.ops\.pixdit\.bsa_backward_(dq|dkdv|dkdv_grouped)\.")
     for line in "\n".join(code).splitlines():
-        if "torch.ops.pixdit.bsa_backward_d" in line and line.strip().startswith(("buf", "torch.ops")):
+        if reads_do.search(line) and line.strip().startswith(("buf", "torch.ops")):
             call = ast.parse(line.strip()).body[0].value
             found.append(ast.unparse(call.args[3]))
     return found
