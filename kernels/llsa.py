@@ -343,34 +343,30 @@ class _LLSATriton(torch.autograd.Function):
         # are one warp (keeps_ds) and Δ is known, the dk/dv keeps each listed pair's dS and the dq is dS K from it:
         # the dq then reads 2.5 KB a step instead of 4 (K and dS instead of K and V) and computes one product of
         # three (docs/kernel_notes.md v41).
-        csc = csr_to_csc(fine_lists, N // B)
-        pooled_add = (pooled_k, pooled_v) if pooled_k is not None else None
-        if dq is not None and bs.keeps_ds(B, B, d):
-            ds = bs.ds_buffer(fine_lists, B, B, dt)
-            dk, dv = bs.bsa_backward_dkdv(
-                qf,
-                kf,
-                vf,
-                do,
-                lse,
-                delta,
-                csc,
-                B,
-                B,
-                scale,
-                pooled_add=pooled_add,
-                out_dtype=dt,
-                ds=ds,
-                ds_lists=fine_lists,
-            )
-            dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
-        else:
+        keep_ds = dq is not None and bs.keeps_ds(B, B, d)
+        if not keep_ds:  # the recomputing dq (without pooled levels it computes Δ, which the dk/dv reads)
             dq = bs.bsa_backward_dq(
                 qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
             )
-            dk, dv = bs.bsa_backward_dkdv(
-                qf, kf, vf, do, lse, delta, csc, B, B, scale, pooled_add=pooled_add, out_dtype=dt
-            )
+        ds = bs.ds_buffer(fine_lists, B, B, dt) if keep_ds else None
+        dk, dv = bs.bsa_backward_dkdv(
+            qf,
+            kf,
+            vf,
+            do,
+            lse,
+            delta,
+            csr_to_csc(fine_lists, N // B),
+            B,
+            B,
+            scale,
+            pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
+            out_dtype=dt,
+            ds=ds,
+            ds_lists=fine_lists if keep_ds else None,
+        )
+        if keep_ds:
+            dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
