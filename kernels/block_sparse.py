@@ -21,7 +21,10 @@ Kernels (all fp32 accumulation, no float atomics, bitwise deterministic):
 * ``_dq_kernel``    query-major over the same lists (optionally adds into an existing fp32 dq).
 * ``_dkdv_kernel``  key-major: one program per (group of key blocks sharing one list, batch*head, split) over the CSC
                     transpose of the lists (``blocks.csr_to_csc``); long lists are split in a fixed way and the
-                    partial sums are added in a fixed order, so every gradient row has one writer.
+                    partial sums are added in a fixed order, so every gradient row has one writer. One-warp
+                    programs of one key block can also keep each listed pair's dS (``ds_buffer``) for the next.
+* ``_ds_dq_kernel`` query-major: dq = scale * sum of dS K over the list, from the kept dS (``bsa_backward_ds_dq``;
+                    LLSA's fine level): nothing recomputed, no q, dO, V, LSE or Delta read.
 The forward's and the dq's contiguous walks (listed blocks of >= 64 keys, the dense tail) load K and V by TMA on
 Hopper, the key-major dk/dv its query tiles' q and dO (``tma_descriptors``), and 128-row forward programs over blocks
 of >= 128 keys step 128 keys at a time (``forward_step_keys``).
@@ -609,8 +612,9 @@ def query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK: tl.constexpr):
 def key_major_step(
     k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW: tl.constexpr, MASK: tl.constexpr, PREC
 ):
-    """One step of a key-major backward, keys in M (>= 64 rows): dK, dV of the program's key rows ``k``, ``v`` (base-2
-    log weights ``w``) over one step of query rows. ``MASK``: zero the probabilities outside ``k_ok`` x ``r_ok``."""
+    """One step of a key-major backward, keys in M: dK, dV of the program's key rows ``k``, ``v`` (base-2 log weights
+    ``w``) over one step of query rows, and this step's dS^T ([keys, query rows], fp32). ``MASK``: zero the
+    probabilities outside ``k_ok`` x ``r_ok``."""
     st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
     if HAS_LOGW:
         st += w[:, None]
@@ -621,7 +625,7 @@ def key_major_step(
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = pt * (dpt - delta[None, :])
     dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
-    return dk, dv
+    return dk, dv, dst
 
 
 @triton.jit
@@ -641,6 +645,8 @@ def _dkdv_kernel(
     ADD_V,
     Q_DESC,
     DO_DESC,
+    DS,
+    DS_LIST,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -651,6 +657,9 @@ def _dkdv_kernel(
     do_heads,
     stride_ob,
     stride_rb,
+    stride_sb,
+    stride_st,
+    ds_width,
     n_q,
     n_k,
     blk_lo,
@@ -673,8 +682,13 @@ def _dkdv_kernel(
     N_SUB: tl.constexpr,
     TRANSPOSED: tl.constexpr,
     DESC_ROWS: tl.constexpr,
+    DS_SLOTS: tl.constexpr,
 ):
     # program: GROUP consecutive key blocks starting at blk_lo + GROUP * pid0 (they must share one CSC list)
+    # DS_SLOTS > 0 (the power of two >= ds_width): dS is kept for ds_dq (one-warp programs of one key block, whose
+    # steps are one query block each); DS_LIST = the query blocks' lists of ds_width slots, where the kernel finds
+    # the slot of each (query block, key block) pair
+    tl.static_assert(DS_SLOTS == 0 or (PER_ITER == 1 and N_SUB == 1 and GROUP == 1 and not TRANSPOSED))
     g = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -744,9 +758,17 @@ def _dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dkt += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PREC)
         else:
-            dk, dv = key_major_step(
+            dk, dv, dst = key_major_step(
                 k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, MASK_ROWS, PREC
             )
+            if DS_SLOTS > 0:  # keep dS for the dq (ds_dq): at the slot of query block t's list that names this block
+                slots = tl.arange(0, DS_SLOTS)
+                listed = tl.load(DS_LIST + bh * stride_sb + t * stride_st + slots, mask=slots < ds_width, other=-1)
+                at = tl.sum(tl.where(listed == first_blk, slots, 0))
+                ds_tile = DS + ((bh * tl.cdiv(n_q, QUERY_BLOCK) + t) * ds_width + at) * (KEY_BLOCK * QUERY_BLOCK)
+                # [keys, query rows] as computed; rows past n_q hold zeros (their probabilities are masked)
+                ds_offs = tl.arange(0, KEY_ROWS)[:, None] * QUERY_BLOCK + roff[None, :]
+                tl.store(ds_tile + ds_offs, dst.to(DS.dtype.element_ty))
     if TRANSPOSED:
         dk = tl.trans(dkt)
         dv = tl.trans(dvt)
@@ -761,6 +783,54 @@ def _dkdv_kernel(
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+@triton.jit
+def _ds_dq_kernel(
+    K,
+    DS,
+    LIST,
+    DQ_IN,
+    DQ,
+    stride_kb,
+    stride_kn,
+    stride_lb,
+    stride_lt,
+    n_q,
+    n_k,
+    list_len,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    QUERY_BLOCK: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # dq of one query block from the dS that the key-major dk/dv kept (``DS_SLOTS``): dq = scale * sum over its list
+    # of dS K, one listed block per step. Nothing is recomputed: no q, dO, V, LSE or Delta, no exponentials.
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tile.to(tl.int64) * QUERY_BLOCK + tl.arange(0, QUERY_BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    keys = tl.arange(0, KEY_BLOCK)
+    list_base = LIST + bh * stride_lb + tile * stride_lt
+    ds_base = DS + (bh * tl.num_programs(0) + tile) * list_len * (KEY_BLOCK * QUERY_BLOCK)
+    ds_offs = keys[:, None] * QUERY_BLOCK + tl.arange(0, QUERY_BLOCK)[None, :]
+    dq = tl.zeros([QUERY_BLOCK, HEAD_DIM], tl.float32)
+    for j in range(0, list_len):
+        blk = tl.load(list_base + j)
+        krow = blk.to(tl.int64) * KEY_BLOCK + keys
+        # an empty slot (-1) has no dS (never written) and keys past n_k none that counts: both read as zeros
+        k_ok = (blk >= 0) & (krow < n_k)
+        k = tl.load(K + bh * stride_kb + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
+        dst = tl.load(ds_base + j * (KEY_BLOCK * QUERY_BLOCK) + ds_offs, mask=k_ok[:, None], other=0.0)
+        dq += tl.dot(tl.trans(dst), k, input_precision=PREC)
+    dq = dq * sm_scale
+    row_ok = rows < n_q
+    dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    if ACCUMULATE:  # an earlier pass's fp32 dq (other keys of the same queries)
+        dq += tl.load(DQ_IN + dq_offs, mask=row_ok[:, None], other=0.0)
+    tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -829,7 +899,9 @@ def _grouped_dkdv_kernel(
         q, do, lse2, delta = query_rows(
             Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, not EVEN_Q
         )
-        dk, dv = key_major_step(k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, not EVEN_Q, PREC)
+        dk, dv, _ = key_major_step(
+            k, v, w, k_ok, q, do, lse2, delta, r_ok, dk, dv, qk_scale, HAS_LOGW, not EVEN_Q, PREC
+        )
     dk = dk * sm_scale
     # partials [BH, groups, list_len * KEY_BLOCK, d]: row slot * KEY_BLOCK + t holds key t of that slot's block
     out = (bh * tl.num_programs(1) + grp) * list_len * KEY_BLOCK + slot[:, None] * KEY_BLOCK + (r % KEY_BLOCK)[:, None]
@@ -932,6 +1004,7 @@ PROGRAMS = {
     _dq_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
     _dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["GROUP"]),
     _grouped_dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"]),
+    _ds_dq_kernel: ("dq", lambda meta: meta["QUERY_BLOCK"]),
 }
 
 
@@ -953,7 +1026,7 @@ def _configs_for(kernel):
 
     def prune(configs, named_args, **kwargs):
         meta = {**named_args, **kwargs}
-        warps, cap = launched_program(kernel, meta, meta["Q"].dtype)
+        warps, cap = launched_program(kernel, meta, meta["Q" if "Q" in meta else "K"].dtype)
         small = warps < 4
         allowed = _SMALL_PROGRAMS if small else _WARPGROUP_PROGRAMS
         return [
@@ -987,9 +1060,15 @@ _dq = autotuned(
 )
 _dkdv = autotuned(
     _dkdv_kernel,
-    _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q", "DESC_ROWS"],
+    _TUNED_KEYS + ["QUERY_BLOCK", "KEY_BLOCK", "GROUP", "N_SPLIT", "HAS_ADD", "EVEN_Q", "DESC_ROWS", "DS_SLOTS"],
     _CONFIGS,
     prune=_configs_for(_dkdv_kernel),
+)
+_ds_dq = autotuned(
+    _ds_dq_kernel,
+    ["HEAD_DIM", "QUERY_BLOCK", "KEY_BLOCK", "ACCUMULATE", "PREC"],
+    _CONFIGS,
+    prune=_configs_for(_ds_dq_kernel),
 )
 _grouped_dkdv = autotuned(
     _grouped_dkdv_kernel,
@@ -1521,6 +1600,8 @@ def bsa_backward_dkdv(
     shared_list=False,
     pooled_add=None,
     out_dtype=torch.float32,
+    ds=None,
+    ds_lists=None,
 ):
     """dk, dv (fp32 [BH, Nk, d]) of the key blocks ``blk_range = (lo, hi)`` (default: all), key-major over the CSC
     lists ``csc = (offsets [BH or 1, n_blocks + 1], rows [BH or 1, nnz])``; ``do`` as in ``bsa_backward_dq``. ``group`` consecutive blocks per program
@@ -1528,8 +1609,17 @@ def bsa_backward_dkdv(
     their partial sums are added in a fixed order. Writes into ``dk``/``dv`` (rows outside the range untouched).
     ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
     so ``offsets`` is just ``[[0, n]]``. ``pooled_add = (gk, gv)`` (fp32 [BH, ceil(Nk / key_block), d], n_split 1
-    only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused)."""
+    only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused).
+    ``ds`` (``ds_buffer(ds_lists, ...)``) with ``ds_lists`` (the query blocks' lists that ``csc`` transposes, ``[BH,
+    n_query_blocks, width]``): also keeps every listed pair's dS there, for ``bsa_backward_ds_dq`` (one-warp programs
+    only: ``keeps_ds``)."""
     n_blocks = triton.cdiv(k.shape[1], key_block)
+    if ds is not None and not keeps_ds(query_block, key_block, q.shape[-1], group):
+        raise ValueError(
+            f"bsa_backward_dkdv: ds is kept only by one-warp programs of one key block over query blocks of <= 64 "
+            f"rows (keeps_ds); got query_block={query_block}, key_block={key_block}, head_dim={q.shape[-1]}, "
+            f"group={group}"
+        )
     lo, hi = blk_range if blk_range is not None else (0, n_blocks)
     if dk is None:  # every row of the range is written (zeros for blocks nobody attends)
         alloc = torch.empty if (lo, hi) == (0, n_blocks) else torch.zeros
@@ -1559,11 +1649,32 @@ def bsa_backward_dkdv(
             group,
             n_split,
             shared_list,
+            ds,
+            ds_lists,
         )
     return dk, dv
 
 
-@custom_op("bsa_backward_dkdv", mutates_args=("dk", "dv"))
+def keeps_ds(query_block: int, key_block: int, head_dim: int, group: int = 1) -> bool:
+    """Whether the key-major dk/dv can keep dS for ``bsa_backward_ds_dq``: programs of one key block on one warp
+    (``program_warps``), whose steps are one whole query block (``walk_blocks_per_step`` 1, blocks of <= 64 rows)."""
+    return (
+        group == 1
+        and program_warps(key_block, True, head_dim) == 1
+        and walk_blocks_per_step(key_block, query_block, head_dim) == 1
+        and _n_sub(query_block) == 1
+    )
+
+
+def ds_buffer(lists: torch.Tensor, query_block: int, key_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Where the dk/dv keeps dS: one ``[key_block, query_block]`` tile (dS^T) per slot of ``lists`` ([BH,
+    n_query_blocks, width]), in the inputs' dtype (the dk/dv's product rounds dS to it: the dq reads those bits).
+    Slots that are empty (-1) are never written nor read."""
+    bh, n_blocks, width = lists.shape
+    return torch.empty(bh, n_blocks * width, key_block, query_block, device=lists.device, dtype=dtype)
+
+
+@custom_op("bsa_backward_dkdv", mutates_args=("dk", "dv", "ds"))
 def _bsa_backward_dkdv_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1586,6 +1697,8 @@ def _bsa_backward_dkdv_op(
     group: int,
     n_split: int,
     shared_list: bool,
+    ds: torch.Tensor | None,
+    ds_lists: torch.Tensor | None,
 ) -> None:
     BH, n_q, d = q.shape
     n_k = k.shape[1]
@@ -1619,6 +1732,8 @@ def _bsa_backward_dkdv_op(
         pooled_v if pooled_v is not None else lse,
         q_desc,
         do_desc,
+        ds if ds is not None else lse,  # not read without DS_SLOTS
+        ds_lists if ds_lists is not None else offsets,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1626,6 +1741,9 @@ def _bsa_backward_dkdv_op(
         *row_layout(do),
         _bstride(offsets),
         _bstride(rows),
+        ds_lists.stride(0) if ds_lists is not None else 0,
+        ds_lists.stride(1) if ds_lists is not None else 0,
+        ds_lists.shape[-1] if ds_lists is not None else 0,
         n_q,
         n_k,
         lo,
@@ -1648,6 +1766,7 @@ def _bsa_backward_dkdv_op(
         N_SUB=n_sub,
         TRANSPOSED=transposed_backward(key_block * group, d),
         DESC_ROWS=desc_rows,
+        DS_SLOTS=triton.next_power_of_2(ds_lists.shape[-1]) if ds is not None else 0,
         **_launch("dkdv", key_block * group, d, q.dtype),
     )
     if n_split > 1:
@@ -1656,6 +1775,56 @@ def _bsa_backward_dkdv_op(
 
 
 @_bsa_backward_dkdv_op.register_fake
+def _(*args):
+    return None
+
+
+def bsa_backward_ds_dq(k, ds, lists, n_q, query_block, key_block, scale, dq=None, out_dtype=torch.float32):
+    """dq ([BH, n_q, d], ``out_dtype``) of the query blocks' ``lists`` ([BH, n_query_blocks, width]) from the dS that
+    ``bsa_backward_dkdv(..., ds=ds, ds_lists=lists)`` kept, plus ``dq`` (fp32, an earlier pass) when given: the
+    same sum as ``bsa_backward_dq`` over those lists (dS K, scaled), with nothing recomputed. Requires the dk/dv
+    first (it writes ``ds``)."""
+    out = torch.empty(k.shape[0], n_q, k.shape[2], device=k.device, dtype=out_dtype)
+    _bsa_backward_ds_dq_op(k, ds, lists, dq, out, query_block, key_block, scale)
+    return out
+
+
+@custom_op("bsa_backward_ds_dq", mutates_args=("out",))
+def _bsa_backward_ds_dq_op(
+    k: torch.Tensor,
+    ds: torch.Tensor,
+    lists: torch.Tensor,
+    dq: torch.Tensor | None,
+    out: torch.Tensor,
+    query_block: int,
+    key_block: int,
+    scale: float,
+) -> None:
+    BH, n_k, d = k.shape
+    _ds_dq[(lists.shape[1], BH)](
+        k,
+        ds,
+        lists,
+        dq if dq is not None else out,  # not read without ACCUMULATE
+        out,
+        k.stride(0),
+        k.stride(1),
+        lists.stride(0),
+        lists.stride(1),
+        out.shape[1],
+        n_k,
+        lists.shape[2],
+        scale,
+        HEAD_DIM=d,
+        QUERY_BLOCK=query_block,
+        KEY_BLOCK=key_block,
+        ACCUMULATE=dq is not None,
+        PREC=dot_precision(k.dtype),
+        **_launch("dq", query_block, d, k.dtype),
+    )
+
+
+@_bsa_backward_ds_dq_op.register_fake
 def _(*args):
     return None
 

@@ -338,11 +338,17 @@ class _LLSATriton(torch.autograd.Function):
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
-        # fine level (16-row query blocks over k/v): adds the pooled dq, and in the dk/dv epilogue the mean-pool
-        # adjoint of the pooled gradients; writes the input dtype directly
-        dq = bs.bsa_backward_dq(
-            qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
-        )
+        # fine level (16-row query blocks over k/v): the dk/dv adds in its epilogue the mean-pool adjoint of the
+        # pooled gradients, the dq the pooled dq; both write the input dtype directly. Where the dk/dv's programs
+        # are one warp (keeps_ds) and Δ is known, the dk/dv keeps each listed pair's dS and the dq is dS K from it:
+        # the dq then reads 2.5 KB a step instead of 4 (K and dS instead of K and V) and computes one product of
+        # three (docs/kernel_notes.md v41).
+        keep_ds = dq is not None and bs.keeps_ds(B, B, d)
+        if not keep_ds:  # the recomputing dq (without pooled levels it computes Δ, which the dk/dv reads)
+            dq = bs.bsa_backward_dq(
+                qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
+            )
+        ds = bs.ds_buffer(fine_lists, B, B, dt) if keep_ds else None
         dk, dv = bs.bsa_backward_dkdv(
             qf,
             kf,
@@ -356,7 +362,11 @@ class _LLSATriton(torch.autograd.Function):
             scale,
             pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
             out_dtype=dt,
+            ds=ds,
+            ds_lists=fine_lists if keep_ds else None,
         )
+        if keep_ds:
+            dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 

@@ -238,10 +238,13 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(block_m, d), DESC_ROWS=desc_rows)
         return args, const | dict(HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
-    def dkdv(query_block, n_k, group, n_split, has_logw, has_add, key_block=16):
+    def dkdv(query_block, n_k, group, n_split, has_logw, has_add, key_block=16, ds_width=0):
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", DK="*fp32", DV="*fp32")
         args |= dict(OFFSETS="*i32", ROWS="*i32", LOGW="*fp32", ADD_K="*fp32", ADD_V="*fp32", **dq_strides)
         args |= dict(stride_kb=n_k * d, stride_kn=d, stride_ob=n_k // key_block + 1, stride_rb=n // 2, n_q=n, n_k=n_k)
+        # ds_width > 0: the fine level keeping dS for the dq (bf16 tiles; the query blocks' lists of ds_width slots)
+        args |= dict(DS="*bf16" if ds_width else "*fp32", DS_LIST="*i32")
+        args |= dict(stride_sb=(n // query_block) * max(ds_width, 1), stride_st=max(ds_width, 1), ds_width=ds_width)
         args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
         per_iter = block_sparse.walk_blocks_per_step(key_block * group, query_block, d)
@@ -251,7 +254,14 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= desc_args
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(key_block * group, d), DESC_ROWS=desc_rows)
+        const |= dict(DS_SLOTS=triton.next_power_of_2(ds_width) if ds_width else 0)
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=n_sub)
+
+    def ds_dq(list_len):  # the fine level's dq from the dS its dk/dv kept, added to the pooled pass's fp32 dq
+        args = dict(K="*bf16", DS="*bf16", LIST="*i32", DQ_IN="*fp32", DQ="*bf16", stride_kb=n * d, stride_kn=d)
+        args |= dict(stride_lb=(n // 16) * list_len, stride_lt=list_len, n_q=n, n_k=n, list_len=list_len)
+        args |= dict(sm_scale=0.125)
+        return args, dict(common, QUERY_BLOCK=16, KEY_BLOCK=16, ACCUMULATE=True)
 
     def grouped_dkdv(group_rows, width):  # the candidate levels' dk/dv by query group (ancestors of 256 queries)
         args = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", LIST="*i32")
@@ -340,6 +350,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
             *fwd_wide(128, 2, 0, dict(tail_lo=0, tail_hi=n, tail_bias=0.0)),
         ),
         ("dkdv fine (16-key blocks)", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True)),
+        ("dkdv fine keeping dS", block_sparse._dkdv_kernel, *dkdv(16, n, 1, 1, False, True, ds_width=8)),
+        ("dq fine from the kept dS", block_sparse._ds_dq_kernel, *ds_dq(8)),
         ("dkdv pooled candidates (by query group)", block_sparse._grouped_dkdv_kernel, *grouped_dkdv(256, 8)),
         ("dkdv pooled candidates, partials summed", block_sparse._sum_slots_kernel, *sum_slots(8)),
         ("dkdv pooled coarsest (64 keys, split)", block_sparse._dkdv_kernel, *dkdv(64, bank, 4, 21, True, False)),

@@ -136,7 +136,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 20
+    assert len(variants) == 22
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -168,6 +168,8 @@ def test_compile_report_launch_warps_are_the_launchers():
         "fwd bsa 128 (K = 64)": 4,
         "fwd dense 128 (tail)": 8,
         "dkdv fine (16-key blocks)": 1,
+        "dkdv fine keeping dS": 1,
+        "dq fine from the kept dS": 1,
         "dkdv pooled candidates (by query group)": 4,
         "dkdv pooled candidates, partials summed": 1,
         "dkdv pooled coarsest (64 keys, split)": 4,
@@ -240,8 +242,8 @@ for name, label in labels:
 
 def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
     """kernel_ab.labelled_launches (behind ab_attention.py --per-kernel) under the interpreter: LLSA's fine and pooled
-    passes of one kernel get labels of their own; the one-warp fine passes (forward, dq, dk/dv) walk one block per
-    step."""
+    passes of one kernel get labels of their own; the one-warp fine passes (forward, dk/dv) walk one block per
+    step, and the fine dq is the one from the dS that the fine dk/dv kept."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PIXDIT_KERNELS_AUTOTUNE": "0"}
     run = subprocess.run(
         [sys.executable, "-c", LABELS_SNIPPET], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
@@ -250,7 +252,8 @@ def test_labelled_launches_name_each_launch_by_its_block_constants_and_grid():
     labels = run.stdout.strip().splitlines()
     assert "_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)" in labels
     assert "_fwd_kernel BLOCK_M=64 KEY_BLOCK=16 PER_ITER=4 HAS_TAIL=True HAS_INIT=True grid (16, 1)" in labels
-    assert "_dq_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)" in labels
+    assert "_ds_dq_kernel QUERY_BLOCK=16 KEY_BLOCK=16 grid (64, 1)" in labels
+    assert not any(label.startswith("_dq_kernel BLOCK_M=16") for label in labels)  # the fine dq recomputes nothing
     dkdv = [label for label in labels if label.startswith("_dkdv_kernel")]
     assert (
         len(dkdv) == 2  # the fine level and the coarsest; the candidate level runs by query group

@@ -595,3 +595,94 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == [(4, 2, 168)]
     assert caps(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=2, HEAD_DIM=64)) == []
     assert tried(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == warpgroup
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.float32, 32)])  # (no bf16 in the interpreter)
+@pytest.mark.parametrize("start", [False, True])
+def test_dq_from_the_ds_that_the_dkdv_kept_matches_fp64_autograd(dtype, d, start):
+    check_dq_from_kept_ds(dtype, d, start, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 32)])
+def test_gpu_dq_from_the_ds_that_the_dkdv_kept_matches_fp64_autograd(dtype, d):
+    check_dq_from_kept_ds(dtype, d, True, "cuda")
+
+
+def check_dq_from_kept_ds(dtype, d, start, device):
+    """The fine level's backward in its dS-keeping form (LLSA with pooled levels: ``keeps_ds``): the key-major dk/dv
+    keeps each listed (query block, key block) pair's dS, and ``bsa_backward_ds_dq`` sums dS K per query block. With
+    a partial last query block and key block, an empty slot and (``start``) an earlier pass's fp32 dq: dq, dk, dv
+    against fp64 autograd of the attention the lists describe, the kept dS against fp64's dS^T, dk and dv bit for bit
+    those of the dk/dv that keeps nothing, and dq close to the recomputing ``bsa_backward_dq``."""
+    g = torch.Generator().manual_seed(d + start)
+    bh, blk, width, n_blocks = 2, 16, 4, 9
+    nq, nk = 7 * blk - 5, n_blocks * blk - 3
+    q, k, v, do = (torch.randn(bh, n, d, generator=g) for n in (nq, nk, nk, nq))
+    tiles = triton.cdiv(nq, blk)
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:width] for _ in range(bh * tiles)])
+    lists = lists.view(bh, tiles, width).int()
+    lists[1, 2, 1] = -1  # an empty slot
+    scale = d**-0.5
+    # fp64 reference: each query block attends to the key blocks its list names
+    allowed = (lists.long()[:, torch.arange(nq) // blk, :, None] == (torch.arange(nk) // blk).view(1, 1, 1, nk)).any(2)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    s = ((q64 @ k64.transpose(1, 2)) * scale).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, -1)
+    o = p @ v64
+    o.backward(do.double())
+    lse = torch.logsumexp(s, -1).detach()
+    delta = (o.detach() * do.double()).sum(-1)
+    ds_ref = p.detach() * (do.double() @ v64.detach().transpose(1, 2) - delta[..., None])  # [bh, nq, nk], unscaled
+    dq_start = torch.randn(bh, nq, d, generator=g) if start else None
+
+    bs = block_sparse_module
+    on = lambda x: x.to(device)  # noqa: E731
+    args = [on(x.to(dtype)) for x in (q, k, v, do)] + [on(lse.float()), on(delta.float())]
+    csc = csr_to_csc(on(lists), n_blocks)
+    assert bs.keeps_ds(blk, blk, d)
+    ds = bs.ds_buffer(on(lists), blk, blk, dtype)
+    dk, dv = bs.bsa_backward_dkdv(*args, csc, blk, blk, scale, ds=ds, ds_lists=on(lists))
+    dq = bs.bsa_backward_ds_dq(args[1], ds, on(lists), nq, blk, blk, scale, dq=on(dq_start) if start else None)
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    dq_want = q64.grad + (dq_start.double() if start else 0)
+    assert rel(dq, dq_want) < tol and rel(dk, k64.grad) < tol and rel(dv, v64.grad) < tol
+    # the kept tiles: dS^T of each listed pair, [keys, query rows] (rows past nq and keys past nk left out)
+    tiles_ds = ds.view(bh, tiles, width, blk, blk).double().cpu()
+    for b, t, slot in [(0, 0, 0), (1, 2, 3), (0, tiles - 1, 2), (1, tiles - 1, 0)]:
+        kb = int(lists[b, t, slot])
+        rows = slice(t * blk, min(nq, (t + 1) * blk))
+        keys = slice(kb * blk, min(nk, (kb + 1) * blk))
+        want = ds_ref[b, rows, keys].T
+        got = tiles_ds[b, t, slot, : want.shape[0], : want.shape[1]]
+        assert rel(got, want) < tol, (b, t, slot)
+    # keeping dS changes nothing in dk, dv; the recomputing dq is the same sum up to rounding
+    dk0, dv0 = bs.bsa_backward_dkdv(*args, csc, blk, blk, scale)
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    dq0 = bs.bsa_backward_dq(*args, on(lists), blk, blk, scale, dq=on(dq_start) if start else None)
+    assert rel(dq, dq0) < tol / 5
+
+
+def test_keeping_ds_is_refused_where_the_dkdv_programs_are_not_one_warp():
+    bs = block_sparse_module
+    assert bs.keeps_ds(16, 16, 64) and bs.keeps_ds(64, 16, 32)  # query blocks of up to 64 rows, one step each
+    assert not bs.keeps_ds(16, 16, 128) and not bs.keeps_ds(16, 32, 64) and not bs.keeps_ds(128, 16, 64)
+    q = torch.zeros(1, 32, 128)
+    lists = torch.zeros(1, 2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ds is kept only by one-warp programs"):
+        bs.bsa_backward_dkdv(
+            q,
+            q,
+            q,
+            q,
+            q[..., 0],
+            q[..., 0],
+            csr_to_csc(lists, 2),
+            16,
+            16,
+            1.0,
+            ds=bs.ds_buffer(lists, 16, 16, q.dtype),
+            ds_lists=lists,
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 
 import pytest
@@ -150,12 +151,14 @@ def check_fullgraph(name: str, backend: str):
 
 
 def _incoming_gradients(code: list[str]) -> list[str]:
-    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv`` call in Inductor's generated wrapper code.
-    A view of an unrealized copy made Inductor copy it once per op that needs exact strides (five copies of LLSA's dO
-    before ``block_sparse.flatten_grad``): then each op reads another buffer."""
+    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv(_grouped)`` call in Inductor's generated
+    wrapper code (``bsa_backward_ds_dq`` reads no dO). A view of an unrealized copy made Inductor copy it once per op
+    that needs exact strides (five copies of LLSA's dO before ``block_sparse.flatten_grad``): then each op reads
+    another buffer."""
     found = []
+    reads_do = re.compile(r"torch\.ops\.pixdit\.bsa_backward_(dq|dkdv|dkdv_grouped)\.")
     for line in "\n".join(code).splitlines():
-        if "torch.ops.pixdit.bsa_backward_d" in line and line.strip().startswith(("buf", "torch.ops")):
+        if reads_do.search(line) and line.strip().startswith(("buf", "torch.ops")):
             call = ast.parse(line.strip()).body[0].value
             found.append(ast.unparse(call.args[3]))
     return found
@@ -193,18 +196,21 @@ def test_dynamic_shapes_compile_matches_eager(name):
 
 
 class _RecordOps(TorchDispatchMode):
-    """Records every ``pixdit::`` op call with detached copies of its arguments (taken before the call: some ops
-    write into theirs)."""
+    """Records one call of every ``pixdit::`` op with detached copies of its arguments (taken before the call: some
+    ops write into theirs): the first call that gives the most optional arguments (e.g. the fine level's dk/dv, which
+    also keeps dS, over the pooled levels' that do not)."""
 
     def __init__(self):
         super().__init__()
         self.calls = {}
+        self.given = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "pixdit" and func not in self.calls:
+        given = sum(a is not None for a in (*args, *kwargs.values()))
+        if func.namespace == "pixdit" and given > self.given.get(func, -1):
             copy = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
-            self.calls[func] = copy
+            self.calls[func], self.given[func] = copy, given
         return func(*args, **kwargs)
 
 
@@ -241,6 +247,7 @@ OPS = [
     "bsa_backward_dq",
     "bsa_backward_dkdv",
     "bsa_backward_dkdv_grouped",
+    "bsa_backward_ds_dq",
     "pooled_topk",
     "vsa_combine",
     "vsa_combine_backward",
