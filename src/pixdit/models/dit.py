@@ -37,7 +37,7 @@ from torch import nn
 
 from pixdit.attention import AttentionBackend, block_attention_configs, build_attention
 from pixdit.errors import PixditError
-from pixdit.kernels.adaln_joint import adaln_joint
+from pixdit.kernels.adaln_joint import adaln_joint, adaln_joint_forward
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (
@@ -49,17 +49,6 @@ from pixdit.tokens import (
 )
 
 ROPE_THETA = 10000.0
-
-
-def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm without affine, returned in x's dtype: autocast computes it in fp32 on CUDA; keeping the fp32 copy
-    would double the memory of every modulated activation saved for the backward pass."""
-    return F.layer_norm(x, x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x * (1 + scale) + shift per sample, as one fused op (no [batch, tokens, dim] temporary in eager mode)."""
-    return torch.addcmul(shift[:, None], x, 1 + scale[:, None])
 
 
 def joined_residuals() -> bool:
@@ -252,7 +241,7 @@ class DiTBlock(nn.Module):
 
         Compiled with autograd, each residual add happens inside the LayerNorm joint that follows it
         (``pixdit.kernels.adaln_joint``, whose backward computes d shift, d scale and d gate in the LayerNorm's pass;
-        the forward is the same ops, traced as before; docs/kernel_notes.md v40). So the MLP's add is left to the
+        the forward is ``adaln_joint_forward``, the ops of the eager path; docs/kernel_notes.md v40). So the MLP's add is left to the
         next block's first joint: this block returns x before it and ``residual`` = (MLP output, gate2), and takes
         the previous block's as ``residual`` (the final layer takes the last one)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
@@ -261,9 +250,8 @@ class DiTBlock(nn.Module):
             x, h = adaln_joint(x, branch, gate, shift1, scale1, eps=1e-6)
             x, h = adaln_joint(x, self.attn(h, cos, sin, grid_hw), gate1, shift2, scale2, eps=1e-5)
             return x, (self.mlp(h), gate2)
-        h = modulate(layer_norm(x, eps=1e-6), shift1, scale1)
-        x = torch.addcmul(x, gate1[:, None], self.attn(h, cos, sin, grid_hw))  # x + gate1 * attn
-        h = modulate(layer_norm(x, eps=1e-5), shift2, scale2)
+        _, h = adaln_joint_forward(x, None, None, shift1, scale1, eps=1e-6)
+        x, h = adaln_joint_forward(x, self.attn(h, cos, sin, grid_hw), gate1, shift2, scale2, eps=1e-5)
         return torch.addcmul(x, gate2[:, None], self.mlp(h)), None  # x + gate2 * mlp
 
 
@@ -278,7 +266,7 @@ class FinalLayer(nn.Module):
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         if residual is not None:
             return self.linear(adaln_joint(x, *residual, shift, scale, eps=1e-6)[1])
-        return self.linear(modulate(layer_norm(x, eps=1e-6), shift, scale))
+        return self.linear(adaln_joint_forward(x, None, None, shift, scale, eps=1e-6)[1])
 
 
 class DiT(nn.Module):
