@@ -28,6 +28,8 @@ CPU tensors (and ``impl="torch"``) run ``adaln_joint_backward_torch``, the same 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -155,6 +157,8 @@ def _joint_bwd_kernel(
 
 
 ROW_STEPS = (1, 2, 4, 8, 16, 32)  # rows per step of the backward's walk
+# (warps, rows per step, stages) of every launch tried; backward_launches keeps those that suit a width
+_LAUNCH_GRID = tuple(itertools.product((4, 8), ROW_STEPS, (2, 3)))
 
 
 def _elements_per_thread(block_rows: int, dim: int, warps: int) -> int:
@@ -169,9 +173,7 @@ def backward_launches(dim: int) -> list[dict]:
     106 and did not."""
     return [
         {"BLOCK_ROWS": rows, "NUM_STAGES": stages, "num_warps": warps}
-        for warps in (4, 8)
-        for rows in ROW_STEPS
-        for stages in (2, 3)
+        for warps, rows, stages in _LAUNCH_GRID
         if 2 <= _elements_per_thread(rows, dim, warps) <= 8 or (rows == 1 and _elements_per_thread(1, dim, warps) > 8)
     ]
 
@@ -190,10 +192,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 _CONFIGS = [
-    triton.Config({"BLOCK_ROWS": rows, "NUM_STAGES": stages}, num_warps=warps)
-    for warps in (4, 8)
-    for rows in ROW_STEPS
-    for stages in (2, 3)
+    triton.Config({"BLOCK_ROWS": rows, "NUM_STAGES": stages}, num_warps=warps) for warps, rows, stages in _LAUNCH_GRID
 ]
 _joint_bwd = autotuned(_joint_bwd_kernel, ["dim", "HAS_BRANCH", "HAS_DRES"], _CONFIGS, prune=_prune)
 
