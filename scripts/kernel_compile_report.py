@@ -445,7 +445,9 @@ def main(argv=None) -> None:
         for label, fn, run_args, const, launch in joint_variants():
             signature, attrs = launch_variant(fn, run_args, const)
             row = {"kernel": label, "head_dim": "-", "stages": const["NUM_STAGES"], "maxnreg": "-"}
+            # every launch its own --dump files (a label holds several: warps, stages)
             name = label.replace(" ", "_").replace("=", "").replace("/", "_")
+            name += f"_w{launch['num_warps']}_s{const['NUM_STAGES']}"
             row.update(compile_one(fn, signature, const, launch["num_warps"], args.dump, name, attrs))
             rows.append(row)
             print(row, flush=True)
