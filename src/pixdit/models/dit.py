@@ -241,9 +241,9 @@ class DiTBlock(nn.Module):
 
         Compiled with autograd, each residual add happens inside the LayerNorm joint that follows it
         (``pixdit.kernels.adaln_joint``, whose backward computes d shift, d scale and d gate in the LayerNorm's pass;
-        the forward is ``adaln_joint_forward``, the ops of the eager path; docs/kernel_notes.md v40). So the MLP's add is left to the
-        next block's first joint: this block returns x before it and ``residual`` = (MLP output, gate2), and takes
-        the previous block's as ``residual`` (the final layer takes the last one)."""
+        the forward is ``adaln_joint_forward``, the ops of the eager path; docs/kernel_notes.md v40). So the MLP's add
+        is left to the next block's first joint: this block returns x before it and ``residual`` = (MLP output,
+        gate2), and takes the previous block's as ``residual`` (the final layer takes the last one)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
         if joined_residuals():
             branch, gate = residual if residual is not None else (None, None)
