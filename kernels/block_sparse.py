@@ -39,6 +39,7 @@ CPU tensors (and ``impl="torch"``) run ``block_sparse_attention_torch``, an exac
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -167,6 +168,21 @@ def scalar_step_id(ids, list_base, nxt, j, list_len, N_SUB: tl.constexpr, LIST_S
 
 
 @triton.jit
+def list_weight(slot, runs, LIST_RUNS: tl.constexpr):
+    """The natural-log weight of the listed block at list slot ``slot`` (a step's first slot) for a list weighted by
+    runs of columns (``list_runs``): ``runs = (w0, end0, w1, end1, w2)``, slots [0, end0) weigh w0, [end0, end1) w1,
+    the rest w2, of which the first ``LIST_RUNS`` are used (1: one weight for the whole list). Two scalar selects per
+    step, no load: LLSA's candidate levels each weigh ``l ln B`` and fill one run of columns each."""
+    w0, end0, w1, end1, w2 = runs
+    w = w0
+    if LIST_RUNS >= 2:
+        w = tl.where(slot >= end0, w1, w)
+    if LIST_RUNS >= 3:
+        w = tl.where(slot >= end1, w2, w)
+    return w
+
+
+@triton.jit
 def softmax_step(s, scale, shift, m_i, l_i, acc, v, PREC: tl.constexpr):
     """One online-softmax update with a tile of raw logits ``s`` (-inf = masked) whose base-2 logits are
     ``s * scale + shift``; ``shift`` is one number for the whole step (a block's or a level's log weight, -inf for an
@@ -180,6 +196,14 @@ def softmax_step(s, scale, shift, m_i, l_i, acc, v, PREC: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def finish_softmax(m_i, l_i, acc):
+    """The normalised output and natural-log LSE of an online softmax (base-2 ``m_i``); a row without a key gets
+    output 0 and LSE -inf."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None], (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
 
 
 @triton.jit
@@ -259,6 +283,10 @@ def _fwd_kernel(
     tail_hi,
     tail_bias,
     list_bias,
+    run_end0,
+    run_bias1,
+    run_end1,
+    run_bias2,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -271,7 +299,7 @@ def _fwd_kernel(
     HAS_TAIL: tl.constexpr,
     EVEN_TAIL: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
-    LIST_BIAS: tl.constexpr,
+    LIST_RUNS: tl.constexpr,
     FULL_LIST: tl.constexpr,
     DESC_ROWS: tl.constexpr,
 ):
@@ -293,6 +321,7 @@ def _fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
+    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
     k_base = K + bh * stride_kb
     v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)  # v may be tokens-major, e.g. a view of qkv
     # DESC_ROWS > 0: K_DESC / V_DESC are 2-D descriptors of DESC_ROWS-row tiles (tma_descriptors): k as [BH * n_k,
@@ -312,8 +341,8 @@ def _fwd_kernel(
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
-            if LIST_BIAS:
-                bias += list_bias * 1.4426950408889634
+            if LIST_RUNS > 0:
+                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * 1.4426950408889634
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
                 q, kv, row0, bias, n_k, qk_scale, m_i, l_i, acc, STEP_ROWS, EVEN_K, PREC, LIST_TMA
@@ -331,11 +360,11 @@ def _fwd_kernel(
                 kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None], mask=k_ok[None, :], other=0.0)
                 v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=PREC)
-            if LIST_BIAS or HAS_LOGW:  # weighted walks scale and shift the tile first, as before v36, so one weight
-                # for every listed block (LIST_BIAS, a scalar) stays bit for bit the same weight per block (HAS_LOGW)
+            if LIST_RUNS > 0 or HAS_LOGW:  # weighted walks scale and shift the tile first, as before v36, so one
+                # weight per step (LIST_RUNS, a scalar) stays bit for bit the same weight per block (HAS_LOGW)
                 s = s * qk_scale
-                if LIST_BIAS:
-                    s += list_bias * 1.4426950408889634
+                if LIST_RUNS > 0:
+                    s += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
@@ -352,9 +381,7 @@ def _fwd_kernel(
             m_i, l_i, acc = contiguous_fwd_step(
                 q, kv, tail_row, tail_bias, tail_hi, qk_scale, m_i, l_i, acc, TAIL_STEP, EVEN_TAIL, PREC, TAIL_TMA
             )
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    acc = acc / l_safe[:, None]
-    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    acc, lse = finish_softmax(m_i, l_i, acc)
     o_offs = head_offset(bh, out_heads, stride_ob, stride_oh) + rows[:, None] * stride_on + dims[None, :]
     tl.store(O + o_offs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh * n_q + rows, lse, mask=row_ok)
@@ -379,8 +406,7 @@ def contiguous_dq_step(
 ):
     """One dq step over the ``KEY_ROWS`` contiguous key rows from ``row0`` on, with one scalar (base-2) ``bias``, K
     and V where ``kv`` says (both as contiguous_fwd_step). The scale and the bias enter the exponent as one FMA per
-    logit, ``exp2(s * scale - (lse - bias))``. Padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0: no
-    row mask needed."""
+    logit (``dq_step``). Padded query rows load q = dO = 0 (and Δ = 0), so their ds is 0: no row mask needed."""
     k_base, v_base, stride_kn, stride_vn, k_desc, v_desc, k_drow, v_drow, v_col = kv
     if TMA:
         k = k_desc.load([(k_drow + row0).to(tl.int32), 0])
@@ -400,6 +426,13 @@ def contiguous_dq_step(
             k = tl.load(k_base + k_offs, mask=k_ok[:, None], other=0.0)
             v = tl.load(v_base + v_offs, mask=k_ok[:, None], other=0.0)
             s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
+    return dq_step(s, k, v, do, qk_scale, bias, lse2, delta, dq, PREC)
+
+
+@triton.jit
+def dq_step(s, k, v, do, qk_scale, bias, lse2, delta, dq, PREC: tl.constexpr):
+    """One dq step from the raw logits ``s = q k^T`` of key rows ``k``, ``v`` with one scalar base-2 ``bias``; the
+    scale and the bias enter the exponent as one FMA per logit, ``exp2(s * scale - (lse - bias))``."""
     p = tl.math.exp2(s * qk_scale - (lse2 - bias)[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
@@ -475,6 +508,10 @@ def _dq_kernel(
     tail_hi,
     tail_bias,
     list_bias,
+    run_end0,
+    run_bias1,
+    run_end1,
+    run_bias2,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
@@ -490,7 +527,7 @@ def _dq_kernel(
     EVEN_TAIL: tl.constexpr,
     LIST_SLOTS: tl.constexpr,
     TRANSPOSED: tl.constexpr,
-    LIST_BIAS: tl.constexpr,
+    LIST_RUNS: tl.constexpr,
     FULL_LIST: tl.constexpr,
     DESC_ROWS: tl.constexpr,
 ):
@@ -513,6 +550,7 @@ def _dq_kernel(
     dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for warpgroup blocks of < 64 rows
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
+    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
     # K_DESC / V_DESC: [BH * n_k, d] descriptors of DESC_ROWS-row tiles (tma_descriptors); k and v share strides
@@ -527,8 +565,8 @@ def _dq_kernel(
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
                 bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
-            if LIST_BIAS:
-                bias += list_bias * 1.4426950408889634
+            if LIST_RUNS > 0:
+                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * 1.4426950408889634
             dq = contiguous_dq_step(
                 q, do, kv, row0, bias, n_k, qk_scale, lse2, delta, dq, STEP_ROWS, EVEN_K, PREC, LIST_TMA
             )
@@ -546,16 +584,16 @@ def _dq_kernel(
                 v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :], mask=k_ok[:, None], other=0.0)
             if TRANSPOSED:  # rows in N: see the note above _dq_kernel
                 st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-                if LIST_BIAS:
-                    st += list_bias * 1.4426950408889634
+                if LIST_RUNS > 0:
+                    st += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     st += w[:, None] * 1.4426950408889634
                 dqt = gathered_dq_step_t(st, k, v, do, lse2, delta, k_ok[:, None] & row_ok[None, :], dqt, PREC)
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-                if LIST_BIAS:
-                    s += list_bias * 1.4426950408889634
+                if LIST_RUNS > 0:
+                    s += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
                     s += w[None, :] * 1.4426950408889634
@@ -578,6 +616,248 @@ def _dq_kernel(
         a = tl.load(ADD_Q + (bh * tl.num_programs(0) + tile) * HEAD_DIM + dims)
         dq += a[None, :] / tl.minimum(n_q - tile * BLOCK_M, BLOCK_M).to(tl.float32)
     tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# The walks of LLSA's pooled pass in one loop (``one_loop_tiles``; docs/kernel_notes.md v44). Where a query-major pass
+# gathers several listed blocks per step over full lists (no empty slot, whole steps) weighted by runs of columns (or
+# not at all), and its dense tail is whole steps of whole blocks, the tail's blocks are walked as list slots
+# ``list_len, list_len + 1, ...`` of the same loop (their rows arithmetic, ``one_loop_key_rows``): a query tile is one
+# loop, with one pipeline fill and no drain between the list and the tail. A program also walks ``TILES`` consecutive
+# query tiles in that one loop: the tile loop is flattened into the key loop (``tl.range(..., flatten=True)``), so the
+# next tile's first K / V copies are in flight during this tile's last steps. Triton's loop fusion and pipeliner take
+# that only with exactly one inner loop, without a load in a tile's prologue that starts the loop's carried state (so
+# an earlier pass's start values are merged after the steps, ``merge_partial_softmax``: the same sum in another
+# order), and without a load in the loop that the gathers' addresses depend on (so the ids of all the program's tiles
+# are loaded once, before the loop: ``program_list_ids``). Every step's exponent takes the FMA form of
+# ``softmax_step`` / ``dq_step``; the two-loop walk scales and shifts a weighted list's tile first, so the two agree
+# to fp32 rounding, not bit for bit.
+@triton.jit
+def program_list_ids(
+    LIST,
+    bh,
+    group,
+    stride_lb,
+    stride_lt,
+    n_tiles,
+    list_len,
+    TILES: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    PER_ITER: tl.constexpr,
+):
+    """The lists of the program's query tiles ``group * TILES, ...`` as ``[TILES * LIST_SLOTS // PER_ITER, PER_ITER]``
+    ids, one row per step: row ``t * (LIST_SLOTS // PER_ITER) + i`` is step ``i`` of the program's tile ``t`` (id 0
+    past a list's end or the last tile: read, never used)."""
+    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
+    r = tl.arange(0, TILES * STEPS)
+    tile = group * TILES + r // STEPS
+    slots = (r % STEPS)[:, None] * PER_ITER + tl.arange(0, PER_ITER)[None, :]
+    ptrs = LIST + bh * stride_lb + tile.to(tl.int64)[:, None] * stride_lt + slots
+    return tl.load(ptrs, mask=(slots < list_len) & (tile < n_tiles)[:, None], other=0)
+
+
+@triton.jit
+def one_loop_key_rows(ids, row, j, list_len, tail_row0, koff, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr):
+    """The key rows of the step at slot ``j`` of a one-loop walk: the listed blocks of ids row ``row`` while ``j`` is
+    in the list, then the dense tail's, whose block ``i`` is slot ``list_len + i`` (``tail_row0``: the row where a
+    tail block at slot 0 would start)."""
+    _, listed, _ = step_key_rows(ids, row, koff, 0, KEY_BLOCK, PER_ITER)
+    return tl.where(j < list_len, listed, (tail_row0 + j * KEY_BLOCK + koff).to(tl.int64))
+
+
+@triton.jit
+def merge_partial_softmax(m_i, l_i, acc, o0, lse0):
+    """The online softmax (``m_i``, ``l_i``, ``acc``; base 2) merged with an earlier pass's over other keys of the
+    same rows, given as its normalised output ``o0`` and natural-log LSE ``lse0``: as if the walk had started from
+    them (m = lse0 in base 2, l = 1, acc = o0)."""
+    m0 = lse0 * 1.4426950408889634
+    m_new = tl.maximum(m_i, m0)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    beta = tl.math.exp2(m0 - m_use)
+    return m_new, l_i * alpha + beta, acc * alpha[:, None] + o0 * beta[:, None]
+
+
+@triton.jit
+def rows_load(ptrs, row_ok, WHOLE: tl.constexpr):
+    """A load of a tile's rows, masked by ``row_ok`` (broadcastable) unless ``WHOLE`` (every row exists)."""
+    if WHOLE:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def rows_store(ptrs, x, row_ok, WHOLE: tl.constexpr):
+    """``rows_load``'s store."""
+    if WHOLE:
+        tl.store(ptrs, x)
+    else:
+        tl.store(ptrs, x, mask=row_ok)
+
+
+@triton.jit
+def _fwd_one_loop_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    LIST,
+    O_INIT,
+    LSE_INIT,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    v_heads,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    out_heads,
+    stride_lb,
+    stride_lt,
+    n_q,
+    list_len,
+    walk_len,
+    qk_scale,
+    tail_row0,
+    tail_bias,
+    list_bias,
+    run_end0,
+    run_bias1,
+    run_end1,
+    run_bias2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    TILES: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    LIST_RUNS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    ROWS_WHOLE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # _fwd_kernel's gathered walk over full lists, its dense tail as list slots past list_len (walk_len in all), for
+    # TILES query tiles per program in one loop (the note above)
+    group = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
+    ids = program_list_ids(
+        LIST, bh, group, stride_lb, stride_lt, tl.cdiv(n_q, BLOCK_M), list_len, TILES, LIST_SLOTS, PER_ITER
+    )
+    koff = tl.arange(0, KEY_BLOCK * PER_ITER)
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = K + bh * stride_kb
+    v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)
+    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
+    for t in tl.range(0, TILES, flatten=True):
+        rows = (group * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_q
+        q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], ROWS_WHOLE)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for j in range(0, walk_len, PER_ITER):
+            krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
+            kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
+            v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :])
+            bias = tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
+            s = tl.dot(q, kt, input_precision=PREC)
+            m_i, l_i, acc = softmax_step(s, qk_scale, bias, m_i, l_i, acc, v, PREC)
+        if HAS_INIT:  # the earlier pass's partial softmax, merged last (the note above)
+            lse0 = rows_load(LSE_INIT + bh * n_q + rows, row_ok, ROWS_WHOLE)
+            o0 = rows_load(
+                O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], row_ok[:, None], ROWS_WHOLE
+            )
+            m_i, l_i, acc = merge_partial_softmax(m_i, l_i, acc, o0, lse0)
+        out, lse = finish_softmax(m_i, l_i, acc)
+        o_offs = head_offset(bh, out_heads, stride_ob, stride_oh) + rows[:, None] * stride_on + dims[None, :]
+        rows_store(O + o_offs, out.to(O.dtype.element_ty), row_ok[:, None], ROWS_WHOLE)
+        rows_store(LSE + bh * n_q + rows, lse, row_ok, ROWS_WHOLE)
+
+
+@triton.jit
+def _dq_one_loop_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    O,
+    LSE,
+    DELTA,
+    DQ,
+    LIST,
+    stride_qb,
+    stride_qn,
+    stride_kb,
+    stride_kn,
+    stride_db,
+    stride_dh,
+    stride_dn,
+    do_heads,
+    stride_lb,
+    stride_lt,
+    n_q,
+    list_len,
+    walk_len,
+    qk_scale,
+    sm_scale,
+    tail_row0,
+    tail_bias,
+    list_bias,
+    run_end0,
+    run_bias1,
+    run_end1,
+    run_bias2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    TILES: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    LIST_RUNS: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr,
+    ROWS_WHOLE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # _dq_kernel's gathered walk (not transposed, no earlier dq, no pooled add) in _fwd_one_loop_kernel's one loop
+    group = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
+    ids = program_list_ids(
+        LIST, bh, group, stride_lb, stride_lt, tl.cdiv(n_q, BLOCK_M), list_len, TILES, LIST_SLOTS, PER_ITER
+    )
+    koff = tl.arange(0, KEY_BLOCK * PER_ITER)
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_kb
+    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
+    for t in tl.range(0, TILES, flatten=True):
+        rows = (group * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_q
+        q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], ROWS_WHOLE)
+        do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
+        do = rows_load(DO + do_offs, row_ok[:, None], ROWS_WHOLE)
+        lse2 = rows_load(LSE + bh * n_q + rows, row_ok, ROWS_WHOLE) * 1.4426950408889634
+        if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i>, written for the later passes (see _dq_kernel)
+            o = rows_load(O + do_offs, row_ok[:, None], ROWS_WHOLE)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            rows_store(DELTA + bh * n_q + rows, delta, row_ok, ROWS_WHOLE)
+        else:
+            delta = rows_load(DELTA + bh * n_q + rows, row_ok, ROWS_WHOLE)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for j in range(0, walk_len, PER_ITER):
+            krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
+            k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :])
+            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
+            bias = tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
+            dq = dq_step(tl.dot(q, tl.trans(k), input_precision=PREC), k, v, do, qk_scale, bias, lse2, delta, dq, PREC)
+        dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+        rows_store(DQ + dq_offs, (dq * sm_scale).to(DQ.dtype.element_ty), row_ok[:, None], ROWS_WHOLE)
 
 
 @triton.jit
@@ -1002,6 +1282,8 @@ def transposed_backward(rows: int, head_dim: int) -> bool:
 PROGRAMS = {
     _fwd_kernel: ("forward", lambda meta: meta["BLOCK_M"]),
     _dq_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
+    _fwd_one_loop_kernel: ("forward", lambda meta: meta["BLOCK_M"]),
+    _dq_one_loop_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
     _dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["GROUP"]),
     _grouped_dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"]),
     _ds_dq_kernel: ("dq", lambda meta: meta["QUERY_BLOCK"]),
@@ -1045,7 +1327,7 @@ _TUNED_KEYS = ["HEAD_DIM", "PER_ITER", "PREC"]
 _fwd = autotuned(
     _fwd_kernel,
     _TUNED_KEYS
-    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "LIST_BIAS", "FULL_LIST"]
+    + ["BLOCK_M", "KEY_BLOCK", "HAS_INIT", "HAS_LOGW", "EVEN_K", "HAS_TAIL", "LIST_SLOTS", "LIST_RUNS", "FULL_LIST"]
     + ["DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_fwd_kernel),
@@ -1054,9 +1336,22 @@ _dq = autotuned(
     _dq_kernel,
     _TUNED_KEYS
     + ["BLOCK_M", "KEY_BLOCK", "ACCUMULATE", "HAS_ADD", "COMPUTE_DELTA", "EVEN_K", "HAS_TAIL", "LIST_SLOTS"]
-    + ["LIST_BIAS", "FULL_LIST", "DESC_ROWS"],
+    + ["LIST_RUNS", "FULL_LIST", "DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_dq_kernel),
+)
+_ONE_LOOP_KEYS = ["BLOCK_M", "KEY_BLOCK", "TILES", "LIST_SLOTS", "LIST_RUNS", "ROWS_WHOLE"]
+_fwd_one_loop = autotuned(
+    _fwd_one_loop_kernel,
+    _TUNED_KEYS + _ONE_LOOP_KEYS + ["HAS_INIT"],
+    _CONFIGS,
+    prune=_configs_for(_fwd_one_loop_kernel),
+)
+_dq_one_loop = autotuned(
+    _dq_one_loop_kernel,
+    _TUNED_KEYS + _ONE_LOOP_KEYS + ["COMPUTE_DELTA"],
+    _CONFIGS,
+    prune=_configs_for(_dq_one_loop_kernel),
 )
 _dkdv = autotuned(
     _dkdv_kernel,
@@ -1301,18 +1596,94 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
-def _list_args(log_weights, list_log_weight: float | None, full_lists: bool, lists, n_k, key_block, per_iter) -> dict:
-    """Kernel arguments of the listed blocks' weights: per block (``log_weights``, a load per key), one for all
-    (``list_log_weight``, a scalar), or none; and ``FULL_LIST`` (no masks) where the caller promises lists without
-    empty slots and the walk's steps are whole: every one of the ``n_k`` key rows' blocks has all its rows, and the
-    list length is a multiple of the ``per_iter`` blocks per step, so no step reads past the list."""
-    assert log_weights is None or list_log_weight is None, "give log_weights or list_log_weight, not both"
-    whole_steps = n_k % key_block == 0 and lists.shape[2] % per_iter == 0
+MAX_LIST_RUNS = 3  # runs of list columns with one weight each (list_weight): LLSA's candidate levels at L <= 4
+
+
+def list_runs(list_log_weight) -> tuple[list[float] | None, list[int] | None]:
+    """``list_log_weight`` as the ops' two arguments, (weights, columns): one weight for every listed block (a
+    number: ``([w], None)``), or ``(columns, log weight)`` runs of list columns in order (LLSA's candidate levels)."""
+    if list_log_weight is None:
+        return None, None
+    if isinstance(list_log_weight, (int, float)):
+        return [float(list_log_weight)], None
+    runs = [(int(c), float(w)) for c, w in list_log_weight]
+    if not 1 <= len(runs) <= MAX_LIST_RUNS or min(c for c, _ in runs) < 1:
+        raise ValueError(
+            f"list_log_weight must be a number or 1 to {MAX_LIST_RUNS} (columns >= 1, log weight) runs, got "
+            f"{list_log_weight!r}; for more runs pass the weights per block (log_weights)"
+        )
+    return [w for _, w in runs], [c for c, _ in runs]
+
+
+def _list_args(log_weights, weights, columns, full_lists, lists, n_k, key_block, per_iter) -> dict:
+    """Kernel arguments of the listed blocks' weights: per block (``log_weights``, a load per key), by runs of columns
+    (``weights`` / ``columns`` of ``list_runs``: a scalar per step, ``list_weight``), or none; and ``FULL_LIST`` (no
+    masks) where the caller promises lists without empty slots and the walk's steps are whole: every one of the
+    ``n_k`` key rows' blocks has all its rows, and the list length is a multiple of the ``per_iter`` blocks per step,
+    so no step reads past the list. A step has one weight, so runs must end at whole steps."""
+    assert log_weights is None or weights is None, "give log_weights or list_log_weight, not both"
+    width = lists.shape[2]
+    ends = list(itertools.accumulate(columns or [width]))
+    if weights is not None and (ends[-1] != width or any(e % per_iter for e in ends[:-1])):
+        raise ValueError(
+            f"list_log_weight: runs of {columns} columns must cover the list's {width} columns and end at multiples "
+            f"of the {per_iter} blocks a step walks (one weight per step); give the weights per block (log_weights)"
+        )
+    whole_steps = n_k % key_block == 0 and width % per_iter == 0
+    w = (weights or []) + [0.0] * MAX_LIST_RUNS
+    ends = ends + [width] * MAX_LIST_RUNS
     return {
-        "list_bias": 0.0 if list_log_weight is None else float(list_log_weight),
+        "list_bias": w[0],
+        "run_end0": ends[0],
+        "run_bias1": w[1],
+        "run_end1": ends[1],
+        "run_bias2": w[2],
         "HAS_LOGW": log_weights is not None,
-        "LIST_BIAS": list_log_weight is not None,
+        "LIST_RUNS": len(weights or []),
         "FULL_LIST": bool(full_lists) and whole_steps,
+    }
+
+
+# Query tiles per program of the pooled pass's one-loop walk (``_fwd_one_loop_kernel``, ``_dq_one_loop_kernel``: the
+# tail in the list's loop, several tiles in one flattened loop), by pass; 0: the two-loop walk of ``_fwd_kernel`` /
+# ``_dq_kernel``. Off until measured on a GPU: built and tested on the CPU only (docs/kernel_notes.md v44), where its
+# compile report predicted LLSA's 256² forward ~5 % faster with 2 tiles per program (at 2 tiles the dq's flattened
+# loop holds q and dO of two tiles in shared memory: 80 KB, 2 programs per SM, so 1 is its candidate).
+ONE_LOOP_TILES = {"forward": 0, "dq": 0}
+
+
+_RUN_ARGS = ("list_bias", "run_end0", "run_bias1", "run_end1", "run_bias2", "LIST_RUNS")  # _list_args' runs
+
+
+def one_loop_tiles(kind: str, query_block, key_block, head_dim, list_args: dict, list_len, tail_lo, tail_hi) -> int:
+    """Query tiles per program where a ``kind`` ("forward" or "dq") pass takes the one-loop walk, else 0: where
+    ``ONE_LOOP_TILES`` gives it tiles and the pass is a 64-row program's gathered walk (``walk_blocks_per_step``) over
+    full lists (``FULL_LIST`` of ``_list_args``) held in registers (``list_slots``), weighted by runs or not at all,
+    with no dense tail or one of whole steps of whole blocks (the tail's blocks become list slots)."""
+    per_iter = walk_blocks_per_step(query_block, key_block, head_dim)
+    step = key_block * per_iter
+    tail_whole = tail_hi == 0 or (tail_lo % key_block == 0 and (tail_hi - tail_lo) % step == 0)
+    takes = (
+        query_block == 64  # LLSA's pooled tiles (COARSE_TILE): the shape it was built for
+        and per_iter > 1
+        and list_args["FULL_LIST"]
+        and not list_args["HAS_LOGW"]
+        and 0 < list_len <= LIST_IN_REGISTERS
+        and tail_whole
+    )
+    return ONE_LOOP_TILES[kind] if takes else 0
+
+
+def _one_loop_args(tiles, n_q, query_block, key_block, list_len, tail_lo, tail_hi, tail_log_weight) -> dict:
+    """Kernel arguments of a one-loop walk: its length in list slots (the tail's blocks after the list's), where
+    its tail's rows start as slots, the tail's base-2 weight, and whether every tile of every program is whole."""
+    n_tiles = triton.cdiv(n_q, query_block)
+    return {
+        "walk_len": list_len + (tail_hi - tail_lo) // key_block,
+        "tail_row0": tail_lo - list_len * key_block,
+        "tail_bias": tail_log_weight * LOG2E,
+        "TILES": tiles,
+        "ROWS_WHOLE": n_q % query_block == 0 and n_tiles % tiles == 0,
     }
 
 
@@ -1337,9 +1708,10 @@ def bsa_forward(
     dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
     name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
-    ``list_log_weight``: one log weight of every listed block, instead of ``log_weights`` per block (a scalar per
-    step, not a load per key); ``full_lists``: the caller's promise that no slot is empty (-1), so that the walk
-    needs no masks when every key block is whole."""
+    ``list_log_weight``: one log weight of every listed block, or ``(columns, log weight)`` runs of list columns in
+    order (at most ``MAX_LIST_RUNS``, each but the last ending at a whole step of ``walk_blocks_per_step`` blocks),
+    instead of ``log_weights`` per block (a scalar per step, not a load per key); ``full_lists``: the caller's
+    promise that no slot is empty (-1), so that the walk needs no masks when every key block is whole."""
     o_init, lse_init = init if init is not None else (None, None)
     return _bsa_forward_op(
         q,
@@ -1355,7 +1727,7 @@ def bsa_forward(
         out_dtype or q.dtype,
         out_heads,
         *_tail_tuple(dense_tail),
-        list_log_weight,
+        *list_runs(list_log_weight),
         full_lists,
     )
 
@@ -1377,7 +1749,8 @@ def _bsa_forward_op(
     tail_lo: int,
     tail_hi: int,
     tail_log_weight: float,
-    list_log_weight: float | None,
+    list_log_weight: list[float] | None,
+    list_run_columns: list[int] | None,
     full_lists: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     BH, n_q, d = q.shape
@@ -1387,6 +1760,41 @@ def _bsa_forward_op(
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
+    weights = _list_args(log_weights, list_log_weight, list_run_columns, full_lists, lists, n_k, key_block, per_iter)
+    tiles = one_loop_tiles("forward", query_block, key_block, d, weights, lists.shape[2], tail_lo, tail_hi)
+    if tiles:
+        _fwd_one_loop[(triton.cdiv(n_tiles, tiles), BH)](
+            q,
+            k,
+            v,
+            o,
+            lse,
+            lists,
+            o_init if o_init is not None else o,
+            lse_init if lse_init is not None else lse,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            *row_layout(v),
+            *row_layout(o),
+            _bstride(lists),
+            lists.stride(1),
+            n_q=n_q,
+            list_len=lists.shape[2],
+            qk_scale=scale * LOG2E,
+            **_one_loop_args(tiles, n_q, query_block, key_block, lists.shape[2], tail_lo, tail_hi, tail_log_weight),
+            **{name: weights[name] for name in _RUN_ARGS},
+            HEAD_DIM=d,
+            BLOCK_M=query_block,
+            KEY_BLOCK=key_block,
+            PER_ITER=per_iter,
+            LIST_SLOTS=list_slots(lists.shape[2], per_iter),
+            HAS_INIT=o_init is not None,
+            PREC=dot_precision(q.dtype),
+            **_launch("forward", query_block, d, q.dtype),
+        )
+        return o, lse
     walked = key_block if lists.shape[2] > 0 else TAIL_STEP.value  # a dense walk (no list) steps by TAIL_STEP
     step_keys = forward_step_keys(query_block, walked, d, q.dtype)
     k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
@@ -1414,7 +1822,7 @@ def _bsa_forward_op(
         n_k,
         lists.shape[2],
         scale * LOG2E,
-        **_list_args(log_weights, list_log_weight, full_lists, lists, n_k, key_block, per_iter),
+        **weights,
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,
@@ -1488,7 +1896,7 @@ def bsa_backward_dq(
         scale,
         out_dtype,
         *_tail_tuple(dense_tail),
-        list_log_weight,
+        *list_runs(list_log_weight),
         full_lists,
     )
 
@@ -1514,7 +1922,8 @@ def _bsa_backward_dq_op(
     tail_lo: int,
     tail_hi: int,
     tail_log_weight: float,
-    list_log_weight: float | None,
+    list_log_weight: list[float] | None,
+    list_run_columns: list[int] | None,
     full_lists: bool,
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
@@ -1525,6 +1934,43 @@ def _bsa_backward_dq_op(
     dq_in = dq
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=out_dtype)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
+    n_k = k.shape[1]
+    weights = _list_args(log_weights, list_log_weight, list_run_columns, full_lists, lists, n_k, key_block, per_iter)
+    tiles = one_loop_tiles("dq", query_block, key_block, d, weights, lists.shape[2], tail_lo, tail_hi)
+    if tiles and not accumulate and pooled_add is None:  # (the one-loop dq adds no earlier dq, no pooled term)
+        _dq_one_loop[(triton.cdiv(n_tiles, tiles), BH)](
+            q,
+            k,
+            v,
+            do,
+            o if o is not None else do,
+            lse,
+            delta,
+            dq,
+            lists,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            *row_layout(do),
+            _bstride(lists),
+            lists.stride(1),
+            n_q=n_q,
+            list_len=lists.shape[2],
+            qk_scale=scale * LOG2E,
+            sm_scale=scale,
+            **_one_loop_args(tiles, n_q, query_block, key_block, lists.shape[2], tail_lo, tail_hi, tail_log_weight),
+            **{name: weights[name] for name in _RUN_ARGS},
+            HEAD_DIM=d,
+            BLOCK_M=query_block,
+            KEY_BLOCK=key_block,
+            PER_ITER=per_iter,
+            LIST_SLOTS=list_slots(lists.shape[2], per_iter),
+            COMPUTE_DELTA=o is not None,
+            PREC=dot_precision(q.dtype),
+            **_launch("dq", query_block, d, q.dtype),
+        )
+        return dq
     n_sub = _n_sub(key_block)  # the dq walks listed blocks in steps of at most 64 keys
     step_keys = key_block // n_sub
     k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
@@ -1555,7 +2001,7 @@ def _bsa_backward_dq_op(
         lists.shape[2],
         scale * LOG2E,
         scale,
-        **_list_args(log_weights, list_log_weight, full_lists, lists, k.shape[1], key_block, per_iter),
+        **weights,
         HEAD_DIM=d,
         BLOCK_M=query_block,
         KEY_BLOCK=key_block,

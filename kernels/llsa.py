@@ -314,7 +314,7 @@ class _LLSATriton(torch.autograd.Function):
                 out_dtype=q.dtype,
                 dense_tail=tail,
                 out_heads=h,
-                **_pooled_list_args(B, L, Le, logw, full_lists),
+                **_pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists),
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
@@ -331,7 +331,7 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            weights = _pooled_list_args(B, L, Le, logw, full_lists)
+            weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
             dq = bs.bsa_backward_dq(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
             )
@@ -370,15 +370,18 @@ class _LLSATriton(torch.autograd.Function):
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
-def _pooled_list_args(B, L, Le, logw, full_lists: bool) -> dict:
-    """The weights and fullness of the pooled pass's lists for ``bsa_forward`` / ``bsa_backward_dq``: the blocks of
-    one candidate level (L = 2) share its weight ``ln B``, passed as one number (a scalar per step in the kernels,
-    not a load per key); several levels take ``logw`` per bank block. ``full_lists``: no empty slot, so the walk
-    needs no masks; without candidate levels the lists are one empty slot each."""
-    n_cand = min(Le, L - 1)
-    if n_cand == 1:
-        return {"list_log_weight": math.log(B), "full_lists": full_lists}
-    return {"log_weights": logw, "full_lists": full_lists and n_cand >= 1}
+def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:
+    """The weights and fullness of the pooled pass's lists for ``bsa_forward`` / ``bsa_backward_dq``. Each candidate
+    level's blocks fill one run of the lists' columns (``cand_widths``, finest first) and share its weight
+    ``l ln B``, passed as ``(columns, weight)`` runs (a scalar per step in the kernels, not a load per key: the values
+    of ``logw``, bit for bit) where every run but the last ends at a whole step of the walk (K = 8 at L = 3), else as
+    ``logw`` per bank block. ``full_lists``: no empty slot, so the walk needs no masks; without candidate levels the
+    lists are one empty slot each."""
+    per_step = bs.walk_blocks_per_step(COARSE_TILE, B, head_dim)
+    runs = [(width, lvl * math.log(B)) for lvl, width in enumerate(cand_widths, start=1)]
+    if 1 <= len(runs) <= bs.MAX_LIST_RUNS and all(width % per_step == 0 for width, _ in runs[:-1]):
+        return {"list_log_weight": runs if len(runs) > 1 else runs[0][1], "full_lists": full_lists}
+    return {"log_weights": logw, "full_lists": full_lists and len(runs) >= 1}
 
 
 def _pooled_bank_grads(

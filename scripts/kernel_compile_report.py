@@ -195,8 +195,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     # (run-time args, constexprs) of the listed blocks' weights: the pooled passes of LLSA at L = 2 have one candidate
     # level, so one weight for every listed block, and full lists
-    pooled_lists = (dict(list_bias=math.log(16)), dict(LIST_BIAS=True, FULL_LIST=True))
-    no_list_weight = (dict(list_bias=0.0), dict(LIST_BIAS=False, FULL_LIST=False))
+    runs = dict(run_end0=8, run_bias1=0.0, run_end1=8, run_bias2=0.0)
+    pooled_lists = (dict(list_bias=math.log(16), **runs), dict(LIST_RUNS=1, FULL_LIST=True))
+    no_list_weight = (dict(list_bias=0.0, **runs), dict(LIST_RUNS=0, FULL_LIST=False))
 
     def descriptors(step_rows, names=("K_DESC", "V_DESC")):
         """(arguments, DESC_ROWS) of a launch whose contiguous walk steps over ``step_rows`` rows: TMA descriptors
@@ -332,6 +333,19 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= no_list_weight[1] | dict(LIST_SLOTS=block_sparse.list_slots(list_len, 1, ids), DESC_ROWS=desc_rows)
         return args, const | dict(EVEN_K=True, N_SUB=n_sub, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
+    def one_loop(kind, tiles):  # the pooled pass in one loop (block_sparse.ONE_LOOP_TILES): list + tail, tiles
+        args = dict(Q="*bf16", K="*bf16", V="*bf16", LIST="*i32", stride_kb=bank * d, stride_kn=d)
+        args |= dict(stride_lb=(n // 64) * 8, stride_lt=8, n_q=n, list_len=8, walk_len=8 + (bank - n // 16) // 16)
+        args |= dict(qk_scale=0.18, tail_row0=n // 16 - 8 * 16, tail_bias=tail["tail_bias"], **pooled_lists[0])
+        const = dict(common, BLOCK_M=64, KEY_BLOCK=16, PER_ITER=4, TILES=tiles, LIST_SLOTS=8, LIST_RUNS=1)
+        const |= dict(ROWS_WHOLE=True)
+        if kind == "forward":
+            args |= dict(O="*bf16", LSE="*fp32", O_INIT="*fp32", LSE_INIT="*fp32", **strides)
+            args |= dict(stride_vb=bank * d, stride_vh=0, stride_vn=d, v_heads=1)
+            return args, const | dict(HAS_INIT=True)
+        args |= dict(DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32", DQ="*fp32", sm_scale=0.125, **dq_strides)
+        return args, const | dict(COMPUTE_DELTA=True)
+
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail, no_list_weight)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, False, tail, pooled_lists)
     dq_pooled = dq(64, bank, 8, "*fp32", False, True, False, tail, pooled_lists)
@@ -340,6 +354,10 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("fwd fine (16-row blocks)", block_sparse._fwd_kernel, *fwd_fine),
         ("fwd pooled (64-row tiles + tail)", block_sparse._fwd_kernel, *fwd_pooled),
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
+        ("fwd pooled in one loop, 1 tile", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 1)),
+        ("fwd pooled in one loop, 2 tiles", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 2)),
+        ("dq pooled in one loop, 1 tile", block_sparse._dq_one_loop_kernel, *one_loop("dq", 1)),
+        ("dq pooled in one loop, 2 tiles", block_sparse._dq_one_loop_kernel, *one_loop("dq", 2)),
         ("dq fine", block_sparse._dq_kernel, *dq_fine),
         # block_sparse_attention over blocks of 128 (K = 64, 128 keys per step) and the dense flash_attention (every
         # key as the tail, in steps of 64; its tiles are 128-key blocks walked in two steps, as its launcher passes)

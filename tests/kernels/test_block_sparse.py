@@ -175,195 +175,159 @@ def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, 
     if not ids_in_registers:
         monkeypatch.setattr(block_sparse_module, "LIST_IN_REGISTERS", 0)
     g = torch.Generator().manual_seed(3)
-    b, h = 2, 2
-    nk = nq - tail  # partial last key block when tail > 0
-    q = torch.randn(b, h, nq, d, generator=g)
-    k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
-    n_tiles, n_blocks = -(-nq // qb), -(-nk // kb)
-    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:3] for _ in range(b * h * n_tiles)])
-    lists = lists.view(b, h, n_tiles, 3).int()
-    lists[:, :, 1::2, 2] = -1
-    logw = torch.rand(n_blocks, generator=g)
-    go, gl = torch.randn(b, h, nq, d, generator=g), torch.randn(b, h, nq, generator=g)
-    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
-    o, lse = block_sparse_attention(
-        *leaves,
-        lists.to(DEVICE),
-        query_block=qb,
-        key_block=kb,
-        block_log_weights=logw.to(DEVICE),
-        return_lse=True,
-        impl=impl,
-    )
-    ((o * go.to(DEVICE)).sum() + (lse * gl.to(DEVICE)).sum()).backward()
-    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ro, rl = dense_masked_reference(*ref_leaves, lists, qb, kb, logw)
-    ((ro * go.double()).sum() + (rl * gl.double()).sum()).backward()
-    assert rel(o, ro) < 1e-5 and rel(lse, rl) < 1e-5
-    for a, r in zip(leaves, ref_leaves):
-        assert rel(a.grad, r.grad) < 1e-5
-
-
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
-@pytest.mark.parametrize("used", ["o", "lse"])
-def test_block_sparse_gradients_when_only_one_output_is_used(impl, used):
-    # the backward computes Δ in the dq kernel when the LSE is unused, and starts from dO = 0 when only the LSE is
-    g = torch.Generator().manual_seed(5)
-    b, h, n, d, blk = 1, 2, 96, 32, 16
-    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
-    lists = torch.stack([torch.randperm(n // blk, generator=g)[:2] for _ in range(b * h * (n // blk))])
-    lists = lists.view(b, h, n // blk, 2).int()
-    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
-    o, lse = block_sparse_attention(
-        *leaves, lists.to(DEVICE), query_block=blk, key_block=blk, return_lse=True, impl=impl
-    )
-    (o.square().sum() if used == "o" else lse.sum()).backward()
-    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ro, rl = dense_masked_reference(*ref_leaves, lists, blk, blk, None)
-    (ro.square().sum() if used == "o" else rl.sum()).backward()
-    for a, r in zip(leaves, ref_leaves):
-        if r.grad is None:  # the LSE does not depend on v
-            assert a.grad is None or not a.grad.any()
-        else:
-            assert rel(a.grad, r.grad) < 1e-5
-
-
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
-def test_flash_attention_is_dense_softmax(impl):
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 130, 32, generator=g) for _ in range(3))
-    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
-    o = flash_attention(*leaves, impl=impl)
-    o.sum().backward()
-    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    r = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
-    r.sum().backward()
-    assert rel(o, r) < 1e-5
-    for a, b in zip(leaves, ref_leaves):
-        assert rel(a.grad, b.grad) < 1e-5
-
-
-@needs_interpreter
-def test_flash_attention_split_key_major_lists():
-    """1,100 tokens, one head: the dk/dv pass (64-key programs over the shared list of 18 query tiles of 64 rows)
-    splits each list over 2 programs and sums their fp32 parts; the forward and dq walk all keys as one range in
-    128-row tiles, the last tile and the last 64-key step partial."""
-    from pixdit.kernels.block_sparse import DENSE_KV_TILE, split_count
-
-    n = 1100
-    assert split_count(triton.cdiv(n, DENSE_KV_TILE), triton.cdiv(n, DENSE_KV_TILE)) == 2  # the case under test
-    g = torch.Generator().manual_seed(5)
-    q, k, v, go = (torch.randn(1, 1, n, 16, generator=g) for _ in range(4))
-    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
-    o = flash_attention(*leaves, impl="triton")
-    o.backward(go.to(DEVICE))
-    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    r = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
-    r.backward(go.double())
-    assert rel(o, r) < 1e-5
-    for a, b in zip(leaves, ref_leaves):
-        assert rel(a.grad, b.grad) < 1e-5
-
-
-@needs_interpreter
-@pytest.mark.parametrize(
-    "key_block,group_rows,d,dtype",
-    [
-        (16, 256, 32, torch.float32),
-        (32, 128, 16, torch.float32),
-        (64, 64, 128, torch.float32),
-        (16, 256, 64, torch.float16),  # half inputs (bf16 dots are wrong in the Triton 3.8 interpreter)
-    ],
-)
-def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
-    """``bsa_backward_dkdv_grouped``: each group of ``group_rows`` queries attends to the blocks its list names (log
-    weights, empty slots, a partial last group); dk/dv of the range against fp64 autograd of that attention, blocks
-    nobody lists zero, rows outside the range untouched."""
-    g = torch.Generator().manual_seed(key_block + d)
-    bh, n_groups, width, n_blocks = 2, 3, 3, 10
-    nq, nk = group_rows * (n_groups - 1) + 64, n_blocks * key_block - 5  # last group and last key block partial
-    q, k, v, do = (torch.randn(bh, n, d, generator=g) for n in (nq, nk, nk, nq))
-    lists = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:width] + 1 for _ in range(bh * n_groups)])
-    lists = lists.view(bh, n_groups, width).int()
-    lists[0, 1, 2] = -1  # an empty slot; block 0 is listed by nobody
-    log_w = torch.rand(n_blocks, generator=g)
-    scale = d**-0.5
-    # fp64 reference: the attention each group's rows have, its LSE and Δ, then dK, dV by autograd
-    group = torch.arange(nq) // group_rows
-    blk = torch.arange(nk) // key_block
-    allowed = (lists.long()[:, group, :, None] == blk.view(1, 1, 1, nk)).any(2)  # [bh, nq, nk]
-    k64, v64 = (x.double().requires_grad_() for x in (k, v))
-    s = (q.double() @ k64.transpose(1, 2)) * scale + log_w.double()[blk]
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    o = torch.softmax(s, -1) @ v64
-    o.backward(do.double())
-    delta = (o.detach() * do.double()).sum(-1)
-    on = lambda x: x.to(DEVICE)  # noqa: E731
-    dk = torch.full((bh, nk, d), 7.0, device=DEVICE)  # rows outside the range must stay 7
-    dv = dk.clone()
-    block_sparse_module.bsa_backward_dkdv_grouped(
-        *(on(x.to(dtype)) for x in (q, k, v, do)),
-        on(lse.float()),
-        on(delta.float()),
-        on(lists),
-        group_rows,
-        key_block,
-        scale,
-        on(log_w),
-        blk_range=(0, n_blocks - 1),
-        dk=dk,
-        dv=dv,
-    )
-    inside = slice(0, (n_blocks - 1) * key_block)
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    assert rel(dk[:, inside], k64.grad[:, inside]) < tol and rel(dv[:, inside], v64.grad[:, inside]) < tol
-    assert (dk[:, :key_block] == 0).all() and (dv[:, :key_block] == 0).all()  # block 0: listed by nobody
-    assert (dk[:, inside.stop :] == 7).all() and (dv[:, inside.stop :] == 7).all()
-
-
-@needs_interpreter
-@pytest.mark.parametrize("key_block,tail", [(16, True), (32, False)])
-def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
-    """LLSA's pooled pass at L = 2 (one candidate level) gives its lists one weight (``list_log_weight``: a scalar per
-    step) and promises no empty slot (``full_lists``: no masks; at L = 3 with weights per block). Forward and dq equal
-    those of the same lists with that weight per block and the masked walk, bit for bit. A list with an empty slot
-    keeps its masks unless the caller promises fullness; a broken promise reads block 0 in the empty slot."""
-    g = torch.Generator().manual_seed(key_block)
-    bh, d, qb, n_blocks, width = 2, 32, 64, 12, 64 // key_block * 2
-    nq, nk = 3 * qb - 8, n_blocks * key_block + (64 if tail else 0)  # a partial last query tile; tail rows last
+    bh, d, qb, kb, n_blocks = 2, 32, 64, 16, 30
+    nq, nk = 2 * qb, n_blocks * kb + (64 if tail else 0)
     q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
-    tiles = triton.cdiv(nq, qb)
-    lists = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:width] + 1 for _ in range(bh * tiles)])
-    lists = lists.view(bh, tiles, width).int().to(DEVICE)
-    weight = 2.772588722239781  # ln 16
-    per_block = torch.full((triton.cdiv(nk, key_block),), weight, device=DEVICE)
-    dense_tail = (n_blocks * key_block, nk, 2 * weight) if tail else None
-    bs, scale = block_sparse_module, d**-0.5
+    bs, scale, ln16 = block_sparse_module, d**-0.5, 2.772588722239781
+    dense_tail = (n_blocks * kb, nk, 3 * ln16) if tail else None
+    lists = None
 
-    def run(lst, **weights):
-        o, lse = bs.bsa_forward(q, k, v, lst, qb, key_block, scale, dense_tail=dense_tail, **weights)
+    def run(**weights):
+        o, lse = bs.bsa_forward(q, k, v, lists, qb, kb, scale, dense_tail=dense_tail, full_lists=True, **weights)
         delta = torch.empty(bh, nq, device=DEVICE)
         dq = bs.bsa_backward_dq(
-            q, k, v, do, lse, delta, lst, qb, key_block, scale, o=o, dense_tail=dense_tail, **weights
+            q, k, v, do, lse, delta, lists, qb, kb, scale, o=o, dense_tail=dense_tail, full_lists=True, **weights
         )
         return o, lse, delta, dq
 
-    want = run(lists, log_weights=per_block)
-    got = run(lists, list_log_weight=weight, full_lists=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    got = run(lists, log_weights=per_block, full_lists=True)  # LLSA at L = 3: weights per block, no masks
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    holed = lists.clone()
-    holed[1, 0, 1] = -1
-    want = run(holed, log_weights=per_block)
-    got = run(holed, list_log_weight=weight, full_lists=False)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert not torch.equal(want[0], run(lists, log_weights=per_block)[0])  # the empty slot mattered
-    # a broken promise (an empty slot under full_lists, as a selection over NaN scores can leave) reads block 0,
-    # which no list names here, instead of memory outside k and v
-    got = run(holed, list_log_weight=weight, full_lists=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, run(holed.clamp_min(0), log_weights=per_block)))
+    for runs in ([(4, ln16), (8, 2 * ln16)], [(4, ln16), (4, 2 * ln16), (4, 3 * ln16)]):
+        # run r lists blocks 10 r .. 10 r + 9 only (as LLSA's levels sit in different bank rows), so that one table
+        # of weights per block says the same as the runs
+        per_block = torch.zeros(triton.cdiv(nk, kb))
+        for r, (_, w) in enumerate(runs):
+            per_block[10 * r : 10 * r + 10] = w
+        cols = [(c, 10 * r) for r, (c, _) in enumerate(runs)]
+        rows = [torch.cat([torch.randperm(10, generator=g)[:c] + lo for c, lo in cols]) for _ in range(bh * 2)]
+        lists = torch.stack(rows)
+        lists = lists.view(bh, 2, 12).int().to(DEVICE)
+        want = run(log_weights=per_block.to(DEVICE))
+        got = run(list_log_weight=runs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), runs
+    for bad, why in (
+        ([(2, ln16), (10, 2 * ln16)], "end at multiples of the 4 blocks"),
+        ([(4, ln16), (4, 2 * ln16)], "cover the list's 12 columns"),
+        ([(4, ln16)] * 4, "1 to 3"),
+    ):
+        with pytest.raises(ValueError, match=f"list_log_weight.*{why}"):
+            run(list_log_weight=bad)
+
+
+class LaunchRecorder:
+    """A kernel whose launches (``kernel[grid](...)``) are recorded as (name, grid) in ``seen``."""
+
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        self.seen.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tiles,nq", [(1, 320), (2, 312), (4, 312), (2, 256), (4, 256)])
+@pytest.mark.parametrize("init,runs", [(False, 1), (True, 2)])
+def test_one_loop_walk_matches_fp64_and_the_two_loop_walk(dtype, tiles, nq, init, runs, monkeypatch):
+    """LLSA's pooled pass in one loop (``ONE_LOOP_TILES``): the dense tail walked as list slots after the list's,
+    ``tiles`` query tiles per program in one flattened loop (a partial last tile and a partial last program where
+    ``nq`` leaves them), an earlier pass's start values merged after the steps, weights by runs. Forward, Δ and dq
+    against an fp64 softmax over the listed blocks, the tail and (``init``) an earlier pass's other keys, and
+    against the two-loop walk; each launch's kernel and grid pinned."""
+    g = torch.Generator().manual_seed(tiles * 7 + nq + init)
+    bh, d, qb, kb, n_blocks, width, tail_rows = 2, 32, 64, 16, 20, 8, 128
+    nk = n_blocks * kb + tail_rows
+    ln16, scale, bs = 2.772588722239781, d**-0.5, block_sparse_module
+    # inputs rounded to dtype, so that the oracle's numbers are the kernel's inputs
+    q, k, v, do = (torch.randn(bh, n, d, generator=g).to(dtype).double() for n in (nq, nk, nk, nq))
+    k2, v2 = (torch.randn(bh, 40, d, generator=g, dtype=torch.float64) for _ in range(2))  # the earlier pass's keys
+    n_tiles = triton.cdiv(nq, qb)
+    # runs: one weight for the list, or its first 4 columns (one step) ln 16 and the next 4 ln 256; blocks of the
+    # second run drawn from another range, as LLSA's levels occupy different bank rows
+    lists = torch.stack(
+        [
+            torch.cat([torch.randperm(10, generator=g)[:4], torch.randperm(10, generator=g)[:4] + 10])
+            for _ in range(bh * n_tiles)
+        ]
+    ).view(bh, n_tiles, width)
+    run_weights = [(width, ln16)] if runs == 1 else [(4, ln16), (4, 2 * ln16)]
+    tail = (n_blocks * kb, nk, 3 * ln16)
+
+    # fp64 oracle: each query row's keys = its tile's listed blocks (their run's weight), the tail, the earlier keys
+    bias = torch.full((bh, nq, nk), float("-inf"), dtype=torch.float64)
+    for b in range(bh):
+        for t in range(n_tiles):
+            r = slice(t * qb, (t + 1) * qb)
+            for c, blk in enumerate(lists[b, t].tolist()):
+                w = ln16 if runs == 1 or c < 4 else 2 * ln16
+                bias[b, r, blk * kb : (blk + 1) * kb] = w
+    bias[:, :, tail[0] :] = tail[2]
+    qg = q.clone().requires_grad_()
+    logits = qg @ k.transpose(1, 2) * scale + bias
+    if init:  # the earlier pass's keys: no gradient through them (the dq pass is this pass's part of dq)
+        logits = torch.cat([logits, q @ k2.transpose(1, 2) * scale], -1)
+        vals = torch.cat([v, v2], 1)
+    else:
+        vals = v
+    lse_want = torch.logsumexp(logits, -1)
+    o_want = torch.softmax(logits, -1) @ vals
+    o_want.backward(do)
+    earlier = None
+    if init:
+        l2 = q @ k2.transpose(1, 2) * scale
+        earlier = (torch.softmax(l2, -1) @ v2).float().to(DEVICE), torch.logsumexp(l2, -1).float().to(DEVICE)
+
+    on = lambda x: x.to(dtype).to(DEVICE)  # noqa: E731
+    ql, kl, vl, dol, listl = on(q), on(k), on(v), on(do), lists.int().to(DEVICE)
+
+    def run():
+        o, lse = bs.bsa_forward(
+            ql,
+            kl,
+            vl,
+            listl,
+            qb,
+            kb,
+            scale,
+            init=earlier,
+            out_dtype=torch.float32,
+            dense_tail=tail,
+            list_log_weight=run_weights,
+            full_lists=True,
+        )
+        delta = torch.empty(bh, nq, device=DEVICE)
+        dq = bs.bsa_backward_dq(
+            ql,
+            kl,
+            vl,
+            dol,
+            lse,
+            delta,
+            listl,
+            qb,
+            kb,
+            scale,
+            o=o,
+            dense_tail=tail,
+            list_log_weight=run_weights,
+            full_lists=True,
+        )
+        return o, lse, delta, dq
+
+    two_loop = run()
+    seen = []
+    for name in ("_fwd_one_loop", "_dq_one_loop"):
+        monkeypatch.setattr(bs, name, LaunchRecorder(getattr(bs, name), name, seen))
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles)
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles)
+    got = run()
+    groups = triton.cdiv(n_tiles, tiles)
+    assert seen == [("_fwd_one_loop", (groups, bh)), ("_dq_one_loop", (groups, bh))]
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    o, lse, delta, dq = got
+    assert rel(o, o_want) < tol and rel(lse, lse_want) < 1e-6 and rel(dq, qg.grad) < tol
+    assert rel(delta, (o_want * do).sum(-1)) < tol
+    for a, b in zip(got, two_loop):  # the same sums, rounded in another order
+        assert rel(a, b) < (2e-6 if dtype == torch.float32 else 1e-3)
 
 
 @needs_interpreter

@@ -187,6 +187,84 @@ def test_triton_selection_made_here_equals_the_same_selection_given():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tiles", [0, 2])
+def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch):
+    """LLSA with its selection made here (full lists) walks the pooled pass in one loop where ``ONE_LOOP_TILES``
+    says so (``tiles`` query tiles per program), else in the two-loop walk; either matches the fp64 oracle given the
+    same selection. (A coarsest level of whole steps, walked in the list's loop, needs 16,384 tokens: 50 s in the
+    interpreter, so the GPU tests take LLSA's sizes, test_block_sparse the walk, and the next test the routing.)"""
+    N, L, K, Le = 1024, 2, 4, 1
+    from pixdit.kernels import block_sparse as bs
+
+    seen = []
+    for name in ("_fwd_one_loop", "_dq_one_loop"):
+        kernel = getattr(bs, name)
+        monkeypatch.setattr(
+            bs, name, type("Seen", (), {"__getitem__": lambda _, grid, n=name, k=kernel: seen.append(n) or k[grid]})()
+        )
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles)
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles)
+    g = torch.Generator().manual_seed(N + L)
+    q, k, v, go = (torch.randn(1, 1, N, 16, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    B = 16
+    index = llsa_select(q, k, B, llsa_check(N, B, L, K, Le)["topk"], L)
+    ours = grads(lambda q, k, v: llsa_attention(q, k, v, B, K, L, Le, impl="triton"), q, k, v, go)
+    assert seen == (["_fwd_one_loop", "_dq_one_loop"] if tiles else [])
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = grads(lambda q, k, v: llsa_dense(q, k, v, B, [i.long() for i in index], Le), q64, k64, v64, go.double())
+    for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert rel(a, r) < 1e-5, (name, rel(a, r))
+
+
+@pytest.mark.parametrize(
+    "N,L,K,runs,tail_rows,one_loop",
+    [
+        (65536, 2, 8, None, 256, True),  # 256²: one weight, the coarsest level of 256 rows in the list's loop
+        (16384, 2, 8, None, 64, True),  # 128²
+        (262144, 3, 8, [(8, 1), (8, 2)], 64, True),  # 512², L = 3: one weight per level, a tail of one step
+        (4096, 3, [4, 4, 1], [(4, 1), (1, 2)], 1, False),  # the last run ends inside a step: masks, two loops
+        (4096, 3, [2, 2, 1], "per block", 1, False),  # a run ends inside a step that the next one goes on in
+    ],
+)
+def test_pooled_pass_weights_and_one_loop_routing_at_llsas_sizes(N, L, K, runs, tail_rows, one_loop, monkeypatch):
+    """What LLSA's pooled pass passes at its sizes (``_pooled_list_args``; B = 16, head dim 64) and whether the
+    one-loop walk takes it when ``ONE_LOOP_TILES`` gives its passes tiles: the candidate levels' weights as runs of
+    ``l ln B`` where they end at whole steps, else per block; the walk where the weights are runs and the coarsest
+    level is whole steps of whole blocks."""
+    from pixdit.kernels import block_sparse as bs
+    from pixdit.kernels.llsa import COARSE_TILE, _bank_tail, _pooled_list_args
+
+    B, d, ln16 = 16, 64, math.log(16)
+    ks = llsa_check(N, B, L, K)["topk"]
+    widths = tuple(ks[lvl] for lvl in range(1, L))
+    logw = torch.zeros(4)
+    args = _pooled_list_args(B, L, L, logw, widths, d, True)
+    if runs == "per block":
+        assert args == {"log_weights": logw, "full_lists": True}
+    else:
+        want = ln16 if runs is None else [(c, lvl * ln16) for c, lvl in runs]
+        assert args == {"list_log_weight": want, "full_lists": True}
+    lo, hi, _ = _bank_tail(N, B, L, L)
+    assert hi - lo == tail_rows
+    lists = torch.zeros(1, 1, sum(widths), dtype=torch.int32)
+    weights = bs._list_args(
+        logw if runs == "per block" else None,
+        *bs.list_runs(args.get("list_log_weight")),
+        True,
+        lists,
+        hi,
+        B,
+        bs.walk_blocks_per_step(COARSE_TILE, B, d),
+    )
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 2)
+    tiles = bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi)
+    assert tiles == (2 if one_loop else 0)
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 0)
+    assert bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi) == 0
+
+
+@needs_interpreter
 @pytest.mark.parametrize("Le", [None, 0])  # the pooled pass writes the output, or the fine pass alone
 def test_triton_output_is_tokens_major_and_takes_its_gradient_in_any_layout(Le):
     """The Triton path returns a transposed view of a tokens-major [b, N, h, d] tensor (a model's projection reads it
