@@ -5,6 +5,7 @@
 #   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
 #   bash scripts/device_suite.sh ab DIR [CASES]  # LLSA, VSA, SLA A/B: the kernels/ in DIR vs these, interleaved in one process
+#   bash scripts/device_suite.sh knob 'NAME=VALUE' ...  # LLSA A/B: copies of kernels/ with block_sparse.NAME = VALUE vs these
 #   bash scripts/device_suite.sh vs DIR [VARIANTS]  # the whole package vs another commit's tree in DIR, compiled 256^2 step
 #   bash scripts/device_suite.sh loss DIR   # validation loss of a short DiT-S LLSA run (64^2 crops), this tree vs DIR's
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
@@ -19,7 +20,7 @@
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|ab|vs|loss|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|knob|vs|loss|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -53,6 +54,32 @@ case "$stage" in
     # GPU kernel time (an eager sparse call is host-bound at 256^2) and each case's 4 largest kernels per version.
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" --kernel-time \
       --rounds 2 --per-kernel 4 "${cases[@]}" 2>&1 | tee "$OUT/ab_attention.log" ;;
+  knob)
+    # Launch-table values of kernels/block_sparse.py that are off or unmeasured on main (e.g. ONE_LOOP_TILES): for
+    # each NAME=VALUE a copy of kernels/ whose module-level line "NAME = ..." says VALUE, each timed against these
+    # kernels in one process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's gain), with each
+    # case's 12 largest kernels. Cases: KNOB_CASES (default LLSA 256² and 128² at L = 2, 512² at L = 3).
+    #   bash scripts/device_suite.sh knob 'ONE_LOOP_TILES = {"forward": 2, "dq": 1}' 'ONE_LOOP_TILES = {"forward": 1, "dq": 1}'
+    [ $# -gt 1 ] || { echo "usage: device_suite.sh knob 'NAME = VALUE' ... (module-level names of kernels/block_sparse.py)"; exit 2; }
+    root=$(mktemp -d); dirs=()
+    for assign in "${@:2}"; do
+      dir="$root/$(printf '%s' "$assign" | tr -c 'A-Za-z0-9' '_' | tr -s '_')"
+      mkdir -p "$dir" && cp -r kernels "$dir/" || exit 1
+      $PY - "$dir/kernels/block_sparse.py" "$assign" <<'PYEOF' || exit 2
+import re, sys
+path, assign = sys.argv[1:]
+name, value = (part.strip() for part in assign.split("=", 1))
+text = open(path).read()
+new, n = re.subn(rf"^{re.escape(name)} = .*$", lambda m: f"{name} = {value}", text, count=1, flags=re.M)
+if n != 1:
+    sys.exit(f"knob: kernels/block_sparse.py has no one-line module-level '{name} = ...'; give one of its names")
+open(path, "w").write(new)
+PYEOF
+      dirs+=("$dir/kernels")
+    done
+    read -ra cases <<< "${KNOB_CASES:-llsa:256:2 llsa:128:2 llsa:512:3}"
+    PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 "${KNOB_BUDGET_S:-540}" $PY scripts/ab_attention.py --kernels-from "${dirs[@]}" \
+      --kernel-time --rounds 3 --per-kernel 12 --cases "${cases[@]}" 2>&1 | tee "$OUT/ab_knob.log" ;;
   vs)
     # The whole package against another commit (model, glue and kernels; `ab` swaps only kernels/): the compiled
     # 256^2 training step of each variant, one pair of processes per variant (~2.5-3 min a pair on an H200, so one or

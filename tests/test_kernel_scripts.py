@@ -329,3 +329,19 @@ def test_bench_joint_quick_cpu():
     assert sum("| yes |" in line for line in launches) == 2
     bad = subprocess.run([*command[:2], "--side", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--side must be >= 1, got 0" in bad.stderr
+
+
+def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
+    """``device_suite.sh knob`` copies kernels/ once per NAME=VALUE and rewrites that module-level line; a name that
+    block_sparse.py does not define at module level is refused with its name, before anything is timed."""
+    env = os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(
+        ["bash", "scripts/device_suite.sh", "knob", "ONE_LOOP_TILE = 2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert run.returncode == 2 and "no one-line module-level 'ONE_LOOP_TILE = ...'" in run.stderr + run.stdout
+    assert not (tmp_path / "ab_knob.log").exists()
