@@ -44,6 +44,11 @@ __all__ = ["adaln_joint", "adaln_joint_backward_torch", "backward_launches", "jo
 # backward_launches hold 2-8); with 5 or 7, 96% or 86% of the waves' slots are busy
 PROGRAMS_PER_SM = 24
 INTERPRETER_PROGRAMS = 6  # the backward's programs per call off the GPU (tests: several programs, interleaved steps)
+# The backward reads the forward's LayerNorm statistics (each row's fp32 mean and 1 / std, 8 bytes a row, saved by
+# the forward) instead of recomputing them, and takes its two remaining row sums in one paired reduction: two row
+# reductions of four go, as in Inductor's LayerNorm backward, which runs at 3.4-3.7 TB/s against this kernel's
+# 2.65-3.10 (docs/kernel_notes.md v42, v44). Off until measured on a GPU.
+BACKWARD_FROM_STATS = False
 
 
 def programs_per_sample(batch: int, tokens: int, device: torch.device) -> int:
@@ -56,13 +61,18 @@ def programs_per_sample(batch: int, tokens: int, device: torch.device) -> int:
     return max(1, min(tokens, total // batch))
 
 
-def adaln_joint_forward(x, branch, gate, shift, scale, eps):
+def adaln_joint_forward(x, branch, gate, shift, scale, eps, with_stats: bool = False):
     """The forward in PyTorch ops, the DiT block's eager path (x_new rounded to x's dtype; the LayerNorm, in fp32
     under autocast, rounded once to x's dtype: an fp32 copy would double the memory of every modulated activation
-    saved for the backward; the modulation one addcmul, no [b, n, d] temporary)."""
+    saved for the backward; the modulation one addcmul, no [b, n, d] temporary). ``with_stats``: also the
+    LayerNorm's fp32 row mean and 1 / std (``[b, n, 1]`` each), computed in fp32 whatever autocast says."""
     x_new = x if branch is None else torch.addcmul(x, gate[:, None], branch)
-    normed = F.layer_norm(x_new, x_new.shape[-1:], eps=eps).to(x_new.dtype)
-    return x_new, torch.addcmul(shift[:, None], normed, 1 + scale[:, None])
+    if with_stats:
+        normed, mean, rstd = torch.native_layer_norm(x_new.float(), x_new.shape[-1:], None, None, eps)
+    else:
+        normed = F.layer_norm(x_new, x_new.shape[-1:], eps=eps)
+    h = torch.addcmul(shift[:, None], normed.to(x_new.dtype), 1 + scale[:, None])
+    return (x_new, h, mean, rstd) if with_stats else (x_new, h)
 
 
 def adaln_joint_backward_torch(dh, dx_new, x, branch, gate, scale, eps):
@@ -89,6 +99,11 @@ def adaln_joint_backward_torch(dh, dx_new, x, branch, gate, scale, eps):
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _joint_bwd_kernel(
     dh_ptr,
     dres_ptr,
@@ -96,6 +111,8 @@ def _joint_bwd_kernel(
     branch_ptr,
     gate_ptr,
     scale_ptr,
+    mean_ptr,
+    rstd_ptr,
     dx_ptr,
     dbranch_ptr,
     partial_ptr,
@@ -105,6 +122,7 @@ def _joint_bwd_kernel(
     eps,
     HAS_BRANCH: tl.constexpr,
     HAS_DRES: tl.constexpr,
+    HAS_STATS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -133,14 +151,24 @@ def _joint_bwd_kernel(
             xn = (
                 (xn + gate[None, :] * branch).to(x_ptr.dtype.element_ty).to(tl.float32)
             )  # x_new as the forward rounded it
-        mean = tl.sum(xn, axis=1) / dim
-        centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / dim + eps)
+        if HAS_STATS:  # the forward's (BACKWARD_FROM_STATS)
+            stats_offset = sample.to(tl.int64) * n + row
+            mean = tl.load(mean_ptr + stats_offset, mask=row < n, other=0.0)
+            rstd = tl.load(rstd_ptr + stats_offset, mask=row < n, other=0.0)
+            centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
+        else:
+            mean = tl.sum(xn, axis=1) / dim
+            centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / dim + eps)
         xhat = centred * rstd[:, None]
         dh = tl.load(dh_ptr + offset, mask=ok, other=0.0).to(tl.float32)
         g = dh * (1.0 + scale[None, :])
-        mean_g = tl.sum(g, axis=1) / dim
-        mean_gx = tl.sum(g * xhat, axis=1) / dim
+        if HAS_STATS:  # both row sums in one reduction: one exchange between the warps instead of two
+            sum_g, sum_gx = tl.reduce((g, g * xhat), 1, _add_pairs)
+            mean_g, mean_gx = sum_g / dim, sum_gx / dim
+        else:
+            mean_g = tl.sum(g, axis=1) / dim
+            mean_gx = tl.sum(g * xhat, axis=1) / dim
         dxn = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
         if HAS_DRES:
             dxn += tl.load(dres_ptr + offset, mask=ok, other=0.0).to(tl.float32)
@@ -194,7 +222,7 @@ def _prune(configs, named_args, **kwargs):
 _CONFIGS = [
     triton.Config({"BLOCK_ROWS": rows, "NUM_STAGES": stages}, num_warps=warps) for warps, rows, stages in _LAUNCH_GRID
 ]
-_joint_bwd = autotuned(_joint_bwd_kernel, ["dim", "HAS_BRANCH", "HAS_DRES"], _CONFIGS, prune=_prune)
+_joint_bwd = autotuned(_joint_bwd_kernel, ["dim", "HAS_BRANCH", "HAS_DRES", "HAS_STATS"], _CONFIGS, prune=_prune)
 
 
 def _backward_out(x: torch.Tensor, has_branch: bool):
@@ -206,10 +234,11 @@ def _backward_out(x: torch.Tensor, has_branch: bool):
     return torch.empty_like(x), dbranch, x.new_empty((programs, 3, dim), dtype=torch.float32)
 
 
-def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | None = None):
+def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | None = None, mean=None, rstd=None):
     """The Triton backward (the custom op's launcher): dx, d branch and the per-program sums of ``_backward_out``.
     ``launch``: one of ``backward_launches(dim)``; None = autotuned over them on the GPU (common.AUTOTUNE), else
-    ``fixed_launch(dim)``. dres, branch and gate may be None (not read)."""
+    ``fixed_launch(dim)``. dres, branch and gate may be None (not read). ``mean``, ``rstd``: the forward's LayerNorm
+    statistics (fp32 ``[b, n, 1]``, ``adaln_joint_forward(..., with_stats=True)``), read instead of recomputed."""
     dx, dbranch, partial = _backward_out(x, branch is not None)
     b, n, dim = x.shape
     kernel = _joint_bwd_kernel if launch is not None or not AUTOTUNE else _joint_bwd
@@ -221,6 +250,8 @@ def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | 
         branch if branch is not None else x,  # not read without HAS_BRANCH
         gate if gate is not None else scale,  # not read without HAS_BRANCH
         scale,
+        mean if mean is not None else scale,  # not read without HAS_STATS
+        rstd if rstd is not None else scale,
         dx,
         dbranch if branch is not None else dx,
         partial,
@@ -230,6 +261,7 @@ def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | 
         eps,
         HAS_BRANCH=branch is not None,
         HAS_DRES=dres is not None,
+        HAS_STATS=mean is not None,
         DIM_PAD=triton.next_power_of_2(dim),
         **launch,
     )
@@ -245,32 +277,36 @@ def _adaln_joint_backward_op(
     gate: torch.Tensor | None,
     scale: torch.Tensor,
     eps: float,
+    mean: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return joint_backward(dh, dres, x, branch, gate, scale, eps)
+    return joint_backward(dh, dres, x, branch, gate, scale, eps, mean=mean, rstd=rstd)
 
 
 @_adaln_joint_backward_op.register_fake
-def _(dh, dres, x, branch, gate, scale, eps):
+def _(dh, dres, x, branch, gate, scale, eps, mean=None, rstd=None):
     return _backward_out(x, branch is not None)
 
 
 class _AdaLNJoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, branch, gate, shift, scale, eps, triton_path):
-        ctx.save_for_backward(x, branch, gate, scale)
         ctx.eps, ctx.triton_path, ctx.has_branch = eps, triton_path, branch is not None
         ctx.dtypes = tuple(t.dtype if t is not None else None for t in (gate, shift, scale))
-        x_new, h = adaln_joint_forward(x, branch, gate, shift, scale, eps)
+        x_new, h, *stats = adaln_joint_forward(
+            x, branch, gate, shift, scale, eps, with_stats=triton_path and BACKWARD_FROM_STATS
+        )
+        ctx.save_for_backward(x, branch, gate, scale, *stats)
         return x_new if branch is not None else x_new.clone(), h  # x_new is its own tensor, as autograd needs
 
     @staticmethod
     def backward(ctx, dx_new, dh):
-        x, branch, gate, scale = ctx.saved_tensors
+        x, branch, gate, scale, *stats = ctx.saved_tensors
         b, n, dim = x.shape
         dh = dh.contiguous()
         dx_new = dx_new.contiguous() if dx_new is not None else None
         if ctx.triton_path:
-            dx, dbranch, partial = _adaln_joint_backward_op(dh, dx_new, x, branch, gate, scale, ctx.eps)
+            dx, dbranch, partial = _adaln_joint_backward_op(dh, dx_new, x, branch, gate, scale, ctx.eps, *stats)
             sums = partial.view(b, -1, 3, dim).sum(1)  # fixed order: deterministic
             dbranch = dbranch if ctx.has_branch else None
         else:

@@ -314,7 +314,7 @@ def _fwd_kernel(
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.load(
             O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0
-        )
+        ).to(tl.float32)  # (fp32, or the inputs' dtype: llsa.PARTIAL_DTYPE)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -674,7 +674,7 @@ def merge_partial_softmax(m_i, l_i, acc, o0, lse0):
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     beta = tl.math.exp2(m0 - m_use)
-    return m_new, l_i * alpha + beta, acc * alpha[:, None] + o0 * beta[:, None]
+    return m_new, l_i * alpha + beta, acc * alpha[:, None] + o0.to(tl.float32) * beta[:, None]
 
 
 @triton.jit
@@ -1705,7 +1705,7 @@ def bsa_forward(
 ):
     """One query-major pass. q: [BH, Nq, d]; k: [BH, Nk, d]; v: like k, or tokens-major [BH / H, Nk, H, d] with any
     row stride (``row_layout``); lists: int32 [BH or 1, n_tiles, len] (stride 0 on
-    dim 0 allowed); init: optional (o fp32 [BH, Nq, d], lse fp32 [BH, Nq]) to continue; dense_tail: optional
+    dim 0 allowed); init: optional (o [BH, Nq, d] fp32 or q's dtype, lse fp32 [BH, Nq]) to continue; dense_tail: optional
     (row_lo, row_hi, log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not
     name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
     ``list_log_weight``: one log weight of every listed block, or ``(columns, log weight)`` runs of list columns in

@@ -37,6 +37,11 @@ from .topk import pooled_topk
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
 
 COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
+# The dtype of the fine pass's partial output, which the pooled pass continues from: "float32", or "input" (the
+# inputs' dtype: half the bytes of the fine pass's store and of the pooled pass's load, ~0.2 GB of a 256² forward of
+# 2 x 6 heads; the partial is rounded to bf16 once, as the output is). "float32" until measured on a GPU
+# (docs/kernel_notes.md v44).
+PARTIAL_DTYPE = "float32"
 
 
 # ------------------------------------------------------------------------------------------------- configuration
@@ -296,7 +301,7 @@ class _LLSATriton(torch.autograd.Function):
             B,
             B,
             scale,
-            out_dtype=torch.float32 if has_coarse else None,
+            out_dtype={"float32": torch.float32, "input": q.dtype}[PARTIAL_DTYPE] if has_coarse else None,
             out_heads=0 if has_coarse else h,
         )
         logw, tail = None, _bank_tail(N, B, L, Le)

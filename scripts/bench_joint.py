@@ -1,7 +1,7 @@
 """The DiT block's two joints (gated residual + LayerNorm + adaLN modulation) compiled two ways, at a training step's
 shape (default: DiT-S at 256², 4 x 65,536 tokens of 384): Inductor's backward of the block's plain ops against
 ``pixdit.kernels.adaln_joint``, whose Triton backward computes the per-sample shift / scale / gate gradients in the
-LayerNorm's pass. Then the Triton backward alone at every launch its autotuning may pick, with the bytes it must move
+LayerNorm's pass, recomputing the LayerNorm's row statistics or (``BACKWARD_FROM_STATS``) reading the forward's. Then the Triton backward alone at every launch its autotuning may pick, with the bytes it must move
 and their rate: the table that chooses the fixed launch and shows how far a launch is from the memory's pace.
 
     python scripts/bench_joint.py                         # DiT-S, 256², batch 4
@@ -74,23 +74,33 @@ def make_inputs(args, dtype):
 def pair_rows(args, dtype, time_ms) -> list[dict]:
     leaves, ups = make_inputs(args, dtype)
     results, rows = {}, []
-    for name, fn in (("Inductor (plain ops)", plain_pair), ("adaln_joint", fused_pair)):
-        compiled = torch.compile(fn, fullgraph=True)
-        out = compiled(*leaves)
-        results[name] = torch.autograd.grad(out, leaves, ups, retain_graph=True)
-        forward = time_ms(lambda compiled=compiled: compiled(*leaves), args.rep)
+    forms = (
+        ("Inductor (plain ops)", plain_pair, False),
+        ("adaln_joint", fused_pair, False),
+        ("adaln_joint, backward from the forward's statistics", fused_pair, True),  # BACKWARD_FROM_STATS
+    )
+    for name, fn, from_stats in forms:
+        joint.BACKWARD_FROM_STATS = from_stats  # read when the forward is traced: each form compiles its own
+        try:
+            compiled = torch.compile(fn, fullgraph=True)
+            out = compiled(*leaves)
+            results[name] = torch.autograd.grad(out, leaves, ups, retain_graph=True)
+            forward = time_ms(lambda compiled=compiled: compiled(*leaves), args.rep)
+        finally:
+            joint.BACKWARD_FROM_STATS = False
         backward = time_ms(lambda out=out: torch.autograd.grad(out, leaves, ups, retain_graph=True), args.rep)
         rows.append({"form": name, "forward ms": f"{forward:.3f}", "backward ms": f"{backward:.3f}"})
-    base, fused = results.values()
-    rows[-1]["max rel. diff of the gradients"] = f"{max(rel_diff(a, b) for a, b in zip(base, fused)):.1e}"
+    base = results[forms[0][0]]
     rows[0]["max rel. diff of the gradients"] = "-"
-    speedup = float(rows[0]["backward ms"]) / float(rows[1]["backward ms"])
-    rows[1]["form"] += f" (backward {speedup:.2f}x)"
+    for row, (name, _, _) in zip(rows[1:], forms[1:]):
+        row["max rel. diff of the gradients"] = f"{max(rel_diff(a, b) for a, b in zip(base, results[name])):.1e}"
+        row["form"] += f" (backward {float(rows[0]['backward ms']) / float(row['backward ms']):.2f}x)"
     return rows
 
 
 def launch_rows(args, dtype, time_ms) -> list[dict]:
-    """The Triton backward alone per launch, both joints (with the residual's gradient, as in the block)."""
+    """The Triton backward alone per launch, both joints (with the residual's gradient, as in the block), recomputing
+    the LayerNorm's statistics and reading the forward's (``BACKWARD_FROM_STATS``: 8 bytes more a row)."""
     (x, branch, _, scale, gate, _, _), (dh, dres, _) = make_inputs(args, dtype)
     x, branch, scale, gate = (t.detach() for t in (x, branch, scale, gate))
     fixed = joint.fixed_launch(args.dim)
@@ -99,22 +109,28 @@ def launch_rows(args, dtype, time_ms) -> list[dict]:
         tensors = 6 if with_branch else 4  # read dh, dres, x (+ branch); write dx (+ d branch)
         gb = tensors * x.numel() * x.element_size() / 1e9
         b_, g_ = (branch, gate) if with_branch else (None, None)
+        _, _, mean, rstd = joint.adaln_joint_forward(x, b_, g_, scale, scale, 1e-5, with_stats=True)
         for launch in joint.backward_launches(args.dim):
             if args.quick and launch["NUM_STAGES"] != 2:  # the interpreter ignores stages
                 continue
-            ms = time_ms(lambda launch=launch: joint.joint_backward(dh, dres, x, b_, g_, scale, 1e-5, launch), args.rep)
-            rows.append(
-                {
-                    "joint": "after the attention" if with_branch else "before the attention",
-                    "rows/step": launch["BLOCK_ROWS"],
-                    "warps": launch["num_warps"],
-                    "stages": launch["NUM_STAGES"],
-                    "fixed launch": "yes" if launch == fixed else "",
-                    "ms": f"{ms:.3f}",
-                    "GB": f"{gb:.2f}",
-                    "TB/s": f"{gb / ms:.2f}",
-                }
-            )
+            row = {
+                "joint": "after the attention" if with_branch else "before the attention",
+                "rows/step": launch["BLOCK_ROWS"],
+                "warps": launch["num_warps"],
+                "stages": launch["NUM_STAGES"],
+                "fixed launch": "yes" if launch == fixed else "",
+            }
+            for label, stats, extra in (
+                ("", (None, None), 0),
+                (" from stats", (mean, rstd), 8 * x.numel() // args.dim),
+            ):
+                ms = time_ms(
+                    lambda launch=launch, s=stats: joint.joint_backward(dh, dres, x, b_, g_, scale, 1e-5, launch, *s),
+                    args.rep,
+                )
+                row |= {f"ms{label}": f"{ms:.3f}", f"GB{label}": f"{gb + extra / 1e9:.2f}"}
+                row[f"TB/s{label}"] = f"{(gb + extra / 1e9) / ms:.2f}"
+            rows.append(row)
     return rows
 
 

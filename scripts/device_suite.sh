@@ -5,7 +5,7 @@
 #   bash scripts/device_suite.sh tests [kernels|rest]  # GPU correctness tests of every kernel and of train.py
 #   bash scripts/device_suite.sh attention  # attention fwd / fwd+bwd: SDPA, our flash, LLSA L=1..3, VSA, SLA
 #   bash scripts/device_suite.sh ab DIR [CASES]  # LLSA, VSA, SLA A/B: the kernels/ in DIR vs these, interleaved in one process
-#   bash scripts/device_suite.sh knob 'NAME=VALUE' ...  # LLSA A/B: copies of kernels/ with block_sparse.NAME = VALUE vs these
+#   bash scripts/device_suite.sh knob '[MODULE:]NAME = VALUE' ...  # LLSA A/B: copies of kernels/ with that line vs these
 #   bash scripts/device_suite.sh vs DIR [VARIANTS]  # the whole package vs another commit's tree in DIR, compiled 256^2 step
 #   bash scripts/device_suite.sh loss DIR   # validation loss of a short DiT-S LLSA run (64^2 crops), this tree vs DIR's
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
@@ -55,25 +55,30 @@ case "$stage" in
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" --kernel-time \
       --rounds 2 --per-kernel 4 "${cases[@]}" 2>&1 | tee "$OUT/ab_attention.log" ;;
   knob)
-    # Launch-table values of kernels/block_sparse.py that are off or unmeasured on main (e.g. ONE_LOOP_TILES): for
-    # each NAME=VALUE a copy of kernels/ whose module-level line "NAME = ..." says VALUE, each timed against these
-    # kernels in one process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's gain), with each
-    # case's 12 largest kernels. Cases: KNOB_CASES (default LLSA 256² and 128² at L = 2, 512² at L = 3).
-    #   bash scripts/device_suite.sh knob 'ONE_LOOP_TILES = {"forward": 2, "dq": 1}' 'ONE_LOOP_TILES = {"forward": 1, "dq": 1}'
-    [ $# -gt 1 ] || { echo "usage: device_suite.sh knob 'NAME = VALUE' ... (module-level names of kernels/block_sparse.py)"; exit 2; }
+    # Module-level values of the kernel library that are off or unmeasured on main (block_sparse.ONE_LOOP_TILES,
+    # llsa.PARTIAL_DTYPE, ...): for each "[MODULE:]NAME = VALUE" (MODULE a file of kernels/, default block_sparse;
+    # several joined by ";" go into one copy) a copy of kernels/ whose one-line "NAME = ..." says VALUE, each timed
+    # against these kernels in one process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's
+    # gain), with each case's 12 largest kernels. Cases: KNOB_CASES (default LLSA 256², 128² at L = 2, 512² at L = 3).
+    #   bash scripts/device_suite.sh knob 'ONE_LOOP_TILES = {"forward": 2, "dq": 1}' 'llsa:PARTIAL_DTYPE = "input"'
+    [ $# -gt 1 ] || { echo "usage: device_suite.sh knob '[MODULE:]NAME = VALUE' ... (module-level names of kernels/)"; exit 2; }
     root=$(mktemp -d); dirs=()
     for assign in "${@:2}"; do
       dir="$root/$(printf '%s' "$assign" | tr -c 'A-Za-z0-9' '_' | tr -s '_')"
       mkdir -p "$dir" && cp -r kernels "$dir/" || exit 1
-      $PY - "$dir/kernels/block_sparse.py" "$assign" <<'PYEOF' || exit 2
-import re, sys
-path, assign = sys.argv[1:]
-name, value = (part.strip() for part in assign.split("=", 1))
-text = open(path).read()
-new, n = re.subn(rf"^{re.escape(name)} = .*$", lambda m: f"{name} = {value}", text, count=1, flags=re.M)
-if n != 1:
-    sys.exit(f"knob: kernels/block_sparse.py has no one-line module-level '{name} = ...'; give one of its names")
-open(path, "w").write(new)
+      $PY - "$dir/kernels" "$assign" <<'PYEOF' || exit 2
+import os, re, sys
+folder, assigns = sys.argv[1:]
+for assign in assigns.split(";"):  # several lines of one copy: "A = 1; llsa:B = 2"
+    target, value = (part.strip() for part in assign.split("=", 1))
+    module, _, name = target.rpartition(":")
+    path = os.path.join(folder, f"{module or 'block_sparse'}.py")
+    text = open(path).read() if os.path.isfile(path) else ""
+    new, n = re.subn(rf"^{re.escape(name)} = .*$", lambda m: f"{name} = {value}", text, count=1, flags=re.M)
+    if n != 1:
+        where = f"kernels/{os.path.basename(path)}"
+        sys.exit(f"knob: {where} has no one-line module-level '{name} = ...'; give one of its names ([MODULE:]NAME)")
+    open(path, "w").write(new)
 PYEOF
       dirs+=("$dir/kernels")
     done

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import math
 import os
 import re
@@ -347,12 +348,23 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         return args, const | dict(COMPUTE_DELTA=True)
 
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail, no_list_weight)
+    # llsa.PARTIAL_DTYPE = "input": the fine pass's partial output in bf16 (flat, as the fp32 one), the pooled pass's
+    # start values read from it
+    fwd_fine_bf16 = fwd(16, n, 8, "*bf16", False, False, no_tail, no_list_weight)
+    fwd_fine_bf16[0].update(flat_out)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, False, tail, pooled_lists)
     dq_pooled = dq(64, bank, 8, "*fp32", False, True, False, tail, pooled_lists)
     dq_fine = dq(16, n, 8, "*bf16", True, False, False, no_tail, no_list_weight)
     rows = [
         ("fwd fine (16-row blocks)", block_sparse._fwd_kernel, *fwd_fine),
+        ("fwd fine, partial in bf16", block_sparse._fwd_kernel, *fwd_fine_bf16),
         ("fwd pooled (64-row tiles + tail)", block_sparse._fwd_kernel, *fwd_pooled),
+        (
+            "fwd pooled, start values in bf16",
+            block_sparse._fwd_kernel,
+            dict(fwd_pooled[0], O_INIT="*bf16"),
+            fwd_pooled[1],
+        ),
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
         ("fwd pooled in one loop, 1 tile", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 1)),
         ("fwd pooled in one loop, 2 tiles", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 2)),
@@ -411,19 +423,22 @@ def launch_register_cap(fn, const: dict) -> int | None:
 
 def joint_variants() -> list[tuple[str, object, dict, dict, dict]]:
     """(label, kernel, run-time args, constexprs, launch) of adaln_joint's backward: DiT-S, -B and -XL widths, the
-    joint before the attention (no branch) and after it, each launch of ``backward_launches``."""
+    joint before the attention (no branch) and after it, recomputing the LayerNorm's statistics and reading the
+    forward's (``BACKWARD_FROM_STATS``), each launch of ``backward_launches``."""
     variants = []
     for dim in (384, 768, 1152):
-        for has_branch in (False, True):
+        for has_branch, has_stats in itertools.product((False, True), (False, True)):
             args = {name: "*bf16" for name in ("dh_ptr", "dres_ptr", "x_ptr", "branch_ptr", "gate_ptr", "scale_ptr")}
             args |= dict(dx_ptr="*bf16", dbranch_ptr="*bf16", partial_ptr="*fp32", n=65536, dim=dim, programs=264)
-            args["eps"] = 1e-6
+            args |= dict(mean_ptr="*fp32", rstd_ptr="*fp32", eps=1e-6)
             for launch in adaln_joint.backward_launches(dim):
                 launch = dict(launch)
                 const = dict(HAS_BRANCH=has_branch, HAS_DRES=True, DIM_PAD=triton.next_power_of_2(dim))
+                const |= dict(HAS_STATS=has_stats)
                 const["BLOCK_ROWS"] = launch.pop("BLOCK_ROWS")
                 const["NUM_STAGES"] = launch.pop("NUM_STAGES")
-                label = f"joint d={dim}{' branch' if has_branch else ''} rows/step={const['BLOCK_ROWS']}"
+                form = (" branch" if has_branch else "") + (" stats" if has_stats else "")
+                label = f"joint d={dim}{form} rows/step={const['BLOCK_ROWS']}"
                 variants.append((label, adaln_joint._joint_bwd_kernel, args, const, launch))
     return variants
 

@@ -136,7 +136,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 22
+    assert len(variants) == 28
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -145,7 +145,7 @@ def test_compile_report_gives_every_kernel_argument():
             assert "k" in signature and (fn.arg_names.index("k"),) not in attrs, label
     joints = report["joint_variants"]()
     assert {label.split(" rows")[0] for label, *_ in joints} == {
-        f"joint d={d}{b}" for d in (384, 768, 1152) for b in ("", " branch")
+        f"joint d={d}{b}{s}" for d in (384, 768, 1152) for b in ("", " branch") for s in ("", " stats")
     }
     for label, fn, args, constexprs, launch in joints:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
@@ -154,7 +154,7 @@ def test_compile_report_gives_every_kernel_argument():
 
 
 def test_compile_report_launch_warps_are_the_launchers():
-    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the 64-key dk/dv
+    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles (in either walk) and the 64-key dk/dv
     programs of the candidate and coarsest levels on four, SLA's own walks on walk_warps but its 16-row query-major walks (forward, dq) on one;
     the 128-row forward on four over 128-key steps, on eight over the dense tail's 64-key steps; the 128-key dk/dv on
     eight."""
@@ -162,8 +162,14 @@ def test_compile_report_launch_warps_are_the_launchers():
     warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
     assert warps == {
         "fwd fine (16-row blocks)": 1,
+        "fwd fine, partial in bf16": 1,
         "fwd pooled (64-row tiles + tail)": 4,
+        "fwd pooled, start values in bf16": 4,
         "dq pooled (64-row tiles + tail)": 4,
+        "fwd pooled in one loop, 1 tile": 4,
+        "fwd pooled in one loop, 2 tiles": 4,
+        "dq pooled in one loop, 1 tile": 4,
+        "dq pooled in one loop, 2 tiles": 4,
         "dq fine": 1,
         "fwd bsa 128 (K = 64)": 4,
         "fwd dense 128 (tail)": 8,
@@ -313,15 +319,17 @@ def test_launch_breakdown_matches_kernels_to_launches_in_order():
 
 
 def test_bench_joint_quick_cpu():
-    """The joints' benchmark: both compiled forms give the same gradients (fp32 here), and in the interpreter the
-    Triton backward runs at every launch, the fixed one marked once per joint."""
+    """The joints' benchmark: the three compiled forms (plain ops, adaln_joint recomputing its statistics and reading
+    the forward's) give the same gradients (fp32 here), and in the interpreter the Triton backward runs at every
+    launch both ways, the fixed one marked once per joint."""
     command = [sys.executable, "scripts/bench_joint.py", "--quick", "--device", "cpu"]
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    plain, fused = (line for line in lines if line.startswith(("| Inductor", "| adaln_joint")))
-    assert float(fused.split("|")[-2]) < 1e-5, fused
+    plain, fused, from_stats = (line for line in lines if line.startswith(("| Inductor", "| adaln_joint")))
+    assert "statistics" in from_stats
+    assert float(fused.split("|")[-2]) < 1e-5 and float(from_stats.split("|")[-2]) < 1e-5, (fused, from_stats)
     launches = [line for line in lines if line.startswith(("| before the attention", "| after the attention"))]
     from pixdit.kernels.adaln_joint import backward_launches
 
@@ -343,5 +351,7 @@ def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
         timeout=60,
         env=env,
     )
-    assert run.returncode == 2 and "no one-line module-level 'ONE_LOOP_TILE = ...'" in run.stderr + run.stdout
+    assert run.returncode == 2 and "kernels/block_sparse.py has no one-line module-level 'ONE_LOOP_TILE = ...'" in (
+        run.stderr + run.stdout
+    )
     assert not (tmp_path / "ab_knob.log").exists()

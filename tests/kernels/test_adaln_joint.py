@@ -5,10 +5,12 @@ Triton kernel runs in the interpreter (tests/kernels/conftest.py)."""
 import pytest
 import torch
 
+from pixdit.kernels import adaln_joint as joint_module
 from pixdit.kernels.adaln_joint import (
     INTERPRETER_PROGRAMS,
     adaln_joint,
     adaln_joint_backward_torch,
+    adaln_joint_forward,
     backward_launches,
     joint_backward,
 )
@@ -73,20 +75,48 @@ def test_matches_the_fp64_oracle(case, dtype, impl, with_branch):
     compare(*case, dtype, "cpu", impl, with_branch)
 
 
+def reads_the_forwards_statistics(monkeypatch) -> list[bool]:
+    """Turns BACKWARD_FROM_STATS on; returns the list into which each backward launch appends whether it was given
+    the forward's statistics."""
+    monkeypatch.setattr(joint_module, "BACKWARD_FROM_STATS", True)
+    given, launcher = [], joint_module.joint_backward
+    monkeypatch.setattr(
+        joint_module, "joint_backward", lambda *a, **kw: given.append(kw.get("mean") is not None) or launcher(*a, **kw)
+    )
+    return given
+
+
+@pytest.mark.parametrize("with_branch", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_backward_from_the_forwards_statistics_matches_the_fp64_oracle(case, dtype, with_branch, monkeypatch):
+    """BACKWARD_FROM_STATS: the forward keeps the LayerNorm's fp32 row mean and 1 / std, the backward reads them
+    (and pairs its two row sums); the statistics' use pinned."""
+    if CUDA:
+        pytest.skip("interpreter test (the GPU twin is below)")
+    given = reads_the_forwards_statistics(monkeypatch)
+    compare(*case, dtype, "cpu", "triton", with_branch)
+    assert given == [True]
+
+
+@pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("with_branch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_matches_the_fp64_oracle_and_is_deterministic(dtype, with_branch, mark):
+def test_gpu_matches_the_fp64_oracle_and_is_deterministic(dtype, with_branch, stats, mark, monkeypatch):
+    given = reads_the_forwards_statistics(monkeypatch) if stats else []
     first = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
+    assert given == [stats] * stats
     second = compare(4, 4096, 384, dtype, "cuda", "auto", with_branch)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     compare(3, 1000, 1152, dtype, "cuda", "auto", with_branch)  # DiT-XL's width, tokens of no power of two
 
 
+@pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("with_branch", [True, False])
-def test_every_launch_the_autotuner_may_pick_gives_the_same_gradients(with_branch):
+def test_every_launch_the_autotuner_may_pick_gives_the_same_gradients(with_branch, stats):
     """Each of backward_launches (rows per step x warps x stages) against the PyTorch backward: a launch whose walk
-    skipped or repeated rows, or summed a step twice, would differ."""
+    skipped or repeated rows, or summed a step twice, would differ; with the forward's statistics read too."""
     if CUDA:
         pytest.skip("interpreter test (on the GPU, the autotuned launch runs in the oracle test)")
     b, n, dim = 2, 200, 48
@@ -98,8 +128,11 @@ def test_every_launch_the_autotuner_may_pick_gives_the_same_gradients(with_branc
     want_dx, want_dbranch, want_sums = adaln_joint_backward_torch(dh, dres, x, branch, gate, scale, 1e-5)
     launches = backward_launches(dim)
     assert len({(c["BLOCK_ROWS"], c["num_warps"]) for c in launches}) >= 4, launches
+    mean = rstd = None
+    if stats:
+        _, _, mean, rstd = adaln_joint_forward(x, branch, gate, scale, scale, 1e-5, with_stats=True)
     for launch in launches:
-        dx, dbranch, partial = joint_backward(dh, dres, x, branch, gate, scale, 1e-5, launch=launch)
+        dx, dbranch, partial = joint_backward(dh, dres, x, branch, gate, scale, 1e-5, launch, mean, rstd)
         assert partial.shape == (INTERPRETER_PROGRAMS, 3, dim)  # 3 programs per sample, 2 samples
         sums = partial.view(b, -1, 3, dim).sum(1)
         torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-5, msg=f"dx at {launch}")

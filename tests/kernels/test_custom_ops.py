@@ -231,14 +231,20 @@ def _recorded_calls():
             qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8, bias=bias
         )
         _loss(tuple(out)).backward()
-        # the DiT block's two joints: before the attention (no branch) and after it
-        from pixdit.kernels.adaln_joint import adaln_joint
+        # the DiT block's two joints: before the attention (no branch) and after it; the second once more with the
+        # backward reading the forward's statistics (its most arguments: the call recorded)
+        from pixdit.kernels import adaln_joint as joint
 
         x = torch.randn(2, 40, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
         branch = torch.randn_like(x, requires_grad=True)
         mods = [torch.randn(2, 24, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3)]
-        x1, h1 = adaln_joint(x, None, None, mods[1], mods[2], 1e-6, impl="triton")
-        _loss(adaln_joint(x1, branch * h1, mods[0], mods[1], mods[2], 1e-5, impl="triton")).backward()
+        x1, h1 = joint.adaln_joint(x, None, None, mods[1], mods[2], 1e-6, impl="triton")
+        _loss(joint.adaln_joint(x1, branch * h1, mods[0], mods[1], mods[2], 1e-5, impl="triton")).backward()
+        joint.BACKWARD_FROM_STATS = True
+        try:
+            _loss(joint.adaln_joint(x, branch, mods[0], mods[1], mods[2], 1e-5, impl="triton")).backward()
+        finally:
+            joint.BACKWARD_FROM_STATS = False
     return mode.calls
 
 

@@ -217,6 +217,30 @@ def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch):
         assert rel(a, r) < 1e-5, (name, rel(a, r))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("partial", ["float32", "input"])
+def test_triton_fine_partial_in_either_dtype_matches_oracle(partial, monkeypatch):
+    """The fine pass's partial output, which the pooled pass continues from, in fp32 or in the inputs' dtype
+    (``PARTIAL_DTYPE``; the dtype the fine launch was given is pinned): fp16 inputs against the fp64 oracle."""
+    from pixdit.kernels import block_sparse as bs
+    from pixdit.kernels import llsa
+
+    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", partial)
+    given = []
+    forward = bs.bsa_forward
+    monkeypatch.setattr(bs, "bsa_forward", lambda *a, **kw: given.append(kw.get("out_dtype")) or forward(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, 2, 1024, 32, generator=g).half().to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    index = llsa_select(q, k, 16, 4, 2)
+    ours = grads(lambda q, k, v: llsa_attention(q, k, v, 16, 4, 2, index=index, impl="triton"), q, k, v, go)
+    assert given == [torch.float32 if partial == "float32" else torch.float16, torch.float16]  # fine, pooled
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = grads(lambda q, k, v: llsa_dense(q, k, v, 16, [i.long() for i in index], None), q64, k64, v64, go.double())
+    for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert rel(a, r) < 2e-3, (name, rel(a, r))
+
+
 @pytest.mark.parametrize(
     "N,L,K,runs,tail_rows,one_loop",
     [

@@ -79,6 +79,26 @@ def test_llsa_selection_made_here_in_either_pooled_walk_matches_exact_path(dtype
         assert rel(a, r) < TOL[dtype], (name, rel(a, r))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,L", [(65536, 2), (262144, 3)])
+def test_llsa_fine_partial_in_the_inputs_dtype_matches_exact_path(dtype, N, L, monkeypatch):
+    """The fine pass's partial output in the inputs' dtype (``llsa.PARTIAL_DTYPE = "input"``) against the exact
+    path, with the selection made here (the pooled walk as main takes it)."""
+    from pixdit.kernels import llsa
+
+    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "input")
+    torch.manual_seed(N + L + 1)
+    q, k, v = (torch.randn(1, 2, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn_like(q)
+    out = run(q, k, v, go, topk=8, num_levels=L, impl="triton")
+    index = llsa_select(q, k, 16, 8, L)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = run(qf, kf, vf, go.float(), topk=8, num_levels=L, index=index, impl="torch")
+    for name, a, r in zip(("o", "dq", "dk", "dv"), out, ref):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, r) < TOL[dtype], (name, rel(a, r))
+
+
 def test_llsa_deterministic_bitwise():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
