@@ -665,6 +665,35 @@ def one_loop_key_rows(ids, row, j, list_len, tail_row0, koff, KEY_BLOCK: tl.cons
 
 
 @triton.jit
+def one_loop_program(
+    LIST,
+    stride_lb,
+    stride_lt,
+    n_q,
+    list_len,
+    BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PER_ITER: tl.constexpr,
+    TILES: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+):
+    """A one-loop program's group of query tiles, its batch * head, the ids of its tiles' lists
+    (``program_list_ids``) and a step's key offsets."""
+    group = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n_tiles = tl.cdiv(n_q, BLOCK_M)
+    ids = program_list_ids(LIST, bh, group, stride_lb, stride_lt, n_tiles, list_len, TILES, LIST_SLOTS, PER_ITER)
+    return group, bh, ids, tl.arange(0, KEY_BLOCK * PER_ITER)
+
+
+@triton.jit
+def one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS: tl.constexpr):
+    """The base-2 weight of the one-loop step at slot ``j``: its run's (``list_weight``) in the list, the tail's
+    after it."""
+    return tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
+
+
+@triton.jit
 def merge_partial_softmax(m_i, l_i, acc, o0, lse0):
     """The online softmax (``m_i``, ``l_i``, ``acc``; base 2) merged with an earlier pass's over other keys of the
     same rows, given as its normalised output ``o0`` and natural-log LSE ``lse0``: as if the walk had started from
@@ -743,13 +772,10 @@ def _fwd_one_loop_kernel(
 ):
     # _fwd_kernel's gathered walk over full lists, its dense tail as list slots past list_len (walk_len in all), for
     # TILES query tiles per program in one loop (the note above)
-    group = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
     STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
-    ids = program_list_ids(
-        LIST, bh, group, stride_lb, stride_lt, tl.cdiv(n_q, BLOCK_M), list_len, TILES, LIST_SLOTS, PER_ITER
+    group, bh, ids, koff = one_loop_program(
+        LIST, stride_lb, stride_lt, n_q, list_len, BLOCK_M, KEY_BLOCK, PER_ITER, TILES, LIST_SLOTS
     )
-    koff = tl.arange(0, KEY_BLOCK * PER_ITER)
     dims = tl.arange(0, HEAD_DIM)
     k_base = K + bh * stride_kb
     v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)
@@ -765,7 +791,7 @@ def _fwd_one_loop_kernel(
             krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
             kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
             v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :])
-            bias = tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
+            bias = one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS)
             s = tl.dot(q, kt, input_precision=PREC)
             m_i, l_i, acc = softmax_step(s, qk_scale, bias, m_i, l_i, acc, v, PREC)
         if HAS_INIT:  # the earlier pass's partial softmax, merged last (the note above)
@@ -825,13 +851,10 @@ def _dq_one_loop_kernel(
     PREC: tl.constexpr,
 ):
     # _dq_kernel's gathered walk (not transposed, no earlier dq, no pooled add) in _fwd_one_loop_kernel's one loop
-    group = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
     STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
-    ids = program_list_ids(
-        LIST, bh, group, stride_lb, stride_lt, tl.cdiv(n_q, BLOCK_M), list_len, TILES, LIST_SLOTS, PER_ITER
+    group, bh, ids, koff = one_loop_program(
+        LIST, stride_lb, stride_lt, n_q, list_len, BLOCK_M, KEY_BLOCK, PER_ITER, TILES, LIST_SLOTS
     )
-    koff = tl.arange(0, KEY_BLOCK * PER_ITER)
     dims = tl.arange(0, HEAD_DIM)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_kb
@@ -854,7 +877,7 @@ def _dq_one_loop_kernel(
             krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
             k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :])
             v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
-            bias = tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
+            bias = one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS)
             dq = dq_step(tl.dot(q, tl.trans(k), input_precision=PREC), k, v, do, qk_scale, bias, lse2, delta, dq, PREC)
         dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
         rows_store(DQ + dq_offs, (dq * sm_scale).to(DQ.dtype.element_ty), row_ok[:, None], ROWS_WHOLE)

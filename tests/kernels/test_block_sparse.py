@@ -212,22 +212,11 @@ def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, 
             run(list_log_weight=bad)
 
 
-class LaunchRecorder:
-    """A kernel whose launches (``kernel[grid](...)``) are recorded as (name, grid) in ``seen``."""
-
-    def __init__(self, kernel, name, seen):
-        self.kernel, self.name, self.seen = kernel, name, seen
-
-    def __getitem__(self, grid):
-        self.seen.append((self.name, tuple(grid)))
-        return self.kernel[grid]
-
-
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tiles,nq", [(1, 320), (2, 312), (4, 312), (2, 256), (4, 256)])
 @pytest.mark.parametrize("init,runs", [(False, 1), (True, 2)])
-def test_one_loop_walk_matches_fp64_and_the_two_loop_walk(dtype, tiles, nq, init, runs, monkeypatch):
+def test_one_loop_walk_matches_fp64_and_the_two_loop_walk(dtype, tiles, nq, init, runs, monkeypatch, record_launches):
     """LLSA's pooled pass in one loop (``ONE_LOOP_TILES``): the dense tail walked as list slots after the list's,
     ``tiles`` query tiles per program in one flattened loop (a partial last tile and a partial last program where
     ``nq`` leaves them), an earlier pass's start values merged after the steps, weights by runs. Forward, Δ and dq
@@ -314,9 +303,7 @@ def test_one_loop_walk_matches_fp64_and_the_two_loop_walk(dtype, tiles, nq, init
         return o, lse, delta, dq
 
     two_loop = run()
-    seen = []
-    for name in ("_fwd_one_loop", "_dq_one_loop"):
-        monkeypatch.setattr(bs, name, LaunchRecorder(getattr(bs, name), name, seen))
+    seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles)
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles)
     got = run()

@@ -188,20 +188,15 @@ def test_triton_selection_made_here_equals_the_same_selection_given():
 
 @needs_interpreter
 @pytest.mark.parametrize("tiles", [0, 2])
-def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch):
+def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch, record_launches):
     """LLSA with its selection made here (full lists) walks the pooled pass in one loop where ``ONE_LOOP_TILES``
     says so (``tiles`` query tiles per program), else in the two-loop walk; either matches the fp64 oracle given the
     same selection. (A coarsest level of whole steps, walked in the list's loop, needs 16,384 tokens: 50 s in the
     interpreter, so the GPU tests take LLSA's sizes, test_block_sparse the walk, and the next test the routing.)"""
-    N, L, K, Le = 1024, 2, 4, 1
     from pixdit.kernels import block_sparse as bs
 
-    seen = []
-    for name in ("_fwd_one_loop", "_dq_one_loop"):
-        kernel = getattr(bs, name)
-        monkeypatch.setattr(
-            bs, name, type("Seen", (), {"__getitem__": lambda _, grid, n=name, k=kernel: seen.append(n) or k[grid]})()
-        )
+    N, L, K, Le = 1024, 2, 4, 1
+    seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles)
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles)
     g = torch.Generator().manual_seed(N + L)
@@ -210,7 +205,7 @@ def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch):
     B = 16
     index = llsa_select(q, k, B, llsa_check(N, B, L, K, Le)["topk"], L)
     ours = grads(lambda q, k, v: llsa_attention(q, k, v, B, K, L, Le, impl="triton"), q, k, v, go)
-    assert seen == (["_fwd_one_loop", "_dq_one_loop"] if tiles else [])
+    assert [name for name, _ in seen] == (["_fwd_one_loop", "_dq_one_loop"] if tiles else [])
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = grads(lambda q, k, v: llsa_dense(q, k, v, B, [i.long() for i in index], Le), q64, k64, v64, go.double())
     for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):

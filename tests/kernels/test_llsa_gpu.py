@@ -50,33 +50,37 @@ def test_llsa_triton_matches_exact_path(dtype, b, h, N, d, L, Le, K):
         assert rel(a, r) < TOL[dtype], (name, rel(a, r))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tiles", [(0, 0), (1, 1), (2, 1), (4, 2)])  # the pooled forward's and dq's ONE_LOOP_TILES
-@pytest.mark.parametrize("N,L", [(16384, 2), (65536, 2), (262144, 3)])
-def test_llsa_selection_made_here_in_either_pooled_walk_matches_exact_path(dtype, tiles, N, L, monkeypatch):
-    """The selection made inside fills every list, so the pooled pass takes the one-loop walk where
-    ``ONE_LOOP_TILES`` gives it tiles (the coarsest level in the list's loop; at L = 3 one weight per candidate
-    level), else the two-loop walk: both against the exact path given the same selection."""
-    from pixdit.kernels import block_sparse as bs
-
-    seen = []
-    for name in ("_fwd_one_loop", "_dq_one_loop"):
-        kernel = getattr(bs, name)
-        hook = type("Seen", (), {"__getitem__": lambda _, grid, n=name, k=kernel: seen.append(n) or k[grid]})
-        monkeypatch.setattr(bs, name, hook())
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles[0])
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles[1])
-    torch.manual_seed(N + L)
+def selection_made_here_matches_exact_path(N, L, dtype, seed):
+    """LLSA (2 heads of 64, K = 8) with its selection made inside, so with full lists (the pooled walks LLSA trains
+    with), against the exact path given the same selection."""
+    torch.manual_seed(seed)
     q, k, v = (torch.randn(1, 2, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
     out = run(q, k, v, go, topk=8, num_levels=L, impl="triton")
-    assert seen == ["_fwd_one_loop"] * (tiles[0] > 0) + ["_dq_one_loop"] * (tiles[1] > 0)
     index = llsa_select(q, k, 16, 8, L)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = run(qf, kf, vf, go.float(), topk=8, num_levels=L, index=index, impl="torch")
     for name, a, r in zip(("o", "dq", "dk", "dv"), out, ref):
         assert torch.isfinite(a).all(), name
         assert rel(a, r) < TOL[dtype], (name, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tiles", [(0, 0), (1, 1), (2, 1), (4, 2)])  # the pooled forward's and dq's ONE_LOOP_TILES
+@pytest.mark.parametrize("N,L", [(16384, 2), (65536, 2), (262144, 3)])
+def test_llsa_selection_made_here_in_either_pooled_walk_matches_exact_path(
+    dtype, tiles, N, L, monkeypatch, record_launches
+):
+    """The selection made inside fills every list, so the pooled pass takes the one-loop walk where
+    ``ONE_LOOP_TILES`` gives it tiles (the coarsest level in the list's loop; at L = 3 one weight per candidate
+    level), else the two-loop walk: both against the exact path given the same selection."""
+    from pixdit.kernels import block_sparse as bs
+
+    seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles[0])
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles[1])
+    selection_made_here_matches_exact_path(N, L, dtype, seed=N + L)
+    assert [name for name, _ in seen] == ["_fwd_one_loop"] * (tiles[0] > 0) + ["_dq_one_loop"] * (tiles[1] > 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -87,16 +91,7 @@ def test_llsa_fine_partial_in_the_inputs_dtype_matches_exact_path(dtype, N, L, m
     from pixdit.kernels import llsa
 
     monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "input")
-    torch.manual_seed(N + L + 1)
-    q, k, v = (torch.randn(1, 2, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    go = torch.randn_like(q)
-    out = run(q, k, v, go, topk=8, num_levels=L, impl="triton")
-    index = llsa_select(q, k, 16, 8, L)
-    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = run(qf, kf, vf, go.float(), topk=8, num_levels=L, index=index, impl="torch")
-    for name, a, r in zip(("o", "dq", "dk", "dv"), out, ref):
-        assert torch.isfinite(a).all(), name
-        assert rel(a, r) < TOL[dtype], (name, rel(a, r))
+    selection_made_here_matches_exact_path(N, L, dtype, seed=N + L + 1)
 
 
 def test_llsa_deterministic_bitwise():
