@@ -1669,9 +1669,9 @@ def _list_args(log_weights, weights, columns, full_lists, lists, n_k, key_block,
 
 # Query tiles per program of the pooled pass's one-loop walk (``_fwd_one_loop_kernel``, ``_dq_one_loop_kernel``: the
 # tail in the list's loop, several tiles in one flattened loop), by pass; 0: the two-loop walk of ``_fwd_kernel`` /
-# ``_dq_kernel``. Off until measured on a GPU: built and tested on the CPU only (docs/kernel_notes.md v44), where its
-# compile report predicted LLSA's 256² forward ~5 % faster with 2 tiles per program (at 2 tiles the dq's flattened
-# loop holds q and dO of two tiles in shared memory: 80 KB, 2 programs per SM, so 1 is its candidate).
+# ``_dq_kernel``. Off until measured on a GPU: built and tested on the CPU only (docs/kernel_notes.md v44; predicted
+# LLSA's 256² forward ~5 % faster with 2 tiles per program; at 2 tiles the dq's flattened loop holds q and dO of two
+# tiles in shared memory, 80 KB, 2 programs per SM, and spills, so 1 tile is its candidate).
 ONE_LOOP_TILES = {"forward": 0, "dq": 0}
 
 
@@ -1683,6 +1683,11 @@ def one_loop_tiles(kind: str, query_block, key_block, head_dim, list_args: dict,
     ``ONE_LOOP_TILES`` gives it tiles and the pass is a 64-row program's gathered walk (``walk_blocks_per_step``) over
     full lists (``FULL_LIST`` of ``_list_args``) held in registers (``list_slots``), weighted by runs or not at all,
     with no dense tail or one of whole steps of whole blocks (the tail's blocks become list slots)."""
+    tiles = ONE_LOOP_TILES[kind]
+    if tiles < 0 or tiles & (tiles - 1):  # the program's lists are one power-of-two block of ids (program_list_ids)
+        raise ValueError(
+            f"ONE_LOOP_TILES[{kind!r}] must be 0 (off) or a power of two (query tiles per program), got {tiles}"
+        )
     per_iter = walk_blocks_per_step(query_block, key_block, head_dim)
     step = key_block * per_iter
     tail_whole = tail_hi == 0 or (tail_lo % key_block == 0 and (tail_hi - tail_lo) % step == 0)
@@ -1694,7 +1699,7 @@ def one_loop_tiles(kind: str, query_block, key_block, head_dim, list_args: dict,
         and 0 < list_len <= LIST_IN_REGISTERS
         and tail_whole
     )
-    return ONE_LOOP_TILES[kind] if takes else 0
+    return tiles if takes else 0
 
 
 def _one_loop_args(tiles, n_q, query_block, key_block, list_len, tail_lo, tail_hi, tail_log_weight) -> dict:

@@ -59,7 +59,8 @@ case "$stage" in
     # llsa.PARTIAL_DTYPE, ...): for each "[MODULE:]NAME = VALUE" (MODULE a file of kernels/, default block_sparse;
     # several joined by ";" go into one copy) a copy of kernels/ whose one-line "NAME = ..." says VALUE, each timed
     # against these kernels in one process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's
-    # gain), with each case's 12 largest kernels. Cases: KNOB_CASES (default LLSA 256², 128² at L = 2, 512² at L = 3).
+    # gain), with each case's 8 largest kernels. Cases: KNOB_CASES (default LLSA 256², 128² at L = 2, 512² at L = 3).
+    # The table prints at the end: three copies fit a 10-minute call (each copy compiles its kernels once).
     #   bash scripts/device_suite.sh knob 'ONE_LOOP_TILES = {"forward": 2, "dq": 1}' 'llsa:PARTIAL_DTYPE = "input"'
     [ $# -gt 1 ] || { echo "usage: device_suite.sh knob '[MODULE:]NAME = VALUE' ... (module-level names of kernels/)"; exit 2; }
     root=$(mktemp -d); dirs=()
@@ -84,7 +85,7 @@ PYEOF
     done
     read -ra cases <<< "${KNOB_CASES:-llsa:256:2 llsa:128:2 llsa:512:3}"
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 "${KNOB_BUDGET_S:-540}" $PY scripts/ab_attention.py --kernels-from "${dirs[@]}" \
-      --kernel-time --rounds 3 --per-kernel 12 --cases "${cases[@]}" 2>&1 | tee "$OUT/ab_knob.log" ;;
+      --kernel-time --rounds 2 --per-kernel 8 --cases "${cases[@]}" 2>&1 | tee "$OUT/ab_knob.log" ;;
   vs)
     # The whole package against another commit (model, glue and kernels; `ab` swaps only kernels/): the compiled
     # 256^2 training step of each variant, one pair of processes per variant (~2.5-3 min a pair on an H200, so one or

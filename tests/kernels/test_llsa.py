@@ -281,6 +281,9 @@ def test_pooled_pass_weights_and_one_loop_routing_at_llsas_sizes(N, L, K, runs, 
     assert tiles == (2 if one_loop else 0)
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 0)
     assert bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi) == 0
+    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 3)
+    with pytest.raises(ValueError, match=r"ONE_LOOP_TILES\['forward'\] must be 0 \(off\) or a power of two"):
+        bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi)
 
 
 @needs_interpreter
