@@ -175,6 +175,205 @@ def test_block_sparse_attention_vs_dense_masked_softmax(impl, qb, kb, nq, tail, 
     if not ids_in_registers:
         monkeypatch.setattr(block_sparse_module, "LIST_IN_REGISTERS", 0)
     g = torch.Generator().manual_seed(3)
+    b, h = 2, 2
+    nk = nq - tail  # partial last key block when tail > 0
+    q = torch.randn(b, h, nq, d, generator=g)
+    k, v = torch.randn(b, h, nk, d, generator=g), torch.randn(b, h, nk, d, generator=g)
+    n_tiles, n_blocks = -(-nq // qb), -(-nk // kb)
+    lists = torch.stack([torch.randperm(n_blocks, generator=g)[:3] for _ in range(b * h * n_tiles)])
+    lists = lists.view(b, h, n_tiles, 3).int()
+    lists[:, :, 1::2, 2] = -1
+    logw = torch.rand(n_blocks, generator=g)
+    go, gl = torch.randn(b, h, nq, d, generator=g), torch.randn(b, h, nq, generator=g)
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o, lse = block_sparse_attention(
+        *leaves,
+        lists.to(DEVICE),
+        query_block=qb,
+        key_block=kb,
+        block_log_weights=logw.to(DEVICE),
+        return_lse=True,
+        impl=impl,
+    )
+    ((o * go.to(DEVICE)).sum() + (lse * gl.to(DEVICE)).sum()).backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ro, rl = dense_masked_reference(*ref_leaves, lists, qb, kb, logw)
+    ((ro * go.double()).sum() + (rl * gl.double()).sum()).backward()
+    assert rel(o, ro) < 1e-5 and rel(lse, rl) < 1e-5
+    for a, r in zip(leaves, ref_leaves):
+        assert rel(a.grad, r.grad) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("used", ["o", "lse"])
+def test_block_sparse_gradients_when_only_one_output_is_used(impl, used):
+    # the backward computes Δ in the dq kernel when the LSE is unused, and starts from dO = 0 when only the LSE is
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d, blk = 1, 2, 96, 32, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    lists = torch.stack([torch.randperm(n // blk, generator=g)[:2] for _ in range(b * h * (n // blk))])
+    lists = lists.view(b, h, n // blk, 2).int()
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o, lse = block_sparse_attention(
+        *leaves, lists.to(DEVICE), query_block=blk, key_block=blk, return_lse=True, impl=impl
+    )
+    (o.square().sum() if used == "o" else lse.sum()).backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ro, rl = dense_masked_reference(*ref_leaves, lists, blk, blk, None)
+    (ro.square().sum() if used == "o" else rl.sum()).backward()
+    for a, r in zip(leaves, ref_leaves):
+        if r.grad is None:  # the LSE does not depend on v
+            assert a.grad is None or not a.grad.any()
+        else:
+            assert rel(a.grad, r.grad) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_flash_attention_is_dense_softmax(impl):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 130, 32, generator=g) for _ in range(3))
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o = flash_attention(*leaves, impl=impl)
+    o.sum().backward()
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    r = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+    r.sum().backward()
+    assert rel(o, r) < 1e-5
+    for a, b in zip(leaves, ref_leaves):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+@needs_interpreter
+def test_flash_attention_split_key_major_lists():
+    """1,100 tokens, one head: the dk/dv pass (64-key programs over the shared list of 18 query tiles of 64 rows)
+    splits each list over 2 programs and sums their fp32 parts; the forward and dq walk all keys as one range in
+    128-row tiles, the last tile and the last 64-key step partial."""
+    from pixdit.kernels.block_sparse import DENSE_KV_TILE, split_count
+
+    n = 1100
+    assert split_count(triton.cdiv(n, DENSE_KV_TILE), triton.cdiv(n, DENSE_KV_TILE)) == 2  # the case under test
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, 1, n, 16, generator=g) for _ in range(4))
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v)]
+    o = flash_attention(*leaves, impl="triton")
+    o.backward(go.to(DEVICE))
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    r = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+    r.backward(go.double())
+    assert rel(o, r) < 1e-5
+    for a, b in zip(leaves, ref_leaves):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "key_block,group_rows,d,dtype",
+    [
+        (16, 256, 32, torch.float32),
+        (32, 128, 16, torch.float32),
+        (64, 64, 128, torch.float32),
+        (16, 256, 64, torch.float16),  # half inputs (bf16 dots are wrong in the Triton 3.8 interpreter)
+    ],
+)
+def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
+    """``bsa_backward_dkdv_grouped``: each group of ``group_rows`` queries attends to the blocks its list names (log
+    weights, empty slots, a partial last group); dk/dv of the range against fp64 autograd of that attention, blocks
+    nobody lists zero, rows outside the range untouched."""
+    g = torch.Generator().manual_seed(key_block + d)
+    bh, n_groups, width, n_blocks = 2, 3, 3, 10
+    nq, nk = group_rows * (n_groups - 1) + 64, n_blocks * key_block - 5  # last group and last key block partial
+    q, k, v, do = (torch.randn(bh, n, d, generator=g) for n in (nq, nk, nk, nq))
+    lists = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:width] + 1 for _ in range(bh * n_groups)])
+    lists = lists.view(bh, n_groups, width).int()
+    lists[0, 1, 2] = -1  # an empty slot; block 0 is listed by nobody
+    log_w = torch.rand(n_blocks, generator=g)
+    scale = d**-0.5
+    # fp64 reference: the attention each group's rows have, its LSE and Δ, then dK, dV by autograd
+    group = torch.arange(nq) // group_rows
+    blk = torch.arange(nk) // key_block
+    allowed = (lists.long()[:, group, :, None] == blk.view(1, 1, 1, nk)).any(2)  # [bh, nq, nk]
+    k64, v64 = (x.double().requires_grad_() for x in (k, v))
+    s = (q.double() @ k64.transpose(1, 2)) * scale + log_w.double()[blk]
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ v64
+    o.backward(do.double())
+    delta = (o.detach() * do.double()).sum(-1)
+    on = lambda x: x.to(DEVICE)  # noqa: E731
+    dk = torch.full((bh, nk, d), 7.0, device=DEVICE)  # rows outside the range must stay 7
+    dv = dk.clone()
+    block_sparse_module.bsa_backward_dkdv_grouped(
+        *(on(x.to(dtype)) for x in (q, k, v, do)),
+        on(lse.float()),
+        on(delta.float()),
+        on(lists),
+        group_rows,
+        key_block,
+        scale,
+        on(log_w),
+        blk_range=(0, n_blocks - 1),
+        dk=dk,
+        dv=dv,
+    )
+    inside = slice(0, (n_blocks - 1) * key_block)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel(dk[:, inside], k64.grad[:, inside]) < tol and rel(dv[:, inside], v64.grad[:, inside]) < tol
+    assert (dk[:, :key_block] == 0).all() and (dv[:, :key_block] == 0).all()  # block 0: listed by nobody
+    assert (dk[:, inside.stop :] == 7).all() and (dv[:, inside.stop :] == 7).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("key_block,tail", [(16, True), (32, False)])
+def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
+    """LLSA's pooled pass at L = 2 (one candidate level) gives its lists one weight (``list_log_weight``: a scalar per
+    step) and promises no empty slot (``full_lists``: no masks; at L = 3 with weights per block). Forward and dq equal
+    those of the same lists with that weight per block and the masked walk, bit for bit. A list with an empty slot
+    keeps its masks unless the caller promises fullness; a broken promise reads block 0 in the empty slot."""
+    g = torch.Generator().manual_seed(key_block)
+    bh, d, qb, n_blocks, width = 2, 32, 64, 12, 64 // key_block * 2
+    nq, nk = 3 * qb - 8, n_blocks * key_block + (64 if tail else 0)  # a partial last query tile; tail rows last
+    q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
+    tiles = triton.cdiv(nq, qb)
+    lists = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:width] + 1 for _ in range(bh * tiles)])
+    lists = lists.view(bh, tiles, width).int().to(DEVICE)
+    weight = 2.772588722239781  # ln 16
+    per_block = torch.full((triton.cdiv(nk, key_block),), weight, device=DEVICE)
+    dense_tail = (n_blocks * key_block, nk, 2 * weight) if tail else None
+    bs, scale = block_sparse_module, d**-0.5
+
+    def run(lst, **weights):
+        o, lse = bs.bsa_forward(q, k, v, lst, qb, key_block, scale, dense_tail=dense_tail, **weights)
+        delta = torch.empty(bh, nq, device=DEVICE)
+        dq = bs.bsa_backward_dq(
+            q, k, v, do, lse, delta, lst, qb, key_block, scale, o=o, dense_tail=dense_tail, **weights
+        )
+        return o, lse, delta, dq
+
+    want = run(lists, log_weights=per_block)
+    got = run(lists, list_log_weight=weight, full_lists=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got = run(lists, log_weights=per_block, full_lists=True)  # LLSA at L = 3: weights per block, no masks
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    holed = lists.clone()
+    holed[1, 0, 1] = -1
+    want = run(holed, log_weights=per_block)
+    got = run(holed, list_log_weight=weight, full_lists=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(want[0], run(lists, log_weights=per_block)[0])  # the empty slot mattered
+    # a broken promise (an empty slot under full_lists, as a selection over NaN scores can leave) reads block 0,
+    # which no list names here, instead of memory outside k and v
+    got = run(holed, list_log_weight=weight, full_lists=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(holed.clamp_min(0), log_weights=per_block)))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tail", [True, False])
+def test_list_weights_by_runs_are_the_per_block_walk_bit_for_bit(tail):
+    """LLSA's pooled lists at L >= 3 hold one run of columns per candidate level, each with its own weight: passed as
+    ``(columns, log weight)`` runs (``list_log_weight``; a scalar per step), forward, Δ and dq equal the per-block
+    weights' walk bit for bit, with two runs and with three. Runs that end inside a step (a step has one weight), do
+    not cover the list, or are too many are refused, naming the parameter."""
+    g = torch.Generator().manual_seed(3)
     bh, d, qb, kb, n_blocks = 2, 32, 64, 16, 30
     nq, nk = 2 * qb, n_blocks * kb + (64 if tail else 0)
     q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
