@@ -168,6 +168,24 @@ def scalar_step_id(ids, list_base, nxt, j, list_len, N_SUB: tl.constexpr, LIST_S
 
 
 @triton.jit
+def rows_load(ptrs, row_ok, WHOLE: tl.constexpr):
+    """A load of a tile's rows, masked by ``row_ok`` (broadcastable) unless ``WHOLE`` (every row exists)."""
+    if WHOLE:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def rows_store(ptrs, x, row_ok, WHOLE: tl.constexpr):
+    """``rows_load``'s store."""
+    if WHOLE:
+        tl.store(ptrs, x)
+    else:
+        tl.store(ptrs, x, mask=row_ok)
+
+
+@triton.jit
 def list_weight(slot, runs, LIST_RUNS: tl.constexpr):
     """The natural-log weight of the listed block at list slot ``slot`` (a step's first slot) for a list weighted by
     runs of columns (``list_runs``): ``runs = (w0, end0, w1, end1, w2)``, slots [0, end0) weigh w0, [end0, end1) w1,
@@ -440,6 +458,39 @@ def dq_step(s, k, v, do, qk_scale, bias, lse2, delta, dq, PREC: tl.constexpr):
 
 
 @triton.jit
+def dq_query_rows(
+    Q,
+    DO,
+    O,
+    LSE,
+    DELTA,
+    bh,
+    rows,
+    row_ok,
+    dims,
+    stride_qb,
+    stride_qn,
+    do_offs,
+    n_q,
+    COMPUTE_DELTA: tl.constexpr,
+    WHOLE: tl.constexpr,
+):
+    """A query-major dq's operands of query rows ``rows``: q, dO (at ``do_offs``), the base-2 log-sum-exp and Δ; with
+    ``COMPUTE_DELTA`` Δ_i = <dO_i, O_i> (O has dO's layout), written for the later passes, else loaded. Rows outside
+    ``row_ok`` read as zeros unless ``WHOLE``."""
+    q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], WHOLE)
+    do = rows_load(DO + do_offs, row_ok[:, None], WHOLE)
+    lse2 = rows_load(LSE + bh * n_q + rows, row_ok, WHOLE) * 1.4426950408889634
+    if COMPUTE_DELTA:
+        o = rows_load(O + do_offs, row_ok[:, None], WHOLE)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        rows_store(DELTA + bh * n_q + rows, delta, row_ok, WHOLE)
+    else:
+        delta = rows_load(DELTA + bh * n_q + rows, row_ok, WHOLE)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, MASK: tl.constexpr, PREC: tl.constexpr):
     """One dq step over gathered key rows ``k``, ``v`` with their base-2 logits ``s`` (bias included); ``ok`` masks
     missing keys and padded query rows. Without ``MASK`` (full lists: every key exists) no mask is applied: padded
@@ -536,16 +587,10 @@ def _dq_kernel(
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
     do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
-    do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
-        o = tl.load(O + do_offs, mask=row_ok[:, None], other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(DELTA + bh * n_q + rows, delta, mask=row_ok)
-    else:
-        delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
+    q, do, lse2, delta = dq_query_rows(
+        Q, DO, O, LSE, DELTA, bh, rows, row_ok, dims, stride_qb, stride_qn, do_offs, n_q, COMPUTE_DELTA, False
+    )
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for warpgroup blocks of < 64 rows
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
@@ -707,24 +752,6 @@ def merge_partial_softmax(m_i, l_i, acc, o0, lse0):
 
 
 @triton.jit
-def rows_load(ptrs, row_ok, WHOLE: tl.constexpr):
-    """A load of a tile's rows, masked by ``row_ok`` (broadcastable) unless ``WHOLE`` (every row exists)."""
-    if WHOLE:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=row_ok, other=0.0)
-
-
-@triton.jit
-def rows_store(ptrs, x, row_ok, WHOLE: tl.constexpr):
-    """``rows_load``'s store."""
-    if WHOLE:
-        tl.store(ptrs, x)
-    else:
-        tl.store(ptrs, x, mask=row_ok)
-
-
-@triton.jit
 def _fwd_one_loop_kernel(
     Q,
     K,
@@ -862,16 +889,10 @@ def _dq_one_loop_kernel(
     for t in tl.range(0, TILES, flatten=True):
         rows = (group * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_q
-        q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], ROWS_WHOLE)
         do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
-        do = rows_load(DO + do_offs, row_ok[:, None], ROWS_WHOLE)
-        lse2 = rows_load(LSE + bh * n_q + rows, row_ok, ROWS_WHOLE) * 1.4426950408889634
-        if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i>, written for the later passes (see _dq_kernel)
-            o = rows_load(O + do_offs, row_ok[:, None], ROWS_WHOLE)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-            rows_store(DELTA + bh * n_q + rows, delta, row_ok, ROWS_WHOLE)
-        else:
-            delta = rows_load(DELTA + bh * n_q + rows, row_ok, ROWS_WHOLE)
+        q, do, lse2, delta = dq_query_rows(
+            Q, DO, O, LSE, DELTA, bh, rows, row_ok, dims, stride_qb, stride_qn, do_offs, n_q, COMPUTE_DELTA, ROWS_WHOLE
+        )
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for j in range(0, walk_len, PER_ITER):
             krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
@@ -887,14 +908,8 @@ def _dq_one_loop_kernel(
 def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK: tl.constexpr):
     """The query-side operands of a key-major backward step for query rows ``rows``: q, dO, the base-2 log-sum-exp
     and Delta. ``MASK``: rows outside ``r_ok`` read as zeros (without it every row must exist)."""
-    q_offs = bh * stride_qb + rows[:, None] * stride_qn + dims[None, :]
-    do_offs = rows[:, None] * stride_dn + dims[None, :]
-    if MASK:
-        q = tl.load(Q + q_offs, mask=r_ok[:, None], other=0.0)
-        do = tl.load(do_base + do_offs, mask=r_ok[:, None], other=0.0)
-    else:
-        q = tl.load(Q + q_offs)
-        do = tl.load(do_base + do_offs)
+    q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], r_ok[:, None], not MASK)
+    do = rows_load(do_base + rows[:, None] * stride_dn + dims[None, :], r_ok[:, None], not MASK)
     lse2, delta = query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK)
     return q, do, lse2, delta
 
@@ -902,13 +917,8 @@ def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_q
 @triton.jit
 def query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK: tl.constexpr):
     """The base-2 log-sum-exp and Delta of query rows ``rows`` (``MASK``: rows outside ``r_ok`` read as zeros)."""
-    if MASK:
-        lse2 = tl.load(LSE + bh * n_q + rows, mask=r_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + bh * n_q + rows, mask=r_ok, other=0.0)
-    else:
-        lse2 = tl.load(LSE + bh * n_q + rows) * 1.4426950408889634
-        delta = tl.load(DELTA + bh * n_q + rows)
-    return lse2, delta
+    lse2 = rows_load(LSE + bh * n_q + rows, r_ok, not MASK) * 1.4426950408889634
+    return lse2, rows_load(DELTA + bh * n_q + rows, r_ok, not MASK)
 
 
 @triton.jit
