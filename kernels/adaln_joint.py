@@ -155,10 +155,10 @@ def _joint_bwd_kernel(
             stats_offset = sample.to(tl.int64) * n + row
             mean = tl.load(mean_ptr + stats_offset, mask=row < n, other=0.0)
             rstd = tl.load(rstd_ptr + stats_offset, mask=row < n, other=0.0)
-            centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
         else:
             mean = tl.sum(xn, axis=1) / dim
-            centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
+        centred = tl.where(col_ok[None, :], xn - mean[:, None], 0.0)
+        if not HAS_STATS:
             rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / dim + eps)
         xhat = centred * rstd[:, None]
         dh = tl.load(dh_ptr + offset, mask=ok, other=0.0).to(tl.float32)

@@ -1,8 +1,9 @@
 """The DiT block's two joints (gated residual + LayerNorm + adaLN modulation) compiled two ways, at a training step's
 shape (default: DiT-S at 256², 4 x 65,536 tokens of 384): Inductor's backward of the block's plain ops against
 ``pixdit.kernels.adaln_joint``, whose Triton backward computes the per-sample shift / scale / gate gradients in the
-LayerNorm's pass, recomputing the LayerNorm's row statistics or (``BACKWARD_FROM_STATS``) reading the forward's. Then the Triton backward alone at every launch its autotuning may pick, with the bytes it must move
-and their rate: the table that chooses the fixed launch and shows how far a launch is from the memory's pace.
+LayerNorm's pass, recomputing the LayerNorm's row statistics or (``BACKWARD_FROM_STATS``) reading the forward's.
+Then the Triton backward alone at every launch its autotuning may pick, with the bytes it must move and their rate:
+the table that chooses the fixed launch and shows how far a launch is from the memory's pace.
 
     python scripts/bench_joint.py                         # DiT-S, 256², batch 4
     python scripts/bench_joint.py --dim 1152 --batch 2    # DiT-XL's width
