@@ -38,28 +38,20 @@ def run(q, k, v, go, **kw):
     ],
 )
 def test_llsa_triton_matches_exact_path(dtype, b, h, N, d, L, Le, K):
-    torch.manual_seed(0)
+    matches_exact_path(b, h, N, d, L, Le, K, dtype, seed=0)
+
+
+def matches_exact_path(b, h, N, d, L, Le, K, dtype, seed, select_here=False):
+    """LLSA's Triton path against the exact fp32 path given the same selection; ``select_here``: the Triton path
+    makes the selection itself, so its lists are full (the pooled walks LLSA trains with)."""
+    torch.manual_seed(seed)
     q, k, v = (torch.randn(b, h, N, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn(b, h, N, d, device="cuda", dtype=dtype)
     index = llsa_select(q, k, 16, K, L)
-    out = run(q, k, v, go, topk=K, num_levels=L, enrich_levels=Le, index=index, impl="triton")
+    given = None if select_here else index
+    out = run(q, k, v, go, topk=K, num_levels=L, enrich_levels=Le, index=given, impl="triton")
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = run(qf, kf, vf, go.float(), topk=K, num_levels=L, enrich_levels=Le, index=index, impl="torch")
-    for name, a, r in zip(("o", "dq", "dk", "dv"), out, ref):
-        assert torch.isfinite(a).all(), name
-        assert rel(a, r) < TOL[dtype], (name, rel(a, r))
-
-
-def selection_made_here_matches_exact_path(N, L, dtype, seed):
-    """LLSA (2 heads of 64, K = 8) with its selection made inside, so with full lists (the pooled walks LLSA trains
-    with), against the exact path given the same selection."""
-    torch.manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    go = torch.randn_like(q)
-    out = run(q, k, v, go, topk=8, num_levels=L, impl="triton")
-    index = llsa_select(q, k, 16, 8, L)
-    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = run(qf, kf, vf, go.float(), topk=8, num_levels=L, index=index, impl="torch")
     for name, a, r in zip(("o", "dq", "dk", "dv"), out, ref):
         assert torch.isfinite(a).all(), name
         assert rel(a, r) < TOL[dtype], (name, rel(a, r))
@@ -79,7 +71,7 @@ def test_llsa_selection_made_here_in_either_pooled_walk_matches_exact_path(
     seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles[0])
     monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles[1])
-    selection_made_here_matches_exact_path(N, L, dtype, seed=N + L)
+    matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L, select_here=True)
     assert [name for name, _ in seen] == ["_fwd_one_loop"] * (tiles[0] > 0) + ["_dq_one_loop"] * (tiles[1] > 0)
 
 
@@ -91,7 +83,7 @@ def test_llsa_fine_partial_in_the_inputs_dtype_matches_exact_path(dtype, N, L, m
     from pixdit.kernels import llsa
 
     monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "input")
-    selection_made_here_matches_exact_path(N, L, dtype, seed=N + L + 1)
+    matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L + 1, select_here=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -101,7 +93,7 @@ def test_llsa_with_the_ds_dkdv_register_cap_matches_exact_path(dtype, monkeypatc
     from pixdit.kernels import block_sparse as bs
 
     monkeypatch.setattr(bs, "DS_DKDV_REGISTER_CAP", 152)
-    selection_made_here_matches_exact_path(65536, 2, dtype, seed=3)
+    matches_exact_path(1, 2, 65536, 64, 2, None, 8, dtype, seed=3, select_here=True)
 
 
 def test_llsa_deterministic_bitwise():
