@@ -322,6 +322,16 @@ def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
     assert (dk[:, inside.stop :] == 7).all() and (dv[:, inside.stop :] == 7).all()
 
 
+def forward_and_dq(q, k, v, do, lists, query_block, key_block, scale, **options):
+    """``bsa_forward`` then ``bsa_backward_dq`` (Δ computed on the way) of one query-major pass with the same
+    ``options`` (tail, list weights, fullness): (o, lse, Δ, dq)."""
+    bs = block_sparse_module
+    o, lse = bs.bsa_forward(q, k, v, lists, query_block, key_block, scale, **options)
+    delta = torch.empty(q.shape[:2], device=q.device)
+    dq = bs.bsa_backward_dq(q, k, v, do, lse, delta, lists, query_block, key_block, scale, o=o, **options)
+    return o, lse, delta, dq
+
+
 @needs_interpreter
 @pytest.mark.parametrize("key_block,tail", [(16, True), (32, False)])
 def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bit(key_block, tail):
@@ -339,15 +349,10 @@ def test_one_list_weight_and_full_lists_are_the_per_block_masked_walk_bit_for_bi
     weight = 2.772588722239781  # ln 16
     per_block = torch.full((triton.cdiv(nk, key_block),), weight, device=DEVICE)
     dense_tail = (n_blocks * key_block, nk, 2 * weight) if tail else None
-    bs, scale = block_sparse_module, d**-0.5
+    scale = d**-0.5
 
     def run(lst, **weights):
-        o, lse = bs.bsa_forward(q, k, v, lst, qb, key_block, scale, dense_tail=dense_tail, **weights)
-        delta = torch.empty(bh, nq, device=DEVICE)
-        dq = bs.bsa_backward_dq(
-            q, k, v, do, lse, delta, lst, qb, key_block, scale, o=o, dense_tail=dense_tail, **weights
-        )
-        return o, lse, delta, dq
+        return forward_and_dq(q, k, v, do, lst, qb, key_block, scale, dense_tail=dense_tail, **weights)
 
     want = run(lists, log_weights=per_block)
     got = run(lists, list_log_weight=weight, full_lists=True)
@@ -377,17 +382,12 @@ def test_list_weights_by_runs_are_the_per_block_walk_bit_for_bit(tail):
     bh, d, qb, kb, n_blocks = 2, 32, 64, 16, 30
     nq, nk = 2 * qb, n_blocks * kb + (64 if tail else 0)
     q, k, v, do = (torch.randn(bh, n, d, generator=g).half().to(DEVICE) for n in (nq, nk, nk, nq))
-    bs, scale, ln16 = block_sparse_module, d**-0.5, 2.772588722239781
+    scale, ln16 = d**-0.5, 2.772588722239781
     dense_tail = (n_blocks * kb, nk, 3 * ln16) if tail else None
     lists = None
 
     def run(**weights):
-        o, lse = bs.bsa_forward(q, k, v, lists, qb, kb, scale, dense_tail=dense_tail, full_lists=True, **weights)
-        delta = torch.empty(bh, nq, device=DEVICE)
-        dq = bs.bsa_backward_dq(
-            q, k, v, do, lse, delta, lists, qb, kb, scale, o=o, dense_tail=dense_tail, full_lists=True, **weights
-        )
-        return o, lse, delta, dq
+        return forward_and_dq(q, k, v, do, lists, qb, kb, scale, dense_tail=dense_tail, full_lists=True, **weights)
 
     for runs in ([(4, ln16), (8, 2 * ln16)], [(4, ln16), (4, 2 * ln16), (4, 3 * ln16)]):
         # run r lists blocks 10 r .. 10 r + 9 only (as LLSA's levels sit in different bank rows), so that one table
