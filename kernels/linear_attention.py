@@ -323,12 +323,9 @@ def _fwd_kernel(
     # block, starting from _global_term_kernel's fp32 NUM, DEN: without the D x D product in its prologue, a 16-row
     # program fits one warp (docs/kernel_notes.md v24)
     tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < n
+    bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM
-    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+    base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
     a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0)
     den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
@@ -387,13 +384,10 @@ def _dk_dv_kernel(
     #   dphi(k_u) = d_KV v_u + d_Z - sum_t (dO_t . v_u - delta_t) / den_t phi(q_t)
     #   dv_u      = d_KV^T phi(k_u) - sum_t w_tu / den_t dO_t
     blk = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
     QROWS: tl.constexpr = BLOCK * PER_ITER
-    krow = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k_ok = krow < n
+    bh, krow, k_ok, key_offsets = row_tile(n, BLOCK, HEAD_DIM)  # the program's key block
     dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM
-    key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
+    base = bh * n * HEAD_DIM  # the head's rows, for the query tiles that list the block
     xk = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
     v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
     b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)

@@ -56,6 +56,7 @@ from .linear_attention import (
     phi_rows_backward,
     prune_query_walk,
     query_walk_options,
+    row_tile,
 )
 from .ops import custom_op
 
@@ -99,12 +100,9 @@ def _sla_dq_kernel(
     # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
     #         from the global part and delta_t = dO_t . o_t of linear_attention.global_dphi (DPHI, DELTA_L)
     tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rows = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < n
+    bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM
-    tile_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+    base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
     q = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     do_s = tl.load(DO_S + tile_offsets, mask=row_ok[:, None], other=0.0)
     o_s = tl.load(O_S + tile_offsets, mask=row_ok[:, None], other=0.0)
