@@ -1755,7 +1755,8 @@ def bsa_forward(
     """One query-major pass. q: [BH, Nq, d]; k: [BH, Nk, d]; v: like k, or tokens-major [BH / H, Nk, H, d] with any
     row stride (``row_layout``); lists: int32 [BH or 1, n_tiles, len] (stride 0 on dim 0 allowed); init: optional
     (o [BH, Nq, d] fp32 or q's dtype, lse fp32 [BH, Nq]) to continue; dense_tail: optional (row_lo, row_hi,
-    log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not name them). Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
+    log_weight), key rows every query also attends to (LLSA's coarsest level; the lists must not name them).
+    Returns (o, lse); o is [BH, Nq, d], or with ``out_heads = H`` tokens-major [BH / H, Nq, H, d].
     ``list_log_weight``: one log weight of every listed block, or ``(columns, log weight)`` runs of list columns in
     order (at most ``MAX_LIST_RUNS``, each but the last ending at a whole step of ``walk_blocks_per_step`` blocks),
     instead of ``log_weights`` per block (a scalar per step, not a load per key); ``full_lists``: the caller's

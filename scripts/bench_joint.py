@@ -129,8 +129,8 @@ def launch_rows(args, dtype, time_ms) -> list[dict]:
                     lambda launch=launch, s=stats: joint.joint_backward(dh, dres, x, b_, g_, scale, 1e-5, launch, *s),
                     args.rep,
                 )
-                row |= {f"ms{label}": f"{ms:.3f}", f"GB{label}": f"{gb + extra / 1e9:.2f}"}
-                row[f"TB/s{label}"] = f"{(gb + extra / 1e9) / ms:.2f}"
+                moved = gb + extra / 1e9
+                row |= {f"ms{label}": f"{ms:.3f}", f"GB{label}": f"{moved:.2f}", f"TB/s{label}": f"{moved / ms:.2f}"}
             rows.append(row)
     return rows
 
