@@ -39,9 +39,9 @@ __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
 COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so that one list serves it)
 # The dtype of the fine pass's partial output, which the pooled pass continues from: "float32", or "input" (the
 # inputs' dtype: half the bytes of the fine pass's store and of the pooled pass's load, ~0.2 GB of a 256² forward of
-# 2 x 6 heads; the partial is rounded to bf16 once, as the output is). "float32" until measured on a GPU
-# (docs/kernel_notes.md v44).
-PARTIAL_DTYPE = "float32"
+# 2 x 6 heads; the partial is rounded to bf16 once, as the output is). "input": LLSA's forward 4-7 % and its
+# forward + backward 1-2.5 % faster at 128²-512² (docs/kernel_notes.md v46).
+PARTIAL_DTYPE = "input"
 
 
 # ------------------------------------------------------------------------------------------------- configuration
