@@ -663,247 +663,6 @@ def _dq_kernel(
     tl.store(DQ + dq_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-# The walks of LLSA's pooled pass in one loop (``one_loop_tiles``; docs/kernel_notes.md v44). Where a query-major pass
-# gathers several listed blocks per step over full lists (no empty slot, whole steps) weighted by runs of columns (or
-# not at all), and its dense tail is whole steps of whole blocks, the tail's blocks are walked as list slots
-# ``list_len, list_len + 1, ...`` of the same loop (their rows arithmetic, ``one_loop_key_rows``): a query tile is one
-# loop, with one pipeline fill and no drain between the list and the tail. A program also walks ``TILES`` consecutive
-# query tiles in that one loop: the tile loop is flattened into the key loop (``tl.range(..., flatten=True)``), so the
-# next tile's first K / V copies are in flight during this tile's last steps. Triton's loop fusion and pipeliner take
-# that only with exactly one inner loop, without a load in a tile's prologue that starts the loop's carried state (so
-# an earlier pass's start values are merged after the steps, ``merge_partial_softmax``: the same sum in another
-# order), and without a load in the loop that the gathers' addresses depend on (so the ids of all the program's tiles
-# are loaded once, before the loop: ``program_list_ids``). Every step's exponent takes the FMA form of
-# ``softmax_step`` / ``dq_step``; the two-loop walk scales and shifts a weighted list's tile first, so the two agree
-# to fp32 rounding, not bit for bit.
-@triton.jit
-def program_list_ids(
-    LIST,
-    bh,
-    group,
-    stride_lb,
-    stride_lt,
-    n_tiles,
-    list_len,
-    TILES: tl.constexpr,
-    LIST_SLOTS: tl.constexpr,
-    PER_ITER: tl.constexpr,
-):
-    """The lists of the program's query tiles ``group * TILES, ...`` as ``[TILES * LIST_SLOTS // PER_ITER, PER_ITER]``
-    ids, one row per step: row ``t * (LIST_SLOTS // PER_ITER) + i`` is step ``i`` of the program's tile ``t`` (id 0
-    past a list's end or the last tile: read, never used)."""
-    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
-    r = tl.arange(0, TILES * STEPS)
-    tile = group * TILES + r // STEPS
-    slots = (r % STEPS)[:, None] * PER_ITER + tl.arange(0, PER_ITER)[None, :]
-    ptrs = LIST + bh * stride_lb + tile.to(tl.int64)[:, None] * stride_lt + slots
-    return tl.load(ptrs, mask=(slots < list_len) & (tile < n_tiles)[:, None], other=0)
-
-
-@triton.jit
-def one_loop_key_rows(ids, row, j, list_len, tail_row0, koff, KEY_BLOCK: tl.constexpr, PER_ITER: tl.constexpr):
-    """The key rows of the step at slot ``j`` of a one-loop walk: the listed blocks of ids row ``row`` while ``j`` is
-    in the list, then the dense tail's, whose block ``i`` is slot ``list_len + i`` (``tail_row0``: the row where a
-    tail block at slot 0 would start)."""
-    _, listed, _ = step_key_rows(ids, row, koff, 0, KEY_BLOCK, PER_ITER)
-    return tl.where(j < list_len, listed, (tail_row0 + j * KEY_BLOCK + koff).to(tl.int64))
-
-
-@triton.jit
-def one_loop_program(
-    LIST,
-    stride_lb,
-    stride_lt,
-    n_q,
-    list_len,
-    BLOCK_M: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    TILES: tl.constexpr,
-    LIST_SLOTS: tl.constexpr,
-):
-    """A one-loop program's group of query tiles, its batch * head, the ids of its tiles' lists
-    (``program_list_ids``) and a step's key offsets."""
-    group = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n_tiles = tl.cdiv(n_q, BLOCK_M)
-    ids = program_list_ids(LIST, bh, group, stride_lb, stride_lt, n_tiles, list_len, TILES, LIST_SLOTS, PER_ITER)
-    return group, bh, ids, tl.arange(0, KEY_BLOCK * PER_ITER)
-
-
-@triton.jit
-def one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS: tl.constexpr):
-    """The base-2 weight of the one-loop step at slot ``j``: its run's (``list_weight``) in the list, the tail's
-    after it."""
-    return tl.where(j < list_len, list_weight(j, runs, LIST_RUNS) * 1.4426950408889634, tail_bias)
-
-
-@triton.jit
-def merge_partial_softmax(m_i, l_i, acc, o0, lse0):
-    """The online softmax (``m_i``, ``l_i``, ``acc``; base 2) merged with an earlier pass's over other keys of the
-    same rows, given as its normalised output ``o0`` and natural-log LSE ``lse0``: as if the walk had started from
-    them (m = lse0 in base 2, l = 1, acc = o0)."""
-    m0 = lse0 * 1.4426950408889634
-    m_new = tl.maximum(m_i, m0)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    beta = tl.math.exp2(m0 - m_use)
-    return m_new, l_i * alpha + beta, acc * alpha[:, None] + o0.to(tl.float32) * beta[:, None]
-
-
-@triton.jit
-def _fwd_one_loop_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    LIST,
-    O_INIT,
-    LSE_INIT,
-    stride_qb,
-    stride_qn,
-    stride_kb,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    v_heads,
-    stride_ob,
-    stride_oh,
-    stride_on,
-    out_heads,
-    stride_lb,
-    stride_lt,
-    n_q,
-    list_len,
-    walk_len,
-    qk_scale,
-    tail_row0,
-    tail_bias,
-    list_bias,
-    run_end0,
-    run_bias1,
-    run_end1,
-    run_bias2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    TILES: tl.constexpr,
-    LIST_SLOTS: tl.constexpr,
-    LIST_RUNS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    ROWS_WHOLE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # _fwd_kernel's gathered walk over full lists, its dense tail as list slots past list_len (walk_len in all), for
-    # TILES query tiles per program in one loop (the note above)
-    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
-    group, bh, ids, koff = one_loop_program(
-        LIST, stride_lb, stride_lt, n_q, list_len, BLOCK_M, KEY_BLOCK, PER_ITER, TILES, LIST_SLOTS
-    )
-    dims = tl.arange(0, HEAD_DIM)
-    k_base = K + bh * stride_kb
-    v_base = V + head_offset(bh, v_heads, stride_vb, stride_vh)
-    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
-    for t in tl.range(0, TILES, flatten=True):
-        rows = (group * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_q
-        q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], ROWS_WHOLE)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for j in range(0, walk_len, PER_ITER):
-            krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
-            kt = tl.load(k_base + krow[None, :] * stride_kn + dims[:, None])
-            v = tl.load(v_base + krow[:, None] * stride_vn + dims[None, :])
-            bias = one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS)
-            s = tl.dot(q, kt, input_precision=PREC)
-            m_i, l_i, acc = softmax_step(s, qk_scale, bias, m_i, l_i, acc, v, PREC)
-        if HAS_INIT:  # the earlier pass's partial softmax, merged last (the note above)
-            lse0 = rows_load(LSE_INIT + bh * n_q + rows, row_ok, ROWS_WHOLE)
-            o0 = rows_load(
-                O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], row_ok[:, None], ROWS_WHOLE
-            )
-            m_i, l_i, acc = merge_partial_softmax(m_i, l_i, acc, o0, lse0)
-        out, lse = finish_softmax(m_i, l_i, acc)
-        o_offs = head_offset(bh, out_heads, stride_ob, stride_oh) + rows[:, None] * stride_on + dims[None, :]
-        rows_store(O + o_offs, out.to(O.dtype.element_ty), row_ok[:, None], ROWS_WHOLE)
-        rows_store(LSE + bh * n_q + rows, lse, row_ok, ROWS_WHOLE)
-
-
-@triton.jit
-def _dq_one_loop_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    O,
-    LSE,
-    DELTA,
-    DQ,
-    LIST,
-    stride_qb,
-    stride_qn,
-    stride_kb,
-    stride_kn,
-    stride_db,
-    stride_dh,
-    stride_dn,
-    do_heads,
-    stride_lb,
-    stride_lt,
-    n_q,
-    list_len,
-    walk_len,
-    qk_scale,
-    sm_scale,
-    tail_row0,
-    tail_bias,
-    list_bias,
-    run_end0,
-    run_bias1,
-    run_end1,
-    run_bias2,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    TILES: tl.constexpr,
-    LIST_SLOTS: tl.constexpr,
-    LIST_RUNS: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr,
-    ROWS_WHOLE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # _dq_kernel's gathered walk (not transposed, no earlier dq, no pooled add) in _fwd_one_loop_kernel's one loop
-    STEPS: tl.constexpr = LIST_SLOTS // PER_ITER
-    group, bh, ids, koff = one_loop_program(
-        LIST, stride_lb, stride_lt, n_q, list_len, BLOCK_M, KEY_BLOCK, PER_ITER, TILES, LIST_SLOTS
-    )
-    dims = tl.arange(0, HEAD_DIM)
-    k_base = K + bh * stride_kb
-    v_base = V + bh * stride_kb
-    runs = (list_bias, run_end0, run_bias1, run_end1, run_bias2)
-    for t in tl.range(0, TILES, flatten=True):
-        rows = (group * TILES + t).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_q
-        do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
-        q, do, lse2, delta = dq_query_rows(
-            Q, DO, O, LSE, DELTA, bh, rows, row_ok, dims, stride_qb, stride_qn, do_offs, n_q, COMPUTE_DELTA, ROWS_WHOLE
-        )
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for j in range(0, walk_len, PER_ITER):
-            krow = one_loop_key_rows(ids, t * STEPS + j // PER_ITER, j, list_len, tail_row0, koff, KEY_BLOCK, PER_ITER)
-            k = tl.load(k_base + krow[:, None] * stride_kn + dims[None, :])
-            v = tl.load(v_base + krow[:, None] * stride_kn + dims[None, :])
-            bias = one_loop_bias(j, list_len, runs, tail_bias, LIST_RUNS)
-            dq = dq_step(tl.dot(q, tl.trans(k), input_precision=PREC), k, v, do, qk_scale, bias, lse2, delta, dq, PREC)
-        dq_offs = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-        rows_store(DQ + dq_offs, (dq * sm_scale).to(DQ.dtype.element_ty), row_ok[:, None], ROWS_WHOLE)
-
-
 @triton.jit
 def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_qn, stride_dn, n_q, MASK: tl.constexpr):
     """The query-side operands of a key-major backward step for query rows ``rows``: q, dO, the base-2 log-sum-exp
@@ -1324,8 +1083,6 @@ def transposed_backward(rows: int, head_dim: int) -> bool:
 PROGRAMS = {
     _fwd_kernel: ("forward", lambda meta: meta["BLOCK_M"]),
     _dq_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
-    _fwd_one_loop_kernel: ("forward", lambda meta: meta["BLOCK_M"]),
-    _dq_one_loop_kernel: ("dq", lambda meta: meta["BLOCK_M"]),
     _dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["GROUP"]),
     _grouped_dkdv_kernel: ("dkdv", lambda meta: meta["KEY_BLOCK"] * meta["SLOTS"]),
     _ds_dq_kernel: ("dq", lambda meta: meta["QUERY_BLOCK"]),
@@ -1383,19 +1140,6 @@ _dq = autotuned(
     + ["LIST_RUNS", "FULL_LIST", "DESC_ROWS"],
     _CONFIGS,
     prune=_configs_for(_dq_kernel),
-)
-_ONE_LOOP_KEYS = ["BLOCK_M", "KEY_BLOCK", "TILES", "LIST_SLOTS", "LIST_RUNS", "ROWS_WHOLE"]
-_fwd_one_loop = autotuned(
-    _fwd_one_loop_kernel,
-    _TUNED_KEYS + _ONE_LOOP_KEYS + ["HAS_INIT"],
-    _CONFIGS,
-    prune=_configs_for(_fwd_one_loop_kernel),
-)
-_dq_one_loop = autotuned(
-    _dq_one_loop_kernel,
-    _TUNED_KEYS + _ONE_LOOP_KEYS + ["COMPUTE_DELTA"],
-    _CONFIGS,
-    prune=_configs_for(_dq_one_loop_kernel),
 )
 _dkdv = autotuned(
     _dkdv_kernel,
@@ -1688,54 +1432,6 @@ def _list_args(log_weights, weights, columns, full_lists, lists, n_k, key_block,
     }
 
 
-# Query tiles per program of the pooled pass's one-loop walk (``_fwd_one_loop_kernel``, ``_dq_one_loop_kernel``: the
-# tail in the list's loop, several tiles in one flattened loop), by pass; 0: the two-loop walk of ``_fwd_kernel`` /
-# ``_dq_kernel``. Off until measured on a GPU: built and tested on the CPU only (docs/kernel_notes.md v44; predicted
-# LLSA's 256² forward ~5 % faster with 2 tiles per program; at 2 tiles the dq's flattened loop holds q and dO of two
-# tiles in shared memory, 80 KB, 2 programs per SM, and spills, so 1 tile is its candidate).
-ONE_LOOP_TILES = {"forward": 0, "dq": 0}
-
-
-_RUN_ARGS = ("list_bias", "run_end0", "run_bias1", "run_end1", "run_bias2", "LIST_RUNS")  # _list_args' runs
-
-
-def one_loop_tiles(kind: str, query_block, key_block, head_dim, list_args: dict, list_len, tail_lo, tail_hi) -> int:
-    """Query tiles per program where a ``kind`` ("forward" or "dq") pass takes the one-loop walk, else 0: where
-    ``ONE_LOOP_TILES`` gives it tiles and the pass is a 64-row program's gathered walk (``walk_blocks_per_step``) over
-    full lists (``FULL_LIST`` of ``_list_args``) held in registers (``list_slots``), weighted by runs or not at all,
-    with no dense tail or one of whole steps of whole blocks (the tail's blocks become list slots)."""
-    tiles = ONE_LOOP_TILES[kind]
-    if tiles < 0 or tiles & (tiles - 1):  # the program's lists are one power-of-two block of ids (program_list_ids)
-        raise ValueError(
-            f"ONE_LOOP_TILES[{kind!r}] must be 0 (off) or a power of two (query tiles per program), got {tiles}"
-        )
-    per_iter = walk_blocks_per_step(query_block, key_block, head_dim)
-    step = key_block * per_iter
-    tail_whole = tail_hi == 0 or (tail_lo % key_block == 0 and (tail_hi - tail_lo) % step == 0)
-    takes = (
-        query_block == 64  # LLSA's pooled tiles (COARSE_TILE): the shape it was built for
-        and per_iter > 1
-        and list_args["FULL_LIST"]
-        and not list_args["HAS_LOGW"]
-        and 0 < list_len <= LIST_IN_REGISTERS
-        and tail_whole
-    )
-    return tiles if takes else 0
-
-
-def _one_loop_args(tiles, n_q, query_block, key_block, list_len, tail_lo, tail_hi, tail_log_weight) -> dict:
-    """Kernel arguments of a one-loop walk: its length in list slots (the tail's blocks after the list's), where
-    its tail's rows start as slots, the tail's base-2 weight, and whether every tile of every program is whole."""
-    n_tiles = triton.cdiv(n_q, query_block)
-    return {
-        "walk_len": list_len + (tail_hi - tail_lo) // key_block,
-        "tail_row0": tail_lo - list_len * key_block,
-        "tail_bias": tail_log_weight * LOG2E,
-        "TILES": tiles,
-        "ROWS_WHOLE": n_q % query_block == 0 and n_tiles % tiles == 0,
-    }
-
-
 def bsa_forward(
     q,
     k,
@@ -1810,40 +1506,6 @@ def _bsa_forward_op(
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     per_iter = walk_blocks_per_step(query_block, key_block, d)
     weights = _list_args(log_weights, list_log_weight, list_run_columns, full_lists, lists, n_k, key_block, per_iter)
-    tiles = one_loop_tiles("forward", query_block, key_block, d, weights, lists.shape[2], tail_lo, tail_hi)
-    if tiles:
-        _fwd_one_loop[(triton.cdiv(n_tiles, tiles), BH)](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            lists,
-            o_init if o_init is not None else o,
-            lse_init if lse_init is not None else lse,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            *row_layout(v),
-            *row_layout(o),
-            _bstride(lists),
-            lists.stride(1),
-            n_q=n_q,
-            list_len=lists.shape[2],
-            qk_scale=scale * LOG2E,
-            **_one_loop_args(tiles, n_q, query_block, key_block, lists.shape[2], tail_lo, tail_hi, tail_log_weight),
-            **{name: weights[name] for name in _RUN_ARGS},
-            HEAD_DIM=d,
-            BLOCK_M=query_block,
-            KEY_BLOCK=key_block,
-            PER_ITER=per_iter,
-            LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-            HAS_INIT=o_init is not None,
-            PREC=dot_precision(q.dtype),
-            **_launch("forward", query_block, d, q.dtype),
-        )
-        return o, lse
     walked = key_block if lists.shape[2] > 0 else TAIL_STEP.value  # a dense walk (no list) steps by TAIL_STEP
     step_keys = forward_step_keys(query_block, walked, d, q.dtype)
     k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))
@@ -1985,41 +1647,6 @@ def _bsa_backward_dq_op(
     per_iter = walk_blocks_per_step(query_block, key_block, d)
     n_k = k.shape[1]
     weights = _list_args(log_weights, list_log_weight, list_run_columns, full_lists, lists, n_k, key_block, per_iter)
-    tiles = one_loop_tiles("dq", query_block, key_block, d, weights, lists.shape[2], tail_lo, tail_hi)
-    if tiles and not accumulate and pooled_add is None:  # (the one-loop dq adds no earlier dq, no pooled term)
-        _dq_one_loop[(triton.cdiv(n_tiles, tiles), BH)](
-            q,
-            k,
-            v,
-            do,
-            o if o is not None else do,
-            lse,
-            delta,
-            dq,
-            lists,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            *row_layout(do),
-            _bstride(lists),
-            lists.stride(1),
-            n_q=n_q,
-            list_len=lists.shape[2],
-            qk_scale=scale * LOG2E,
-            sm_scale=scale,
-            **_one_loop_args(tiles, n_q, query_block, key_block, lists.shape[2], tail_lo, tail_hi, tail_log_weight),
-            **{name: weights[name] for name in _RUN_ARGS},
-            HEAD_DIM=d,
-            BLOCK_M=query_block,
-            KEY_BLOCK=key_block,
-            PER_ITER=per_iter,
-            LIST_SLOTS=list_slots(lists.shape[2], per_iter),
-            COMPUTE_DELTA=o is not None,
-            PREC=dot_precision(q.dtype),
-            **_launch("dq", query_block, d, q.dtype),
-        )
-        return dq
     n_sub = _n_sub(key_block)  # the dq walks listed blocks in steps of at most 64 keys
     step_keys = key_block // n_sub
     k_desc, v_desc, desc_rows = tma_descriptors(k, v, tma_walk_rows(per_iter, lists.shape[2], step_keys, tail_hi))

@@ -44,6 +44,16 @@ COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so t
 PARTIAL_DTYPE = "input"
 
 
+def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the fine pass's partial output (``PARTIAL_DTYPE``) for inputs of ``input_dtype``."""
+    dtypes = {"float32": torch.float32, "input": input_dtype}
+    if PARTIAL_DTYPE not in dtypes:
+        raise ValueError(
+            f'llsa.PARTIAL_DTYPE must be "float32" or "input" (the inputs\' dtype), got {PARTIAL_DTYPE!r}; set one of them'
+        )
+    return dtypes[PARTIAL_DTYPE]
+
+
 # ------------------------------------------------------------------------------------------------- configuration
 def llsa_num_levels(num_tokens: int, block_size: int = 16) -> int:
     """The paper's default ``L = floor(log_B N - 1)`` clamped to >= 1 (integer arithmetic: largest L with
@@ -301,7 +311,7 @@ class _LLSATriton(torch.autograd.Function):
             B,
             B,
             scale,
-            out_dtype={"float32": torch.float32, "input": q.dtype}[PARTIAL_DTYPE] if has_coarse else None,
+            out_dtype=_partial_dtype(q.dtype) if has_coarse else None,
             out_heads=0 if has_coarse else h,
         )
         logw, tail = None, _bank_tail(N, B, L, Le)

@@ -334,22 +334,9 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= no_list_weight[1] | dict(LIST_SLOTS=block_sparse.list_slots(list_len, 1, ids), DESC_ROWS=desc_rows)
         return args, const | dict(EVEN_K=True, N_SUB=n_sub, HAS_TAIL=tail_args["tail_hi"] > 0, EVEN_TAIL=True)
 
-    def one_loop(kind, tiles):  # the pooled pass in one loop (block_sparse.ONE_LOOP_TILES): list + tail, tiles
-        args = dict(Q="*bf16", K="*bf16", V="*bf16", LIST="*i32", stride_kb=bank * d, stride_kn=d)
-        args |= dict(stride_lb=(n // 64) * 8, stride_lt=8, n_q=n, list_len=8, walk_len=8 + (bank - n // 16) // 16)
-        args |= dict(qk_scale=0.18, tail_row0=n // 16 - 8 * 16, tail_bias=tail["tail_bias"], **pooled_lists[0])
-        const = dict(common, BLOCK_M=64, KEY_BLOCK=16, PER_ITER=4, TILES=tiles, LIST_SLOTS=8, LIST_RUNS=1)
-        const |= dict(ROWS_WHOLE=True)
-        if kind == "forward":
-            args |= dict(O="*bf16", LSE="*fp32", O_INIT="*fp32", LSE_INIT="*fp32", **strides)
-            args |= dict(stride_vb=bank * d, stride_vh=0, stride_vn=d, v_heads=1)
-            return args, const | dict(HAS_INIT=True)
-        args |= dict(DO="*bf16", O="*bf16", LSE="*fp32", DELTA="*fp32", DQ="*fp32", sm_scale=0.125, **dq_strides)
-        return args, const | dict(COMPUTE_DELTA=True)
-
+    # llsa.PARTIAL_DTYPE = "float32": the fine pass's partial output in fp32, the pooled pass's start values read from
+    # it; "input" (LLSA's default): in bf16 (flat, as the fp32 one)
     fwd_fine = fwd(16, n, 8, "*fp32", False, False, no_tail, no_list_weight)
-    # llsa.PARTIAL_DTYPE = "input": the fine pass's partial output in bf16 (flat, as the fp32 one), the pooled pass's
-    # start values read from it
     fwd_fine_bf16 = fwd(16, n, 8, "*bf16", False, False, no_tail, no_list_weight)
     fwd_fine_bf16[0].update(flat_out)
     fwd_pooled = fwd(64, bank, 8, "*bf16", True, False, tail, pooled_lists)
@@ -366,10 +353,6 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
             fwd_pooled[1],
         ),
         ("dq pooled (64-row tiles + tail)", block_sparse._dq_kernel, *dq_pooled),
-        ("fwd pooled in one loop, 1 tile", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 1)),
-        ("fwd pooled in one loop, 2 tiles", block_sparse._fwd_one_loop_kernel, *one_loop("forward", 2)),
-        ("dq pooled in one loop, 1 tile", block_sparse._dq_one_loop_kernel, *one_loop("dq", 1)),
-        ("dq pooled in one loop, 2 tiles", block_sparse._dq_one_loop_kernel, *one_loop("dq", 2)),
         ("dq fine", block_sparse._dq_kernel, *dq_fine),
         # block_sparse_attention over blocks of 128 (K = 64, 128 keys per step) and the dense flash_attention (every
         # key as the tail, in steps of 64; its tiles are 128-key blocks walked in two steps, as its launcher passes)

@@ -136,7 +136,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 28
+    assert len(variants) == 24
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -154,10 +154,10 @@ def test_compile_report_gives_every_kernel_argument():
 
 
 def test_compile_report_launch_warps_are_the_launchers():
-    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles (in either walk) and the 64-key dk/dv
-    programs of the candidate and coarsest levels on four, SLA's own walks on walk_warps but its 16-row query-major walks (forward, dq) on one;
-    the 128-row forward on four over 128-key steps, on eight over the dense tail's 64-key steps; the 128-key dk/dv on
-    eight."""
+    """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the 64-key dk/dv programs
+    of the candidate and coarsest levels on four, SLA's own walks on walk_warps but its 16-row query-major walks
+    (forward, dq) on one; the 128-row forward on four over 128-key steps, on eight over the dense tail's 64-key steps;
+    the 128-key dk/dv on eight."""
     report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
     warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
     assert warps == {
@@ -166,10 +166,6 @@ def test_compile_report_launch_warps_are_the_launchers():
         "fwd pooled (64-row tiles + tail)": 4,
         "fwd pooled, start values in bf16": 4,
         "dq pooled (64-row tiles + tail)": 4,
-        "fwd pooled in one loop, 1 tile": 4,
-        "fwd pooled in one loop, 2 tiles": 4,
-        "dq pooled in one loop, 1 tile": 4,
-        "dq pooled in one loop, 2 tiles": 4,
         "dq fine": 1,
         "fwd bsa 128 (K = 64)": 4,
         "fwd dense 128 (tail)": 8,
@@ -344,14 +340,16 @@ def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
     block_sparse.py does not define at module level is refused with its name, before anything is timed."""
     env = os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable}
     run = subprocess.run(
-        ["bash", "scripts/device_suite.sh", "knob", "ONE_LOOP_TILE = 2"],
+        ["bash", "scripts/device_suite.sh", "knob", "DS_DKDV_REGISTER_CAPS = 152"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
         env=env,
     )
-    assert run.returncode == 2 and "kernels/block_sparse.py has no one-line module-level 'ONE_LOOP_TILE = ...'" in (
-        run.stderr + run.stdout
+    assert (
+        run.returncode == 2
+        and "kernels/block_sparse.py has no one-line module-level 'DS_DKDV_REGISTER_CAPS = ...'"
+        in (run.stderr + run.stdout)
     )
     assert not (tmp_path / "ab_knob.log").exists()

@@ -192,22 +192,6 @@ def test_triton_selection_made_here_equals_the_same_selection_given():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiles", [0, 2])
-def test_triton_pooled_walks_in_one_loop_match_oracle(tiles, monkeypatch, record_launches):
-    """LLSA with its selection made here (full lists) walks the pooled pass in one loop where ``ONE_LOOP_TILES``
-    says so (``tiles`` query tiles per program), else in the two-loop walk; either matches the fp64 oracle given the
-    same selection. (A coarsest level of whole steps, walked in the list's loop, needs 16,384 tokens: 50 s in the
-    interpreter, so the GPU tests take LLSA's sizes, test_block_sparse the walk, and the next test the routing.)"""
-    from pixdit.kernels import block_sparse as bs
-
-    seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles)
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles)
-    compare_to_oracle(1, 1, 1024, 16, 16, 2, 4, Le=1, impl="triton", seed=1026, select_here=True)
-    assert [name for name, _ in seen] == (["_fwd_one_loop", "_dq_one_loop"] if tiles else [])
-
-
-@needs_interpreter
 @pytest.mark.parametrize("partial", ["float32", "input"])
 def test_triton_fine_partial_in_either_dtype_matches_oracle(partial, monkeypatch):
     """The fine pass's partial output, which the pooled pass continues from, in fp32 or in the inputs' dtype
@@ -223,21 +207,29 @@ def test_triton_fine_partial_in_either_dtype_matches_oracle(partial, monkeypatch
     assert given == [torch.float32 if partial == "float32" else torch.float16, torch.float16]  # fine, pooled
 
 
+def test_a_bad_partial_dtype_is_named(monkeypatch):
+    from pixdit.kernels import llsa
+
+    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "bf16")
+    q = torch.randn(1, 1, 256, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r'llsa.PARTIAL_DTYPE must be "float32" or "input".*got \'bf16\''):
+        llsa_attention(q, q, q, 16, 4, 1, impl="triton")
+
+
 @pytest.mark.parametrize(
-    "N,L,K,runs,tail_rows,one_loop",
+    "N,L,K,runs,tail_rows,whole_steps",
     [
-        (65536, 2, 8, None, 256, True),  # 256²: one weight, the coarsest level of 256 rows in the list's loop
+        (65536, 2, 8, None, 256, True),  # 256²: one weight, the coarsest level of 256 rows
         (16384, 2, 8, None, 64, True),  # 128²
         (262144, 3, 8, [(8, 1), (8, 2)], 64, True),  # 512², L = 3: one weight per level, a tail of one step
-        (4096, 3, [4, 4, 1], [(4, 1), (1, 2)], 1, False),  # the last run ends inside a step: masks, two loops
+        (4096, 3, [4, 4, 1], [(4, 1), (1, 2)], 1, False),  # the last run ends inside a step: masked steps
         (4096, 3, [2, 2, 1], "per block", 1, False),  # a run ends inside a step that the next one goes on in
     ],
 )
-def test_pooled_pass_weights_and_one_loop_routing_at_llsas_sizes(N, L, K, runs, tail_rows, one_loop, monkeypatch):
-    """What LLSA's pooled pass passes at its sizes (``_pooled_list_args``; B = 16, head dim 64) and whether the
-    one-loop walk takes it when ``ONE_LOOP_TILES`` gives its passes tiles: the candidate levels' weights as runs of
-    ``l ln B`` where they end at whole steps, else per block; the walk where the weights are runs and the coarsest
-    level is whole steps of whole blocks."""
+def test_pooled_pass_weights_at_llsas_sizes(N, L, K, runs, tail_rows, whole_steps):
+    """What LLSA's pooled pass passes at its sizes (``_pooled_list_args``; B = 16, head dim 64): the candidate
+    levels' weights as runs of ``l ln B`` where they end at whole steps, else per block; its coarsest level's rows;
+    and whether its walk needs no masks (``FULL_LIST``: full lists of whole steps)."""
     from pixdit.kernels import block_sparse as bs
     from pixdit.kernels.llsa import COARSE_TILE, _bank_tail, _pooled_list_args
 
@@ -263,14 +255,8 @@ def test_pooled_pass_weights_and_one_loop_routing_at_llsas_sizes(N, L, K, runs, 
         B,
         bs.walk_blocks_per_step(COARSE_TILE, B, d),
     )
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 2)
-    tiles = bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi)
-    assert tiles == (2 if one_loop else 0)
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 0)
-    assert bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi) == 0
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", 3)
-    with pytest.raises(ValueError, match=r"ONE_LOOP_TILES\['forward'\] must be 0 \(off\) or a power of two"):
-        bs.one_loop_tiles("forward", COARSE_TILE, B, d, weights, sum(widths), lo, hi)
+    assert weights["FULL_LIST"] == whole_steps
+    assert weights["LIST_RUNS"] == (0 if runs == "per block" else len(runs or [None]))
 
 
 @needs_interpreter

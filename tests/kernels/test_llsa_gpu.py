@@ -58,31 +58,21 @@ def matches_exact_path(b, h, N, d, L, Le, K, dtype, seed, select_here=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tiles", [(0, 0), (1, 1), (2, 1), (4, 2)])  # the pooled forward's and dq's ONE_LOOP_TILES
 @pytest.mark.parametrize("N,L", [(16384, 2), (65536, 2), (262144, 3)])
-def test_llsa_selection_made_here_in_either_pooled_walk_matches_exact_path(
-    dtype, tiles, N, L, monkeypatch, record_launches
-):
-    """The selection made inside fills every list, so the pooled pass takes the one-loop walk where
-    ``ONE_LOOP_TILES`` gives it tiles (the coarsest level in the list's loop; at L = 3 one weight per candidate
-    level), else the two-loop walk: both against the exact path given the same selection."""
-    from pixdit.kernels import block_sparse as bs
-
-    seen = record_launches(bs, "_fwd_one_loop", "_dq_one_loop")
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "forward", tiles[0])
-    monkeypatch.setitem(bs.ONE_LOOP_TILES, "dq", tiles[1])
+def test_llsa_selection_made_here_matches_exact_path(dtype, N, L):
+    """The selection made inside fills every list, so the pooled pass walks them without masks (the coarsest level
+    in whole steps; at L = 3 one weight per candidate level): against the exact path given the same selection."""
     matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L, select_here=True)
-    assert [name for name, _ in seen] == ["_fwd_one_loop"] * (tiles[0] > 0) + ["_dq_one_loop"] * (tiles[1] > 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,L", [(65536, 2), (262144, 3)])
-def test_llsa_fine_partial_in_the_inputs_dtype_matches_exact_path(dtype, N, L, monkeypatch):
-    """The fine pass's partial output in the inputs' dtype (``llsa.PARTIAL_DTYPE = "input"``) against the exact
-    path, with the selection made here (the pooled walk as main takes it)."""
+def test_llsa_fine_partial_in_fp32_matches_exact_path(dtype, N, L, monkeypatch):
+    """The fine pass's partial output in fp32 (``llsa.PARTIAL_DTYPE = "float32"``; the default keeps it in the
+    inputs' dtype) against the exact path, with the selection made here."""
     from pixdit.kernels import llsa
 
-    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "input")
+    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "float32")
     matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L + 1, select_here=True)
 
 
