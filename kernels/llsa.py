@@ -48,9 +48,7 @@ def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the fine pass's partial output (``PARTIAL_DTYPE``) for inputs of ``input_dtype``."""
     dtypes = {"float32": torch.float32, "input": input_dtype}
     if PARTIAL_DTYPE not in dtypes:
-        raise ValueError(
-            f'llsa.PARTIAL_DTYPE must be "float32" or "input" (the inputs\' dtype), got {PARTIAL_DTYPE!r}; set one of them'
-        )
+        raise ValueError(f'llsa.PARTIAL_DTYPE must be "float32" or "input" (the inputs\' dtype), got {PARTIAL_DTYPE!r}')
     return dtypes[PARTIAL_DTYPE]
 
 

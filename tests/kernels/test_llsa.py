@@ -207,7 +207,9 @@ def test_triton_fine_partial_in_either_dtype_matches_oracle(partial, monkeypatch
     assert given == [torch.float32 if partial == "float32" else torch.float16, torch.float16]  # fine, pooled
 
 
+@needs_interpreter
 def test_a_bad_partial_dtype_is_named(monkeypatch):
+    """A ``PARTIAL_DTYPE`` other than its two values is refused with its name and the allowed values."""
     from pixdit.kernels import llsa
 
     monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "bf16")
