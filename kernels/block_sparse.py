@@ -1035,26 +1035,17 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # takes the dk/dv's cap too: at 168 it spills 72 B, and still measured 1.11x faster at LLSA 256² and 1.12x at 512²
 # (v29). The autotuner also times the capped configuration against the others.
 _REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 168}
-# The one-warp dk/dv that keeps dS (``keeps_ds``, the fine level's): ptxas gives it 168 registers (Triton 3.6), so 12
-# programs share an SM; capped at 152 nothing spills and 13 do (144: 12 B spilled). A cap raises other one-warp
-# programs' allocation (the fine dq: 98 registers uncapped, 122 under 152), so it is this launch's alone. None
-# (ptxas's own) until measured on a GPU (docs/kernel_notes.md v44).
-DS_DKDV_REGISTER_CAP = None
 _CONFIGS = [
     triton.Config({}, num_warps=w, num_stages=s) for w, s in dict.fromkeys(_WARPGROUP_PROGRAMS + _SMALL_PROGRAMS)
 ] + [triton.Config({}, num_warps=4, num_stages=2, maxnreg=cap) for cap in sorted(set(_REGISTER_CAPS.values()))]
-if DS_DKDV_REGISTER_CAP is not None:
-    _CONFIGS.append(triton.Config({}, num_warps=1, num_stages=2, maxnreg=DS_DKDV_REGISTER_CAP))
 
 
-def register_cap(kind: str, rows: int, head_dim: int, dtype: torch.dtype, keeping_ds: bool = False) -> int | None:
+def register_cap(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:
     """``maxnreg`` of a ``kind`` ("forward", "dq" or "dkdv": key-major or by query group) program of ``rows`` rows
-    (see ``_REGISTER_CAPS``); ``keeping_ds``: a dk/dv that keeps dS (``DS_DKDV_REGISTER_CAP`` on one warp)."""
-    if head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
+    (see ``_REGISTER_CAPS``)."""
+    if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if keeping_ds and kind == "dkdv" and program_warps(rows, True, head_dim) == 1:
-        return DS_DKDV_REGISTER_CAP
-    return _REGISTER_CAPS[kind] if rows == 64 else None
+    return _REGISTER_CAPS[kind]
 
 
 def program_warps(rows: int, backward: bool, head_dim: int) -> int:
@@ -1089,17 +1080,15 @@ PROGRAMS = {
 }
 
 
-def program_shape(
-    kind: str, rows: int, head_dim: int, dtype: torch.dtype, keeping_ds: bool = False
-) -> tuple[int, int | None]:
+def program_shape(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int | None]:
     """(``program_warps``, ``register_cap``) of a ``kind`` program of ``rows`` rows with ``dtype`` inputs."""
-    return program_warps(rows, kind != "forward", head_dim), register_cap(kind, rows, head_dim, dtype, keeping_ds)
+    return program_warps(rows, kind != "forward", head_dim), register_cap(kind, rows, head_dim, dtype)
 
 
 def launched_program(kernel, meta: dict, dtype: torch.dtype) -> tuple[int, int | None]:
     """``program_shape`` of a launch of ``kernel`` (a key of ``PROGRAMS``) with the arguments ``meta``."""
     kind, rows_of = PROGRAMS[kernel]
-    return program_shape(kind, rows_of(meta), meta["HEAD_DIM"], dtype, keeping_ds=meta.get("DS_SLOTS", 0) > 0)
+    return program_shape(kind, rows_of(meta), meta["HEAD_DIM"], dtype)
 
 
 def _configs_for(kernel):
@@ -1161,13 +1150,13 @@ _grouped_dkdv = autotuned(
 )
 
 
-def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype, keeping_ds: bool = False) -> dict:
+def _launch(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> dict:
     """Launch options of a ``kind`` program of ``rows`` query or key rows with ``dtype`` inputs (none when
     autotuned): its ``program_shape``, as the autotuner's pruning gives it (``_configs_for``), and 2 stages, 3 for
     the 128-row forward and dq programs (their contiguous walks load by TMA with ids read a step ahead, note below)."""
     if AUTOTUNE:
         return {}
-    warps, cap = program_shape(kind, rows, head_dim, dtype, keeping_ds)
+    warps, cap = program_shape(kind, rows, head_dim, dtype)
     stages = 3 if rows >= 128 and kind in ("forward", "dq") else 2
     return {"num_warps": warps, "num_stages": stages} | ({"maxnreg": cap} if cap else {})
 
@@ -1889,7 +1878,7 @@ def _bsa_backward_dkdv_op(
         TRANSPOSED=transposed_backward(key_block * group, d),
         DESC_ROWS=desc_rows,
         DS_SLOTS=triton.next_power_of_2(ds_lists.shape[-1]) if ds is not None else 0,
-        **_launch("dkdv", key_block * group, d, q.dtype, keeping_ds=ds is not None),
+        **_launch("dkdv", key_block * group, d, q.dtype),
     )
     if n_split > 1:
         dk[:, r0:r1] = tgt_k.sum(0)

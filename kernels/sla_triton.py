@@ -51,7 +51,6 @@ from .linear_attention import (
     linear_dk_dv,
     linear_forward,
     linear_global_grads,
-    one_warp_walk,
     phi_rows,
     phi_rows_backward,
     prune_query_walk,
@@ -141,25 +140,7 @@ def _sla_dq_kernel(
     tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-# ptxas's register budget of the dq walk on one warp (3 stages): left alone it takes 255 registers (Triton 3.6), so 8
-# programs share an SM; capped at 184, 11 do, with 16 B spilled (168: 12 with 36 B; 208: 9 with 12 B). None (ptxas's
-# own) until measured on a GPU (docs/kernel_notes.md v44).
-DQ_REGISTER_CAP = None
-_CAPPED = [triton.Config({}, num_warps=1, num_stages=3, maxnreg=DQ_REGISTER_CAP)] if DQ_REGISTER_CAP else []
-_dq = autotuned(_sla_dq_kernel, WALK_KEYS, ONE_WARP_CONFIGS + WALK_CONFIGS + _CAPPED, prune=prune_query_walk)
-
-
-def dq_register_cap(head_dim: int, block_size: int) -> int | None:
-    """``DQ_REGISTER_CAP`` where the dq walk runs on one warp (``one_warp_walk``), else None."""
-    return DQ_REGISTER_CAP if one_warp_walk(block_size, head_dim) else None
-
-
-def dq_launch_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
-    """``query_walk_options`` of the dq walk, with ``dq_register_cap`` on a fixed launch (an autotuned one has a
-    capped configuration to pick)."""
-    options = query_walk_options(head_dim, block_size, dtype)
-    cap = dq_register_cap(head_dim, block_size)
-    return options | ({"maxnreg": cap} if cap is not None and "num_warps" in options else {})
+_dq = autotuned(_sla_dq_kernel, WALK_KEYS, ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk)
 
 
 def _list_args(critical: torch.Tensor, negligible: torch.Tensor) -> tuple:
@@ -271,7 +252,7 @@ def _sla_backward_dq_op(
     dq = torch.empty_like(q)
     delta_s = torch.empty_like(lse)
     dphi, delta_l = global_dphi(do_l, o_l, kv_total, z_total)
-    options = dq_launch_options(d, block_size, q.dtype)
+    options = query_walk_options(d, block_size, q.dtype)
     _dq[(t, bh)](
         q,
         k,

@@ -55,14 +55,14 @@ case "$stage" in
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 10 300 $PY scripts/ab_attention.py --kernels-from "$base" --kernel-time \
       --rounds 2 --per-kernel 4 "${cases[@]}" 2>&1 | tee "$OUT/ab_attention.log" ;;
   knob)
-    # Module-level values of the kernel library that are off or unmeasured on main
-    # (block_sparse.DS_DKDV_REGISTER_CAP, sla_triton.DQ_REGISTER_CAP, ...): for each "[MODULE:]NAME = VALUE" (MODULE a
-    # file of kernels/, default block_sparse; several joined by ";" go into one copy) a copy of kernels/ whose
-    # one-line "NAME = ..." says VALUE, each timed against these kernels in one process as `ab` does ("before" = the
-    # copy, so a speed-up below 1 is the copy's gain), with each case's 8 largest kernels. Cases: KNOB_CASES
-    # (default LLSA 256², 128² at L = 2, 512² at L = 3).
+    # Module-level values of the kernel library (block_sparse._REGISTER_CAPS, llsa.PARTIAL_DTYPE, ...): for each
+    # "[MODULE:]NAME = VALUE" (MODULE a file of kernels/, default block_sparse; several joined by ";" go into one
+    # copy) a copy of kernels/ whose one-line "NAME = ..." says VALUE, each timed against these kernels in one
+    # process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's gain), with each case's 8
+    # largest kernels. Cases: KNOB_CASES (default LLSA 256², 128² at L = 2, 512² at L = 3).
     # The table prints at the end: three copies fit a 10-minute call (each copy compiles its kernels once).
-    #   bash scripts/device_suite.sh knob 'DS_DKDV_REGISTER_CAP = 152' 'llsa:PARTIAL_DTYPE = "float32"'
+    #   bash scripts/device_suite.sh knob '_REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 184}' \
+    #     'llsa:PARTIAL_DTYPE = "float32"'
     [ $# -gt 1 ] || { echo "usage: device_suite.sh knob '[MODULE:]NAME = VALUE' ... (module-level names of kernels/)"; exit 2; }
     root=$(mktemp -d); dirs=()
     for assign in "${@:2}"; do

@@ -399,10 +399,8 @@ def launch_warps(fn, const: dict) -> int:
 
 
 def launch_register_cap(fn, const: dict) -> int | None:
-    """The ``maxnreg`` the launchers give an attention kernel's program (block_sparse.launched_program; SLA's dq:
-    sla_triton.dq_register_cap), bf16 inputs."""
-    if fn is sla_triton._sla_dq_kernel:
-        return sla_triton.dq_register_cap(const["HEAD_DIM"], const["BLOCK"])
+    """The ``maxnreg`` the launchers give an attention kernel's program (block_sparse.launched_program), bf16
+    inputs."""
     return block_sparse.launched_program(fn, const, torch.bfloat16)[1] if fn in block_sparse.PROGRAMS else None
 
 

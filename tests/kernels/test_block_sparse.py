@@ -577,11 +577,10 @@ def test_block_sparse_rejects_bad_blocks():
         block_sparse_attention(q, q, q, lists, query_block=32, key_block=16)
 
 
-def test_program_warps_and_the_autotuners_pruning_follow_the_program_size(monkeypatch):
+def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     """16-row programs on one warp (every pass one listed block per step); the forward of 32 rows on
     two, its (transposed) backward on a warpgroup; programs of < 64 rows with a head dim of 128 on a warpgroup; tiles
-    of 64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program; the
-    one-warp dk/dv that keeps dS alone takes DS_DKDV_REGISTER_CAP (none on main), in both launch paths."""
+    of 64 and 128 rows on 4 and 8 warps. The autotuner times only the configurations of the launch's program."""
     from pixdit.kernels.block_sparse import (
         _CONFIGS,
         _WARPGROUP_PROGRAMS,
@@ -643,20 +642,12 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size(monkey
     assert tried(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == warpgroup
     keeping_ds = {"KEY_BLOCK": 16, "GROUP": 1, "HEAD_DIM": 64, "DS_SLOTS": 8}
     assert caps(dkdv(_CONFIGS, bf16, **keeping_ds)) == []
-    bs = block_sparse_module
-    monkeypatch.setattr(bs, "DS_DKDV_REGISTER_CAP", 152)
-    monkeypatch.setattr(bs, "AUTOTUNE", False)
-    capped = _CONFIGS + [triton.Config({}, num_warps=1, num_stages=2, maxnreg=152)]
-    assert caps(dkdv(capped, bf16, **keeping_ds)) == [(1, 2, 152)]
-    assert caps(dkdv(capped, bf16, **(keeping_ds | {"DS_SLOTS": 0}))) == []
-    assert caps(dq(capped, bf16, BLOCK_M=16, HEAD_DIM=64)) == caps(fwd(capped, bf16, BLOCK_M=16, HEAD_DIM=64)) == []
-    assert bs._launch("dkdv", 16, 64, torch.bfloat16, keeping_ds=True) == {
-        "num_warps": 1,
-        "num_stages": 2,
-        "maxnreg": 152,
-    }
-    assert "maxnreg" not in bs._launch("dkdv", 16, 64, torch.bfloat16)
-    assert "maxnreg" not in bs._launch("dkdv", 16, 64, torch.float32, keeping_ds=True)
+    # a capped configuration is tried only by programs of its warps and cap: not a one-warp one at 168 by the 64-key
+    # dk/dv (4 warps), nor by the one-warp dk/dv (no cap)
+    foreign = _CONFIGS + [triton.Config({}, num_warps=1, num_stages=2, maxnreg=168)]
+    assert caps(dkdv(foreign, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == [(4, 2, 168)]
+    assert caps(dkdv(foreign, bf16, **keeping_ds)) == []
+    assert "maxnreg" not in block_sparse_module._launch("dkdv", 16, 64, torch.bfloat16)
 
 
 @needs_interpreter

@@ -76,16 +76,6 @@ def test_llsa_fine_partial_in_fp32_matches_exact_path(dtype, N, L, monkeypatch):
     matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L + 1, select_here=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_llsa_with_the_ds_dkdv_register_cap_matches_exact_path(dtype, monkeypatch):
-    """The fine dk/dv that keeps dS under ``DS_DKDV_REGISTER_CAP = 152`` (no spills in the compile report) against
-    the exact path."""
-    from pixdit.kernels import block_sparse as bs
-
-    monkeypatch.setattr(bs, "DS_DKDV_REGISTER_CAP", 152)
-    matches_exact_path(1, 2, 65536, 64, 2, None, 8, dtype, seed=3, select_here=True)
-
-
 def test_llsa_deterministic_bitwise():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

@@ -145,31 +145,6 @@ def test_gpu_triton_matches_exact_path(dtype, scope, feature_map, b, h, n, d, bl
         assert _rel(a, r) < TOL[dtype], (name, _rel(a, r))
 
 
-def test_dq_register_cap_goes_to_the_fixed_one_warp_launch_only(monkeypatch):
-    """``DQ_REGISTER_CAP`` (None on main) caps the dq walk's fixed one-warp launch, not a warpgroup's, and nothing
-    while autotuned (the autotuner then gets a capped configuration of its own)."""
-    from pixdit.kernels import linear_attention, sla_triton
-
-    monkeypatch.setattr(linear_attention, "AUTOTUNE", False)
-    assert "maxnreg" not in sla_triton.dq_launch_options(64, 16, torch.bfloat16)
-    monkeypatch.setattr(sla_triton, "DQ_REGISTER_CAP", 184)
-    options = sla_triton.dq_launch_options(64, 16, torch.bfloat16)
-    assert (options["num_warps"], options["num_stages"], options["maxnreg"]) == (1, 3, 184)
-    assert "maxnreg" not in sla_triton.dq_launch_options(128, 16, torch.bfloat16)  # a warpgroup's walk
-    monkeypatch.setattr(linear_attention, "AUTOTUNE", True)
-    assert "maxnreg" not in sla_triton.dq_launch_options(64, 16, torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_dq_under_a_register_cap_matches_exact_path(dtype, mark, monkeypatch):
-    """SLA's dq walk under ``DQ_REGISTER_CAP = 184`` (16 B spilled in the compile report) against the exact path."""
-    from pixdit.kernels import sla_triton
-
-    monkeypatch.setattr(sla_triton, "DQ_REGISTER_CAP", 184)
-    test_gpu_triton_matches_exact_path(dtype, "noncritical", "softmax", 2, 3, 16384, 64, 16, 20, mark)
-
-
 @pytest.mark.parametrize("scope,feature_map", [("noncritical", "softmax"), ("all", "elu"), ("marginal", "relu")])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_deterministic_bitwise(scope, feature_map, mark):
