@@ -7,6 +7,7 @@ the table that chooses the fixed launch and shows how far a launch is from the m
 
     python scripts/bench_joint.py                         # DiT-S, 256², batch 4
     python scripts/bench_joint.py --dim 1152 --batch 2    # DiT-XL's width
+    python scripts/bench_joint.py --per-kernel 8          # + each form's 8 largest kernels of one backward
     python scripts/bench_joint.py --quick --device cpu    # CPU check of the script (no launch table without a GPU)
 
 The pair is timed as the block runs it: joint 1 (before the attention) gives h1; joint 2 adds gate1 x branch to the
@@ -26,7 +27,7 @@ from kernel_ab import rel_diff, timer
 
 from pixdit.kernels import adaln_joint as joint
 from pixdit.kernels.common import INTERPRET
-from pixdit.report import markdown_table
+from pixdit.report import kernel_breakdown, markdown_table
 
 
 def parse_args(argv=None):
@@ -37,7 +38,16 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=200, help="milliseconds of timed calls per cell (do_bench)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="CPU check: 16², batch 2, width 48, launches of 2 stages")
+    p.add_argument(
+        "--per-kernel",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU: also list each compiled form's N largest kernels of one backward (ms per call)",
+    )
     args = p.parse_args(argv)
+    if args.per_kernel and not args.device.startswith("cuda"):
+        raise SystemExit(f"--per-kernel needs a CUDA device (the profiler's kernel times), got --device {args.device}")
     if args.quick:
         args.side, args.batch, args.dim, args.rep = 16, 2, 48, 1
     for name in ("side", "batch", "dim", "rep"):
@@ -72,7 +82,11 @@ def make_inputs(args, dtype):
     return leaves, ups
 
 
-def pair_rows(args, dtype, time_ms) -> list[dict]:
+def pair_rows(args, dtype, time_ms, kernels: dict) -> list[dict]:
+    """One row per compiled form: forward and backward time, on a GPU also the backward's kernel time (the device's
+    busy time: where it is well below the backward's time, the host's work around the launches is what the backward
+    waits for), and the gradients' difference to the plain ops'. ``kernels``: filled with each form's kernels of one
+    backward (GPU)."""
     leaves, ups = make_inputs(args, dtype)
     results, rows = {}, []
     forms = (
@@ -89,8 +103,15 @@ def pair_rows(args, dtype, time_ms) -> list[dict]:
             forward = time_ms(lambda compiled=compiled: compiled(*leaves), args.rep)
         finally:
             joint.BACKWARD_FROM_STATS = False
-        backward = time_ms(lambda out=out: torch.autograd.grad(out, leaves, ups, retain_graph=True), args.rep)
+
+        def backward_call(out=out):
+            return torch.autograd.grad(out, leaves, ups, retain_graph=True)
+
+        backward = time_ms(backward_call, args.rep)
         rows.append({"form": name, "forward ms": f"{forward:.3f}", "backward ms": f"{backward:.3f}"})
+        if args.device.startswith("cuda"):
+            kernels[name] = kernel_breakdown(backward_call, calls=10)
+            rows[-1]["backward kernel ms"] = f"{sum(kernels[name].values()):.3f}"
     base = results[forms[0][0]]
     rows[0]["max rel. diff of the gradients"] = "-"
     for row, (name, _, _) in zip(rows[1:], forms[1:]):
@@ -141,7 +162,12 @@ def main(argv=None) -> None:
     time_ms = timer(args.device)
     tokens = args.batch * args.side**2
     print(f"# the joints of one DiT block: {args.batch} x {args.side}² tokens of {args.dim}, {dtype}\n", flush=True)
-    print(markdown_table(pair_rows(args, dtype, time_ms)), flush=True)
+    kernels = {}
+    print(markdown_table(pair_rows(args, dtype, time_ms, kernels)), flush=True)
+    for form, per_name in kernels.items() if args.per_kernel else ():
+        top = sorted(per_name.items(), key=lambda item: -item[1])[: args.per_kernel]
+        print(f"\n{form}: the {len(top)} largest kernels of one backward\n")
+        print(markdown_table([{"kernel": name[:100], "ms": f"{ms:.3f}"} for name, ms in top]), flush=True)
     if args.device.startswith("cuda") or INTERPRET:
         print(f"\n# the Triton backward alone, per launch ({tokens:,} rows)\n")
         print(markdown_table(launch_rows(args, dtype, time_ms)))

@@ -333,6 +333,8 @@ def test_bench_joint_quick_cpu():
     assert sum("| yes |" in line for line in launches) == 2
     bad = subprocess.run([*command[:2], "--side", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--side must be >= 1, got 0" in bad.stderr
+    bad = subprocess.run([*command, "--per-kernel", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--per-kernel needs a CUDA device" in bad.stderr
 
 
 def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
