@@ -177,15 +177,6 @@ def rows_load(ptrs, row_ok, WHOLE: tl.constexpr):
 
 
 @triton.jit
-def rows_store(ptrs, x, row_ok, WHOLE: tl.constexpr):
-    """``rows_load``'s store."""
-    if WHOLE:
-        tl.store(ptrs, x)
-    else:
-        tl.store(ptrs, x, mask=row_ok)
-
-
-@triton.jit
 def list_weight(slot, runs, LIST_RUNS: tl.constexpr):
     """The natural-log weight of the listed block at list slot ``slot`` (a step's first slot) for a list weighted by
     runs of columns (``list_runs``): ``runs = (w0, end0, w1, end1, w2)``, slots [0, end0) weigh w0, [end0, end1) w1,
@@ -458,39 +449,6 @@ def dq_step(s, k, v, do, qk_scale, bias, lse2, delta, dq, PREC: tl.constexpr):
 
 
 @triton.jit
-def dq_query_rows(
-    Q,
-    DO,
-    O,
-    LSE,
-    DELTA,
-    bh,
-    rows,
-    row_ok,
-    dims,
-    stride_qb,
-    stride_qn,
-    do_offs,
-    n_q,
-    COMPUTE_DELTA: tl.constexpr,
-    WHOLE: tl.constexpr,
-):
-    """A query-major dq's operands of query rows ``rows``: q, dO (at ``do_offs``), the base-2 log-sum-exp and Δ; with
-    ``COMPUTE_DELTA`` Δ_i = <dO_i, O_i> (O has dO's layout), written for the later passes, else loaded. Rows outside
-    ``row_ok`` read as zeros unless ``WHOLE``."""
-    q = rows_load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], row_ok[:, None], WHOLE)
-    do = rows_load(DO + do_offs, row_ok[:, None], WHOLE)
-    lse2 = rows_load(LSE + bh * n_q + rows, row_ok, WHOLE) * 1.4426950408889634
-    if COMPUTE_DELTA:
-        o = rows_load(O + do_offs, row_ok[:, None], WHOLE)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        rows_store(DELTA + bh * n_q + rows, delta, row_ok, WHOLE)
-    else:
-        delta = rows_load(DELTA + bh * n_q + rows, row_ok, WHOLE)
-    return q, do, lse2, delta
-
-
-@triton.jit
 def gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, MASK: tl.constexpr, PREC: tl.constexpr):
     """One dq step over gathered key rows ``k``, ``v`` with their base-2 logits ``s`` (bias included); ``ok`` masks
     missing keys and padded query rows. Without ``MASK`` (full lists: every key exists) no mask is applied: padded
@@ -587,10 +545,16 @@ def _dq_kernel(
     rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
     do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
-    q, do, lse2, delta = dq_query_rows(
-        Q, DO, O, LSE, DELTA, bh, rows, row_ok, dims, stride_qb, stride_qn, do_offs, n_q, COMPUTE_DELTA, False
-    )
+    do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
+        o = tl.load(O + do_offs, mask=row_ok[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + bh * n_q + rows, delta, mask=row_ok)
+    else:
+        delta = tl.load(DELTA + bh * n_q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dqt = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)  # dq transposed, for warpgroup blocks of < 64 rows
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, KEY_BLOCK, PER_ITER)
