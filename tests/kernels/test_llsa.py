@@ -33,20 +33,19 @@ def grads(fn, q, k, v, go):
 
 
 def compare_to_oracle(
-    b, h, N, d, B, L, K, Le=None, impl="torch", reference_l1_grad=False, seed=0, tol=1e-5, dtype=None, select_here=False
+    b, h, N, d, B, L, K, Le=None, impl="torch", reference_l1_grad=False, seed=0, tol=1e-5, dtype=None
 ):
     """LLSA's output and gradients against the fp64 oracle given the same selection (inputs in ``dtype``, fp32 by
-    default); ``select_here``: LLSA makes the selection itself (full lists) instead of being given it."""
+    default)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, go = (torch.randn(b, h, N, d, generator=g).to(dtype or torch.float32) for _ in range(4))
     q, k, v = (x.to(DEVICE).requires_grad_() for x in (q, k, v))
     go = go.to(DEVICE)
     ks = llsa_check(N, B, L, K, Le)["topk"]
     index = llsa_select(q, k, B, ks, L)
-    given = None if select_here else index
     ours = grads(
         lambda q, k, v: llsa_attention(
-            q, k, v, B, K, L, Le, index=given, impl=impl, reference_l1_grad=reference_l1_grad
+            q, k, v, B, K, L, Le, index=index, impl=impl, reference_l1_grad=reference_l1_grad
         ),
         q,
         k,
