@@ -87,6 +87,21 @@ def test_ab_attention_block_sparse_and_dense_cases():
         assert run.returncode != 0 and f"--cases {bad!r}: expected METHOD:SIDE[:X[:B]]" in run.stderr
 
 
+def test_kernel_ms_counts_kernels_that_overlap_once(monkeypatch):
+    """kernel_ms is the GPU's busy time: kernels on two streams that run at once count once, gaps not at all; on one
+    stream it is the sum of the durations (the profiler replaced by fixed spans, in ms, over 2 calls)."""
+    import pixdit.report as report
+
+    spans = [("a", 0.0, 1.0), ("b", 0.5, 2.0), ("c", 1.5, 1.8), ("d", 3.0, 4.0)]  # b under a and c under b
+    monkeypatch.setattr(report, "_kernel_spans", lambda fn, calls, warmup: spans)
+    assert report.kernel_ms(lambda: None, calls=2) == (2.0 + 1.0) / 2
+    events = report.kernel_events(lambda: None, calls=2)  # durations, for the per-kernel tables
+    assert [name for name, _ in events] == ["a", "b", "c", "d"]
+    assert all(abs(ms - want) < 1e-9 for (_, ms), want in zip(events, [1.0, 1.5, 0.3, 1.0]))
+    monkeypatch.setattr(report, "_kernel_spans", lambda fn, calls, warmup: [("a", 0.0, 1.0), ("b", 1.0, 1.5)])
+    assert report.kernel_ms(lambda: None, calls=1) == 1.5
+
+
 def test_random_block_order_is_a_seeded_permutation_per_tile():
     """The block-sparse benchmarks' lists (kernel_ab.random_block_order): every key block once per query tile, the
     same for the same seed (so both libraries of an A/B, and Flex, walk the same lists), other for another seed."""

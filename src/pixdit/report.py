@@ -24,27 +24,38 @@ def markdown_table(
 
 
 def kernel_ms(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> float:
-    """GPU time of ``fn()`` in milliseconds per call: the summed durations of the CUDA kernels, copies and fills it
-    launches (torch.profiler over ``calls`` calls after ``warmup``). Host work and the gaps it leaves between
-    kernels are not counted, so this is the kernels' speed where an eager call is host-bound. (A CUDA-graph replay
-    would measure the same without a profiler, but capturing an autograd backward fails on the H200 image with
-    torch 2.11: "operation failed due to a previous error during capture", for SDPA's backward as for ours.)"""
-    return sum(kernel_breakdown(fn, calls, warmup).values())
+    """GPU time of ``fn()`` in milliseconds per call: the time during which at least one of the CUDA kernels, copies
+    and fills it launches runs (torch.profiler over ``calls`` calls after ``warmup``). On one stream that is the sum
+    of their durations; kernels that run at once on two streams count once. Host work and the gaps it leaves
+    between kernels are not counted, so this is the kernels' speed where an eager call is host-bound. (A CUDA-graph
+    replay would measure the same without a profiler, but capturing an autograd backward fails on the H200 image
+    with torch 2.11: "operation failed due to a previous error during capture", for SDPA's backward as for ours.)"""
+    busy, end = 0.0, float("-inf")
+    for _, start, stop in sorted(_kernel_spans(fn, calls, warmup), key=lambda span: span[1]):
+        if stop > end:
+            busy, end = busy + stop - max(start, end), stop
+    return busy / calls
 
 
 def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> dict[str, float]:
-    """``kernel_ms`` by kernel: {CUDA kernel, copy or fill name: milliseconds per call of ``fn()``}."""
+    """The summed durations of ``fn()``'s kernels by kernel: {CUDA kernel, copy or fill name: milliseconds per call}."""
     per_name: dict[str, float] = {}
     for name, ms in kernel_events(fn, calls, warmup):
         per_name[name] = per_name.get(name, 0.0) + ms / calls
     if sum(per_name.values()) == 0:
-        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
+        raise RuntimeError("kernel_breakdown: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
     return per_name
 
 
 def kernel_events(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> list[tuple[str, float]]:
     """(name, milliseconds) of every CUDA kernel, copy and fill of ``calls`` calls of ``fn()`` after ``warmup``, in
-    the order they ran (torch.profiler)."""
+    the order they started (torch.profiler)."""
+    return [(name, stop - start) for name, start, stop in _kernel_spans(fn, calls, warmup)]
+
+
+def _kernel_spans(fn: Callable[[], Any], calls: int, warmup: int) -> list[tuple[str, float, float]]:
+    """(name, start, end) in milliseconds of every CUDA kernel, copy and fill of ``calls`` calls of ``fn()``, in the
+    order they started."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -57,7 +68,9 @@ def kernel_events(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) -> li
             fn()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us() / 1000) for e in events]
+    if not events:
+        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
+    return [(e.name, e.time_range.start / 1000, e.time_range.end / 1000) for e in events]
 
 
 def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tuple[float, float]:
