@@ -216,23 +216,28 @@ class _RecordOps(TorchDispatchMode):
 
 
 def _recorded_calls():
-    from pixdit.kernels import llsa
+    from pixdit.kernels import llsa, sla_triton
 
+    # ops whose launchers call other ops (LLSA's backward, SLA's forward and backward: one op each, so that their
+    # launches can share two streams under torch.compile); their inner ops are recorded in a second run with the
+    # outer ops' launchers called directly, so that the inner calls go through the dispatcher too
+    outer = {"llsa": [llsa._llsa_backward], "sla": [sla_triton._sla_forward, sla_triton._sla_backward]}
     mode = _RecordOps()
     with mode:
         for n, call, make_extra in CASES.values():
             q, k, v = _inputs(n)
             _run(call, q, k, v, make_extra(q) if make_extra else [])
-        # LLSA's backward is one op whose launcher calls the others: once more with that op's launcher called
-        # directly, so that its inner ops (the only callers of the grouped dk/dv and the dq from kept dS) go through
-        # the dispatcher too and are recorded
-        backward_op, registered = llsa._llsa_backward, llsa._llsa_backward.op
-        n, call, _ = CASES["llsa"]
-        try:
-            backward_op.op = backward_op.launcher
-            _run(call, *_inputs(n), [])
-        finally:
-            backward_op.op = registered
+        for name, ops in outer.items():
+            n, call, make_extra = CASES[name]
+            registered = [op.op for op in ops]
+            try:
+                for op in ops:
+                    op.op = op.launcher
+                q, k, v = _inputs(n)
+                _run(call, q, k, v, make_extra(q) if make_extra else [])
+            finally:
+                for op, registered_op in zip(ops, registered):
+                    op.op = registered_op
         # qkv dense but not contiguous (tokens-major memory): the fake rules must give the real outputs' strides
         qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
@@ -274,6 +279,8 @@ OPS = [
     "linear_forward",
     "linear_global_grads",
     "linear_dk_dv",
+    "sla_forward",
+    "sla_backward",
     "sla_backward_dq",
     "qk_norm_rope",
     "qk_norm_rope_backward",
