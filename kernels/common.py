@@ -38,7 +38,6 @@ __all__ = [
     "topk_from_fraction",
     "resolve_topk",
     "select_topk_blocks",
-    "SideStream",
 ]
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -163,54 +162,6 @@ def pad_to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if t * block_size != n:
         x = torch.nn.functional.pad(x, (0, 0, 0, t * block_size - n))
     return x.reshape(b, h, t, block_size, d)
-
-
-# ------------------------------------------------------------------------------------------- a second stream
-class SideStream:
-    """Launches that need nothing the current CUDA stream is computing, queued on a second stream of the device so
-    that the GPU runs them alongside (used where passes leave most SMs idle, e.g. LLSA's backward):
-
-        side = SideStream(q.device, enabled)
-        with side:              # on the side stream, after all work queued so far on the current one
-            csc = csr_to_csc(lists, n)
-        dq = pass_a(...)        # current stream: runs alongside
-        side.join(*csc)         # the current stream waits for the side's work; csc's memory is kept for it
-
-    Each ``with`` waits for the current stream again, so work queued before it is visible to the side. The tensors
-    the side allocates and the current stream reads after the join go to ``join`` (``record_stream``: their memory
-    is not reused before the current stream is done with them); tensors allocated before the ``with`` are the
-    current stream's and must outlive the join. On the CPU, under the interpreter or with ``enabled=False`` it is
-    a no-op: the same launches in the same order on one stream. One side stream per device, created once (also
-    under CUDA-graph capture, where the waits become the graph's fork and join)."""
-
-    _streams: dict[int, torch.cuda.Stream] = {}
-
-    def __init__(self, device: torch.device, enabled: bool = True):
-        self.stream = self.current = self._context = None
-        if enabled and device.type == "cuda" and not INTERPRET:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if index not in SideStream._streams:
-                SideStream._streams[index] = torch.cuda.Stream(index)
-            self.stream, self.current = SideStream._streams[index], torch.cuda.current_stream(index)
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.wait_stream(self.current)
-            self._context = torch.cuda.stream(self.stream)
-            self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._context is not None:
-            self._context, context = None, self._context
-            context.__exit__(*exc)
-        return False
-
-    def join(self, *tensors: torch.Tensor) -> None:
-        if self.stream is not None:
-            self.current.wait_stream(self.stream)
-            for t in tensors:
-                t.record_stream(self.current)
 
 
 # ------------------------------------------------------------------------------------------------- the K rule

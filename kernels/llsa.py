@@ -31,8 +31,7 @@ import triton
 
 from . import block_sparse as bs
 from .blocks import block_mean, csr_to_csc
-from .common import SideStream, autocast_inputs, check_qkv, use_triton
-from .ops import custom_op
+from .common import autocast_inputs, check_qkv, use_triton
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -43,10 +42,6 @@ COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so t
 # 2 x 6 heads; the partial is rounded to bf16 once, as the output is). "input": LLSA's forward 4-7 % and its
 # forward + backward 1-2.5 % faster at 128²-512² (docs/kernel_notes.md v46).
 PARTIAL_DTYPE = "input"
-# The backward's independent launches on two CUDA streams: the fine lists' CSC transpose (PyTorch sorts) beside the
-# pooled dq, the coarsest level's dk/dv beside the candidate levels'. Each of these passes alone leaves much of the
-# GPU idle (one-warp programs at 12 % occupancy, a few waves of 4-warp programs); the sums are the same either way.
-OVERLAP_BACKWARD = True
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -335,120 +330,57 @@ class _LLSATriton(torch.autograd.Function):
                 **_pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists),
             )
         ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
-        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, cand_widths, full_lists)
+        ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        B, L, Le, scale, reference_l1_grad, shape, cand_widths, full_lists = ctx.cfg
-        # one op: under torch.compile the launches of separate ops run one after the other on one stream
-        dq, dk, dv = _llsa_backward(
-            *ctx.saved_tensors, do, B, L, Le, scale, reference_l1_grad, list(cand_widths), full_lists
+        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
+        B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths, full_lists = ctx.cfg
+        BH, N, d = qf.shape
+        dt = qf.dtype
+        do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
+        delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
+        dq = pooled_k = pooled_v = None
+        if Le >= 1:
+            # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
+            weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
+            dq = bs.bsa_backward_dq(
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
+            )
+            pooled_k, pooled_v = _pooled_bank_grads(
+                qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
+            )
+        # fine level (16-row query blocks over k/v): the dk/dv adds in its epilogue the mean-pool adjoint of the
+        # pooled gradients, the dq the pooled dq; both write the input dtype directly. Where the dk/dv's programs
+        # are one warp (keeps_ds) and Δ is known, the dk/dv keeps each listed pair's dS and the dq is dS K from it:
+        # the dq then reads 2.5 KB a step instead of 4 (K and dS instead of K and V) and computes one product of
+        # three (docs/kernel_notes.md v41).
+        keep_ds = dq is not None and bs.keeps_ds(B, B, d)
+        if not keep_ds:  # the recomputing dq (without pooled levels it computes Δ, which the dk/dv reads)
+            dq = bs.bsa_backward_dq(
+                qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
+            )
+        ds = bs.ds_buffer(fine_lists, B, B, dt) if keep_ds else None
+        dk, dv = bs.bsa_backward_dkdv(
+            qf,
+            kf,
+            vf,
+            do,
+            lse,
+            delta,
+            csr_to_csc(fine_lists, N // B),
+            B,
+            B,
+            scale,
+            pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
+            out_dtype=dt,
+            ds=ds,
+            ds_lists=fine_lists if keep_ds else None,
         )
+        if keep_ds:
+            dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
-
-
-@custom_op("llsa_backward")
-def _llsa_backward(
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    vf: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    fine_lists: torch.Tensor,
-    coarse_lists: torch.Tensor | None,
-    bank_k: torch.Tensor | None,
-    bank_v: torch.Tensor | None,
-    logw: torch.Tensor | None,
-    do: torch.Tensor,
-    B: int,
-    L: int,
-    Le: int,
-    scale: float,
-    reference_l1_grad: bool,
-    cand_widths: list[int],
-    full_lists: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (``[BH, N, d]``, the inputs' dtype) of ``_LLSATriton``'s forward, from its saved tensors."""
-    BH, N, d = qf.shape
-    dt = qf.dtype
-    do = do.contiguous()  # tokens-major like o (a model's gradient already is; o is read with do's strides)
-    side = SideStream(qf.device, OVERLAP_BACKWARD)
-    with side:  # the dk/dv's key-major lists, needed last
-        csc = csr_to_csc(fine_lists, N // B)
-    delta = torch.empty(BH, N, device=qf.device, dtype=torch.float32)
-    dq = pooled_k = pooled_v = None
-    if Le >= 1:
-        # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-        weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
-        dq = bs.bsa_backward_dq(
-            qf,
-            bank_k,
-            bank_v,
-            do,
-            lse,
-            delta,
-            coarse_lists,
-            COARSE_TILE,
-            B,
-            scale,
-            o=o,
-            dense_tail=_bank_tail(N, B, L, Le),
-            **weights,
-        )
-        pooled_k, pooled_v = _pooled_bank_grads(
-            qf,
-            bank_k,
-            bank_v,
-            do,
-            lse,
-            delta,
-            coarse_lists,
-            cand_widths,
-            logw,
-            B,
-            L,
-            Le,
-            scale,
-            reference_l1_grad,
-            side,
-        )
-    # fine level (16-row query blocks over k/v): the dk/dv adds in its epilogue the mean-pool adjoint of the
-    # pooled gradients, the dq the pooled dq; both write the input dtype directly. Where the dk/dv's programs
-    # are one warp (keeps_ds) and Δ is known, the dk/dv keeps each listed pair's dS and the dq is dS K from it:
-    # the dq then reads 2.5 KB a step instead of 4 (K and dS instead of K and V) and computes one product of
-    # three (docs/kernel_notes.md v41).
-    keep_ds = dq is not None and bs.keeps_ds(B, B, d)
-    if not keep_ds:  # the recomputing dq (without pooled levels it computes Δ, which the dk/dv reads)
-        dq = bs.bsa_backward_dq(
-            qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
-        )
-    side.join(*csc)
-    ds = bs.ds_buffer(fine_lists, B, B, dt) if keep_ds else None
-    dk, dv = bs.bsa_backward_dkdv(
-        qf,
-        kf,
-        vf,
-        do,
-        lse,
-        delta,
-        csc,
-        B,
-        B,
-        scale,
-        pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
-        out_dtype=dt,
-        ds=ds,
-        ds_lists=fine_lists if keep_ds else None,
-    )
-    if keep_ds:
-        dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
-    return dq, dk, dv
-
-
-@_llsa_backward.register_fake
-def _(qf, kf, *args):
-    return qf.new_empty(qf.shape), kf.new_empty(kf.shape), kf.new_empty(kf.shape)
 
 
 def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:
@@ -466,40 +398,18 @@ def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -
 
 
 def _pooled_bank_grads(
-    qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad, side
+    qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
 ):
-    """dK/dV of the pooled bank (the candidate levels by query group, the coarsest key-major on the ``side``
-    stream, alongside), then pushed down the pyramid to level 1: returns fp32
+    """dK/dV of the pooled bank (the candidate levels by query group, the coarsest key-major), then pushed down the
+    pyramid to level 1: returns fp32
     ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
     BH, N, d = qf.shape
     offsets, total = _bank_layout(N, B, L, Le)
     n_bank_blocks = triton.cdiv(total, B)
     n_tiles = coarse_lists.shape[1]
-    dbank = torch.empty(2, BH, total, d, device=qf.device, dtype=torch.float32)  # dK, dV: one pyramid pass for both
+    dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
+    dbv = torch.empty_like(dbk)
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
-    if top_lo < n_bank_blocks:  # coarsest level: every tile lists every block -> one shared list,
-        group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
-        n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
-        with side:
-            bs.bsa_backward_dkdv(
-                qf,
-                bank_k,
-                bank_v,
-                do,
-                lse,
-                delta,
-                bs.shared_csc(n_tiles, qf.device),
-                COARSE_TILE,
-                B,
-                scale,
-                logw,
-                blk_range=(top_lo, n_bank_blocks),
-                group=group,
-                n_split=bs.split_count(BH * n_groups, n_tiles),
-                dk=dbank[0],
-                dv=dbank[1],
-                shared_list=True,
-            )
     col = 0
     for lvl in range(1, min(Le, L - 1) + 1):  # candidate levels: the B^(lvl+1) queries of an ancestor share a list
         group_rows = B ** (lvl + 1)
@@ -521,18 +431,42 @@ def _pooled_bank_grads(
             scale,
             logw,
             blk_range=(lo, lo + N // B ** (lvl + 1)),
-            dk=dbank[0],
-            dv=dbank[1],
+            dk=dbk,
+            dv=dbv,
         )
-    side.join()
+    if top_lo < n_bank_blocks:  # coarsest level: every tile lists every block -> one shared list,
+        group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
+        n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
+        bs.bsa_backward_dkdv(
+            qf,
+            bank_k,
+            bank_v,
+            do,
+            lse,
+            delta,
+            bs.shared_csc(n_tiles, qf.device),
+            COARSE_TILE,
+            B,
+            scale,
+            logw,
+            blk_range=(top_lo, n_bank_blocks),
+            group=group,
+            n_split=bs.split_count(BH * n_groups, n_tiles),
+            dk=dbk,
+            dv=dbv,
+            shared_list=True,
+        )
     if reference_l1_grad and L == 1:  # the authors' l1 kernel: pooled-path gradient B times too small
-        dbank = dbank / B
-    g = None
-    for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B (B a power of two)
-        rows = dbank[:, :, offsets[lvl - 1] : offsets[lvl - 1] + N // B**lvl]
-        g = rows if g is None else torch.add(rows, g.repeat_interleave(B, dim=2), alpha=1 / B)
-    gk, gv = g.contiguous().unbind(0)
-    return gk, gv
+        dbk, dbv = dbk / B, dbv / B
+    gk = gv = None
+    for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
+        lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B**lvl
+        if gk is not None:
+            gk = dbk[:, lo:hi] + (gk / B).repeat_interleave(B, dim=1)
+            gv = dbv[:, lo:hi] + (gv / B).repeat_interleave(B, dim=1)
+        else:
+            gk, gv = dbk[:, lo:hi], dbv[:, lo:hi]
+    return gk.contiguous(), gv.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------------ public API

@@ -41,7 +41,7 @@ from .block_sparse import (
     walk_key_rows,
 )
 from .blocks import csr_to_csc
-from .common import SideStream, autotuned
+from .common import autotuned
 from .linear_attention import (
     ONE_WARP_CONFIGS,
     WALK_CONFIGS,
@@ -58,11 +58,6 @@ from .linear_attention import (
     row_tile,
 )
 from .ops import custom_op
-
-# The two branches' independent launches on two CUDA streams: the linear forward beside the sparse forward; in the
-# backward the lists' CSC transposes beside the dq, the global sums' gradients beside the sparse dk/dv. The same
-# launches on the same inputs either way (bit-identical); docs/kernel_notes.md v47.
-OVERLAP = True
 
 
 @triton.jit
@@ -156,20 +151,17 @@ class _SLATriton(torch.autograd.Function):
     """``(q, k, v, critical, negligible) -> (o_sparse, o_linear)`` in the input dtype; q, k, v ``[B, H, N, D]``, one
     dtype; ``critical`` int32 ``[BH, T, K]``; ``negligible`` int32 ``[BH, T, K_neg]`` (may be empty); ``exclude``:
     whether the linear branch leaves out the critical and negligible blocks (False: ``"all"`` scope). The heads are
-    flattened inside, so that the backward flattens the outputs' gradients itself (``flatten_grad``). Forward and
-    backward are one custom op each: under torch.compile separate ops run one after the other on one stream, and
-    the branches' launches overlap only inside one op (``OVERLAP``)."""
+    flattened inside, so that the backward flattens the outputs' gradients itself (``flatten_grad``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude):
         b, h, n, d = q.shape
         q, k, v = [x.reshape(b * h, n, d).contiguous() for x in (q, k, v)]
+        o_s, lse = bsa_forward(q, k, v, critical, block_size, block_size, scale)
         excluded = None
         if exclude:
             excluded = critical if negligible.shape[2] == 0 else torch.cat([critical, negligible], -1)
-        o_s, lse, o_l, phi_q, phi_k, inv_den, kv_total, z_total = _sla_forward(
-            q, k, v, critical, excluded, block_size, feature_map_name, scale
-        )
+        o_l, phi_q, phi_k, inv_den, kv_total, z_total = linear_forward(q, k, v, excluded, block_size, feature_map_name)
         ctx.save_for_backward(
             q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded
         )
@@ -179,127 +171,58 @@ class _SLATriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do_s, do_l):
-        q, *saved = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded = saved
+        block_size, feature_map_name, scale, exclude = ctx.config
+        bh, n, d = q.shape
+        t = triton.cdiv(n, block_size)
         do_s, do_l = [flatten_grad(g.to(q.dtype)) for g in (do_s, do_l)]
-        dq, dk, dv = _sla_backward(q, *saved, do_s, do_l, *ctx.config)
-        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
-
-
-@custom_op("sla_forward")
-def _sla_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    critical: torch.Tensor,
-    excluded: torch.Tensor | None,
-    block_size: int,
-    feature_map_name: str,
-    scale: float,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    """Both branches' forward over flattened ``[BH, N, D]`` inputs: ``(o_sparse, LSE)`` of ``bsa_forward`` and the
-    six outputs of ``linear_forward`` (the latter on the side stream)."""
-    side = SideStream(q.device, OVERLAP)
-    with side:
-        linear = linear_forward(q, k, v, excluded, block_size, feature_map_name)
-    o_s, lse = bsa_forward(q, k, v, critical, block_size, block_size, scale)
-    side.join(*linear)
-    return (o_s, lse, *linear)
-
-
-@_sla_forward.register_fake
-def _(q, k, v, critical, excluded, block_size, feature_map_name, scale):
-    bh, n, d = q.shape
-    rows, sums = q.new_empty((bh, n), dtype=torch.float32), q.new_empty((bh, d, d), dtype=torch.float32)
-    # o_sparse, LSE; o_linear, phi(q), phi(k), 1/den, the global sums KV and Z
-    outputs = torch.empty_like(q), rows, torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), rows.clone()
-    return (*outputs, sums, q.new_empty((bh, d), dtype=torch.float32))
-
-
-@custom_op("sla_backward")
-def _sla_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    o_s: torch.Tensor,
-    lse: torch.Tensor,
-    o_l: torch.Tensor,
-    inv_den: torch.Tensor,
-    kv_total: torch.Tensor,
-    z_total: torch.Tensor,
-    critical: torch.Tensor,
-    negligible: torch.Tensor,
-    excluded: torch.Tensor | None,
-    do_s: torch.Tensor,
-    do_l: torch.Tensor,
-    block_size: int,
-    feature_map_name: str,
-    scale: float,
-    exclude: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (``[BH, N, D]``, the input dtype) of ``_sla_forward``, from ``_SLATriton``'s saved tensors and
-    the two outputs' gradients (flattened). On the side stream: the CSC transposes (beside the dq), then the sparse
-    dk/dv (beside the global sums' gradients)."""
-    bh, n, d = q.shape
-    t = triton.cdiv(n, block_size)
-    side = SideStream(q.device, OVERLAP)
-    with side:  # the key-major lists, needed after the dq
+        dq, delta_s, delta_l = _sla_backward_dq_op(
+            q,
+            k,
+            v,
+            phi_k,
+            do_s,
+            o_s,
+            lse,
+            do_l,
+            o_l,
+            inv_den,
+            kv_total,
+            z_total,
+            critical,
+            negligible,
+            block_size,
+            feature_map_name,
+            scale,
+            exclude,
+        )
+        d_kv_total, d_z_total = linear_global_grads(phi_q, do_l, feature_map_name, inv_den, delta_l)
         csc = csr_to_csc(critical, t)
-        excluded_csc = None
-        if exclude:
-            excluded_csc = csc if negligible.shape[2] == 0 else csr_to_csc(excluded, t)
-    dq, delta_s, delta_l = _sla_backward_dq_op(
-        q,
-        k,
-        v,
-        phi_k,
-        do_s,
-        o_s,
-        lse,
-        do_l,
-        o_l,
-        inv_den,
-        kv_total,
-        z_total,
-        critical,
-        negligible,
-        block_size,
-        feature_map_name,
-        scale,
-        exclude,
-    )
-    with side:  # after the CSC, queued on the side before
         n_split = split_count(bh * t, critical.shape[2])
         dk_s, dv_s = bsa_backward_dkdv(
             q, k, v, do_s, lse, delta_s, csc, block_size, block_size, scale, n_split=n_split
         )  # fp32
-    d_kv_total, d_z_total = linear_global_grads(phi_q, do_l, feature_map_name, inv_den, delta_l)
-    side.join(dk_s, dv_s, *(excluded_csc if excluded_csc is not None else ()))
-    dk, dv = linear_dk_dv(
-        phi_q,
-        k,
-        phi_k,
-        v,
-        do_l,
-        inv_den,
-        delta_l,
-        *(excluded_csc if excluded_csc is not None else (None, None)),
-        d_kv_total,
-        d_z_total,
-        dk_s,
-        dv_s,
-        block_size,
-        feature_map_name,
-    )
-    return dq, dk, dv
-
-
-@_sla_backward.register_fake
-def _(q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        excluded_csc = None
+        if exclude:
+            excluded_csc = csc if negligible.shape[2] == 0 else csr_to_csc(excluded, t)
+        dk, dv = linear_dk_dv(
+            phi_q,
+            k,
+            phi_k,
+            v,
+            do_l,
+            inv_den,
+            delta_l,
+            *(excluded_csc if excluded_csc is not None else (None, None)),
+            d_kv_total,
+            d_z_total,
+            dk_s,
+            dv_s,
+            block_size,
+            feature_map_name,
+        )
+        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
 
 
 # Returns (dq, Δ of the sparse branch, Δ of the linear branch); the kernel computes both Δ on the way.

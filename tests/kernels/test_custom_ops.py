@@ -136,9 +136,9 @@ def check_fullgraph(name: str, backend: str):
         from torch._inductor.utils import run_and_get_code
 
         (outs, grads), code = run_and_get_code(_run, compiled, q, k, v, extra)
-        if name in ("llsa", "flash"):  # one dO, read by every dq and dk/dv op of the backward (LLSA's: one op)
+        if name in ("llsa", "flash"):  # one dO, read by every dq and dk/dv op of the backward
             grads_read = _incoming_gradients(code)
-            assert len(grads_read) >= {"flash": 2, "llsa": 1}[name], f"{name}: no backward ops in the generated code"
+            assert len(grads_read) >= 2, f"{name}: no block-sparse backward ops in the generated code"
             assert len(set(grads_read)) == 1, f"{name}: the backward's ops read dO from {sorted(set(grads_read))}"
     else:
         outs, grads = _run(compiled, q, k, v, extra)
@@ -151,17 +151,16 @@ def check_fullgraph(name: str, backend: str):
 
 
 def _incoming_gradients(code: list[str]) -> list[str]:
-    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv(_grouped)`` / ``llsa_backward`` call in
-    Inductor's generated wrapper code (``bsa_backward_ds_dq`` reads no dO). A view of an unrealized copy made
-    Inductor copy it once per op that needs exact strides (five copies of LLSA's dO before
-    ``block_sparse.flatten_grad``): then each op reads another buffer."""
+    """The dO argument of every ``bsa_backward_dq`` / ``bsa_backward_dkdv(_grouped)`` call in Inductor's generated
+    wrapper code (``bsa_backward_ds_dq`` reads no dO). A view of an unrealized copy made Inductor copy it once per op
+    that needs exact strides (five copies of LLSA's dO before ``block_sparse.flatten_grad``): then each op reads
+    another buffer."""
     found = []
-    reads_do = re.compile(r"torch\.ops\.pixdit\.(bsa_backward_dq|bsa_backward_dkdv(?:_grouped)?|llsa_backward)\.")
+    reads_do = re.compile(r"torch\.ops\.pixdit\.bsa_backward_(dq|dkdv|dkdv_grouped)\.")
     for line in "\n".join(code).splitlines():
-        match = reads_do.search(line)
-        if match and line.strip().startswith(("buf", "torch.ops")):
+        if reads_do.search(line) and line.strip().startswith(("buf", "torch.ops")):
             call = ast.parse(line.strip()).body[0].value
-            found.append(ast.unparse(call.args[10 if match.group(1) == "llsa_backward" else 3]))
+            found.append(ast.unparse(call.args[3]))
     return found
 
 
@@ -216,28 +215,11 @@ class _RecordOps(TorchDispatchMode):
 
 
 def _recorded_calls():
-    from pixdit.kernels import llsa, sla_triton
-
-    # ops whose launchers call other ops (LLSA's backward, SLA's forward and backward: one op each, so that their
-    # launches can share two streams under torch.compile); their inner ops are recorded in a second run with the
-    # outer ops' launchers called directly, so that the inner calls go through the dispatcher too
-    outer = {"llsa": [llsa._llsa_backward], "sla": [sla_triton._sla_forward, sla_triton._sla_backward]}
     mode = _RecordOps()
     with mode:
         for n, call, make_extra in CASES.values():
             q, k, v = _inputs(n)
             _run(call, q, k, v, make_extra(q) if make_extra else [])
-        for name, ops in outer.items():
-            n, call, make_extra = CASES[name]
-            registered = [op.op for op in ops]
-            try:
-                for op in ops:
-                    op.op = op.launcher
-                q, k, v = _inputs(n)
-                _run(call, q, k, v, make_extra(q) if make_extra else [])
-            finally:
-                for op, registered_op in zip(ops, registered):
-                    op.op = registered_op
         # qkv dense but not contiguous (tokens-major memory): the fake rules must give the real outputs' strides
         qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
@@ -272,15 +254,12 @@ OPS = [
     "bsa_backward_dkdv",
     "bsa_backward_dkdv_grouped",
     "bsa_backward_ds_dq",
-    "llsa_backward",
     "pooled_topk",
     "vsa_combine",
     "vsa_combine_backward",
     "linear_forward",
     "linear_global_grads",
     "linear_dk_dv",
-    "sla_forward",
-    "sla_backward",
     "sla_backward_dq",
     "qk_norm_rope",
     "qk_norm_rope_backward",

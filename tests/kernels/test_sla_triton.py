@@ -162,23 +162,6 @@ def test_gpu_deterministic_bitwise(scope, feature_map, mark):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("scope", ["noncritical", "all", "marginal"])
-@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gpu_two_streams_equal_one_stream(scope, mark, monkeypatch):
-    """``sla_triton.OVERLAP`` runs the linear forward, the CSC transposes and the sparse dk/dv on a second stream:
-    the same launches on the same inputs, so the same bits as on one stream."""
-    from pixdit.kernels import sla_triton
-
-    q, k, v, up_s, up_l = _inputs(2, 3, 65536, 64, torch.bfloat16, "cuda", seed=7)
-    kwargs = dict(block_size=16, topk=32, linear_scope=scope, negligible_ratio=0.1 if scope == "marginal" else 0.0)
-    monkeypatch.setattr(sla_triton, "OVERLAP", False)
-    one = _run(q, k, v, up_s, up_l, **kwargs)
-    monkeypatch.setattr(sla_triton, "OVERLAP", True)
-    two = _run(q, k, v, up_s, up_l, **kwargs)
-    for name, a, b in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), two, one):
-        assert torch.equal(a, b), f"{name}: two streams differ from one"
-
-
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_gpu_under_autocast_at_the_two_pass_size(mark):
     # 4,096 blocks (256^2 tokens): the two-pass selection under a training step's autocast keeps fp32 scores
