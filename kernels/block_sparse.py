@@ -1337,7 +1337,9 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     }
 
 
-MAX_LIST_RUNS = 3  # runs of list columns with one weight each (list_weight): LLSA's candidate levels at L <= 4
+# Runs of list columns with one weight each (list_weight): LLSA's candidate levels at L <= 4. The kernels take exactly
+# this many (list_bias, run_bias1, run_bias2 and their ends): not a knob; it changes with their arguments only.
+MAX_LIST_RUNS = 3
 
 
 def list_runs(list_log_weight) -> tuple[list[float] | None, list[int] | None]:
