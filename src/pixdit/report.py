@@ -42,8 +42,6 @@ def kernel_breakdown(fn: Callable[[], Any], calls: int = 20, warmup: int = 3) ->
     per_name: dict[str, float] = {}
     for name, ms in kernel_events(fn, calls, warmup):
         per_name[name] = per_name.get(name, 0.0) + ms / calls
-    if sum(per_name.values()) == 0:
-        raise RuntimeError("kernel_breakdown: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
     return per_name
 
 
@@ -69,7 +67,7 @@ def _kernel_spans(fn: Callable[[], Any], calls: int, warmup: int) -> list[tuple[
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     if not events:
-        raise RuntimeError("kernel_ms: the profiler recorded no CUDA kernel (is fn running on the GPU?)")
+        raise RuntimeError("the profiler recorded no CUDA kernel of fn (is fn running on the GPU?)")
     return [(e.name, e.time_range.start / 1000, e.time_range.end / 1000) for e in events]
 
 
