@@ -76,6 +76,37 @@ def test_llsa_fine_partial_in_fp32_matches_exact_path(dtype, N, L, monkeypatch):
     matches_exact_path(1, 2, N, 64, L, None, 8, dtype, seed=N + L + 1, select_here=True)
 
 
+@pytest.mark.parametrize(
+    "N,d,L,dtype,select_here",
+    [(4096, 128, 1, torch.float32, False), (16384, 64, 2, torch.float16, True), (65536, 64, 2, torch.bfloat16, True)],
+)
+def test_llsa_reads_no_uninitialized_memory(N, d, L, dtype, select_here):
+    """Every buffer the Triton path allocates with torch.empty filled with NaN (deterministic mode's
+    ``fill_uninitialized_memory``): a kernel that reads a slot nobody wrote turns an output or a gradient NaN or
+    moves it. The shapes of three tests that failed once on a freshly started machine and passed in three reruns
+    (docs/kernel_notes.md v47 (e))."""
+    torch.manual_seed(N + d)
+    q, k, v = (torch.randn(1, 2, N, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn_like(q)
+    index = None if select_here else llsa_select(q, k, 16, 8, L)
+    kw = dict(topk=8, num_levels=L, index=index, impl="triton")
+    plain = run(q, k, v, go, **kw)
+    deterministic, fill = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        filled = run(q, k, v, go, **kw)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    for name, a, b in zip(("o", "dq", "dk", "dv"), filled, plain):
+        assert torch.isfinite(a).all(), f"{name}: NaN from memory that no kernel wrote"
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+
+
 def test_llsa_deterministic_bitwise():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
