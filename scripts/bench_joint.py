@@ -82,13 +82,13 @@ def make_inputs(args, dtype):
     return leaves, ups
 
 
-def pair_rows(args, dtype, time_ms, kernels: dict) -> list[dict]:
+def pair_rows(args, dtype, time_ms) -> tuple[list[dict], dict[str, dict[str, float]]]:
     """One row per compiled form: forward and backward time, on a GPU also the backward's kernel time (the device's
     busy time: where it is well below the backward's time, the host's work around the launches is what the backward
-    waits for), and the gradients' difference to the plain ops'. ``kernels``: filled with each form's kernels of one
-    backward (GPU)."""
+    waits for), and the gradients' difference to the plain ops'; and each form's kernels of one backward (GPU:
+    {form: {kernel: ms}})."""
     leaves, ups = make_inputs(args, dtype)
-    results, rows = {}, []
+    results, rows, kernels = {}, [], {}
     forms = (
         ("Inductor (plain ops)", plain_pair, False),
         ("adaln_joint", fused_pair, False),
@@ -117,7 +117,7 @@ def pair_rows(args, dtype, time_ms, kernels: dict) -> list[dict]:
     for row, (name, _, _) in zip(rows[1:], forms[1:]):
         row["max rel. diff of the gradients"] = f"{max(rel_diff(a, b) for a, b in zip(base, results[name])):.1e}"
         row["form"] += f" (backward {float(rows[0]['backward ms']) / float(row['backward ms']):.2f}x)"
-    return rows
+    return rows, kernels
 
 
 def launch_rows(args, dtype, time_ms) -> list[dict]:
@@ -162,8 +162,8 @@ def main(argv=None) -> None:
     time_ms = timer(args.device)
     tokens = args.batch * args.side**2
     print(f"# the joints of one DiT block: {args.batch} x {args.side}² tokens of {args.dim}, {dtype}\n", flush=True)
-    kernels = {}
-    print(markdown_table(pair_rows(args, dtype, time_ms, kernels)), flush=True)
+    rows, kernels = pair_rows(args, dtype, time_ms)
+    print(markdown_table(rows), flush=True)
     for form, per_name in kernels.items() if args.per_kernel else ():
         top = sorted(per_name.items(), key=lambda item: -item[1])[: args.per_kernel]
         print(f"\n{form}: the {len(top)} largest kernels of one backward\n")
