@@ -42,6 +42,10 @@ COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so t
 # 2 x 6 heads; the partial is rounded to bf16 once, as the output is). "input": LLSA's forward 4-7 % and its
 # forward + backward 1-2.5 % faster at 128²-512² (docs/kernel_notes.md v46).
 PARTIAL_DTYPE = "input"
+# The candidate levels' weights in the pooled walks as runs of list columns (a scalar per step; ``_pooled_list_args``)
+# or, False, per bank block (a load per key). The same bits either way; one run (L = 2) measured 1.068x against the
+# per-block form (docs/kernel_notes.md v30), several runs (L >= 3) not yet timed (v47).
+LIST_WEIGHT_RUNS = True
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -392,7 +396,8 @@ def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -
     lists are one empty slot each."""
     per_step = bs.walk_blocks_per_step(COARSE_TILE, B, head_dim)
     runs = [(width, lvl * math.log(B)) for lvl, width in enumerate(cand_widths, start=1)]
-    if 1 <= len(runs) <= bs.MAX_LIST_RUNS and all(width % per_step == 0 for width, _ in runs[:-1]):
+    whole_steps = all(width % per_step == 0 for width, _ in runs[:-1])
+    if LIST_WEIGHT_RUNS and 1 <= len(runs) <= bs.MAX_LIST_RUNS and whole_steps:
         return {"list_log_weight": runs if len(runs) > 1 else runs[0][1], "full_lists": full_lists}
     return {"log_weights": logw, "full_lists": full_lists and len(runs) >= 1}
 

@@ -181,7 +181,7 @@ def test_triton_selection_made_here_equals_the_same_selection_given():
     Output and gradients equal, bit for bit. (Both add the one candidate level's weight as a scalar: the oracle tests
     above check that weight, test_block_sparse checks it against the weight per block.)"""
     g = torch.Generator().manual_seed(11)
-    L = 2  # one candidate level (at L = 3, two, whose weights stay per block: test_block_sparse covers that walk)
+    L = 2  # one candidate level (at L = 3, two runs of weights: test_list_weights_by_runs_or_per_block_...)
     q, k, v, go = (torch.randn(1, 2, 512, 16, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     index = llsa_select(q, k, 16, 4, L)
@@ -258,6 +258,27 @@ def test_pooled_pass_weights_at_llsas_sizes(N, L, K, runs, tail_rows, whole_step
     )
     assert weights["FULL_LIST"] == whole_steps
     assert weights["LIST_RUNS"] == (0 if runs == "per block" else len(runs or [None]))
+
+
+@needs_interpreter
+def test_list_weights_by_runs_or_per_block_give_the_same_bits(monkeypatch):
+    """``llsa.LIST_WEIGHT_RUNS``: the candidate levels' weights as runs of list columns (a scalar per step) or per
+    bank block (a load per key): at L = 3 (two runs) the same output and gradients, bit for bit, and each form is
+    the one passed to the kernels."""
+    from pixdit.kernels import llsa
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v, go = (torch.randn(1, 1, 4096, 16, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    passed, pooled_args = [], llsa._pooled_list_args
+    monkeypatch.setattr(llsa, "_pooled_list_args", lambda *a: passed.append(pooled_args(*a)) or passed[-1])
+    results = {}
+    for by_runs in (True, False):
+        monkeypatch.setattr(llsa, "LIST_WEIGHT_RUNS", by_runs)
+        passed.clear()
+        results[by_runs] = grads(lambda q, k, v: llsa_attention(q, k, v, 16, [4, 4, 1], 3, impl="triton"), q, k, v, go)
+        assert passed and all(("list_log_weight" in args) == by_runs for args in passed)
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
 @needs_interpreter
