@@ -181,7 +181,7 @@ def test_triton_selection_made_here_equals_the_same_selection_given():
     Output and gradients equal, bit for bit. (Both add the one candidate level's weight as a scalar: the oracle tests
     above check that weight, test_block_sparse checks it against the weight per block.)"""
     g = torch.Generator().manual_seed(11)
-    L = 2  # one candidate level (at L = 3, two runs of weights: test_list_weights_by_runs_or_per_block_...)
+    L = 2  # one candidate level (L = 3, two runs: test_list_weights_by_runs_or_per_block_give_the_same_bits)
     q, k, v, go = (torch.randn(1, 2, 512, 16, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     index = llsa_select(q, k, 16, 4, L)
