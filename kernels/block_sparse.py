@@ -946,19 +946,6 @@ def _grouped_dkdv_kernel(
     tl.store(PV + out, dv, mask=s_ok[:, None])
 
 
-# Listing slots whose partial tiles the slot sums load per step: 1 walks them one dependent load at a time (~65 % of
-# DRAM's throughput at LLSA 256² on an H100, docs/kernel_notes.md v47 (f)); more unrolls the walk by that many slots,
-# whose loads the compiler can then issue together (the same sums in the same order). Untimed: 1 until measured.
-SUM_SLOTS_AT_ONCE = 1
-
-
-def sum_slots_shape(key_block: int, head_dim: int) -> tuple[int, int]:
-    """``(AT_ONCE, warps)`` of the slot sums over ``key_block`` x ``head_dim`` tiles: ``SUM_SLOTS_AT_ONCE``, fewer
-    where a step's tiles would pass 8,192 fp32 values (all in registers at once); one warp up to 1,024, else 4."""
-    at_once = max(1, min(SUM_SLOTS_AT_ONCE, 8192 // (key_block * head_dim)))
-    return at_once, 1 if key_block * head_dim * at_once <= 1024 else 4
-
-
 @triton.jit
 def _sum_slots_kernel(
     PK,
@@ -976,11 +963,9 @@ def _sum_slots_kernel(
     n_k,
     HEAD_DIM: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
-    AT_ONCE: tl.constexpr,
 ):
     # program: key block blk_lo + pid0; adds the partials of the slots that list it (CSC with slot entries,
-    # ascending: a fixed order) and writes its rows of DK, DV. AT_ONCE > 1 issues that many slots' loads before
-    # adding them in the same order (a slot past the list loads zeros, and dk + 0.0 is dk: the same bits)
+    # ascending: a fixed order) and writes its rows of DK, DV
     blk = blk_lo + tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     t = tl.arange(0, KEY_BLOCK)
@@ -990,20 +975,11 @@ def _sum_slots_kernel(
     end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
     dk = tl.zeros([KEY_BLOCK, HEAD_DIM], tl.float32)
     dv = tl.zeros([KEY_BLOCK, HEAD_DIM], tl.float32)
-    if AT_ONCE == 1:
-        for e in range(start, end):
-            entry = tl.load(ENTRIES + bh * stride_eb + e).to(tl.int64)
-            base = (bh * n_entries + entry) * KEY_BLOCK * HEAD_DIM
-            dk += tl.load(PK + base + tile)
-            dv += tl.load(PV + base + tile)
-    else:
-        for e in range(start, end, AT_ONCE):
-            for i in tl.static_range(AT_ONCE):
-                ok = e + i < end
-                entry = tl.load(ENTRIES + bh * stride_eb + e + i, mask=ok, other=0).to(tl.int64)
-                base = (bh * n_entries + entry) * KEY_BLOCK * HEAD_DIM
-                dk += tl.load(PK + base + tile, mask=ok, other=0.0)
-                dv += tl.load(PV + base + tile, mask=ok, other=0.0)
+    for e in range(start, end):
+        entry = tl.load(ENTRIES + bh * stride_eb + e).to(tl.int64)
+        base = (bh * n_entries + entry) * KEY_BLOCK * HEAD_DIM
+        dk += tl.load(PK + base + tile)
+        dv += tl.load(PV + base + tile)
     krow = blk.to(tl.int64) * KEY_BLOCK + t
     out = bh * stride_gb + krow[:, None] * stride_gn + dims[None, :]
     tl.store(DK + out, dk, mask=(krow < n_k)[:, None])
@@ -2042,7 +2018,6 @@ def _bsa_backward_dkdv_grouped_op(
         PREC=dot_precision(q.dtype),
         **_launch("dkdv", key_block * slots, d, q.dtype),
     )
-    at_once, warps = sum_slots_shape(key_block, d)
     _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program: nothing to tune
         partial_k,
         partial_v,
@@ -2059,8 +2034,7 @@ def _bsa_backward_dkdv_grouped_op(
         n_k,
         HEAD_DIM=d,
         KEY_BLOCK=key_block,
-        AT_ONCE=at_once,
-        num_warps=warps,
+        num_warps=1 if key_block * d <= 1024 else 4,
     )
 
 

@@ -277,7 +277,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args = dict(PK="*fp32", PV="*fp32", OFFSETS="*i32", ENTRIES="*i32", DK="*fp32", DV="*fp32")
         args |= dict(stride_ob=bank // 16 + 1, stride_eb=(n // 256) * width, stride_gb=bank * d, stride_gn=d)
         args |= dict(n_entries=(n // 256) * width, blk_lo=0, n_k=bank)
-        return args, dict(HEAD_DIM=d, KEY_BLOCK=16, AT_ONCE=block_sparse.sum_slots_shape(16, d)[0])
+        return args, dict(HEAD_DIM=d, KEY_BLOCK=16)
 
     def query_walk_constexprs():  # SLA's query-major walks (forward, dq) at 16-row blocks, launch options left out
         options = linear_attention.query_walk_options(d, 16, torch.bfloat16)
@@ -392,7 +392,7 @@ def launch_warps(fn, const: dict) -> int:
     if fn in block_sparse.PROGRAMS:
         return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
-        return block_sparse.sum_slots_shape(const["KEY_BLOCK"], d)[1]
+        return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
     if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     return linear_attention.walk_warps(d)

@@ -267,22 +267,18 @@ def test_flash_attention_split_key_major_lists():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "key_block,group_rows,d,dtype,at_once",
+    "key_block,group_rows,d,dtype",
     [
-        (16, 256, 32, torch.float32, 1),
-        (32, 128, 16, torch.float32, 1),
-        (64, 64, 128, torch.float32, 1),
-        (16, 256, 64, torch.float16, 1),  # half inputs (bf16 dots are wrong in the Triton 3.8 interpreter)
-        (16, 256, 32, torch.float32, 2),  # slot sums 2 at a time: one whole and one partial step of 3 slots
-        (32, 128, 16, torch.float32, 4),  # 4 at a time: one partial step
+        (16, 256, 32, torch.float32),
+        (32, 128, 16, torch.float32),
+        (64, 64, 128, torch.float32),
+        (16, 256, 64, torch.float16),  # half inputs (bf16 dots are wrong in the Triton 3.8 interpreter)
     ],
 )
-def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype, at_once, monkeypatch):
+def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype):
     """``bsa_backward_dkdv_grouped``: each group of ``group_rows`` queries attends to the blocks its list names (log
     weights, empty slots, a partial last group); dk/dv of the range against fp64 autograd of that attention, blocks
-    nobody lists zero, rows outside the range untouched; the per-group partials summed one slot at a time and
-    several at once (``SUM_SLOTS_AT_ONCE``)."""
-    monkeypatch.setattr(block_sparse_module, "SUM_SLOTS_AT_ONCE", at_once)
+    nobody lists zero, rows outside the range untouched."""
     g = torch.Generator().manual_seed(key_block + d)
     bh, n_groups, width, n_blocks = 2, 3, 3, 10
     nq, nk = group_rows * (n_groups - 1) + 64, n_blocks * key_block - 5  # last group and last key block partial
@@ -304,35 +300,26 @@ def test_grouped_dkdv_matches_fp64_autograd(key_block, group_rows, d, dtype, at_
     o.backward(do.double())
     delta = (o.detach() * do.double()).sum(-1)
     on = lambda x: x.to(DEVICE)  # noqa: E731
-
-    def grouped_dkdv():
-        dk = torch.full((bh, nk, d), 7.0, device=DEVICE)  # rows outside the range must stay 7
-        dv = dk.clone()
-        block_sparse_module.bsa_backward_dkdv_grouped(
-            *(on(x.to(dtype)) for x in (q, k, v, do)),
-            on(lse.float()),
-            on(delta.float()),
-            on(lists),
-            group_rows,
-            key_block,
-            scale,
-            on(log_w),
-            blk_range=(0, n_blocks - 1),
-            dk=dk,
-            dv=dv,
-        )
-        return dk, dv
-
-    dk, dv = grouped_dkdv()
+    dk = torch.full((bh, nk, d), 7.0, device=DEVICE)  # rows outside the range must stay 7
+    dv = dk.clone()
+    block_sparse_module.bsa_backward_dkdv_grouped(
+        *(on(x.to(dtype)) for x in (q, k, v, do)),
+        on(lse.float()),
+        on(delta.float()),
+        on(lists),
+        group_rows,
+        key_block,
+        scale,
+        on(log_w),
+        blk_range=(0, n_blocks - 1),
+        dk=dk,
+        dv=dv,
+    )
     inside = slice(0, (n_blocks - 1) * key_block)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     assert rel(dk[:, inside], k64.grad[:, inside]) < tol and rel(dv[:, inside], v64.grad[:, inside]) < tol
     assert (dk[:, :key_block] == 0).all() and (dv[:, :key_block] == 0).all()  # block 0: listed by nobody
     assert (dk[:, inside.stop :] == 7).all() and (dv[:, inside.stop :] == 7).all()
-    if at_once > 1:  # the same sums in the same order as one slot at a time
-        monkeypatch.setattr(block_sparse_module, "SUM_SLOTS_AT_ONCE", 1)
-        one_at_a_time = grouped_dkdv()
-        assert torch.equal(dk, one_at_a_time[0]) and torch.equal(dv, one_at_a_time[1])
 
 
 def forward_and_dq(q, k, v, do, lists, query_block, key_block, scale, **options):
