@@ -26,20 +26,31 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
+# pytest-xdist processes for GPU tests on this card: one per 20 GiB of its memory, 1 to 8
+gpu_test_workers() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  mib=${mib:-20480}
+  local n=$((mib / 20480))
+  echo $((n < 1 ? 1 : n > 8 ? 8 : n))
+}
+
 case "$stage" in
   tests)
     # One fixed launch configuration: autotuning would spend minutes compiling variants for every test shape.
     # `tests kernels` / `tests rest` split the suite over two calls. `timeout -k`: a plain SIGTERM does not stop
     # pytest while an in-process training test runs (Lightning turns it into a "preempted" stop of that test).
-    # The kernel tests are bound by Triton's compilation on the CPU: with pytest-xdist (a dev extra) they run in 8
-    # processes on the one GPU, 93 tests in 110 s instead of > 550 s. The rest (training, DDP) stays serial.
+    # The kernel tests are bound by Triton's compilation on the CPU: with pytest-xdist (a dev extra) they run in
+    # several processes on the one GPU, 93 tests in 110 s with 8 instead of > 550 s serially. One process per 20 GiB
+    # of the card (8 on an H200, 3 on an H100): the largest tests hold ~18 GB, and 8 processes on an 80 GB H100 ran
+    # out of memory (docs/kernel_notes.md v48). The rest (training, DDP) stays serial.
     case "${2:-all}" in
       kernels) where=(tests/kernels) ;;
       rest) where=(tests --ignore=tests/kernels) ;;
       *) where=(tests) ;;
     esac
     workers=()
-    [ "${2:-all}" = kernels ] && $PY -c "import xdist" 2>/dev/null && workers=(-n 8)
+    [ "${2:-all}" = kernels ] && $PY -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-$(gpu_test_workers)}")
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 15 "${TESTS_BUDGET_S:-540}" $PY -m pytest "${where[@]}" -m gpu -q \
       "${workers[@]}" -p no:cacheprovider --timeout 300 --durations=15 -rfE 2>&1 | tee "$OUT/gpu_tests.log" ;;
   attention)
