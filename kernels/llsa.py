@@ -28,10 +28,12 @@ from collections.abc import Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 from . import block_sparse as bs
 from .blocks import block_mean, csr_to_csc
 from .common import autocast_inputs, check_qkv, use_triton
+from .ops import custom_op
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -43,8 +45,9 @@ COARSE_TILE = 64  # query rows per program of the pooled-level pass (<= B^2 so t
 # forward + backward 1-2.5 % faster at 128²-512² (docs/kernel_notes.md v46).
 PARTIAL_DTYPE = "input"
 # The candidate levels' weights in the pooled walks as runs of list columns (a scalar per step; ``_pooled_list_args``)
-# or, False, per bank block (a load per key). The same bits either way; one run (L = 2) measured 1.068x against the
-# per-block form (docs/kernel_notes.md v30), several runs (L >= 3) not yet timed (v47).
+# or, False, per bank block (a load per key). The same bits either way; the runs measured 1.068x against the
+# per-block form at L = 2 on the H200 (docs/kernel_notes.md v30), 1.022x (L = 2, 256²) and 1.024x (L = 3, 512²) on
+# an H100 (forward + backward, v48).
 LIST_WEIGHT_RUNS = True
 
 
@@ -132,6 +135,58 @@ def _pyramid(x: torch.Tensor, block_size: int, levels: int, first: torch.Tensor 
     return out
 
 
+@triton.jit
+def _block_means_kernel(
+    X,
+    OUT,
+    stride_b,
+    stride_h,
+    stride_n,
+    stride_d,
+    heads,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # program: GROUP consecutive blocks of BLOCK tokens of one (batch, head); their fp32 means, rows of OUT
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    x = X + (bh // heads).to(tl.int64) * stride_b + (bh % heads).to(tl.int64) * stride_h
+    blocks = tile * GROUP + tl.arange(0, GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = blocks[:, None, None].to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :, None]
+    ok = blocks < n_blocks
+    tokens = tl.load(x + rows * stride_n + dims[None, None, :] * stride_d, mask=ok[:, None, None], other=0.0)
+    means = tl.sum(tokens.to(tl.float32), axis=1) / BLOCK
+    out = OUT + (bh.to(tl.int64) * n_blocks + blocks[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(out, means, mask=ok[:, None])
+
+
+# One launch per tensor reads it once at the memory's pace; PyTorch's reduction over the middle dim of [..., blocks,
+# B, d] ran at ~2.1 TB/s on an H100, ~18 % of an LLSA 256² forward (docs/kernel_notes.md v48).
+@custom_op("llsa_block_means")
+def _block_means_op(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """Level 1 of the pyramids of same-shaped ``xs`` ``[b, h, N, d]`` (N a multiple of ``block_size``): their fp32
+    block means stacked, ``[len(xs), b, h, N / block_size, d]``, as ``_pyramid``'s first level but summed in the
+    kernel's order (the oracle tests compare them with a tolerance); the Triton path's pooling."""
+    b, h, n, d = xs[0].shape
+    n_blocks = n // block_size
+    out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)
+    group = max(1, 128 // block_size)  # >= 128 tokens a program
+    warps = 4 if group * block_size * d <= 8192 else 8
+    for x, part in zip(xs, out):
+        _block_means_kernel[(triton.cdiv(n_blocks, group), b * h)](
+            x, part, *x.stride(), h, n_blocks, BLOCK=block_size, GROUP=group, HEAD_DIM=d, num_warps=warps
+        )
+    return out
+
+
+@_block_means_op.register_fake
+def _(xs, block_size):
+    b, h, n, d = xs[0].shape
+    return xs[0].new_empty((len(xs), b, h, n // block_size, d), dtype=torch.float32)
+
+
 def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
     """Hierarchical top-k on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
     Coarsest level: every key is a candidate; level l < L: the B children of each of the parent's K_{l+1} picks,
@@ -160,11 +215,12 @@ def llsa_select(
     clamped as in ``llsa_check``. ``impl``: "auto" (fused Triton top-k on CUDA), "triton", "torch".
     """
     cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
-    return _select(q, k, block_size, cfg, impl)
+    means = _block_means_op([q.detach(), k.detach()], block_size) if use_triton(q, impl) else None
+    return _select(q, k, block_size, cfg, impl, means)
 
 
 def _select(q, k, block_size: int, cfg: dict, impl: str, means: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``llsa_select`` for a checked ``cfg``; ``means``: the level-1 means of q, k (, v) stacked, if known."""
+    """``llsa_select`` for a checked ``cfg``; ``means``: the level-1 means of q and k (then v) stacked, if known."""
     L = cfg["num_levels"]
     with torch.no_grad():
         qp = _pyramid(q.detach(), block_size, L, None if means is None else means[0])
@@ -541,7 +597,13 @@ def llsa_attention(
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
     B, n_bank = block_size, min(Le, L)
     full_lists = index is None  # a selection made here fills every slot; one given by the caller may hold -1
-    q1, k1, v1 = (None, None, None) if means is None else means.unbind(0)
+    if means is None:  # the level-1 means of what this call pools: q to select, k to select or bank, v to bank
+        pooled = {"q": index is None, "k": index is None or Le >= 1, "v": Le >= 1}
+        xs = [x.detach() for x, name in zip((q, k, v), "qkv") if pooled[name]]
+        found = iter(_block_means_op(xs, block_size).unbind(0) if xs else ())
+        q1, k1, v1 = (next(found) if pooled[name] else None for name in "qkv")
+    else:
+        q1, k1, v1 = means.unbind(0)
     with torch.no_grad():  # one fp32 pyramid of k serves selection and the bank
         kp = _pyramid(k.detach(), B, L if index is None else n_bank, k1)
         if index is None:
