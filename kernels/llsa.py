@@ -162,8 +162,14 @@ def _block_means_kernel(
     tl.store(out, means, mask=ok[:, None])
 
 
-# One launch per tensor reads it once at the memory's pace; PyTorch's reduction over the middle dim of [..., blocks,
-# B, d] ran at ~2.1 TB/s on an H100, ~18 % of an LLSA 256² forward (docs/kernel_notes.md v48).
+# (tokens, warps) of a pooling program: whole blocks of >= that many tokens, on >= that many warps (one more warp per
+# 4,096 values). On an H100 at LLSA 256² (q, k, v of 2 x 6 x 65,536 x 64 bf16, 302 MB) one warp per 32 tokens took
+# 0.116 ms, 64 tokens 0.118, 512 tokens on 4 warps 0.129, 128 tokens on 4 warps 0.170 (the warps split each block's
+# rows, so its sum crossed them through shared memory), PyTorch's reduction over the middle dim of [..., blocks, B,
+# d] 0.141 (docs/kernel_notes.md v48).
+BLOCK_MEANS_PROGRAM = (32, 1)
+
+
 @custom_op("llsa_block_means")
 def _block_means_op(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
     """Level 1 of the pyramids of same-shaped ``xs`` ``[b, h, N, d]`` (N a multiple of ``block_size``): their fp32
@@ -172,8 +178,9 @@ def _block_means_op(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
     b, h, n, d = xs[0].shape
     n_blocks = n // block_size
     out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)
-    group = max(1, 128 // block_size)  # >= 128 tokens a program
-    warps = 4 if group * block_size * d <= 8192 else 8
+    tokens, warps = BLOCK_MEANS_PROGRAM
+    group = max(1, tokens // block_size)
+    warps = max(warps, group * block_size * d // 4096)
     for x, part in zip(xs, out):
         _block_means_kernel[(triton.cdiv(n_blocks, group), b * h)](
             x, part, *x.stride(), h, n_blocks, BLOCK=block_size, GROUP=group, HEAD_DIM=d, num_warps=warps

@@ -442,9 +442,9 @@ def test_given_means_are_the_ones_computed_here(impl, L, Le):
 @pytest.mark.parametrize(
     "b,h,n,d,B,dtype,tokens_major",
     [
-        (1, 2, 16 * 5, 16, 16, torch.float32, False),  # 5 blocks: a program of 8 partly past the end
-        (2, 3, 32 * 3, 32, 32, torch.float16, True),  # heads interleaved ([b, N, h, d] memory), 4 blocks a program
-        (1, 1, 64 * 2, 128, 64, torch.float32, True),  # 8 warps (128 tokens x 128 dims a program)
+        (1, 2, 16 * 5, 16, 16, torch.float32, False),  # 5 blocks in programs of 2: the last partly past the end
+        (2, 3, 32 * 3, 32, 32, torch.float16, True),  # heads interleaved ([b, N, h, d] memory)
+        (1, 1, 64 * 2, 128, 64, torch.float32, True),  # 2 warps (64 tokens x 128 dims a program)
     ],
 )
 def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_major):
