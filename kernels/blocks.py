@@ -150,7 +150,9 @@ def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple
     dtype = torch.int32 if batch * span < INT32_KEYS_BELOW else torch.int64
     entry = torch.arange(per_col, device=index.device, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
     base = torch.arange(batch, device=index.device, dtype=dtype).view(batch, 1, 1) * span
-    keys = torch.sort(((index.to(dtype) + 1) * per_col + entry + base).flatten()).values  # an empty slot: c + 1 = 0
+    # (c + 1) * per_col + entry + base as two passes over the entries (an empty slot: c + 1 = 0)
+    keys = torch.add((base + per_col) + entry, index.to(dtype), alpha=per_col)
+    keys = torch.sort(keys.flatten()).values
     bounds = base.view(batch, 1) + torch.arange(1, num_cols + 2, device=index.device, dtype=dtype) * per_col
     first = torch.arange(batch, device=index.device, dtype=torch.int64).view(batch, 1) * (rows * width)
     offsets = (torch.searchsorted(keys, bounds.flatten()).view(batch, -1) - first).to(torch.int32)

@@ -304,7 +304,7 @@ def _coarse_lists(index, N, B, L, Le, device):
         parts.append(index[lvl].repeat_interleave(tiles_per_ancestor, dim=2) + offsets[lvl - 1] // B)
     if not parts:
         return torch.full((b * h, n_tiles, 1), -1, device=device, dtype=torch.int32)
-    lists = torch.cat(parts, dim=-1).to(torch.int32)
+    lists = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(torch.int32)
     return lists.reshape(b * h, n_tiles, lists.shape[-1]).contiguous()
 
 
@@ -529,9 +529,9 @@ def _pooled_bank_grads(
     gk = gv = None
     for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
         lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B**lvl
-        if gk is not None:
-            gk = dbk[:, lo:hi] + (gk / B).repeat_interleave(B, dim=1)
-            gv = dbv[:, lo:hi] + (gv / B).repeat_interleave(B, dim=1)
+        if gk is not None:  # up() as a broadcast over each parent's B children: one pass, no repeated copy
+            gk = (dbk[:, lo:hi].unflatten(1, (-1, B)) + (gk / B)[:, :, None]).flatten(1, 2)
+            gv = (dbv[:, lo:hi].unflatten(1, (-1, B)) + (gv / B)[:, :, None]).flatten(1, 2)
         else:
             gk, gv = dbk[:, lo:hi], dbv[:, lo:hi]
     return gk.contiguous(), gv.contiguous()
