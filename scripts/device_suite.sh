@@ -50,7 +50,8 @@ case "$stage" in
       *) where=(tests) ;;
     esac
     workers=()
-    [ "${2:-all}" = kernels ] && $PY -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-$(gpu_test_workers)}")
+    [ "${2:-all}" = kernels ] && $PY -c "import xdist" 2>/dev/null \
+      && workers=(-n "${GPU_TEST_WORKERS:-$(gpu_test_workers)}")
     PIXDIT_KERNELS_AUTOTUNE=0 timeout -k 15 "${TESTS_BUDGET_S:-540}" $PY -m pytest "${where[@]}" -m gpu -q \
       "${workers[@]}" -p no:cacheprovider --timeout 300 --durations=15 -rfE 2>&1 | tee "$OUT/gpu_tests.log" ;;
   attention)
