@@ -49,11 +49,6 @@ PARTIAL_DTYPE = "input"
 # per-block form at L = 2 on the H200 (docs/kernel_notes.md v30), 1.022x (L = 2, 256²) and 1.024x (L = 3, 512²) on
 # an H100 (forward + backward, v48).
 LIST_WEIGHT_RUNS = True
-# The backward's transpose of the fine lists (the key-major dk/dv walks it) for a selection made here at L >= 2:
-# True builds it from the lists' structure (``_children_csc``: each fine row lists children of its level-2
-# ancestor's picks) without a sort, the same offsets and rows as ``csr_to_csc``; False sorts (csr_to_csc). Off until
-# timed on a GPU (docs/kernel_notes.md v48 (g)).
-CHILDREN_CSC = False
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -197,91 +192,6 @@ def _block_means_op(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
 def _(xs, block_size):
     b, h, n, d = xs[0].shape
     return xs[0].new_empty((len(xs), b, h, n // block_size, d), dtype=torch.float32)
-
-
-@triton.jit
-def _children_csc_kernel(
-    FINE,
-    PARENT_OFFSETS,
-    PARENT_SLOTS,
-    OFFSETS,
-    ROWS,
-    n_rows,
-    n_parents,
-    parent_width,
-    WRITE: tl.constexpr,
-    B: tl.constexpr,
-    WIDTH: tl.constexpr,
-    WIDTH_PAD: tl.constexpr,
-):
-    # program: level-2 token p of one (batch, head), whose B children are the fine columns p * B + j. The fine rows
-    # that can list them are the B child rows of each ancestor that picked p (PARENT_SLOTS: the slots a * width + s
-    # that list p, ascending), so walking those ancestors in order and their child rows in order gives each column's
-    # rows ascending, as csr_to_csc's sort does. WRITE = 0 counts each column's rows into OFFSETS[1 + c]; WRITE = 1
-    # writes them into ROWS from OFFSETS[c] (the counts' running sum).
-    p = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    child = tl.arange(0, B)
-    cols = p * B + child
-    slot = tl.arange(0, WIDTH_PAD)
-    start = tl.load(PARENT_OFFSETS + bh * (n_parents + 1) + p)
-    end = tl.load(PARENT_OFFSETS + bh * (n_parents + 1) + p + 1)
-    if WRITE:
-        at = tl.load(OFFSETS + bh * (n_rows + 1) + cols)
-    else:
-        at = tl.zeros([B], tl.int32)
-    fine = FINE + bh * n_rows * WIDTH
-    for e in range(start, end):
-        ancestor = tl.load(PARENT_SLOTS + bh * n_parents * parent_width + e) // parent_width
-        rows = ancestor * B + child
-        lists = tl.load(fine + rows[:, None] * WIDTH + slot[None, :], mask=slot[None, :] < WIDTH, other=-1)
-        hit = tl.sum((lists[:, :, None] == cols[None, None, :]).to(tl.int32), axis=1)  # [child row, child column]
-        if WRITE:
-            before = tl.cumsum(hit, axis=0) - hit  # rows of this ancestor before this one that list the column
-            where = bh * n_rows * WIDTH + at[None, :] + before
-            tl.store(ROWS + where, rows[:, None] + 0 * cols[None, :], mask=hit > 0)
-        at += tl.sum(hit, axis=0)
-    if not WRITE:
-        tl.store(OFFSETS + bh * (n_rows + 1) + 1 + cols, at)
-
-
-@custom_op("llsa_children_csc")
-def _children_csc(fine_lists: torch.Tensor, parent_lists: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    """``csr_to_csc(fine_lists, n_rows)`` for fine lists whose every entry is a child (``c // block_size``) of an
-    entry of their level-2 ancestor's list (``parent_lists[:, r // block_size]``), as a selection made by
-    ``llsa_attention`` gives them: int32 ``[BH, n_rows, K_1]`` and ``[BH, n_rows / B, K_2]``, no empty slot. Two
-    passes over the ancestors that picked each level-2 token (the parents' own transpose, a sort of 1 / B^2 of the
-    entries): each column's count, then its rows in order; the same ``(offsets, rows)`` as the sort."""
-    BH, n_rows, width = fine_lists.shape
-    n_parents, parent_width = parent_lists.shape[1:]
-    parent_offsets, parent_slots = csr_to_csc(parent_lists, n_parents, slots=True)
-    offsets = torch.zeros(BH, n_rows + 1, device=fine_lists.device, dtype=torch.int32)
-    rows = torch.empty(BH, n_rows * width, device=fine_lists.device, dtype=torch.int32)
-    for write in (0, 1):
-        _children_csc_kernel[(n_parents, BH)](
-            fine_lists,
-            parent_offsets,
-            parent_slots,
-            offsets,
-            rows,
-            n_rows,
-            n_parents,
-            parent_width,
-            WRITE=write,
-            B=block_size,
-            WIDTH=width,
-            WIDTH_PAD=triton.next_power_of_2(width),
-            num_warps=4,
-        )
-        if not write:
-            offsets = offsets.cumsum(1, dtype=torch.int32)
-    return [offsets, rows]
-
-
-@_children_csc.register_fake
-def _(fine_lists, parent_lists, block_size):
-    BH, n_rows, width = fine_lists.shape
-    return [fine_lists.new_empty((BH, n_rows + 1)), fine_lists.new_empty((BH, n_rows * width))]
 
 
 def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
@@ -436,7 +346,6 @@ class _LLSATriton(torch.autograd.Function):
         bank_v,
         fine_lists,
         coarse_lists,
-        parent_lists,
         cand_widths,
         block_size,
         num_levels,
@@ -447,7 +356,6 @@ class _LLSATriton(torch.autograd.Function):
         v_in_place,
     ):
         # bank_k / bank_v: pooled levels 1..min(Le, L) concatenated ([b*h, rows, d], input dtype, no grad);
-        # parent_lists: the level-2 lists when the fine lists are children of theirs (``_children_csc``), or None;
         # cand_widths: the blocks per list of each candidate level in coarse_lists' columns (finest first);
         # full_lists: no empty slot in the candidate lists (a selection made by llsa_attention itself)
         b, h, N, d = q.shape
@@ -488,13 +396,13 @@ class _LLSATriton(torch.autograd.Function):
                 out_heads=h,
                 **_pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists),
             )
-        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, parent_lists, bank_k, bank_v, logw)
+        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qf, kf, vf, o, lse, fine_lists, coarse_lists, parent_lists, bank_k, bank_v, logw = ctx.saved_tensors
+        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
         B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths, full_lists = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
@@ -521,10 +429,6 @@ class _LLSATriton(torch.autograd.Function):
                 qf, kf, vf, do, lse, delta, fine_lists, B, B, scale, dq=dq, o=o if dq is None else None, out_dtype=dt
             )
         ds = bs.ds_buffer(fine_lists, B, B, dt) if keep_ds else None
-        if parent_lists is not None:
-            fine_csc = tuple(_children_csc(fine_lists, parent_lists, B))
-        else:
-            fine_csc = csr_to_csc(fine_lists, N // B)
         dk, dv = bs.bsa_backward_dkdv(
             qf,
             kf,
@@ -532,7 +436,7 @@ class _LLSATriton(torch.autograd.Function):
             do,
             lse,
             delta,
-            fine_csc,
+            csr_to_csc(fine_lists, N // B),
             B,
             B,
             scale,
@@ -543,7 +447,7 @@ class _LLSATriton(torch.autograd.Function):
         )
         if keep_ds:
             dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
-        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 13
+        return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
 def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:
@@ -723,11 +627,6 @@ def llsa_attention(
                 bank_v[:, rows].copy_(vp[lvl].reshape(b * h, -1, d))
             coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
-    # a selection made here at L >= 2 lists, for each fine row, children of its level-2 ancestor's picks (the
-    # transpose's comparison tile, [B, K_1, B], within 8,192 values)
-    compare = B * B * triton.next_power_of_2(fine_lists.shape[-1])
-    structured = CHILDREN_CSC and full_lists and L >= 2 and compare <= 8192
-    parent_lists = index[1].reshape(b * h, N // B**2, index[1].shape[-1]) if structured else None
     cand_widths = tuple(index[lvl].shape[-1] for lvl in range(1, min(Le, L - 1) + 1))
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     v_in_place = not needs_grad and _tokens_major(v)
@@ -739,7 +638,6 @@ def llsa_attention(
         bank_v,
         fine_lists,
         coarse_lists,
-        parent_lists,
         cand_widths,
         B,
         L,

@@ -220,15 +220,6 @@ def _recorded_calls():
         for n, call, make_extra in CASES.values():
             q, k, v = _inputs(n)
             _run(call, q, k, v, make_extra(q) if make_extra else [])
-        # LLSA once more with the fine lists' transpose built from their structure (a switch, off by default)
-        from pixdit.kernels import llsa
-
-        children_csc, llsa.CHILDREN_CSC = llsa.CHILDREN_CSC, True
-        try:
-            n, call, _ = CASES["llsa"]
-            _run(call, *_inputs(n), [])
-        finally:
-            llsa.CHILDREN_CSC = children_csc
         # qkv dense but not contiguous (tokens-major memory): the fake rules must give the real outputs' strides
         qkv = torch.randn(16, 2, 3 * 2 * 8, device=DEVICE, dtype=DTYPE, requires_grad=True)
         weights = [torch.rand(8, device=DEVICE, requires_grad=True) + 0.5 for _ in range(2)]
@@ -265,7 +256,6 @@ OPS = [
     "bsa_backward_ds_dq",
     "pooled_topk",
     "llsa_block_means",
-    "llsa_children_csc",
     "vsa_combine",
     "vsa_combine_backward",
     "linear_forward",

@@ -462,46 +462,6 @@ def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_majo
     assert not torch.equal(got[0], got[1])  # each tensor pooled into its own rows
 
 
-@needs_interpreter
-@pytest.mark.parametrize(
-    "N,B,K,L",
-    [(4096, 16, 8, 2), (4096, 16, [3, 5, 2], 3), (2048, 32, [5, 2], 2)],  # K_1 = 3, 5: padded list columns
-)
-def test_children_csc_matches_the_sort(N, B, K, L):
-    """The fine lists' transpose from their structure (``_children_csc``) against ``csr_to_csc``'s sort, on the
-    selection llsa_attention makes: the same offsets and rows, bit for bit, for every (batch, head)."""
-    from pixdit.kernels import llsa
-    from pixdit.kernels.blocks import csr_to_csc
-
-    g = torch.Generator().manual_seed(N + B)
-    q, k = (torch.randn(2, 2, N, 16, generator=g).to(DEVICE) for _ in range(2))
-    index = llsa_select(q, k, B, K, L, impl="triton")
-    fine, parents = (index[lvl].reshape(4, N // B ** (lvl + 1), -1) for lvl in (0, 1))
-    got = llsa._children_csc(fine, parents, B)
-    want = csr_to_csc(fine, N // B)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-@needs_interpreter
-def test_children_csc_switch_gives_the_same_bits(monkeypatch):
-    """``llsa.CHILDREN_CSC``: output and gradients with the structured transpose are those with the sort, and the
-    switch reaches the backward (its op runs only when on)."""
-    from pixdit.kernels import llsa
-
-    g = torch.Generator().manual_seed(13)
-    q, k, v, go = (torch.randn(1, 1, 1024, 16, generator=g).to(DEVICE) for _ in range(4))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    calls, children_csc = [], llsa._children_csc
-    monkeypatch.setattr(llsa, "_children_csc", lambda *a: calls.append(1) or children_csc(*a))
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(llsa, "CHILDREN_CSC", on)
-        calls.clear()
-        results[on] = grads(lambda q, k, v: llsa_attention(q, k, v, 16, 4, 2, impl="triton"), q, k, v, go)
-        assert bool(calls) == on
-    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
-
-
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_given_means_are_used(impl):
     """The means are read, not recomputed: means of other tensors change the selection (and on the Triton path the

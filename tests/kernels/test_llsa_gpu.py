@@ -107,26 +107,6 @@ def test_llsa_reads_no_uninitialized_memory(N, d, L, dtype, select_here):
         assert rel(a, b) < 1e-6, (name, rel(a, b))
 
 
-@pytest.mark.parametrize("b,h,N,L", [(2, 3, 65536, 2), (1, 2, 262144, 3)])
-def test_children_csc_matches_the_sort_gpu(b, h, N, L, monkeypatch):
-    """``llsa.CHILDREN_CSC`` at real sizes: the fine lists' transpose from their structure equals the sort's, and
-    LLSA's output and gradients with it are bitwise those with the sort."""
-    from pixdit.kernels import llsa
-    from pixdit.kernels.blocks import csr_to_csc
-
-    torch.manual_seed(N + L)
-    q, k, v = (torch.randn(b, h, N, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    go = torch.randn_like(q)
-    index = llsa_select(q, k, 16, 8, L)
-    fine, parents = (index[lvl].reshape(b * h, N // 16 ** (lvl + 1), -1) for lvl in (0, 1))
-    assert all(torch.equal(x, y) for x, y in zip(llsa._children_csc(fine, parents, 16), csr_to_csc(fine, N // 16)))
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(llsa, "CHILDREN_CSC", on)
-        results[on] = run(q, k, v, go, topk=8, num_levels=L)
-    assert all(torch.equal(x, y) for x, y in zip(results[True], results[False]))
-
-
 def test_llsa_deterministic_bitwise():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
