@@ -83,10 +83,10 @@ def make_inputs(args, dtype):
 
 
 def pair_rows(args, dtype, time_ms) -> tuple[list[dict], dict[str, dict[str, float]]]:
-    """One row per compiled form: forward and backward time, on a GPU also the backward's kernel time (the device's
-    busy time: where it is well below the backward's time, the host's work around the launches is what the backward
-    waits for), and the gradients' difference to the plain ops'; and each form's kernels of one backward (GPU:
-    {form: {kernel: ms}})."""
+    """One row per compiled form: forward and backward time, on a GPU also the backward's kernel time (the summed
+    durations of its kernels, which run on one stream: the device's busy time; where it is well below the backward's
+    time, the host's work around the launches is what the backward waits for), and the gradients' difference to the
+    plain ops'; and each form's kernels of one backward (GPU: {form: {kernel: ms}})."""
     leaves, ups = make_inputs(args, dtype)
     results, rows, kernels = {}, [], {}
     forms = (
