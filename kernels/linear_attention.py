@@ -32,9 +32,9 @@ Two forms:
   * for SLA's dq kernel: ``_global_dphi_kernel`` (``global_dphi``: the global part of ``dphi(q)`` and ``delta`` as
     fp32 start values, 64-row tiles) and ``excluded_dq_step`` (the walk's part; then ``dq`` through phi's Jacobian,
     ``phi_rows_backward``).
-  * ``_dk_dv_kernel`` (``linear_dk_dv``, key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``): the
-    global terms minus the excluded ones, ``dk`` through phi's Jacobian, plus the sparse branch's dk, dv added in
-    its epilogue. One writer per gradient row.
+  * for SLA's dk/dv kernel (key-major over the CSC transpose of the lists, ``blocks.csr_to_csc``):
+    ``global_dkdv_start`` (the global terms as fp32 start values) and ``excluded_dkdv_step`` (minus the excluded
+    pairs); then ``dk`` through phi's Jacobian. One writer per gradient row.
 
   The lists are the same ``K`` (+ negligible) blocks as the sparse branch, so the cost is ``O(N * K * block * D)``,
   the same order as the sparse branch, instead of the ``O(T * K * D^2)`` reads of materialised ``h_j`` blocks (4x
@@ -58,7 +58,6 @@ import triton
 import triton.language as tl
 
 from .block_sparse import (
-    blocks_per_step,
     dot_precision,
     list_slots,
     list_walk_start,
@@ -132,8 +131,8 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Triton: one fused forward kernel, a query-major dq kernel, a key-major dk/dv kernel, and a chunked reduction for
-# the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
+# Triton: the forward's kernels, the pieces of SLA's dq and dk/dv kernels (sla_triton.py), and a chunked reduction
+# for the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
 
 
 @triton.jit
@@ -221,6 +220,56 @@ def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
     # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
     dw = tl.where(k_ok[None, :], dw, 0.0)
     return acc + tl.dot(dw.to(b.dtype), b, input_precision=PREC)
+
+
+@triton.jit
+def excluded_dkdv_step(a, do, inv_den, delta, b, v, dphi, dv, SCALED_DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """One step of the key-major dk/dv's excluded part over one query block (keys in M): with the step's ``a =
+    phi(q)``, ``dO``, ``1/den`` and ``delta`` (0 on missing rows), ``dphi(k) -= (v dO^T - delta) / den . a`` and
+    ``dv -= (phi(k) a^T / den) dO``. The ``1/den``-scaled weights can leave fp16's range: ``SCALED_DTYPE`` operands
+    (bf16 for bf16 inputs, else fp32 with tf32 products)."""
+    wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]
+    dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
+    dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)
+    dv -= tl.dot(wt.to(SCALED_DTYPE), do.to(SCALED_DTYPE), input_precision=PREC)
+    return dphi, dv
+
+
+@triton.jit
+def global_dkdv_start(
+    V,
+    PHI_K,
+    D_KV_TOTAL,
+    D_Z_TOTAL,
+    bh,
+    key_rows,
+    k_ok,
+    n,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The global part of the key-major dk/dv for the ``ROWS`` key rows ``key_rows`` of head ``bh`` of ``[BH, n,
+    D]`` inputs (the walk's fp32 start values): ``dphi(k) = v d_KV^T + d_Z`` and ``dv = phi(k) d_KV``. The D x D
+    products run in slices of ``CHUNK`` of their inner dimension, so that a one-warp program holds one ``[CHUNK, D]``
+    slice of ``d_KV`` at a time instead of two whole fp32 ``[D, D]`` tiles (128 registers each at D = 64)."""
+    dims = tl.arange(0, HEAD_DIM)
+    part = tl.arange(0, CHUNK)
+    d_kv_base = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
+    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)
+    dphi = tl.zeros([ROWS, HEAD_DIM], tl.float32) + d_z[None, :]
+    dv = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for c in tl.static_range(0, HEAD_DIM, CHUNK):
+        cols = c + part
+        offs = bh * n * HEAD_DIM + key_rows[:, None] * HEAD_DIM + cols[None, :]
+        v_c = tl.load(V + offs, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        b_c = tl.load(PHI_K + offs, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        kv_rows = tl.load(d_kv_base + cols[:, None] * HEAD_DIM + dims[None, :])  # d_KV[c:c + CHUNK, :]
+        kv_t_rows = tl.load(d_kv_base + dims[None, :] * HEAD_DIM + cols[:, None])  # d_KV^T[c:c + CHUNK, :]
+        dphi += tl.dot(v_c, kv_t_rows, input_precision=PREC)
+        dv += tl.dot(b_c, kv_rows, input_precision=PREC)
+    return dphi, dv
 
 
 @triton.jit
@@ -350,82 +399,6 @@ def _fwd_kernel(
     tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
-@triton.jit
-def _dk_dv_kernel(
-    PHI_Q,
-    K,
-    PHI_K,
-    V,
-    DO,
-    INV_DEN,
-    DELTA,
-    D_KV_TOTAL,
-    D_Z_TOTAL,
-    DK,
-    DV,
-    OFFSETS,
-    ROWS,
-    ADD_K,
-    ADD_V,
-    stride_ob,
-    stride_rb,
-    n,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    FEATURE: tl.constexpr,
-    EXCLUDE: tl.constexpr,
-    PREC: tl.constexpr,
-    SCALED_DTYPE: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-):
-    # global part (d KV_total, d Z_total = the backward _feature_sums_kernel), minus, over the query tiles t whose
-    # list holds key block j (CSC transpose), the excluded part:
-    #   dphi(k_u) = d_KV v_u + d_Z - sum_t (dO_t . v_u - delta_t) / den_t phi(q_t)
-    #   dv_u      = d_KV^T phi(k_u) - sum_t w_tu / den_t dO_t
-    blk = tl.program_id(0)
-    QROWS: tl.constexpr = BLOCK * PER_ITER
-    bh, krow, k_ok, key_offsets = row_tile(n, BLOCK, HEAD_DIM)  # the program's key block
-    dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM  # the head's rows, for the query tiles that list the block
-    xk = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
-    v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
-    b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
-    d_kv_base = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
-    d_kv = tl.load(d_kv_base + dims[:, None] * HEAD_DIM + dims[None, :])
-    d_kv_t = tl.load(d_kv_base + dims[None, :] * HEAD_DIM + dims[:, None])  # transposed by the load: no tl.trans of
-    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)  # a 32-bit dot operand
-    dphi = tl.dot(v.to(tl.float32), d_kv_t, input_precision=PREC) + d_z[None, :]
-    dv = tl.dot(b.to(tl.float32), d_kv, input_precision=PREC)
-    if EXCLUDE:
-        start = tl.load(OFFSETS + bh * stride_ob + blk)
-        end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
-        roff = tl.arange(0, QROWS)
-        slot = roff // BLOCK
-        for j in range(start, end, PER_ITER):
-            e_ok = (j + slot) < end
-            t = tl.load(ROWS + bh * stride_rb + j + slot, mask=e_ok, other=0)
-            rows = t.to(tl.int64) * BLOCK + (roff % BLOCK)
-            r_ok = e_ok & (rows < n)
-            query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
-            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
-            do = tl.load(DO + query_offsets, mask=r_ok[:, None], other=0.0)
-            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)  # 0 on missing rows
-            delta = tl.load(DELTA + bh * n + rows, mask=r_ok, other=0.0)
-            wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]  # [BLOCK, QROWS]
-            dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
-            # the 1/den-scaled weights can leave fp16's range: bf16 operands for bf16 inputs, else fp32 (tf32)
-            dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)
-            dv -= tl.dot(wt.to(SCALED_DTYPE), do.to(SCALED_DTYPE), input_precision=PREC)
-    xk = xk.to(tl.float32)
-    dk = phi_rows_backward(xk, phi_rows(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at the unrounded phi(k)
-    if HAS_ADD:  # the sparse branch's fp32 dk, dv of the same keys: one rounding of the sum, no extra pass
-        dk += tl.load(ADD_K + key_offsets, mask=k_ok[:, None], other=0.0)
-        dv += tl.load(ADD_V + key_offsets, mask=k_ok[:, None], other=0.0)
-    tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
-    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
-
-
 SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per head instead of one
 SUM_TILE = 64
 
@@ -465,15 +438,12 @@ def walk_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
-# The list-walking kernels (the dk/dv walk here, the forward walk and SLA's dq kernel below) are autotuned on the GPU
-# (common.AUTOTUNE), like the block-sparse ones; otherwise the dk/dv walk is launched with walk_warps(head_dim) and
-# Triton's default stages.
+# The list-walking kernels (the forward walk here, SLA's dq and dk/dv walks) are autotuned on the GPU
+# (common.AUTOTUNE), like the block-sparse ones: a 16-row (or 16-key) program (head_dim <= 64) on one warp, one listed
+# block per step, once the D x D products are start values (docs/kernel_notes.md v24, v49); other blocks on
+# walk_warps(head_dim) warps.
 WALK_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]
 WALK_KEYS = ["HEAD_DIM", "BLOCK", "PER_ITER", "FEATURE", "EXCLUDE", "PREC"]
-_dk_dv = autotuned(_dk_dv_kernel, WALK_KEYS, WALK_CONFIGS)
-
-# The query-major walks (the forward and SLA's dq): a 16-row program (head_dim <= 64) on one warp, one listed block per
-# step, once the D x D products are start values (docs/kernel_notes.md v24); other blocks as the walks above
 ONE_WARP_CONFIGS = [triton.Config({}, num_warps=1, num_stages=s) for s in (2, 3, 4)]
 
 
@@ -483,7 +453,7 @@ def one_warp_walk(block_size: int, head_dim: int) -> bool:
 
 
 def prune_query_walk(configs, named_args, **kwargs):
-    """The autotuner's pruning for the query-major walks: the one-warp configurations or the others."""
+    """The autotuner's pruning for the walks: the one-warp configurations or the others."""
     meta = {**named_args, **kwargs}
     one_warp = one_warp_walk(meta["BLOCK"], meta["HEAD_DIM"])
     return [c for c in configs if (c.num_warps == 1) == one_warp]
@@ -493,22 +463,6 @@ _fwd = autotuned(
     _fwd_kernel, ["HEAD_DIM", "BLOCK", "PER_ITER", "PREC"], ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk
 )
 GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product with the D x D sums
-
-
-def walk_options(head_dim: int, block_size: int, feature_map_name: str, exclude: bool, dtype: torch.dtype) -> dict:
-    """Constexprs and launch options of the key-major dk/dv walk: >= 64-wide dots for the tensor cores (blocks
-    gathered per step as in the block-sparse kernels); tf32 products of the fp32 terms for half inputs (``phi(q)/den``
-    can leave fp16's range); fixed warps for ``head_dim`` unless autotuned."""
-    launch = {} if AUTOTUNE else {"num_warps": walk_warps(head_dim)}
-    return dict(
-        HEAD_DIM=head_dim,
-        BLOCK=block_size,
-        PER_ITER=blocks_per_step(block_size),
-        FEATURE=feature_map_name,
-        EXCLUDE=exclude,
-        PREC=dot_precision(dtype),
-        **launch,
-    )
 
 
 def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
@@ -631,62 +585,3 @@ def linear_global_grads(
 def _(phi_q, do, feature_map_name, inv_den, delta):
     bh, _, d = phi_q.shape
     return phi_q.new_empty((bh, d, d), dtype=torch.float32), phi_q.new_empty((bh, d), dtype=torch.float32)
-
-
-@custom_op("linear_dk_dv")
-def linear_dk_dv(
-    phi_q: torch.Tensor,
-    k: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    inv_den: torch.Tensor,
-    delta: torch.Tensor,
-    offsets: torch.Tensor | None,
-    rows: torch.Tensor | None,
-    d_kv_total: torch.Tensor,
-    d_z_total: torch.Tensor,
-    add_k: torch.Tensor | None,
-    add_v: torch.Tensor | None,
-    block_size: int,
-    feature_map_name: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """dk, dv of the linear branch (input dtype), key-major over ``(offsets, rows)`` (the CSC of the excluded blocks,
-    or None without exclusion), plus ``add_k``, ``add_v`` (fp32, e.g. the sparse branch's) inside the kernel."""
-    bh, n, d = k.shape
-    exclude = offsets is not None
-    has_add = add_k is not None
-    if not exclude:  # (unused pointers)
-        offsets, rows = inv_den, inv_den
-    if not has_add:
-        add_k, add_v = k, k
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _dk_dv[(triton.cdiv(n, block_size), bh)](
-        phi_q,
-        k,
-        phi_k,
-        v,
-        do,
-        inv_den,
-        delta,
-        d_kv_total,
-        d_z_total,
-        dk,
-        dv,
-        offsets,
-        rows,
-        add_k,
-        add_v,
-        offsets.stride(0) if exclude else 0,
-        rows.stride(0) if exclude else 0,
-        n,
-        SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
-        HAS_ADD=has_add,
-        **walk_options(d, block_size, feature_map_name, exclude, k.dtype),
-    )
-    return dk, dv
-
-
-@linear_dk_dv.register_fake
-def _(phi_q, k, phi_k, v, do, inv_den, delta, offsets, rows, d_kv_total, d_z_total, add_k, add_v, *options):
-    return torch.empty_like(k), torch.empty_like(v)

@@ -12,11 +12,14 @@ the negligible blocks, walked after the critical ones, and with ``"all"`` it wal
            d phi(q) as fp32 start values), then ``_sla_dq_kernel``, one warp per 16-row block: per step of the walk
            K, phi(K) and V are loaded once for the sparse dq (``block_sparse.gathered_dq_step``) and the linear one
            (``linear_attention.excluded_dq_step``); Δ of the sparse branch, dq of both summed in fp32 and rounded
-           once. Then the global sums' gradients
-           (``feature_sums``), the sparse dk/dv (``block_sparse.bsa_backward_dkdv``, fp32) and the linear dk/dv
-           walk (``linear_attention.linear_dk_dv``), which adds the sparse ones in its epilogue, over one CSC
-           transpose of the lists when the excluded blocks are the critical ones. No full-size gradient sums
-           outside the kernels.
+           once. Then the global sums' gradients (``feature_sums``) and ``_sla_dkdv_kernel``, its key-major twin
+           over the CSC transpose of the critical lists (and of the negligible ones): one warp per 16-key block,
+           per step one query block's q, dO of both branches and their row statistics loaded once for the sparse
+           dk/dv (``block_sparse.key_major_step``) and the linear one (``linear_attention.excluded_dkdv_step``,
+           phi(q) recomputed from q), from the linear branch's global part as fp32 start values; dv of both
+           summed in fp32 and rounded once. The two branches' own key-major kernels, one after the other, read
+           the query rows twice and passed the sparse dk/dv through an fp32 buffer (docs/kernel_notes.md v49). No
+           full-size gradient sums outside the kernels.
 
 Every gradient row has one writer and sums run in a fixed order: bitwise deterministic. The exact PyTorch form of
 both branches stays the oracle (``sla.py``'s ``impl="torch"``).
@@ -30,14 +33,13 @@ import triton.language as tl
 
 from .block_sparse import (
     LOG2E,
-    bsa_backward_dkdv,
     bsa_forward,
     flatten_grad,
     gathered_dq_step,
+    key_major_step,
     list_slots,
     list_walk_start,
     listed_ids,
-    split_count,
     walk_key_rows,
 )
 from .blocks import csr_to_csc
@@ -46,9 +48,10 @@ from .linear_attention import (
     ONE_WARP_CONFIGS,
     WALK_CONFIGS,
     WALK_KEYS,
+    excluded_dkdv_step,
     excluded_dq_step,
+    global_dkdv_start,
     global_dphi,
-    linear_dk_dv,
     linear_forward,
     linear_global_grads,
     phi_rows,
@@ -143,6 +146,109 @@ def _sla_dq_kernel(
 _dq = autotuned(_sla_dq_kernel, WALK_KEYS, ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk)
 
 
+@triton.jit
+def _sla_dkdv_kernel(
+    Q,
+    K,
+    V,
+    PHI_Q,
+    PHI_K,
+    DO_S,
+    LSE,
+    DELTA_S,
+    DO_L,
+    INV_DEN,
+    DELTA_L,
+    D_KV_TOTAL,
+    D_Z_TOTAL,
+    DK,
+    DV,
+    OFFSETS,
+    ROWS,
+    NEG_OFFSETS,
+    NEG_ROWS,
+    stride_ob,
+    stride_rb,
+    stride_nob,
+    stride_nrb,
+    n,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FEATURE: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    HAS_NEG: tl.constexpr,
+    PHI_FROM_Q: tl.constexpr,
+    PREC: tl.constexpr,
+    SCALED_DTYPE: tl.constexpr,
+):
+    # One program per key block j, key-major over the query blocks that list it (CSC of the critical lists; then,
+    # "marginal" scope, of the negligible ones). Per listed query block t, both branches with one load of its rows:
+    #   sparse: dk_s += dS^T q, dv += P^T dO_s (block_sparse.key_major_step)
+    #   linear: the global part (start values) minus the excluded pairs (linear_attention.excluded_dkdv_step)
+    #   dk = scale dk_s + phi'(k)^T dphi(k); dv of both branches in one fp32 sum, rounded once
+    # Rows past n need no mask: they load as zeros (q, dO, 1/den, delta, LSE), so they add nothing to any key row.
+    blk = tl.program_id(0)
+    bh, krow, k_ok, key_offsets = row_tile(n, BLOCK, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    base = bh * n * HEAD_DIM  # the head's rows, for the query blocks that list the block
+    k = tl.load(K + key_offsets, mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
+    b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
+    dphi, dv = global_dkdv_start(V, PHI_K, D_KV_TOTAL, D_Z_TOTAL, bh, krow, k_ok, n, BLOCK, HEAD_DIM, CHUNK, PREC)
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    no_weight = tl.zeros([BLOCK], tl.float32)
+    roff = tl.arange(0, BLOCK)
+    start = tl.load(OFFSETS + bh * stride_ob + blk)
+    end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
+    for j in range(start, end):  # the critical pairs: both branches
+        rows = tl.load(ROWS + bh * stride_rb + j).to(tl.int64) * BLOCK + roff
+        r_ok = rows < n
+        query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+        q = tl.load(Q + query_offsets, mask=r_ok[:, None], other=0.0)
+        do_s = tl.load(DO_S + query_offsets, mask=r_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh * n + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+        delta_s = tl.load(DELTA_S + bh * n + rows, mask=r_ok, other=0.0)
+        dk, dv, _ = key_major_step(
+            k, v, no_weight, k_ok, q, do_s, lse2, delta_s, r_ok, dk, dv, qk_scale, False, False, PREC
+        )
+        if EXCLUDE:
+            if PHI_FROM_Q:  # phi(q) from the q just loaded, rounded as linear_forward stored it: 2 KB less a step
+                a = phi_rows(q.to(tl.float32), r_ok, FEATURE).to(q.dtype)
+            else:
+                a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
+            do_l = tl.load(DO_L + query_offsets, mask=r_ok[:, None], other=0.0)
+            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)  # 0 on missing rows
+            delta_l = tl.load(DELTA_L + bh * n + rows, mask=r_ok, other=0.0)
+            dphi, dv = excluded_dkdv_step(a, do_l, inv_den, delta_l, b, v, dphi, dv, SCALED_DTYPE, PREC)
+    if HAS_NEG:  # the negligible pairs ("marginal" scope): the linear branch only
+        start = tl.load(NEG_OFFSETS + bh * stride_nob + blk)
+        end = tl.load(NEG_OFFSETS + bh * stride_nob + blk + 1)
+        for j in range(start, end):
+            rows = tl.load(NEG_ROWS + bh * stride_nrb + j).to(tl.int64) * BLOCK + roff
+            r_ok = rows < n
+            query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
+            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
+            do_l = tl.load(DO_L + query_offsets, mask=r_ok[:, None], other=0.0)
+            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)
+            delta_l = tl.load(DELTA_L + bh * n + rows, mask=r_ok, other=0.0)
+            dphi, dv = excluded_dkdv_step(a, do_l, inv_den, delta_l, b, v, dphi, dv, SCALED_DTYPE, PREC)
+    xk = k.to(tl.float32)
+    dk = dk * sm_scale + phi_rows_backward(xk, phi_rows(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at phi(k)
+    tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+_dkdv = autotuned(
+    _sla_dkdv_kernel,
+    ["HEAD_DIM", "BLOCK", "FEATURE", "EXCLUDE", "HAS_NEG", "PHI_FROM_Q", "PREC"],
+    ONE_WARP_CONFIGS + WALK_CONFIGS,
+    prune=prune_query_walk,
+)
+
+
 def _list_args(critical: torch.Tensor, negligible: torch.Tensor) -> tuple:
     return critical, negligible, critical.stride(0), critical.stride(1), negligible.stride(0), negligible.stride(1)
 
@@ -198,29 +304,30 @@ class _SLATriton(torch.autograd.Function):
             exclude,
         )
         d_kv_total, d_z_total = linear_global_grads(phi_q, do_l, feature_map_name, inv_den, delta_l)
-        csc = csr_to_csc(critical, t)
-        n_split = split_count(bh * t, critical.shape[2])
-        dk_s, dv_s = bsa_backward_dkdv(
-            q, k, v, do_s, lse, delta_s, csc, block_size, block_size, scale, n_split=n_split
-        )  # fp32
-        excluded_csc = None
-        if exclude:
-            excluded_csc = csc if negligible.shape[2] == 0 else csr_to_csc(excluded, t)
-        dk, dv = linear_dk_dv(
-            phi_q,
+        critical_csc = csr_to_csc(critical, t)
+        has_neg = exclude and negligible.shape[2] > 0
+        negligible_csc = csr_to_csc(negligible, t) if has_neg else critical_csc  # (unread without negligible)
+        dk, dv = _sla_backward_dkdv_op(
+            q,
             k,
-            phi_k,
             v,
+            phi_q,
+            phi_k,
+            do_s,
+            lse,
+            delta_s,
             do_l,
             inv_den,
             delta_l,
-            *(excluded_csc if excluded_csc is not None else (None, None)),
             d_kv_total,
             d_z_total,
-            dk_s,
-            dv_s,
+            *critical_csc,
+            *negligible_csc,
             block_size,
             feature_map_name,
+            scale,
+            exclude,
+            has_neg,
         )
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
 
@@ -285,6 +392,85 @@ def _sla_backward_dq_op(
 @_sla_backward_dq_op.register_fake
 def _(q, k, v, phi_k, do_s, o_s, lse, *args):
     return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
+
+
+# phi(q) of the critical walk's query rows recomputed from their q instead of read (2 of the step's 8 KB at D = 64,
+# bf16); False reads the phi(q) that linear_forward stored. The rounding is the same (fp32 math, one rounding)
+PHI_FROM_Q = True
+
+
+@custom_op("sla_backward_dkdv")
+def _sla_backward_dkdv_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    do_s: torch.Tensor,
+    lse: torch.Tensor,
+    delta_s: torch.Tensor,
+    do_l: torch.Tensor,
+    inv_den: torch.Tensor,
+    delta_l: torch.Tensor,
+    d_kv_total: torch.Tensor,
+    d_z_total: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    neg_offsets: torch.Tensor,
+    neg_rows: torch.Tensor,
+    block_size: int,
+    feature_map_name: str,
+    scale: float,
+    exclude: bool,
+    has_neg: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk, dv (input dtype) of both branches, key-major over the CSC of the critical lists and (``has_neg``) of the
+    negligible ones; ``exclude`` False: the linear branch's global part only (``linear_scope="all"``)."""
+    bh, n, d = q.shape
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    options = query_walk_options(d, block_size, q.dtype)  # a 16-key program on one warp, as the query-major walks
+    options.pop("PER_ITER")  # one query block per step
+    _dkdv[(triton.cdiv(n, block_size), bh)](
+        q,
+        k,
+        v,
+        phi_q,
+        phi_k,
+        do_s,
+        lse,
+        delta_s,
+        do_l,
+        inv_den,
+        delta_l,
+        d_kv_total,
+        d_z_total,
+        dk,
+        dv,
+        offsets,
+        rows,
+        neg_offsets,
+        neg_rows,
+        offsets.stride(0),
+        rows.stride(0),
+        neg_offsets.stride(0),
+        neg_rows.stride(0),
+        n,
+        scale * LOG2E,
+        scale,
+        **options,
+        CHUNK=min(16, d),
+        FEATURE=feature_map_name,
+        EXCLUDE=exclude,
+        HAS_NEG=has_neg,
+        PHI_FROM_Q=PHI_FROM_Q,
+        SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
+    )
+    return dk, dv
+
+
+@_sla_backward_dkdv_op.register_fake
+def _(q, k, v, *args):
+    return torch.empty_like(k), torch.empty_like(v)
 
 
 def sla_triton(q, k, v, critical, negligible, block_size: int, feature_map_name: str, scale: float, exclude: bool):

@@ -12,7 +12,7 @@ a register jump that costs occupancy, or a jump in compile time shows here first
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
-levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and linear dk/dv kernels at
+levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and dk/dv kernels at
 256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the
 warps their launchers give them (``--warps launch``, the default) or the ones given. ``joint``: the backward of
 ``adaln_joint`` (the DiT block's residual + LayerNorm + modulation) at DiT-S/B/XL widths, with and without the
@@ -294,13 +294,16 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         slots |= dict(NEG_SLOTS=block_sparse.list_slots(n_neg, const["PER_ITER"]))
         return args, const | dict(FEATURE="softmax", EXCLUDE=True, **slots)
 
-    def linear_dkdv(n_neg):  # the linear branch's key-major dk/dv over the CSC of the excluded blocks
+    def sla_dkdv(n_neg):  # SLA's key-major dk/dv of both branches over the CSCs of the critical and negligible lists
         p = "*bf16"
-        args = dict(PHI_Q=p, K=p, PHI_K=p, V=p, DO=p, INV_DEN="*fp32", DELTA="*fp32", D_KV_TOTAL="*fp32")
-        args |= dict(D_Z_TOTAL="*fp32", DK=p, DV=p, OFFSETS="*i32", ROWS="*i32", ADD_K="*fp32", ADD_V="*fp32")
-        args |= dict(stride_ob=n // 16 + 1, stride_rb=(n // 16) * n_neg, n=n)
-        const = dict(common, BLOCK=16, PER_ITER=4, FEATURE="softmax", EXCLUDE=True)
-        return args, const | dict(SCALED_DTYPE=tl.bfloat16, HAS_ADD=True)
+        args = dict(Q=p, K=p, V=p, PHI_Q=p, PHI_K=p, DO_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, INV_DEN="*fp32")
+        args |= dict(DELTA_L="*fp32", D_KV_TOTAL="*fp32", D_Z_TOTAL="*fp32", DK=p, DV=p, OFFSETS="*i32")
+        args |= dict(ROWS="*i32", NEG_OFFSETS="*i32", NEG_ROWS="*i32", stride_ob=n // 16 + 1)
+        args |= dict(stride_rb=(n // 16) * 32, stride_nob=n // 16 + 1, stride_nrb=(n // 16) * n_neg, n=n)
+        args |= dict(qk_scale=0.18, sm_scale=0.125)
+        const = {key: value for key, value in query_walk_constexprs().items() if key != "PER_ITER"}
+        const |= dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, HAS_NEG=n_neg > 0, PHI_FROM_Q=sla_triton.PHI_FROM_Q)
+        return args, const | dict(SCALED_DTYPE=tl.bfloat16)
 
     def linear_fwd(n_excluded):  # the linear branch's forward walk from the global term's fp32 start values
         p = "*bf16"
@@ -372,7 +375,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("dkdv dense 128", block_sparse._dkdv_kernel, *dkdv(128, n, 1, 1, False, False, key_block=128)),
         # SLA at 256^2 (K = 32 critical blocks, a 64-slot negligible list): its own list-walking kernels
         ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
-        ("sla linear dkdv (16-key blocks)", linear_attention._dk_dv_kernel, *linear_dkdv(64)),
+        ("sla dkdv (16-key blocks)", sla_triton._sla_dkdv_kernel, *sla_dkdv(0)),
+        ("sla dkdv + negligible walk", sla_triton._sla_dkdv_kernel, *sla_dkdv(64)),
         ("sla linear fwd (16-row blocks)", linear_attention._fwd_kernel, *linear_fwd(32)),
         ("sla linear global term (64-row tiles)", linear_attention._global_term_kernel, *linear_global_term()),
         ("sla linear global dphi (64-row tiles)", linear_attention._global_dphi_kernel, *linear_global_dphi()),
@@ -393,7 +397,7 @@ def launch_warps(fn, const: dict) -> int:
         return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
         return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
-    if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel):
+    if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel, sla_triton._sla_dkdv_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     return linear_attention.walk_warps(d)
 

@@ -109,7 +109,7 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
 # The Triton kernels of pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
 KERNEL_CATEGORIES = (
     ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
-    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_dk_dv_kernel|_feature_sums_kernel"),
+    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_feature_sums_kernel"),
     # the sparse backends' pooled q, k, v: Inductor's fused means (their names also carry "topk_select" when fused
     # next to the selection) or ATen's mean kernel in eager mode
     ("block means (pooling)", r"triton_\w+_fused_mean|MeanOps"),
