@@ -14,9 +14,9 @@ the negligible blocks, walked after the critical ones, and with ``"all"`` it wal
            (``linear_attention.excluded_dq_step``); Δ of the sparse branch, dq of both summed in fp32 and rounded
            once. Then the global sums' gradients (``feature_sums``) and ``_sla_dkdv_kernel``, its key-major twin
            over the CSC transpose of the critical lists (and of the negligible ones): one warp per 16-key block,
-           per step one query block's q, dO of both branches and their row statistics loaded once for the sparse
-           dk/dv (``block_sparse.key_major_step``) and the linear one (``linear_attention.excluded_dkdv_step``,
-           phi(q) recomputed from q), from the linear branch's global part as fp32 start values; dv of both
+           per step one query block's q, phi(q), dO of both branches and their row statistics loaded once for the
+           sparse dk/dv (``block_sparse.key_major_step``) and the linear one (``linear_attention.excluded_dkdv_step``),
+           from the linear branch's global part as fp32 start values; dv of both
            summed in fp32 and rounded once. The two branches' own key-major kernels, one after the other, read
            the query rows twice and passed the sparse dk/dv through an fp32 buffer (docs/kernel_notes.md v49). No
            full-size gradient sums outside the kernels.
@@ -180,7 +180,6 @@ def _sla_dkdv_kernel(
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     HAS_NEG: tl.constexpr,
-    PHI_FROM_Q: tl.constexpr,
     PREC: tl.constexpr,
     SCALED_DTYPE: tl.constexpr,
 ):
@@ -215,10 +214,7 @@ def _sla_dkdv_kernel(
             k, v, no_weight, k_ok, q, do_s, lse2, delta_s, r_ok, dk, dv, qk_scale, False, False, PREC
         )
         if EXCLUDE:
-            if PHI_FROM_Q:  # phi(q) from the q just loaded, rounded as linear_forward stored it: 2 KB less a step
-                a = phi_rows(q.to(tl.float32), r_ok, FEATURE).to(q.dtype)
-            else:
-                a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
+            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
             do_l = tl.load(DO_L + query_offsets, mask=r_ok[:, None], other=0.0)
             inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)  # 0 on missing rows
             delta_l = tl.load(DELTA_L + bh * n + rows, mask=r_ok, other=0.0)
@@ -243,7 +239,7 @@ def _sla_dkdv_kernel(
 
 _dkdv = autotuned(
     _sla_dkdv_kernel,
-    ["HEAD_DIM", "BLOCK", "FEATURE", "EXCLUDE", "HAS_NEG", "PHI_FROM_Q", "PREC"],
+    ["HEAD_DIM", "BLOCK", "FEATURE", "EXCLUDE", "HAS_NEG", "PREC"],
     ONE_WARP_CONFIGS + WALK_CONFIGS,
     prune=prune_query_walk,
 )
@@ -394,11 +390,6 @@ def _(q, k, v, phi_k, do_s, o_s, lse, *args):
     return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
 
 
-# phi(q) of the critical walk's query rows recomputed from their q instead of read (2 of the step's 8 KB at D = 64,
-# bf16); False reads the phi(q) that linear_forward stored. The rounding is the same (fp32 math, one rounding)
-PHI_FROM_Q = True
-
-
 @custom_op("sla_backward_dkdv")
 def _sla_backward_dkdv_op(
     q: torch.Tensor,
@@ -462,7 +453,6 @@ def _sla_backward_dkdv_op(
         FEATURE=feature_map_name,
         EXCLUDE=exclude,
         HAS_NEG=has_neg,
-        PHI_FROM_Q=PHI_FROM_Q,
         SCALED_DTYPE=tl.bfloat16 if k.dtype == torch.bfloat16 else tl.float32,
     )
     return dk, dv

@@ -302,7 +302,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_rb=(n // 16) * 32, stride_nob=n // 16 + 1, stride_nrb=(n // 16) * n_neg, n=n)
         args |= dict(qk_scale=0.18, sm_scale=0.125)
         const = {key: value for key, value in query_walk_constexprs().items() if key != "PER_ITER"}
-        const |= dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, HAS_NEG=n_neg > 0, PHI_FROM_Q=sla_triton.PHI_FROM_Q)
+        const |= dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, HAS_NEG=n_neg > 0)
         return args, const | dict(SCALED_DTYPE=tl.bfloat16)
 
     def linear_fwd(n_excluded):  # the linear branch's forward walk from the global term's fp32 start values

@@ -8,7 +8,7 @@
 import pytest
 import torch
 
-from pixdit.kernels import block_sparse, sla_attention, sla_select, sla_triton
+from pixdit.kernels import block_sparse, sla_attention, sla_select
 from pixdit.kernels.reference import sla_reference
 
 CUDA = torch.cuda.is_available()
@@ -38,14 +38,9 @@ def _run(q, k, v, up_s, up_l, **kwargs):
 @pytest.mark.parametrize("feature_map", ["softmax", "elu", "relu"])
 # the list walks read short lists from registers and long ones step by step (block_sparse.LIST_IN_REGISTERS): both
 @pytest.mark.parametrize("ids_in_registers", [True, False])
-# the dk/dv walk computes phi(q) from q (sla_triton.PHI_FROM_Q) or reads the forward's
-@pytest.mark.parametrize("phi_from_q", [True, False])
-def test_interpreted_triton_matches_oracle(
-    scope, feature_map, negligible_ratio, ids_in_registers, phi_from_q, monkeypatch
-):
+def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio, ids_in_registers, monkeypatch):
     if not ids_in_registers:
         monkeypatch.setattr(block_sparse, "LIST_IN_REGISTERS", 0)
-    monkeypatch.setattr(sla_triton, "PHI_FROM_Q", phi_from_q)
     q, k, v, up_s, up_l = _inputs(1, 2, 70, 32)  # 5 blocks of 16, the last one partial
     kwargs = dict(block_size=16, topk=2, linear_scope=scope, feature_map=feature_map, negligible_ratio=negligible_ratio)
     got = _run(q, k, v, up_s, up_l, impl="triton", **kwargs)
