@@ -13,22 +13,20 @@ Two forms:
 
 * ``linear_attention_torch`` (CPU, exact): per-block ``h_j = phi(K_j)^T V_j`` summed over the kept blocks with a
   ``[T, T]`` block mask (direct sums, no cancellation; ``O(T^2 D^2)``, fine at CPU sizes).
-* Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``; SLA's autograd Function
-  (``sla_triton.py``) runs these pieces and walks the critical lists once for both branches in its dq kernel.
-  ``linear_scope="all"`` skips the walks (no excluded part, ``+1e-5`` instead of the empty-row rule).
+* Triton (CUDA; CPU under ``TRITON_INTERPRET=1``): ``global sums - excluded part``; SLA's kernels
+  (``sla_triton.py``) run these pieces and walk the critical lists once for both branches, in the forward, the dq
+  and the dk/dv. ``linear_scope="all"`` skips the walks (no excluded part, ``+1e-5`` instead of the empty-row rule).
 
   * ``_feature_sums_kernel`` (``feature_sums``): forward, ``phi(k)`` (stored once, input dtype) and per chunk of
     1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
     global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
     ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-  * ``_global_term_kernel`` (``linear_forward``), 64-row tiles: ``phi(q)`` (fp32 math, one rounding to the input
+  * ``_global_term_kernel`` (``global_terms``), 64-row tiles: ``phi(q)`` (fp32 math, one rounding to the input
     dtype, stored for the walks) and the global term ``phi(q) . [KV_total | Z_total]`` as fp32 start values (one
-    ``[N, D]`` and one ``[N]`` tensor); without exclusion, ``o_linear`` itself.
-  * ``_fwd_kernel`` (``linear_forward``), one program per query block: the start values minus the excluded part
-    ``sum_{u in E(i)} w_tu (v_u, 1)`` accumulated while walking the block list (two tensor-core dots per block, like
-    the sparse branch without exponentials), the empty-row rule, and ``o_linear`` stored in the input dtype with
-    fp32 ``1/den`` per row (0 for an empty row). Without the D x D product in its prologue, a 16-row program runs
-    on one warp.
+    ``[N, D]`` and one ``[N]`` tensor) of SLA's forward walk, which subtracts ``sum_{u in E(i)} w_tu (v_u, 1)``
+    (two tensor-core dots per block, like the sparse branch without exponentials), applies the empty-row rule and
+    stores ``o_linear`` in the input dtype with fp32 ``1/den`` per row (0 for an empty row); without exclusion,
+    ``o_linear`` itself.
   * for SLA's dq kernel: ``_global_dphi_kernel`` (``global_dphi``: the global part of ``dphi(q)`` and ``delta`` as
     fp32 start values, 64-row tiles) and ``excluded_dq_step`` (the walk's part; then ``dq`` through phi's Jacobian,
     ``phi_rows_backward``).
@@ -59,14 +57,10 @@ import triton.language as tl
 
 from .block_sparse import (
     dot_precision,
-    list_slots,
-    list_walk_start,
-    listed_ids,
     program_warps,
     walk_blocks_per_step,
-    walk_key_rows,
 )
-from .common import AUTOTUNE, autotuned, pad_to_blocks
+from .common import AUTOTUNE, pad_to_blocks
 from .ops import custom_op
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
@@ -326,7 +320,7 @@ def _global_term_kernel(
     PREC: tl.constexpr,
 ):
     # phi(q) (one rounding to the input dtype, stored for the walks) and the global term phi(q) . [KV_total | Z_total]
-    # on tiles of TILE rows. EXCLUDE: NUM, DEN are the fp32 start values of the excluded walk (_fwd_kernel); else
+    # on tiles of TILE rows. EXCLUDE: NUM, DEN are the fp32 start values of the excluded walk (SLA's forward); else
     # ("all" scope, nothing to walk) the output itself: NUM = o_linear in the input dtype, DEN = 1 / (den + eps).
     bh, rows, row_ok, tile_offsets = row_tile(n, TILE, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
@@ -345,58 +339,6 @@ def _global_term_kernel(
         inv_den = 1.0 / (den + all_scope_eps)
         tl.store(NUM + tile_offsets, (num * inv_den[:, None]).to(NUM.dtype.element_ty), mask=row_ok[:, None])
         tl.store(DEN + bh * n + rows, inv_den, mask=row_ok)
-
-
-@triton.jit
-def _fwd_kernel(
-    PHI_Q,
-    PHI_K,
-    V,
-    NUM,
-    DEN,
-    O,
-    INV_DEN,
-    LIST,
-    stride_lb,
-    stride_lt,
-    n,
-    list_len,
-    empty_row_rel_eps,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PER_ITER: tl.constexpr,
-    PREC: tl.constexpr,
-    LIST_SLOTS: tl.constexpr,
-):
-    # o_linear = (global term - sum_{u in E(i)} w_tu (v_u, 1)) / the same for the denominator, one program per query
-    # block, starting from _global_term_kernel's fp32 NUM, DEN: without the D x D product in its prologue, a 16-row
-    # program fits one warp (docs/kernel_notes.md v24)
-    tile = tl.program_id(0)
-    bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
-    dims = tl.arange(0, HEAD_DIM)
-    base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
-    a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
-    num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0)
-    den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
-    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    den_excluded = tl.zeros([BLOCK], tl.float32)
-    koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
-    ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
-    for j in range(0, list_len, PER_ITER):
-        blk, krow, k_ok = walk_key_rows(ids, list_base, j, koff, slot, list_len, n, BLOCK, PER_ITER, LIST_SLOTS)
-        b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-        w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK * PER_ITER]
-        den_excluded += tl.sum(w, 1)
-        num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
-    num -= num_excluded
-    remaining = den - den_excluded
-    # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
-    keep = remaining > empty_row_rel_eps * den
-    inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
-    o = num * inv_den[:, None]
-    tl.store(O + tile_offsets, o.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
 SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per head instead of one
@@ -459,9 +401,6 @@ def prune_query_walk(configs, named_args, **kwargs):
     return [c for c in configs if (c.num_warps == 1) == one_warp]
 
 
-_fwd = autotuned(
-    _fwd_kernel, ["HEAD_DIM", "BLOCK", "PER_ITER", "PREC"], ONE_WARP_CONFIGS + WALK_CONFIGS, prune=prune_query_walk
-)
 GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product with the D x D sums
 
 
@@ -502,24 +441,16 @@ def global_dphi(do: torch.Tensor, o: torch.Tensor, kv_total: torch.Tensor, z_tot
 
 
 # The host functions below are torch custom ops (opaque to torch.compile, which traces the code around them).
-@custom_op("linear_forward")
-def linear_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lists: torch.Tensor | None,
-    block_size: int,
-    feature_map_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The linear branch's forward over flattened ``[BH, N, D]`` inputs: ``(o_linear, phi(q), phi(k), 1/den,
-    KV_total, Z_total)``; ``lists``: int32 ``[BH, T, E]`` excluded blocks per query block, or None (no exclusion)."""
+def global_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map_name: str, exclude: bool):
+    """The linear branch's global part over flattened ``[BH, N, D]`` inputs: ``(phi(q), phi(k), KV_total, Z_total,
+    num, den)``. ``exclude``: ``num`` and ``den`` are the fp32 start values ``phi(q) . [KV_total | Z_total]`` of a
+    walk that subtracts the excluded blocks (SLA's forward kernel); otherwise (``"all"`` scope) the output itself,
+    ``o_linear`` in the input dtype and ``1/(den + 1e-5)``."""
     bh, n, d = q.shape
     phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name)
-    phi_q, o = torch.empty_like(q), torch.empty_like(q)
-    inv_den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
-    exclude = lists is not None
-    # the global term first (phi(q) and its fp32 start values; without exclusion the output itself), then the walk
-    num, den = (q.new_empty((bh, n, d), dtype=torch.float32), torch.empty_like(inv_den)) if exclude else (o, inv_den)
+    phi_q = torch.empty_like(q)
+    num = q.new_empty((bh, n, d), dtype=torch.float32) if exclude else torch.empty_like(q)
+    den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
     _global_term_kernel[(triton.cdiv(n, GLOBAL_TILE), bh)](
         q,
         kv_total,
@@ -536,39 +467,7 @@ def linear_forward(
         PREC=dot_precision(q.dtype),
         num_warps=walk_warps(d),
     )
-    if exclude:
-        options = query_walk_options(d, block_size, q.dtype)
-        _fwd[(triton.cdiv(n, block_size), bh)](
-            phi_q,
-            phi_k,
-            v,
-            num,
-            den,
-            o,
-            inv_den,
-            lists,
-            lists.stride(0),
-            lists.stride(1),
-            n,
-            lists.shape[2],
-            EMPTY_ROW_REL_EPS,
-            **options,
-            LIST_SLOTS=list_slots(lists.shape[2], options["PER_ITER"]),
-        )
-    return o, phi_q, phi_k, inv_den, kv_total, z_total
-
-
-@linear_forward.register_fake
-def _(q, k, v, lists, block_size, feature_map_name):
-    bh, n, d = q.shape
-    sums = q.new_empty((bh, d, d), dtype=torch.float32), q.new_empty((bh, d), dtype=torch.float32)
-    return (
-        torch.empty_like(q),
-        torch.empty_like(q),
-        torch.empty_like(k),
-        q.new_empty((bh, n), dtype=torch.float32),
-        *sums,
-    )
+    return phi_q, phi_k, kv_total, z_total, num, den
 
 
 @custom_op("linear_global_grads")

@@ -4,10 +4,11 @@ Both branches walk the same critical lists: the sparse branch attends to the lis
 subtracts them from its global sums (``linear_attention.py``; with ``linear_scope="marginal"`` it also subtracts
 the negligible blocks, walked after the critical ones, and with ``"all"`` it walks nothing).
 
-  forward  the two branches' own kernels: ``block_sparse.bsa_forward`` (o_sparse, LSE) and
-           ``linear_attention.linear_forward`` (o_linear, 1/den, phi(q), phi(k), the global sums). One kernel for
-           both was measured slower (docs/kernel_notes.md, v13): 130 registers per thread against 64 for the
-           sparse forward cost more resident programs than the shared loads saved.
+  forward  ``linear_attention.global_terms`` (phi(q), phi(k), the global sums and the linear branch's fp32 start
+           values), then ``_sla_fwd_kernel``, one warp per 16-row block: per step of the walk K, V and phi(K) are
+           loaded once for the sparse branch's online softmax (o_sparse, LSE) and the linear branch's excluded
+           part (o_linear, 1/den). The two branches' own walks, one after the other, loaded V twice
+           (docs/kernel_notes.md v49); a fused forward on 4 warps (v13) had lost to them by its registers.
   backward ``linear_attention.global_dphi`` (64-row tiles: Δ of the linear branch and the global part of its
            d phi(q) as fp32 start values), then ``_sla_dq_kernel``, one warp per 16-row block: per step of the walk
            K, phi(K) and V are loaded once for the sparse dq (``block_sparse.gathered_dq_step``) and the linear one
@@ -33,18 +34,22 @@ import triton.language as tl
 
 from .block_sparse import (
     LOG2E,
-    bsa_forward,
+    finish_softmax,
+    first_scalar_id,
     flatten_grad,
     gathered_dq_step,
     key_major_step,
     list_slots,
     list_walk_start,
     listed_ids,
+    scalar_step_id,
+    softmax_step,
     walk_key_rows,
 )
 from .blocks import csr_to_csc
 from .common import autotuned
 from .linear_attention import (
+    EMPTY_ROW_REL_EPS,
     ONE_WARP_CONFIGS,
     WALK_CONFIGS,
     WALK_KEYS,
@@ -52,7 +57,7 @@ from .linear_attention import (
     excluded_dq_step,
     global_dkdv_start,
     global_dphi,
-    linear_forward,
+    global_terms,
     linear_global_grads,
     phi_rows,
     phi_rows_backward,
@@ -61,6 +66,114 @@ from .linear_attention import (
     row_tile,
 )
 from .ops import custom_op
+
+
+@triton.jit
+def _sla_fwd_kernel(
+    Q,
+    K,
+    V,
+    PHI_Q,
+    PHI_K,
+    NUM,
+    DEN,
+    O_S,
+    LSE,
+    O_L,
+    INV_DEN,
+    LIST,
+    NEG,
+    stride_lb,
+    stride_lt,
+    stride_nb,
+    stride_nt,
+    n,
+    list_len,
+    neg_len,
+    qk_scale,
+    empty_row_rel_eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    LIST_SLOTS: tl.constexpr,
+    NEG_SLOTS: tl.constexpr,
+):
+    # One program per query block, one listed key block per step, K, V and phi(K) loaded once for both branches:
+    #   sparse: the online softmax over the critical blocks (block_sparse.softmax_step) -> o_sparse, LSE
+    #   linear: the global term's fp32 start values NUM, DEN (linear_attention._global_term_kernel) minus the
+    #           excluded pairs, w = phi(q) phi(k)^T: NUM -= w v, DEN -= sum w; then the empty-row rule -> o_linear,
+    #           1/den (0 for an empty row)
+    # An empty list slot (-1) is a -inf bias for the softmax and a zero weight for the linear branch.
+    tile = tl.program_id(0)
+    bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
+    q = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    den_excluded = tl.zeros([BLOCK], tl.float32)
+    if EXCLUDE:
+        a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    koff = tl.arange(0, BLOCK)
+    list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
+    ids = listed_ids(list_base, list_len, LIST_SLOTS, 1)
+    nxt = first_scalar_id(list_base, list_len, LIST_SLOTS)
+    for j in range(0, list_len):  # the critical blocks: both branches
+        blk, nxt = scalar_step_id(ids, list_base, nxt, j, list_len, 1, LIST_SLOTS)
+        krow = tl.maximum(blk, 0).to(tl.int64) * BLOCK + koff
+        k_ok = krow < n
+        if EVEN:  # every row of a listed block exists
+            kt = tl.load(K + base + krow[None, :] * HEAD_DIM + dims[:, None])
+            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :])
+        else:
+            kt = tl.load(K + base + krow[None, :] * HEAD_DIM + dims[:, None], mask=k_ok[None, :], other=0.0)
+            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision=PREC)
+        if not EVEN:
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = softmax_step(s, qk_scale, tl.where(blk >= 0, 0.0, float("-inf")), m_i, l_i, acc, v, PREC)
+        if EXCLUDE:
+            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK]
+            w = tl.where(blk >= 0, w, 0.0)
+            den_excluded += tl.sum(w, 1)
+            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+    acc, lse = finish_softmax(m_i, l_i, acc)
+    tl.store(O_S + tile_offsets, acc.to(O_S.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bh * n + rows, lse, mask=row_ok)
+    if EXCLUDE:
+        neg_base = NEG + bh * stride_nb + tile.to(tl.int64) * stride_nt
+        neg_ids = listed_ids(neg_base, neg_len, NEG_SLOTS, 1)
+        nxt = first_scalar_id(neg_base, neg_len, NEG_SLOTS)
+        for j in range(0, neg_len):  # the negligible blocks ("marginal" scope): the linear branch only
+            blk, nxt = scalar_step_id(neg_ids, neg_base, nxt, j, neg_len, 1, NEG_SLOTS)
+            krow = tl.maximum(blk, 0).to(tl.int64) * BLOCK + koff
+            k_ok = (krow < n) & (blk >= 0)
+            b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
+            w = tl.dot(a, tl.trans(b), input_precision=PREC)
+            den_excluded += tl.sum(w, 1)
+            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+        num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0) - num_excluded
+        den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
+        remaining = den - den_excluded
+        # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
+        keep = remaining > empty_row_rel_eps * den
+        inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
+        tl.store(O_L + tile_offsets, (num * inv_den[:, None]).to(O_L.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
+
+
+_fwd = autotuned(
+    _sla_fwd_kernel,
+    ["HEAD_DIM", "BLOCK", "EXCLUDE", "EVEN", "PREC", "LIST_SLOTS", "NEG_SLOTS"],
+    ONE_WARP_CONFIGS + WALK_CONFIGS,
+    prune=prune_query_walk,
+)
 
 
 @triton.jit
@@ -200,10 +313,15 @@ def _sla_dkdv_kernel(
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     no_weight = tl.zeros([BLOCK], tl.float32)
     roff = tl.arange(0, BLOCK)
+    # each query block id read a step ahead (block_sparse.scalar_step_id), so that Triton pipelines the walk's
+    # loads num_stages deep
     start = tl.load(OFFSETS + bh * stride_ob + blk)
-    end = tl.load(OFFSETS + bh * stride_ob + blk + 1)
-    for j in range(start, end):  # the critical pairs: both branches
-        rows = tl.load(ROWS + bh * stride_rb + j).to(tl.int64) * BLOCK + roff
+    col = ROWS + bh * stride_rb + start
+    col_len = tl.load(OFFSETS + bh * stride_ob + blk + 1) - start
+    nxt = first_scalar_id(col, col_len, 0)
+    for j in range(0, col_len):  # the critical pairs: both branches
+        t, nxt = scalar_step_id(0, col, nxt, j, col_len, 1, 0)
+        rows = t.to(tl.int64) * BLOCK + roff
         r_ok = rows < n
         query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
         q = tl.load(Q + query_offsets, mask=r_ok[:, None], other=0.0)
@@ -221,9 +339,12 @@ def _sla_dkdv_kernel(
             dphi, dv = excluded_dkdv_step(a, do_l, inv_den, delta_l, b, v, dphi, dv, SCALED_DTYPE, PREC)
     if HAS_NEG:  # the negligible pairs ("marginal" scope): the linear branch only
         start = tl.load(NEG_OFFSETS + bh * stride_nob + blk)
-        end = tl.load(NEG_OFFSETS + bh * stride_nob + blk + 1)
-        for j in range(start, end):
-            rows = tl.load(NEG_ROWS + bh * stride_nrb + j).to(tl.int64) * BLOCK + roff
+        col = NEG_ROWS + bh * stride_nrb + start
+        col_len = tl.load(NEG_OFFSETS + bh * stride_nob + blk + 1) - start
+        nxt = first_scalar_id(col, col_len, 0)
+        for j in range(0, col_len):
+            t, nxt = scalar_step_id(0, col, nxt, j, col_len, 1, 0)
+            rows = t.to(tl.int64) * BLOCK + roff
             r_ok = rows < n
             query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
             a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
@@ -259,14 +380,10 @@ class _SLATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude):
         b, h, n, d = q.shape
         q, k, v = [x.reshape(b * h, n, d).contiguous() for x in (q, k, v)]
-        o_s, lse = bsa_forward(q, k, v, critical, block_size, block_size, scale)
-        excluded = None
-        if exclude:
-            excluded = critical if negligible.shape[2] == 0 else torch.cat([critical, negligible], -1)
-        o_l, phi_q, phi_k, inv_den, kv_total, z_total = linear_forward(q, k, v, excluded, block_size, feature_map_name)
-        ctx.save_for_backward(
-            q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded
+        o_s, lse, o_l, inv_den, phi_q, phi_k, kv_total, z_total = _sla_forward_op(
+            q, k, v, critical, negligible, block_size, feature_map_name, scale, exclude
         )
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible)
         ctx.config = (block_size, feature_map_name, scale, exclude)
         ctx.shape = (b, h, n, d)
         return o_s.view(ctx.shape), o_l.view(ctx.shape)
@@ -274,7 +391,7 @@ class _SLATriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_s, do_l):
         saved = ctx.saved_tensors
-        q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible, excluded = saved
+        q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible = saved
         block_size, feature_map_name, scale, exclude = ctx.config
         bh, n, d = q.shape
         t = triton.cdiv(n, block_size)
@@ -326,6 +443,73 @@ class _SLATriton(torch.autograd.Function):
             has_neg,
         )
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
+
+
+@custom_op("sla_forward")
+def _sla_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    critical: torch.Tensor,
+    negligible: torch.Tensor,
+    block_size: int,
+    feature_map_name: str,
+    scale: float,
+    exclude: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """Both branches' forward over flattened ``[BH, N, D]`` inputs: ``(o_sparse, LSE, o_linear, 1/den, phi(q),
+    phi(k), KV_total, Z_total)``, the last six for the backward."""
+    bh, n, d = q.shape
+    phi_q, phi_k, kv_total, z_total, num, den = global_terms(q, k, v, feature_map_name, exclude)
+    o_s = torch.empty_like(q)
+    lse = torch.empty(bh, n, device=q.device, dtype=torch.float32)
+    o_l, inv_den = (torch.empty_like(q), torch.empty_like(lse)) if exclude else (num, den)
+    options = query_walk_options(d, block_size, q.dtype)  # a 16-row program on one warp
+    options.pop("PER_ITER")  # one listed block per step
+    neg_len = negligible.shape[2] if exclude else 0
+    _fwd[(triton.cdiv(n, block_size), bh)](
+        q,
+        k,
+        v,
+        phi_q,
+        phi_k,
+        num,
+        den,
+        o_s,
+        lse,
+        o_l,
+        inv_den,
+        *_list_args(critical, negligible),
+        n,
+        critical.shape[2],
+        neg_len,
+        scale * LOG2E,
+        EMPTY_ROW_REL_EPS,
+        **options,
+        EXCLUDE=exclude,
+        EVEN=n % block_size == 0,
+        LIST_SLOTS=list_slots(critical.shape[2], 1),
+        NEG_SLOTS=list_slots(neg_len, 1),
+    )
+    return o_s, lse, o_l, inv_den, phi_q, phi_k, kv_total, z_total
+
+
+@_sla_forward_op.register_fake
+def _(q, k, v, *args):
+    bh, n, d = q.shape
+    rows = q.new_empty((bh, n), dtype=torch.float32)
+    sums = q.new_empty((bh, d, d), dtype=torch.float32), q.new_empty((bh, d), dtype=torch.float32)
+    return (
+        torch.empty_like(q),
+        rows,
+        torch.empty_like(q),
+        torch.empty_like(rows),
+        torch.empty_like(q),
+        torch.empty_like(k),
+        *sums,
+    )
 
 
 # Returns (dq, Δ of the sparse branch, Δ of the linear branch); the kernel computes both Δ on the way.

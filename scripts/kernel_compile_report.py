@@ -12,7 +12,7 @@ a register jump that costs occupancy, or a jump in compile time shows here first
 compiles (one-shot: one per candidate count, streaming: one per SLOTS bucket, row select: one per score-row length
 and k bucket). ``attention``: the block-sparse
 forward, dq and dk/dv kernels as LLSA launches them at 256^2 tokens, L = 2 (fine level: 16-row blocks; pooled
-levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's dq and dk/dv kernels at
+levels: 64-row tiles over the bank, the coarsest level as a dense tail), SLA's forward, dq and dk/dv kernels at
 256^2 (K = 32), and the 128-row forward and dk/dv programs of block_sparse_attention and flash_attention, at the
 warps their launchers give them (``--warps launch``, the default) or the ones given. ``joint``: the backward of
 ``adaln_joint`` (the DiT block's residual + LayerNorm + modulation) at DiT-S/B/XL widths, with and without the
@@ -305,14 +305,15 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const |= dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, HAS_NEG=n_neg > 0)
         return args, const | dict(SCALED_DTYPE=tl.bfloat16)
 
-    def linear_fwd(n_excluded):  # the linear branch's forward walk from the global term's fp32 start values
+    def sla_fwd(k_top, n_neg):  # SLA's forward walk: both branches over K critical and n_neg negligible blocks
         p = "*bf16"
-        args = dict(PHI_Q=p, PHI_K=p, V=p, NUM="*fp32", DEN="*fp32", O=p, INV_DEN="*fp32", LIST="*i32")
-        args |= dict(stride_lb=(n // 16) * n_excluded, stride_lt=n_excluded, n=n, list_len=n_excluded)
-        const = query_walk_constexprs()
-        return args | dict(empty_row_rel_eps=1e-5), const | dict(
-            LIST_SLOTS=block_sparse.list_slots(n_excluded, const["PER_ITER"])
-        )
+        args = dict(Q=p, K=p, V=p, PHI_Q=p, PHI_K=p, NUM="*fp32", DEN="*fp32", O_S=p, LSE="*fp32", O_L=p)
+        args |= dict(INV_DEN="*fp32", LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top, stride_lt=k_top)
+        args |= dict(stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top, neg_len=n_neg)
+        args |= dict(qk_scale=0.18, empty_row_rel_eps=1e-5)
+        const = {key: value for key, value in query_walk_constexprs().items() if key != "PER_ITER"}
+        const |= dict(EXCLUDE=True, EVEN=True, LIST_SLOTS=block_sparse.list_slots(k_top, 1))
+        return args, const | dict(NEG_SLOTS=block_sparse.list_slots(n_neg, 1))
 
     def linear_global_term():  # phi(q) and the global term on 64-row tiles
         args = dict(Q="*bf16", KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q="*bf16", NUM="*fp32", DEN="*fp32", n=n)
@@ -377,7 +378,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("sla dq (16-row blocks)", sla_triton._sla_dq_kernel, *sla_dq(32, 64)),
         ("sla dkdv (16-key blocks)", sla_triton._sla_dkdv_kernel, *sla_dkdv(0)),
         ("sla dkdv + negligible walk", sla_triton._sla_dkdv_kernel, *sla_dkdv(64)),
-        ("sla linear fwd (16-row blocks)", linear_attention._fwd_kernel, *linear_fwd(32)),
+        ("sla fwd (16-row blocks)", sla_triton._sla_fwd_kernel, *sla_fwd(32, 0)),
+        ("sla fwd + negligible walk", sla_triton._sla_fwd_kernel, *sla_fwd(32, 64)),
         ("sla linear global term (64-row tiles)", linear_attention._global_term_kernel, *linear_global_term()),
         ("sla linear global dphi (64-row tiles)", linear_attention._global_dphi_kernel, *linear_global_dphi()),
     ]
@@ -397,7 +399,7 @@ def launch_warps(fn, const: dict) -> int:
         return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
         return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
-    if fn in (linear_attention._fwd_kernel, sla_triton._sla_dq_kernel, sla_triton._sla_dkdv_kernel):
+    if fn in (sla_triton._sla_fwd_kernel, sla_triton._sla_dq_kernel, sla_triton._sla_dkdv_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     return linear_attention.walk_warps(d)
 

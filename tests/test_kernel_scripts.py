@@ -151,7 +151,7 @@ def test_compile_report_gives_every_kernel_argument():
     variants.append(("streaming", *report["streaming_variant"](64, 32)[:3]))
     variants.append(("row select", *report["row_select_variant"](4096, 32)[:3]))
     variants.append(("rescore", *report["rescore_variant"](4096, 32, 64)[:3]))
-    assert len(variants) == 25
+    assert len(variants) == 26
     for label, fn, args, constexprs in variants:
         signature, attrs = report["launch_variant"](fn, args, constexprs)
         assert len(signature) + len(constexprs) == len(fn.arg_names), label
@@ -194,7 +194,8 @@ def test_compile_report_launch_warps_are_the_launchers():
         "sla dq (16-row blocks)": 1,
         "sla dkdv (16-key blocks)": 1,
         "sla dkdv + negligible walk": 1,
-        "sla linear fwd (16-row blocks)": 1,
+        "sla fwd (16-row blocks)": 1,
+        "sla fwd + negligible walk": 1,
         "sla linear global term (64-row tiles)": 4,
         "sla linear global dphi (64-row tiles)": 4,
     }
