@@ -47,7 +47,7 @@ from .block_sparse import (
     walk_key_rows,
 )
 from .blocks import csr_to_csc
-from .common import autotuned
+from .common import AUTOTUNE, autotuned
 from .linear_attention import (
     EMPTY_ROW_REL_EPS,
     ONE_WARP_CONFIGS,
@@ -59,6 +59,7 @@ from .linear_attention import (
     global_dphi,
     global_terms,
     linear_global_grads,
+    one_warp_walk,
     phi_rows,
     phi_rows_backward,
     prune_query_walk,
@@ -361,7 +362,7 @@ def _sla_dkdv_kernel(
 _dkdv = autotuned(
     _sla_dkdv_kernel,
     ["HEAD_DIM", "BLOCK", "FEATURE", "EXCLUDE", "HAS_NEG", "PREC"],
-    ONE_WARP_CONFIGS + WALK_CONFIGS,
+    ONE_WARP_CONFIGS + WALK_CONFIGS + [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)],
     prune=prune_query_walk,
 )
 
@@ -574,6 +575,9 @@ def _(q, k, v, phi_k, do_s, o_s, lse, *args):
     return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
 
 
+DKDV_WARPGROUP_STAGES = 1  # pipeline stages of the dk/dv's warpgroup programs without autotuning (see below)
+
+
 @custom_op("sla_backward_dkdv")
 def _sla_backward_dkdv_op(
     q: torch.Tensor,
@@ -605,6 +609,10 @@ def _sla_backward_dkdv_op(
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     options = query_walk_options(d, block_size, q.dtype)  # a 16-key program on one warp, as the query-major walks
     options.pop("PER_ITER")  # one query block per step
+    if not AUTOTUNE and not one_warp_walk(block_size, d):
+        # warpgroup programs (blocks of >= 32 keys, head dims > 64) pipelined 3 deep: 1.95 against 1.35 ms unpipelined
+        # at 256^2, blocks of 64, K = 8 (docs/kernel_notes.md v49), and out of shared memory at head dim 128
+        options["num_stages"] = DKDV_WARPGROUP_STAGES
     _dkdv[(triton.cdiv(n, block_size), bh)](
         q,
         k,
