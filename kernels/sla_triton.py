@@ -446,6 +446,23 @@ class _SLATriton(torch.autograd.Function):
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None, None, None
 
 
+# Pipeline stages of the forward's and the dk/dv's warpgroup programs (blocks of >= 32 rows, head dims > 64) without
+# autotuning. At 256^2, blocks of 64, K = 8 on the H100 (docs/kernel_notes.md v49): the dk/dv 1.34 ms at 2 stages,
+# 1.50 at 1, 1.95 at 3 (and out of shared memory at head dim 128); the forward 0.60 ms at 2, 0.64 at 3.
+WARPGROUP_STAGES = 2
+
+
+def _block_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """Constexprs and launch options of SLA's forward and dk/dv walks, one listed block per step: the query-major
+    walks' (``query_walk_options``: a 16-row or 16-key program on one warp, 3 stages), ``WARPGROUP_STAGES`` for the
+    others."""
+    options = query_walk_options(head_dim, block_size, dtype)
+    options.pop("PER_ITER")
+    if not AUTOTUNE and not one_warp_walk(block_size, head_dim):
+        options["num_stages"] = WARPGROUP_STAGES
+    return options
+
+
 @custom_op("sla_forward")
 def _sla_forward_op(
     q: torch.Tensor,
@@ -467,8 +484,7 @@ def _sla_forward_op(
     o_s = torch.empty_like(q)
     lse = torch.empty(bh, n, device=q.device, dtype=torch.float32)
     o_l, inv_den = (torch.empty_like(q), torch.empty_like(lse)) if exclude else (num, den)
-    options = query_walk_options(d, block_size, q.dtype)  # a 16-row program on one warp
-    options.pop("PER_ITER")  # one listed block per step
+    options = _block_walk_options(d, block_size, q.dtype)
     neg_len = negligible.shape[2] if exclude else 0
     _fwd[(triton.cdiv(n, block_size), bh)](
         q,
@@ -575,9 +591,6 @@ def _(q, k, v, phi_k, do_s, o_s, lse, *args):
     return torch.empty_like(q), torch.empty_like(lse), torch.empty_like(lse)
 
 
-DKDV_WARPGROUP_STAGES = 1  # pipeline stages of the dk/dv's warpgroup programs without autotuning (see below)
-
-
 @custom_op("sla_backward_dkdv")
 def _sla_backward_dkdv_op(
     q: torch.Tensor,
@@ -607,12 +620,7 @@ def _sla_backward_dkdv_op(
     negligible ones; ``exclude`` False: the linear branch's global part only (``linear_scope="all"``)."""
     bh, n, d = q.shape
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    options = query_walk_options(d, block_size, q.dtype)  # a 16-key program on one warp, as the query-major walks
-    options.pop("PER_ITER")  # one query block per step
-    if not AUTOTUNE and not one_warp_walk(block_size, d):
-        # warpgroup programs (blocks of >= 32 keys, head dims > 64) pipelined 3 deep: 1.95 against 1.35 ms unpipelined
-        # at 256^2, blocks of 64, K = 8 (docs/kernel_notes.md v49), and out of shared memory at head dim 128
-        options["num_stages"] = DKDV_WARPGROUP_STAGES
+    options = _block_walk_options(d, block_size, q.dtype)
     _dkdv[(triton.cdiv(n, block_size), bh)](
         q,
         k,
