@@ -125,8 +125,8 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Triton: the forward's kernels, the pieces of SLA's dq and dk/dv kernels (sla_triton.py), and a chunked reduction
-# for the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
+# Triton: the global terms' kernels, the linear steps of SLA's walks (sla_triton.py), and a chunked reduction for
+# the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
 
 
 @triton.jit
@@ -380,7 +380,7 @@ def walk_warps(head_dim: int) -> int:
     return 4 if head_dim <= 64 else 8  # D x D fp32 tiles in registers
 
 
-# The list-walking kernels (the forward walk here, SLA's dq and dk/dv walks) are autotuned on the GPU
+# The list-walking kernels (SLA's forward, dq and dk/dv walks) are autotuned on the GPU
 # (common.AUTOTUNE), like the block-sparse ones: a 16-row (or 16-key) program (head_dim <= 64) on one warp, one listed
 # block per step, once the D x D products are start values (docs/kernel_notes.md v24, v49); other blocks on
 # walk_warps(head_dim) warps.
@@ -440,7 +440,8 @@ def global_dphi(do: torch.Tensor, o: torch.Tensor, kv_total: torch.Tensor, z_tot
     return dphi, delta
 
 
-# The host functions below are torch custom ops (opaque to torch.compile, which traces the code around them).
+# global_terms runs inside SLA's forward op; the host functions after it are torch custom ops (opaque to
+# torch.compile, which traces the code around them).
 def global_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map_name: str, exclude: bool):
     """The linear branch's global part over flattened ``[BH, N, D]`` inputs: ``(phi(q), phi(k), KV_total, Z_total,
     num, den)``. ``exclude``: ``num`` and ``den`` are the fp32 start values ``phi(q) . [KV_total | Z_total]`` of a
