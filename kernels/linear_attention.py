@@ -24,9 +24,9 @@ Two forms:
   * ``_global_term_kernel`` (``global_terms``), 64-row tiles: ``phi(q)`` (fp32 math, one rounding to the input
     dtype, stored for the walks) and the global term ``phi(q) . [KV_total | Z_total]`` as fp32 start values (one
     ``[N, D]`` and one ``[N]`` tensor) of SLA's forward walk, which subtracts ``sum_{u in E(i)} w_tu (v_u, 1)``
-    (two tensor-core dots per block, like the sparse branch without exponentials), applies the empty-row rule and
-    stores ``o_linear`` in the input dtype with fp32 ``1/den`` per row (0 for an empty row); without exclusion,
-    ``o_linear`` itself.
+    (``excluded_fwd_step``: two tensor-core dots per block, like the sparse branch without exponentials), applies
+    the empty-row rule and stores ``o_linear`` in the input dtype with fp32 ``1/den`` per row (0 for an empty row);
+    without exclusion, ``o_linear`` itself.
   * for SLA's dq kernel: ``_global_dphi_kernel`` (``global_dphi``: the global part of ``dphi(q)`` and ``delta`` as
     fp32 start values, 64-row tiles) and ``excluded_dq_step`` (the walk's part; then ``dq`` through phi's Jacobian,
     ``phi_rows_backward``).
@@ -217,11 +217,42 @@ def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def excluded_dkdv_step(a, do, inv_den, delta, b, v, dphi, dv, SCALED_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One step of the key-major dk/dv's excluded part over one query block (keys in M): with the step's ``a =
-    phi(q)``, ``dO``, ``1/den`` and ``delta`` (0 on missing rows), ``dphi(k) -= (v dO^T - delta) / den . a`` and
-    ``dv -= (phi(k) a^T / den) dO``. The ``1/den``-scaled weights can leave fp16's range: ``SCALED_DTYPE`` operands
-    (bf16 for bf16 inputs, else fp32 with tf32 products)."""
+def excluded_fwd_step(a, b, v, listed, num, den, PREC: tl.constexpr):
+    """One step of the forward's excluded part: ``w = phi(q) phi(k)^T`` of the step's keys (zero unless ``listed``,
+    the step's list slot names a block), ``num += w v``, ``den += sum w``."""
+    w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [rows, keys]
+    w = tl.where(listed, w, 0.0)
+    den += tl.sum(w, 1)
+    num += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+    return num, den
+
+
+@triton.jit
+def excluded_dkdv_step(
+    PHI_Q,
+    DO,
+    INV_DEN,
+    DELTA,
+    query_offsets,
+    row_base,
+    rows,
+    r_ok,
+    b,
+    v,
+    dphi,
+    dv,
+    SCALED_DTYPE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One step of the key-major dk/dv's excluded part over one query block (keys in M): loads the block's ``a =
+    phi(q)``, ``dO`` (at ``query_offsets``), ``1/den`` and ``delta`` (rows ``rows`` from ``row_base``; all 0 on rows
+    outside ``r_ok``), then ``dphi(k) -= (v dO^T - delta) / den . a`` and ``dv -= (phi(k) a^T / den) dO``. The
+    ``1/den``-scaled weights can leave fp16's range: ``SCALED_DTYPE`` operands (bf16 for bf16 inputs, else fp32 with
+    tf32 products)."""
+    a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
+    do = tl.load(DO + query_offsets, mask=r_ok[:, None], other=0.0)
+    inv_den = tl.load(INV_DEN + row_base + rows, mask=r_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + rows, mask=r_ok, other=0.0)
     wt = tl.dot(b, tl.trans(a), input_precision=PREC) * inv_den[None, :]
     dwt = (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :]) * inv_den[None, :]
     dphi -= tl.dot(dwt.to(SCALED_DTYPE), a.to(SCALED_DTYPE), input_precision=PREC)

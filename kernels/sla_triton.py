@@ -55,6 +55,7 @@ from .linear_attention import (
     WALK_KEYS,
     excluded_dkdv_step,
     excluded_dq_step,
+    excluded_fwd_step,
     global_dkdv_start,
     global_dphi,
     global_terms,
@@ -139,10 +140,7 @@ def _sla_fwd_kernel(
         m_i, l_i, acc = softmax_step(s, qk_scale, tl.where(blk >= 0, 0.0, float("-inf")), m_i, l_i, acc, v, PREC)
         if EXCLUDE:
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [BLOCK, BLOCK]
-            w = tl.where(blk >= 0, w, 0.0)
-            den_excluded += tl.sum(w, 1)
-            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+            num_excluded, den_excluded = excluded_fwd_step(a, b, v, blk >= 0, num_excluded, den_excluded, PREC)
     acc, lse = finish_softmax(m_i, l_i, acc)
     tl.store(O_S + tile_offsets, acc.to(O_S.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh * n + rows, lse, mask=row_ok)
@@ -156,9 +154,8 @@ def _sla_fwd_kernel(
             k_ok = (krow < n) & (blk >= 0)
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            w = tl.dot(a, tl.trans(b), input_precision=PREC)
-            den_excluded += tl.sum(w, 1)
-            num_excluded += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+            # (an empty slot's phi(K) loads as zeros here: its weights are zero already)
+            num_excluded, den_excluded = excluded_fwd_step(a, b, v, True, num_excluded, den_excluded, PREC)
         num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0) - num_excluded
         den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
         remaining = den - den_excluded
@@ -261,6 +258,17 @@ _dq = autotuned(_sla_dq_kernel, WALK_KEYS, ONE_WARP_CONFIGS + WALK_CONFIGS, prun
 
 
 @triton.jit
+def csc_column(OFFSETS, ROWS, stride_ob, stride_rb, bh, blk):
+    """Key block ``blk``'s column of head ``bh`` in a CSC transpose (``blocks.csr_to_csc``): where its query block ids
+    start, how many there are, and the first id, which ``block_sparse.scalar_step_id`` takes from there on, each id
+    read a step ahead so that Triton pipelines the walk's loads ``num_stages`` deep."""
+    start = tl.load(OFFSETS + bh * stride_ob + blk)
+    col = ROWS + bh * stride_rb + start
+    col_len = tl.load(OFFSETS + bh * stride_ob + blk + 1) - start
+    return col, col_len, first_scalar_id(col, col_len, 0)
+
+
+@triton.jit
 def _sla_dkdv_kernel(
     Q,
     K,
@@ -314,12 +322,7 @@ def _sla_dkdv_kernel(
     dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     no_weight = tl.zeros([BLOCK], tl.float32)
     roff = tl.arange(0, BLOCK)
-    # each query block id read a step ahead (block_sparse.scalar_step_id), so that Triton pipelines the walk's
-    # loads num_stages deep
-    start = tl.load(OFFSETS + bh * stride_ob + blk)
-    col = ROWS + bh * stride_rb + start
-    col_len = tl.load(OFFSETS + bh * stride_ob + blk + 1) - start
-    nxt = first_scalar_id(col, col_len, 0)
+    col, col_len, nxt = csc_column(OFFSETS, ROWS, stride_ob, stride_rb, bh, blk)
     for j in range(0, col_len):  # the critical pairs: both branches
         t, nxt = scalar_step_id(0, col, nxt, j, col_len, 1, 0)
         rows = t.to(tl.int64) * BLOCK + roff
@@ -333,26 +336,19 @@ def _sla_dkdv_kernel(
             k, v, no_weight, k_ok, q, do_s, lse2, delta_s, r_ok, dk, dv, qk_scale, False, False, PREC
         )
         if EXCLUDE:
-            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
-            do_l = tl.load(DO_L + query_offsets, mask=r_ok[:, None], other=0.0)
-            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)  # 0 on missing rows
-            delta_l = tl.load(DELTA_L + bh * n + rows, mask=r_ok, other=0.0)
-            dphi, dv = excluded_dkdv_step(a, do_l, inv_den, delta_l, b, v, dphi, dv, SCALED_DTYPE, PREC)
+            dphi, dv = excluded_dkdv_step(
+                PHI_Q, DO_L, INV_DEN, DELTA_L, query_offsets, bh * n, rows, r_ok, b, v, dphi, dv, SCALED_DTYPE, PREC
+            )
     if HAS_NEG:  # the negligible pairs ("marginal" scope): the linear branch only
-        start = tl.load(NEG_OFFSETS + bh * stride_nob + blk)
-        col = NEG_ROWS + bh * stride_nrb + start
-        col_len = tl.load(NEG_OFFSETS + bh * stride_nob + blk + 1) - start
-        nxt = first_scalar_id(col, col_len, 0)
+        col, col_len, nxt = csc_column(NEG_OFFSETS, NEG_ROWS, stride_nob, stride_nrb, bh, blk)
         for j in range(0, col_len):
             t, nxt = scalar_step_id(0, col, nxt, j, col_len, 1, 0)
             rows = t.to(tl.int64) * BLOCK + roff
             r_ok = rows < n
             query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
-            a = tl.load(PHI_Q + query_offsets, mask=r_ok[:, None], other=0.0)
-            do_l = tl.load(DO_L + query_offsets, mask=r_ok[:, None], other=0.0)
-            inv_den = tl.load(INV_DEN + bh * n + rows, mask=r_ok, other=0.0)
-            delta_l = tl.load(DELTA_L + bh * n + rows, mask=r_ok, other=0.0)
-            dphi, dv = excluded_dkdv_step(a, do_l, inv_den, delta_l, b, v, dphi, dv, SCALED_DTYPE, PREC)
+            dphi, dv = excluded_dkdv_step(
+                PHI_Q, DO_L, INV_DEN, DELTA_L, query_offsets, bh * n, rows, r_ok, b, v, dphi, dv, SCALED_DTYPE, PREC
+            )
     xk = k.to(tl.float32)
     dk = dk * sm_scale + phi_rows_backward(xk, phi_rows(xk, k_ok, FEATURE), dphi, FEATURE)  # Jacobian at phi(k)
     tl.store(DK + key_offsets, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
