@@ -475,8 +475,7 @@ def _pooled_bank_grads(
     offsets, total = _bank_layout(N, B, L, Le)
     n_bank_blocks = triton.cdiv(total, B)
     n_tiles = coarse_lists.shape[1]
-    dbk = torch.empty(BH, total, d, device=qf.device, dtype=torch.float32)
-    dbv = torch.empty_like(dbk)
+    dbank = torch.empty(2, BH, total, d, device=qf.device, dtype=torch.float32)  # dK, dV: one pyramid pass for both
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
     col = 0
     for lvl in range(1, min(Le, L - 1) + 1):  # candidate levels: the B^(lvl+1) queries of an ancestor share a list
@@ -499,8 +498,8 @@ def _pooled_bank_grads(
             scale,
             logw,
             blk_range=(lo, lo + N // B ** (lvl + 1)),
-            dk=dbk,
-            dv=dbv,
+            dk=dbank[0],
+            dv=dbank[1],
         )
     if top_lo < n_bank_blocks:  # coarsest level: every tile lists every block -> one shared list,
         group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
@@ -520,21 +519,19 @@ def _pooled_bank_grads(
             blk_range=(top_lo, n_bank_blocks),
             group=group,
             n_split=bs.split_count(BH * n_groups, n_tiles),
-            dk=dbk,
-            dv=dbv,
+            dk=dbank[0],
+            dv=dbank[1],
             shared_list=True,
         )
     if reference_l1_grad and L == 1:  # the authors' l1 kernel: pooled-path gradient B times too small
-        dbk, dbv = dbk / B, dbv / B
-    gk = gv = None
+        dbank = dbank / B
+    g = None
     for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
-        lo, hi = offsets[lvl - 1], offsets[lvl - 1] + N // B**lvl
-        if gk is not None:  # up() as a broadcast over each parent's B children: one pass, no repeated copy
-            gk = (dbk[:, lo:hi].unflatten(1, (-1, B)) + (gk / B)[:, :, None]).flatten(1, 2)
-            gv = (dbv[:, lo:hi].unflatten(1, (-1, B)) + (gv / B)[:, :, None]).flatten(1, 2)
-        else:
-            gk, gv = dbk[:, lo:hi], dbv[:, lo:hi]
-    return gk.contiguous(), gv.contiguous()
+        rows = dbank[:, :, offsets[lvl - 1] : offsets[lvl - 1] + N // B**lvl]
+        # up() as a broadcast over each parent's B children: one pass, no repeated copy
+        g = rows if g is None else (rows.unflatten(2, (-1, B)) + (g / B)[:, :, :, None]).flatten(2, 3)
+    gk, gv = g.contiguous().unbind(0)
+    return gk, gv
 
 
 # ------------------------------------------------------------------------------------------------------ public API
