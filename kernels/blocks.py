@@ -1,9 +1,11 @@
 """Shared building blocks of the sparse-attention kernels (LLSA, VSA, SLA and the dense `impl: triton` path).
 
-Everything here is plain PyTorch, runs on CPU and CUDA, and is deterministic:
+Everything here is deterministic and, but for one pooling kernel, plain PyTorch that runs on CPU and CUDA:
 
 * ``block_mean(x, block_size)``            fp32 mean over consecutive blocks of tokens (a partial last block is
                                             averaged over its real tokens); ``block_mean_adjoint`` its gradient.
+* ``block_means(xs, block_size)``          the same means of several tensors by a Triton kernel, no gradient (the
+                                            selections' pooling on the Triton path: LLSA's first level, SLA's scores).
 * ``topk_desc(scores, k, ids=None)``        top-k ids by descending score, ties -> smaller id, bitwise reproducible.
 * ``csr_to_csc(index, num_cols)``           transpose of a per-row list of column ids (CSR) into per-column lists of
                                             row ids (CSC), rows ascending inside a column; no float atomics.
@@ -16,8 +18,20 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["block_mean", "block_mean_adjoint", "topk_desc", "csr_to_csc", "exact_fp32_matmul", "fp32_matmul"]
+from .ops import custom_op
+
+__all__ = [
+    "block_mean",
+    "block_mean_adjoint",
+    "block_means",
+    "topk_desc",
+    "csr_to_csc",
+    "exact_fp32_matmul",
+    "fp32_matmul",
+]
 
 
 @contextmanager
@@ -89,6 +103,68 @@ def block_mean_adjoint(grad: torch.Tensor, shape, dtype: torch.dtype, block_size
     if full * B < n:
         gx[..., full * B :, :].copy_(grad[..., full:, :] / (n - full * B))
     return gx
+
+
+@triton.jit
+def _block_means_kernel(
+    X,
+    OUT,
+    stride_b,
+    stride_h,
+    stride_n,
+    stride_d,
+    heads,
+    n,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # program: GROUP consecutive blocks of BLOCK tokens of one (batch, head); their fp32 means over their real tokens
+    # (a partial last block: the tokens before n), rows of OUT
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    x = X + (bh // heads).to(tl.int64) * stride_b + (bh % heads).to(tl.int64) * stride_h
+    blocks = tile * GROUP + tl.arange(0, GROUP)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = blocks[:, None, None].to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :, None]
+    ok = blocks < n_blocks
+    tokens = tl.load(x + rows * stride_n + dims[None, None, :] * stride_d, mask=(rows < n), other=0.0)
+    count = tl.minimum(tl.maximum(n - blocks.to(tl.int64) * BLOCK, 1), BLOCK).to(tl.float32)  # real tokens
+    means = tl.sum(tokens.to(tl.float32), axis=1) / count[:, None]
+    out = OUT + (bh.to(tl.int64) * n_blocks + blocks[:, None]) * HEAD_DIM + dims[None, :]
+    tl.store(out, means, mask=ok[:, None])
+
+
+# (tokens, warps) of a pooling program: whole blocks of >= that many tokens, on >= that many warps (one more warp per
+# 4,096 values). On an H100 at LLSA 256² (q, k, v of 2 x 6 x 65,536 x 64 bf16, 302 MB) one warp per 32 tokens took
+# 0.116 ms, 64 tokens 0.118, 512 tokens on 4 warps 0.129, 128 tokens on 4 warps 0.170 (the warps split each block's
+# rows, so its sum crossed them through shared memory), PyTorch's reduction over the middle dim of [..., blocks, B,
+# d] 0.141 (docs/kernel_notes.md v48).
+BLOCK_MEANS_PROGRAM = (32, 1)
+
+
+@custom_op("block_means")
+def block_means(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """``block_mean`` of each of the same-shaped ``xs`` ``[b, h, N, d]`` (any strides), stacked: fp32 ``[len(xs), b,
+    h, ceil(N / block_size), d]``, the same means summed in the kernel's order (the oracle tests compare them with a
+    tolerance). No gradient: the pooling of the Triton paths' selections (and LLSA's bank)."""
+    b, h, n, d = xs[0].shape
+    n_blocks = triton.cdiv(n, block_size)
+    out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)
+    tokens, warps = BLOCK_MEANS_PROGRAM
+    group = max(1, tokens // block_size)
+    warps = max(warps, group * block_size * d // 4096)
+    for x, part in zip(xs, out):
+        _block_means_kernel[(triton.cdiv(n_blocks, group), b * h)](
+            x, part, *x.stride(), h, n, n_blocks, BLOCK=block_size, GROUP=group, HEAD_DIM=d, num_warps=warps
+        )
+    return out
+
+
+@block_means.register_fake
+def _(xs, block_size):
+    b, h, n, d = xs[0].shape
+    return xs[0].new_empty((len(xs), b, h, triton.cdiv(n, block_size), d), dtype=torch.float32)
 
 
 def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

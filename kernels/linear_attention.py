@@ -133,14 +133,66 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 def phi_rows(x, row_ok, FEATURE: tl.constexpr):
     """The feature map along the last axis of an fp32 ``[rows, D]`` tile; rows with ``row_ok`` false give 0
     (the masked tail of a partial block: softmax would give 1/D there)."""
+    row_max, row_sum = phi_row_stats(x, FEATURE)
+    return phi_columns(x, row_max, row_sum, row_ok, FEATURE)
+
+
+@triton.jit
+def phi_row_stats(x, FEATURE: tl.constexpr):
+    """What the softmax feature map of an fp32 ``[rows, D]`` tile needs of whole rows: each row's max and its sum
+    of ``exp(x - max)`` (zeros for the elementwise maps)."""
     if FEATURE == "softmax":
-        e = tl.exp(x - tl.max(x, 1)[:, None])
-        a = e / tl.sum(e, 1)[:, None]
+        row_max = tl.max(x, 1)
+        row_sum = tl.sum(tl.exp(x - row_max[:, None]), 1)
+    else:
+        row_max = tl.zeros([x.shape[0]], tl.float32)
+        row_sum = row_max
+    return row_max, row_sum
+
+
+@triton.jit
+def phi_columns(x, row_max, row_sum, row_ok, FEATURE: tl.constexpr):
+    """The feature map of fp32 ``x``, any columns of the rows whose ``phi_row_stats`` are given (a slice of them
+    gives that slice of ``phi_rows``, bit for bit); rows with ``row_ok`` false give 0."""
+    if FEATURE == "softmax":
+        a = tl.exp(x - row_max[:, None]) / row_sum[:, None]
     elif FEATURE == "elu":
         a = tl.where(x > 0, x + 1.0, tl.exp(x))  # elu(x) + 1 = exp(x) for x <= 0
     else:
         a = tl.maximum(x, 0.0)
     return tl.where(row_ok[:, None], a, 0.0)
+
+
+@triton.jit
+def rows_times_sums(
+    X,
+    row_start,
+    row_ok,
+    S,
+    stride_si,
+    stride_sj,
+    row_max,
+    row_sum,
+    acc,
+    HEAD_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FEATURE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``acc + f(x) @ S`` in fp32 for the rows of ``X`` starting at ``row_start`` (``[rows]`` offsets, ``row_ok``)
+    and a D x D fp32 matrix ``S`` (element (i, j) at ``i * stride_si + j * stride_sj``), one ``CHUNK``-column slice
+    of the rows (and ``CHUNK``-row slice of S) at a time, so that a one-warp program never holds all of S (128
+    registers at D = 64). ``f``: the feature map (``FEATURE``, with the rows' ``phi_row_stats``) rounded to X's
+    dtype, the values of the stored ``phi(x)``; ``FEATURE = ""``: the identity."""
+    dims = tl.arange(0, HEAD_DIM)
+    for c in tl.static_range(0, HEAD_DIM, CHUNK):
+        cols = c + tl.arange(0, CHUNK)
+        x = tl.load(X + row_start[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
+        if FEATURE != "":
+            x = phi_columns(x.to(tl.float32), row_max, row_sum, row_ok, FEATURE).to(x.dtype)
+        s_rows = tl.load(S + cols[:, None] * stride_si + dims[None, :] * stride_sj)
+        acc = tl.dot(x.to(tl.float32), s_rows, acc, input_precision=PREC)
+    return acc
 
 
 @triton.jit
@@ -209,11 +261,11 @@ def _feature_sums_kernel(
 
 @triton.jit
 def excluded_dq_step(do, delta, b, v, k_ok, acc, PREC: tl.constexpr):
-    """One step of dq's excluded part: ``acc += (dO v^T - delta) phi(k)`` over the step's keys."""
+    """One step of dq's excluded part: ``acc -= (dO v^T - delta) phi(k)`` over the step's keys."""
     dw = tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]
     # (phi(k) = 0 on missing keys already; the explicit mask also takes ptxas from 254 to 164 registers)
     dw = tl.where(k_ok[None, :], dw, 0.0)
-    return acc + tl.dot(dw.to(b.dtype), b, input_precision=PREC)
+    return tl.dot((-dw).to(b.dtype), b, acc, input_precision=PREC)
 
 
 @triton.jit
@@ -223,7 +275,7 @@ def excluded_fwd_step(a, b, v, listed, num, den, PREC: tl.constexpr):
     w = tl.dot(a, tl.trans(b), input_precision=PREC)  # [rows, keys]
     w = tl.where(listed, w, 0.0)
     den += tl.sum(w, 1)
-    num += tl.dot(w.to(v.dtype), v, input_precision=PREC)
+    num = tl.dot((-w).to(v.dtype), v, num, input_precision=PREC)
     return num, den
 
 
@@ -276,24 +328,15 @@ def global_dkdv_start(
     PREC: tl.constexpr,
 ):
     """The global part of the key-major dk/dv for the ``ROWS`` key rows ``key_rows`` of head ``bh`` of ``[BH, n,
-    D]`` inputs (the walk's fp32 start values): ``dphi(k) = v d_KV^T + d_Z`` and ``dv = phi(k) d_KV``. The D x D
-    products run in slices of ``CHUNK`` of their inner dimension, so that a one-warp program holds one ``[CHUNK, D]``
-    slice of ``d_KV`` at a time instead of two whole fp32 ``[D, D]`` tiles (128 registers each at D = 64)."""
-    dims = tl.arange(0, HEAD_DIM)
-    part = tl.arange(0, CHUNK)
-    d_kv_base = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
-    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + dims)
+    D]`` inputs (the walk's fp32 start values): ``dphi(k) = v d_KV^T + d_Z`` and ``dv = phi(k) d_KV``, in slices
+    (``rows_times_sums``)."""
+    d_kv = D_KV_TOTAL + bh * HEAD_DIM * HEAD_DIM
+    row_start = bh * n * HEAD_DIM + key_rows * HEAD_DIM
+    d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + tl.arange(0, HEAD_DIM))
     dphi = tl.zeros([ROWS, HEAD_DIM], tl.float32) + d_z[None, :]
+    dphi = rows_times_sums(V, row_start, k_ok, d_kv, 1, HEAD_DIM, 0.0, 0.0, dphi, HEAD_DIM, CHUNK, "", PREC)  # d_KV^T
     dv = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for c in tl.static_range(0, HEAD_DIM, CHUNK):
-        cols = c + part
-        offs = bh * n * HEAD_DIM + key_rows[:, None] * HEAD_DIM + cols[None, :]
-        v_c = tl.load(V + offs, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        b_c = tl.load(PHI_K + offs, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        kv_rows = tl.load(d_kv_base + cols[:, None] * HEAD_DIM + dims[None, :])  # d_KV[c:c + CHUNK, :]
-        kv_t_rows = tl.load(d_kv_base + dims[None, :] * HEAD_DIM + cols[:, None])  # d_KV^T[c:c + CHUNK, :]
-        dphi += tl.dot(v_c, kv_t_rows, input_precision=PREC)
-        dv += tl.dot(b_c, kv_rows, input_precision=PREC)
+    dv = rows_times_sums(PHI_K, row_start, k_ok, d_kv, HEAD_DIM, 1, 0.0, 0.0, dv, HEAD_DIM, CHUNK, "", PREC)
     return dphi, dv
 
 
@@ -305,71 +348,6 @@ def row_tile(n, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offsets = bh * n * HEAD_DIM + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     return bh, rows, rows < n, offsets
-
-
-@triton.jit
-def _global_dphi_kernel(
-    DO,
-    O,
-    KV_TOTAL,
-    Z_TOTAL,
-    DPHI,
-    DELTA,
-    n,
-    HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # The backward's global term on tiles of TILE rows: delta = dO . o and the global part of d phi(q) (times den),
-    # dO KV_total^T - delta Z_total, fp32 start values of SLA's dq walk (sla_triton._sla_dq_kernel)
-    bh, rows, row_ok, tile_offsets = row_tile(n, TILE, HEAD_DIM)
-    dims = tl.arange(0, HEAD_DIM)
-    do = tl.load(DO + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    o = tl.load(O + tile_offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    delta = tl.sum(do * o, 1)
-    kv_total_t = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[None, :] * HEAD_DIM + dims[:, None])  # [j, i]
-    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    dphi = tl.dot(do, kv_total_t, input_precision=PREC) - delta[:, None] * z_total[None, :]
-    tl.store(DPHI + tile_offsets, dphi, mask=row_ok[:, None])
-    tl.store(DELTA + bh * n + rows, delta, mask=row_ok)
-
-
-@triton.jit
-def _global_term_kernel(
-    Q,
-    KV_TOTAL,
-    Z_TOTAL,
-    PHI_Q,
-    NUM,
-    DEN,
-    n,
-    all_scope_eps,
-    HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr,
-    FEATURE: tl.constexpr,
-    EXCLUDE: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # phi(q) (one rounding to the input dtype, stored for the walks) and the global term phi(q) . [KV_total | Z_total]
-    # on tiles of TILE rows. EXCLUDE: NUM, DEN are the fp32 start values of the excluded walk (SLA's forward); else
-    # ("all" scope, nothing to walk) the output itself: NUM = o_linear in the input dtype, DEN = 1 / (den + eps).
-    bh, rows, row_ok, tile_offsets = row_tile(n, TILE, HEAD_DIM)
-    dims = tl.arange(0, HEAD_DIM)
-    x = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
-    a = phi_rows(x.to(tl.float32), row_ok, FEATURE).to(x.dtype)
-    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])
-    af = a.to(tl.float32)
-    kv_total = tl.load(KV_TOTAL + bh * HEAD_DIM * HEAD_DIM + dims[:, None] * HEAD_DIM + dims[None, :])
-    z_total = tl.load(Z_TOTAL + bh * HEAD_DIM + dims)
-    num = tl.dot(af, kv_total, input_precision=PREC)  # phi(q) . sum_u phi(k_u) v_u^T
-    den = tl.sum(af * z_total[None, :], 1)  # exact fp32: the walk's empty-row test needs it
-    if EXCLUDE:
-        tl.store(NUM + tile_offsets, num, mask=row_ok[:, None])
-        tl.store(DEN + bh * n + rows, den, mask=row_ok)
-    else:
-        inv_den = 1.0 / (den + all_scope_eps)
-        tl.store(NUM + tile_offsets, (num * inv_den[:, None]).to(NUM.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
 SUM_CHUNK = 1024  # rows per partial of the global sums: N / 1024 programs per head instead of one
@@ -432,9 +410,6 @@ def prune_query_walk(configs, named_args, **kwargs):
     return [c for c in configs if (c.num_warps == 1) == one_warp]
 
 
-GLOBAL_TILE = 64  # rows per program of the global term: one wgmma-sized product with the D x D sums
-
-
 def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of a query-major walk from start values (the forward and SLA's dq): a 16-row
     program (``one_warp_walk``) on one warp, one listed block per step, 3 stages when not autotuned (at 256^2, K =
@@ -447,59 +422,6 @@ def query_walk_options(head_dim: int, block_size: int, dtype: torch.dtype) -> di
         launch = {"num_warps": 1, "num_stages": 3} if one_warp else {"num_warps": walk_warps(head_dim)}
     per_iter = walk_blocks_per_step(block_size, block_size, head_dim)  # one block per step on one warp
     return dict(HEAD_DIM=head_dim, BLOCK=block_size, PER_ITER=per_iter, PREC=dot_precision(dtype), **launch)
-
-
-def global_dphi(do: torch.Tensor, o: torch.Tensor, kv_total: torch.Tensor, z_total: torch.Tensor):
-    """fp32 ``(dO KV_total^T - delta Z_total [BH, N, D], delta = dO . o [BH, N])`` of the linear branch: the start
-    values of SLA's dq walk."""
-    bh, n, d = do.shape
-    dphi = do.new_empty((bh, n, d), dtype=torch.float32)
-    delta = do.new_empty((bh, n), dtype=torch.float32)
-    _global_dphi_kernel[(triton.cdiv(n, GLOBAL_TILE), bh)](
-        do,
-        o,
-        kv_total,
-        z_total,
-        dphi,
-        delta,
-        n,
-        HEAD_DIM=d,
-        TILE=GLOBAL_TILE,
-        PREC=dot_precision(do.dtype),
-        num_warps=walk_warps(d),
-    )
-    return dphi, delta
-
-
-# global_terms runs inside SLA's forward op; the host functions after it are torch custom ops (opaque to
-# torch.compile, which traces the code around them).
-def global_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map_name: str, exclude: bool):
-    """The linear branch's global part over flattened ``[BH, N, D]`` inputs: ``(phi(q), phi(k), KV_total, Z_total,
-    num, den)``. ``exclude``: ``num`` and ``den`` are the fp32 start values ``phi(q) . [KV_total | Z_total]`` of a
-    walk that subtracts the excluded blocks (SLA's forward kernel); otherwise (``"all"`` scope) the output itself,
-    ``o_linear`` in the input dtype and ``1/(den + 1e-5)``."""
-    bh, n, d = q.shape
-    phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name)
-    phi_q = torch.empty_like(q)
-    num = q.new_empty((bh, n, d), dtype=torch.float32) if exclude else torch.empty_like(q)
-    den = torch.empty(bh, n, device=q.device, dtype=torch.float32)
-    _global_term_kernel[(triton.cdiv(n, GLOBAL_TILE), bh)](
-        q,
-        kv_total,
-        z_total,
-        phi_q,
-        num,
-        den,
-        n,
-        ALL_SCOPE_EPS,
-        HEAD_DIM=d,
-        TILE=GLOBAL_TILE,
-        FEATURE=feature_map_name,
-        EXCLUDE=exclude,
-        PREC=dot_precision(q.dtype),
-        num_warps=walk_warps(d),
-    )
-    return phi_q, phi_k, kv_total, z_total, num, den
 
 
 @custom_op("linear_global_grads")

@@ -28,12 +28,10 @@ from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from . import block_sparse as bs
-from .blocks import block_mean, csr_to_csc
+from .blocks import block_mean, block_means, csr_to_csc
 from .common import autocast_inputs, check_qkv, use_triton
-from .ops import custom_op
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -135,65 +133,6 @@ def _pyramid(x: torch.Tensor, block_size: int, levels: int, first: torch.Tensor 
     return out
 
 
-@triton.jit
-def _block_means_kernel(
-    X,
-    OUT,
-    stride_b,
-    stride_h,
-    stride_n,
-    stride_d,
-    heads,
-    n_blocks,
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # program: GROUP consecutive blocks of BLOCK tokens of one (batch, head); their fp32 means, rows of OUT
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    x = X + (bh // heads).to(tl.int64) * stride_b + (bh % heads).to(tl.int64) * stride_h
-    blocks = tile * GROUP + tl.arange(0, GROUP)
-    dims = tl.arange(0, HEAD_DIM)
-    rows = blocks[:, None, None].to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :, None]
-    ok = blocks < n_blocks
-    tokens = tl.load(x + rows * stride_n + dims[None, None, :] * stride_d, mask=ok[:, None, None], other=0.0)
-    means = tl.sum(tokens.to(tl.float32), axis=1) / BLOCK
-    out = OUT + (bh.to(tl.int64) * n_blocks + blocks[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(out, means, mask=ok[:, None])
-
-
-# (tokens, warps) of a pooling program: whole blocks of >= that many tokens, on >= that many warps (one more warp per
-# 4,096 values). On an H100 at LLSA 256² (q, k, v of 2 x 6 x 65,536 x 64 bf16, 302 MB) one warp per 32 tokens took
-# 0.116 ms, 64 tokens 0.118, 512 tokens on 4 warps 0.129, 128 tokens on 4 warps 0.170 (the warps split each block's
-# rows, so its sum crossed them through shared memory), PyTorch's reduction over the middle dim of [..., blocks, B,
-# d] 0.141 (docs/kernel_notes.md v48).
-BLOCK_MEANS_PROGRAM = (32, 1)
-
-
-@custom_op("llsa_block_means")
-def _block_means_op(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
-    """Level 1 of the pyramids of same-shaped ``xs`` ``[b, h, N, d]`` (N a multiple of ``block_size``): their fp32
-    block means stacked, ``[len(xs), b, h, N / block_size, d]``, as ``_pyramid``'s first level but summed in the
-    kernel's order (the oracle tests compare them with a tolerance); the Triton path's pooling."""
-    b, h, n, d = xs[0].shape
-    n_blocks = n // block_size
-    out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)
-    tokens, warps = BLOCK_MEANS_PROGRAM
-    group = max(1, tokens // block_size)
-    warps = max(warps, group * block_size * d // 4096)
-    for x, part in zip(xs, out):
-        _block_means_kernel[(triton.cdiv(n_blocks, group), b * h)](
-            x, part, *x.stride(), h, n_blocks, BLOCK=block_size, GROUP=group, HEAD_DIM=d, num_warps=warps
-        )
-    return out
-
-
-@_block_means_op.register_fake
-def _(xs, block_size):
-    b, h, n, d = xs[0].shape
-    return xs[0].new_empty((len(xs), b, h, n // block_size, d), dtype=torch.float32)
-
-
 def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
     """Hierarchical top-k on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
     Coarsest level: every key is a candidate; level l < L: the B children of each of the parent's K_{l+1} picks,
@@ -222,7 +161,7 @@ def llsa_select(
     clamped as in ``llsa_check``. ``impl``: "auto" (fused Triton top-k on CUDA), "triton", "torch".
     """
     cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
-    means = _block_means_op([q.detach(), k.detach()], block_size) if use_triton(q, impl) else None
+    means = block_means([q.detach(), k.detach()], block_size) if use_triton(q, impl) else None
     return _select(q, k, block_size, cfg, impl, means)
 
 
@@ -604,7 +543,7 @@ def llsa_attention(
     if means is None:  # the level-1 means of what this call pools: q to select, k to select or bank, v to bank
         pooled = {"q": index is None, "k": index is None or Le >= 1, "v": Le >= 1}
         xs = [x.detach() for x, name in zip((q, k, v), "qkv") if pooled[name]]
-        found = iter(_block_means_op(xs, block_size).unbind(0) if xs else ())
+        found = iter(block_means(xs, block_size).unbind(0) if xs else ())
         q1, k1, v1 = (next(found) if pooled[name] else None for name in "qkv")
     else:
         q1, k1, v1 = means.unbind(0)

@@ -41,7 +41,7 @@ import math
 import torch
 
 from .block_sparse import block_sparse_attention
-from .blocks import block_mean, exact_fp32_matmul
+from .blocks import block_mean, block_means, exact_fp32_matmul
 from .common import (
     autocast_inputs,
     check_block_size,
@@ -58,9 +58,19 @@ from .sla_triton import sla_triton
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
 
-def _pooled_for_scores(q: torch.Tensor, k: torch.Tensor, block_size: int):
-    """fp32 ``mean(q_i)`` and smooth-K ``mean(k_j) - mean(k)`` (= ``mean(k_j - mean(k))``), ``[B, H, T, D]`` each."""
-    return block_mean(q, block_size), block_mean(k, block_size) - k.mean(2, keepdim=True, dtype=torch.float32)
+def _pooled_for_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, triton_path: bool = False):
+    """fp32 ``mean(q_i)`` and smooth-K ``mean(k_j) - mean(k)`` (= ``mean(k_j - mean(k))``), ``[B, H, T, D]`` each.
+    ``triton_path``: the block means by one kernel (``block_means``) and ``mean(k)`` as their token-weighted mean,
+    instead of three PyTorch reductions over the tokens (the same values up to fp32 summation order; ``mean(k)``
+    moves a row's scores all by one ``mean(q_i) . mean(k)``, so its rounding cannot reorder a row's blocks beyond
+    the scores' own rounding)."""
+    if not triton_path:
+        return block_mean(q, block_size), block_mean(k, block_size) - k.mean(2, keepdim=True, dtype=torch.float32)
+    q_pool, k_pool = block_means([q.detach(), k.detach()], block_size)
+    n, t = k.shape[2], k_pool.shape[2]
+    tokens = torch.full((t, 1), float(block_size), device=k.device)  # each block's real tokens
+    tokens[-1] = n - (t - 1) * block_size
+    return q_pool, k_pool - (k_pool * tokens).sum(2, keepdim=True) / n
 
 
 def sla_scores(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -105,9 +115,9 @@ def sla_select(
     check_block_size(block_size)
     t = num_blocks(q.shape[2], block_size)
     kk = resolve_topk(t, topk, topk_ratio)
-    with torch.no_grad():
-        q_pool, k_pool = _pooled_for_scores(q, k, block_size)
     triton_topk = use_triton(q, impl)
+    with torch.no_grad():
+        q_pool, k_pool = _pooled_for_scores(q, k, block_size, triton_topk)
     critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=triton_topk)
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:

@@ -49,6 +49,7 @@ from .block_sparse import (
 from .blocks import csr_to_csc
 from .common import AUTOTUNE, autotuned
 from .linear_attention import (
+    ALL_SCOPE_EPS,
     EMPTY_ROW_REL_EPS,
     ONE_WARP_CONFIGS,
     WALK_CONFIGS,
@@ -56,16 +57,18 @@ from .linear_attention import (
     excluded_dkdv_step,
     excluded_dq_step,
     excluded_fwd_step,
+    feature_sums,
     global_dkdv_start,
-    global_dphi,
-    global_terms,
     linear_global_grads,
     one_warp_walk,
+    phi_columns,
+    phi_row_stats,
     phi_rows,
     phi_rows_backward,
     prune_query_walk,
     query_walk_options,
     row_tile,
+    rows_times_sums,
 )
 from .ops import custom_op
 
@@ -75,10 +78,10 @@ def _sla_fwd_kernel(
     Q,
     K,
     V,
-    PHI_Q,
     PHI_K,
-    NUM,
-    DEN,
+    KV_TOTAL,
+    Z_TOTAL,
+    PHI_Q,
     O_S,
     LSE,
     O_L,
@@ -94,8 +97,11 @@ def _sla_fwd_kernel(
     neg_len,
     qk_scale,
     empty_row_rel_eps,
+    all_scope_eps,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
@@ -104,22 +110,27 @@ def _sla_fwd_kernel(
 ):
     # One program per query block, one listed key block per step, K, V and phi(K) loaded once for both branches:
     #   sparse: the online softmax over the critical blocks (block_sparse.softmax_step) -> o_sparse, LSE
-    #   linear: the global term's fp32 start values NUM, DEN (linear_attention._global_term_kernel) minus the
-    #           excluded pairs, w = phi(q) phi(k)^T: NUM -= w v, DEN -= sum w; then the empty-row rule -> o_linear,
-    #           1/den (0 for an empty row)
+    #   linear: phi(q) (stored for the backward) and its global term phi(q) . [KV_total | Z_total] in fp32 minus
+    #           the excluded pairs, w = phi(q) phi(k)^T: num -= w v, den -= sum w; then the empty-row rule ->
+    #           o_linear, 1/den (0 for an empty row). Without exclusion ("all" scope) o_linear = num / (den + eps).
     # An empty list slot (-1) is a -inf bias for the softmax and a zero weight for the linear branch.
     tile = tl.program_id(0)
     bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
     q = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
+    x = q.to(tl.float32)
+    row_max, row_sum = phi_row_stats(x, FEATURE)
+    a = phi_columns(x, row_max, row_sum, row_ok, FEATURE).to(q.dtype)  # one rounding, as the walks read it
+    tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])
+    den = tl.sum(a.to(tl.float32) * tl.load(Z_TOTAL + bh * HEAD_DIM + dims)[None, :], 1)  # exact fp32
+    num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    num = rows_times_sums(Q, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, HEAD_DIM, 1,
+                          row_max, row_sum, num, HEAD_DIM, CHUNK, FEATURE, PREC)  # fmt: skip
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    num_excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     den_excluded = tl.zeros([BLOCK], tl.float32)
-    if EXCLUDE:
-        a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     koff = tl.arange(0, BLOCK)
     list_base = LIST + bh * stride_lb + tile.to(tl.int64) * stride_lt
     ids = listed_ids(list_base, list_len, LIST_SLOTS, 1)
@@ -140,7 +151,7 @@ def _sla_fwd_kernel(
         m_i, l_i, acc = softmax_step(s, qk_scale, tl.where(blk >= 0, 0.0, float("-inf")), m_i, l_i, acc, v, PREC)
         if EXCLUDE:
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
-            num_excluded, den_excluded = excluded_fwd_step(a, b, v, blk >= 0, num_excluded, den_excluded, PREC)
+            num, den_excluded = excluded_fwd_step(a, b, v, blk >= 0, num, den_excluded, PREC)
     acc, lse = finish_softmax(m_i, l_i, acc)
     tl.store(O_S + tile_offsets, acc.to(O_S.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh * n + rows, lse, mask=row_ok)
@@ -155,20 +166,21 @@ def _sla_fwd_kernel(
             b = tl.load(PHI_K + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + base + krow[:, None] * HEAD_DIM + dims[None, :], mask=k_ok[:, None], other=0.0)
             # (an empty slot's phi(K) loads as zeros here: its weights are zero already)
-            num_excluded, den_excluded = excluded_fwd_step(a, b, v, True, num_excluded, den_excluded, PREC)
-        num = tl.load(NUM + tile_offsets, mask=row_ok[:, None], other=0.0) - num_excluded
-        den = tl.load(DEN + bh * n + rows, mask=row_ok, other=0.0)
+            num, den_excluded = excluded_fwd_step(a, b, v, True, num, den_excluded, PREC)
+    if EXCLUDE:
         remaining = den - den_excluded
         # empty linear set (or vanishing relu features): output 0, and 1/den = 0 zeroes every gradient of the row
         keep = remaining > empty_row_rel_eps * den
         inv_den = tl.where(keep, 1.0 / tl.where(keep, remaining, 1.0), 0.0)
-        tl.store(O_L + tile_offsets, (num * inv_den[:, None]).to(O_L.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
+    else:
+        inv_den = 1.0 / (den + all_scope_eps)
+    tl.store(O_L + tile_offsets, (num * inv_den[:, None]).to(O_L.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(INV_DEN + bh * n + rows, inv_den, mask=row_ok)
 
 
 _fwd = autotuned(
     _sla_fwd_kernel,
-    ["HEAD_DIM", "BLOCK", "EXCLUDE", "EVEN", "PREC", "LIST_SLOTS", "NEG_SLOTS"],
+    ["HEAD_DIM", "BLOCK", "FEATURE", "EXCLUDE", "EVEN", "PREC", "LIST_SLOTS", "NEG_SLOTS"],
     ONE_WARP_CONFIGS + WALK_CONFIGS,
     prune=prune_query_walk,
 )
@@ -185,9 +197,11 @@ def _sla_dq_kernel(
     LSE,
     DELTA_S,
     DO_L,
+    O_L,
     INV_DEN,
+    KV_TOTAL,
+    Z_TOTAL,
     DELTA_L,
-    DPHI,
     DQ,
     LIST,
     NEG,
@@ -202,6 +216,7 @@ def _sla_dq_kernel(
     sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     PER_ITER: tl.constexpr,
     FEATURE: tl.constexpr,
     EXCLUDE: tl.constexpr,
@@ -211,7 +226,7 @@ def _sla_dq_kernel(
 ):
     # sparse: dq_s = scale * sum_u P_tu (dO_t . v_u - Δ_t) k_u over the critical keys (block_sparse._dq_kernel)
     # linear: dphi(q_t) = (dO_t KV_total^T - delta_t Z_total - sum_{u in E(t)} (dO_t . v_u - delta_t) phi(k_u)) / den_t
-    #         from the global part and delta_t = dO_t . o_t of linear_attention.global_dphi (DPHI, DELTA_L)
+    #         with delta_t = dO_t . o_t; both Δ are stored for the dk/dv
     tile = tl.program_id(0)
     bh, rows, row_ok, tile_offsets = row_tile(n, BLOCK, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
@@ -223,9 +238,14 @@ def _sla_dq_kernel(
     tl.store(DELTA_S + bh * n + rows, delta_s, mask=row_ok)
     lse2 = tl.load(LSE + bh * n + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     do_l = tl.load(DO_L + tile_offsets, mask=row_ok[:, None], other=0.0)
+    o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
+    delta_l = tl.sum(o_l.to(tl.float32) * do_l.to(tl.float32), 1)
+    tl.store(DELTA_L + bh * n + rows, delta_l, mask=row_ok)
     dq_s = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    excluded = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    delta_l = tl.load(DELTA_L + bh * n + rows, mask=row_ok, other=0.0)
+    # the global part, dO KV_total^T - delta Z_total, from dO's rows again a slice at a time (as the forward's)
+    dphi = tl.zeros([BLOCK, HEAD_DIM], tl.float32) - delta_l[:, None] * tl.load(Z_TOTAL + bh * HEAD_DIM + dims)[None, :]
+    dphi = rows_times_sums(DO_L, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, 1, HEAD_DIM,
+                           0.0, 0.0, dphi, HEAD_DIM, CHUNK, "", PREC)  # fmt: skip
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
@@ -237,7 +257,7 @@ def _sla_dq_kernel(
         dq_s = gathered_dq_step(s, k, v, do_s, lse2, delta_s, k_ok[None, :] & row_ok[:, None], dq_s, True, PREC)
         if EXCLUDE:
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
-            excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
+            dphi = excluded_dq_step(do_l, delta_l, b, v, k_ok, dphi, PREC)
     if EXCLUDE:  # the negligible blocks ("marginal" scope): the linear branch only
         koff, slot, neg_base = list_walk_start(NEG, bh, tile, stride_nb, stride_nt, BLOCK, PER_ITER)
         neg_ids = listed_ids(neg_base, neg_len, NEG_SLOTS, PER_ITER)
@@ -246,9 +266,8 @@ def _sla_dq_kernel(
             key_offsets = base + krow[:, None] * HEAD_DIM + dims[None, :]
             b = tl.load(PHI_K + key_offsets, mask=k_ok[:, None], other=0.0)
             v = tl.load(V + key_offsets, mask=k_ok[:, None], other=0.0)
-            excluded = excluded_dq_step(do_l, delta_l, b, v, k_ok, excluded, PREC)
-    dphi = tl.load(DPHI + tile_offsets, mask=row_ok[:, None], other=0.0)
-    dphi = (dphi - excluded) * tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)[:, None]
+            dphi = excluded_dq_step(do_l, delta_l, b, v, k_ok, dphi, PREC)
+    dphi = dphi * tl.load(INV_DEN + bh * n + rows, mask=row_ok, other=0.0)[:, None]
     x = q.to(tl.float32)
     dq = dq_s * sm_scale + phi_rows_backward(x, phi_rows(x, row_ok, FEATURE), dphi, FEATURE)
     tl.store(DQ + tile_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -476,20 +495,20 @@ def _sla_forward_op(
     """Both branches' forward over flattened ``[BH, N, D]`` inputs: ``(o_sparse, LSE, o_linear, 1/den, phi(q),
     phi(k), KV_total, Z_total)``, the last six for the backward."""
     bh, n, d = q.shape
-    phi_q, phi_k, kv_total, z_total, num, den = global_terms(q, k, v, feature_map_name, exclude)
-    o_s = torch.empty_like(q)
+    phi_k, kv_total, z_total = feature_sums(k, v, feature_map_name)
+    phi_q, o_s, o_l = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     lse = torch.empty(bh, n, device=q.device, dtype=torch.float32)
-    o_l, inv_den = (torch.empty_like(q), torch.empty_like(lse)) if exclude else (num, den)
+    inv_den = torch.empty_like(lse)
     options = _block_walk_options(d, block_size, q.dtype)
     neg_len = negligible.shape[2] if exclude else 0
     _fwd[(triton.cdiv(n, block_size), bh)](
         q,
         k,
         v,
-        phi_q,
         phi_k,
-        num,
-        den,
+        kv_total,
+        z_total,
+        phi_q,
         o_s,
         lse,
         o_l,
@@ -500,7 +519,10 @@ def _sla_forward_op(
         neg_len,
         scale * LOG2E,
         EMPTY_ROW_REL_EPS,
+        ALL_SCOPE_EPS,
         **options,
+        CHUNK=min(16, d),
+        FEATURE=feature_map_name,
         EXCLUDE=exclude,
         EVEN=n % block_size == 0,
         LIST_SLOTS=list_slots(critical.shape[2], 1),
@@ -550,8 +572,7 @@ def _sla_backward_dq_op(
     bh, n, d = q.shape
     t = triton.cdiv(n, block_size)
     dq = torch.empty_like(q)
-    delta_s = torch.empty_like(lse)
-    dphi, delta_l = global_dphi(do_l, o_l, kv_total, z_total)
+    delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
     options = query_walk_options(d, block_size, q.dtype)
     _dq[(t, bh)](
         q,
@@ -563,9 +584,11 @@ def _sla_backward_dq_op(
         lse,
         delta_s,
         do_l,
+        o_l,
         inv_den,
+        kv_total,
+        z_total,
         delta_l,
-        dphi,
         dq,
         *_list_args(critical, negligible),
         n,
@@ -574,6 +597,7 @@ def _sla_backward_dq_op(
         scale * LOG2E,
         scale,
         **options,
+        CHUNK=min(16, d),
         FEATURE=feature_map_name,
         EXCLUDE=exclude,
         LIST_SLOTS=list_slots(critical.shape[2], options["PER_ITER"]),

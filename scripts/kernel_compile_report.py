@@ -285,14 +285,15 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     def sla_dq(k_top, n_neg):  # SLA's dq kernel: 16-row blocks over K critical and n_neg negligible blocks
         p = "*bf16"
-        args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, INV_DEN="*fp32")
-        args |= dict(DELTA_L="*fp32", DPHI="*fp32", DQ=p, LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top)
+        args = dict(Q=p, K=p, V=p, PHI_K=p, DO_S=p, O_S=p, LSE="*fp32", DELTA_S="*fp32", DO_L=p, O_L=p)
+        args |= dict(INV_DEN="*fp32", KV_TOTAL="*fp32", Z_TOTAL="*fp32", DELTA_L="*fp32", DQ=p, LIST="*i32")
+        args |= dict(NEG="*i32", stride_lb=(n // 16) * k_top)
         args |= dict(stride_lt=k_top, stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top)
         args |= dict(neg_len=n_neg, qk_scale=0.18, sm_scale=0.125)
         const = query_walk_constexprs()
         slots = dict(LIST_SLOTS=block_sparse.list_slots(k_top, const["PER_ITER"]))
         slots |= dict(NEG_SLOTS=block_sparse.list_slots(n_neg, const["PER_ITER"]))
-        return args, const | dict(FEATURE="softmax", EXCLUDE=True, **slots)
+        return args, const | dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, **slots)
 
     def sla_dkdv(n_neg):  # SLA's key-major dk/dv of both branches over the CSCs of the critical and negligible lists
         p = "*bf16"
@@ -307,23 +308,14 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
     def sla_fwd(k_top, n_neg):  # SLA's forward walk: both branches over K critical and n_neg negligible blocks
         p = "*bf16"
-        args = dict(Q=p, K=p, V=p, PHI_Q=p, PHI_K=p, NUM="*fp32", DEN="*fp32", O_S=p, LSE="*fp32", O_L=p)
+        args = dict(Q=p, K=p, V=p, PHI_K=p, KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q=p, O_S=p, LSE="*fp32", O_L=p)
         args |= dict(INV_DEN="*fp32", LIST="*i32", NEG="*i32", stride_lb=(n // 16) * k_top, stride_lt=k_top)
         args |= dict(stride_nb=(n // 16) * n_neg, stride_nt=n_neg, n=n, list_len=k_top, neg_len=n_neg)
-        args |= dict(qk_scale=0.18, empty_row_rel_eps=1e-5)
+        args |= dict(qk_scale=0.18, empty_row_rel_eps=1e-5, all_scope_eps=1e-5)
         const = {key: value for key, value in query_walk_constexprs().items() if key != "PER_ITER"}
-        const |= dict(EXCLUDE=True, EVEN=True, LIST_SLOTS=block_sparse.list_slots(k_top, 1))
+        const |= dict(CHUNK=16, FEATURE="softmax", EXCLUDE=True, EVEN=True)
+        const |= dict(LIST_SLOTS=block_sparse.list_slots(k_top, 1))
         return args, const | dict(NEG_SLOTS=block_sparse.list_slots(n_neg, 1))
-
-    def linear_global_term():  # phi(q) and the global term on 64-row tiles
-        args = dict(Q="*bf16", KV_TOTAL="*fp32", Z_TOTAL="*fp32", PHI_Q="*bf16", NUM="*fp32", DEN="*fp32", n=n)
-        const = dict(common, TILE=linear_attention.GLOBAL_TILE, FEATURE="softmax", EXCLUDE=True)
-        return args | dict(all_scope_eps=1e-5), const
-
-    def linear_global_dphi():  # the backward's global term, the start values of SLA's dq walk
-        p = "*bf16"
-        args = dict(DO=p, O=p, KV_TOTAL="*fp32", Z_TOTAL="*fp32", DPHI="*fp32", DELTA="*fp32", n=n)
-        return args, dict(common, TILE=linear_attention.GLOBAL_TILE)
 
     def fwd_wide(key_block, n_sub, list_len, tail_args):  # 128-row programs: block_sparse_attention, flash_attention
         args = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", LIST="*i32", LOGW="*fp32", O_INIT="*bf16")
@@ -380,8 +372,6 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         ("sla dkdv + negligible walk", sla_triton._sla_dkdv_kernel, *sla_dkdv(64)),
         ("sla fwd (16-row blocks)", sla_triton._sla_fwd_kernel, *sla_fwd(32, 0)),
         ("sla fwd + negligible walk", sla_triton._sla_fwd_kernel, *sla_fwd(32, 64)),
-        ("sla linear global term (64-row tiles)", linear_attention._global_term_kernel, *linear_global_term()),
-        ("sla linear global dphi (64-row tiles)", linear_attention._global_dphi_kernel, *linear_global_dphi()),
     ]
     for label, fn, _, const in rows:  # every constexpr of the kernel given, no other
         want = constexpr_names(fn)

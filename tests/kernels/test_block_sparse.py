@@ -78,6 +78,31 @@ def test_block_mean_fp32_and_partial_tail():
     assert torch.allclose(m[:, :, 0], x[:, :, :16].float().mean(2))
 
 
+@needs_interpreter
+@pytest.mark.parametrize(
+    "b,h,n,d,B,dtype,tokens_major",
+    [
+        (1, 2, 16 * 5, 16, 16, torch.float32, False),  # 5 blocks in programs of 2: the last partly past the end
+        (2, 3, 32 * 3, 32, 32, torch.float16, True),  # heads interleaved ([b, N, h, d] memory)
+        (1, 1, 64 * 2, 128, 64, torch.float32, True),  # 2 warps (64 tokens x 128 dims a program)
+        (1, 2, 16 * 4 + 5, 16, 16, torch.float32, True),  # a partial last block of 5 tokens (SLA's tail)
+        (2, 1, 37, 64, 32, torch.float16, False),  # a partial last block of 5 tokens in the last program's first block
+    ],
+)
+def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_major):
+    """The Triton paths' pooling (one launch per tensor, fp32 sums in the kernel's order) against ``block_mean``:
+    the same means up to fp32 rounding, a partial last block over its real tokens, each tensor in its own rows of
+    the stacked output."""
+    g = torch.Generator().manual_seed(n + d)
+    xs = [torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3)]
+    xs = [(x if tokens_major else x.contiguous()).to(DEVICE) for x in xs]
+    got = blocks.block_means(xs, B)
+    want = torch.stack([block_mean(x, B) for x in xs])
+    assert got.shape == want.shape == (3, b, h, triton.cdiv(n, B), d) and got.dtype == torch.float32
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert not torch.equal(got[0], got[1])  # each tensor pooled into its own rows
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n", [5, 16, 64, 70])
 def test_block_mean_adjoint_equals_autograds_of_the_plain_mean_bit_for_bit(dtype, n):

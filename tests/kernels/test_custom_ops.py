@@ -255,7 +255,7 @@ OPS = [
     "bsa_backward_dkdv_grouped",
     "bsa_backward_ds_dq",
     "pooled_topk",
-    "llsa_block_means",
+    "block_means",
     "vsa_combine",
     "vsa_combine_backward",
     "linear_global_grads",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pixdit.kernels import llsa_attention, llsa_check, llsa_num_levels, llsa_select
-from pixdit.kernels.blocks import block_mean
+from pixdit.kernels.blocks import block_mean, block_means
 from pixdit.kernels.reference import llsa_dense, llsa_hier_topk
 
 needs_interpreter = pytest.mark.skipif(
@@ -422,13 +422,12 @@ def test_given_means_are_the_ones_computed_here(impl, L, Le):
     """means= (what the model's qk_norm_rope prologue hands over) replaces the first level of the selection's and
     the bank's pyramids: given the means of q, k, v (as each path pools them: the Triton path with its kernel),
     output and gradients are those without it (bitwise, except the PyTorch path's gradients on CUDA)."""
-    from pixdit.kernels import llsa
 
     g = torch.Generator().manual_seed(11)
     q, k, v, go = (torch.randn(1, 1, 512, 32, generator=g).to(DEVICE) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     fn = lambda means: lambda q, k, v: llsa_attention(q, k, v, 16, 4, L, Le, means=means, impl=impl)  # noqa: E731
-    means = stacked_means(q, k, v, 16) if impl == "torch" else llsa._block_means_op([q, k, v], 16)
+    means = stacked_means(q, k, v, 16) if impl == "torch" else block_means([q, k, v], 16)
     given = grads(fn(means), q, k, v, go)
     computed = grads(fn(None), q, k, v, go)
     assert torch.equal(given[0], computed[0])
@@ -436,30 +435,6 @@ def test_given_means_are_the_ones_computed_here(impl, L, Le):
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(given[1:], computed[1:]))
     else:
         assert all(torch.equal(a, b) for a, b in zip(given[1:], computed[1:]))
-
-
-@needs_interpreter
-@pytest.mark.parametrize(
-    "b,h,n,d,B,dtype,tokens_major",
-    [
-        (1, 2, 16 * 5, 16, 16, torch.float32, False),  # 5 blocks in programs of 2: the last partly past the end
-        (2, 3, 32 * 3, 32, 32, torch.float16, True),  # heads interleaved ([b, N, h, d] memory)
-        (1, 1, 64 * 2, 128, 64, torch.float32, True),  # 2 warps (64 tokens x 128 dims a program)
-    ],
-)
-def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_major):
-    """The Triton path's pooling (one launch per tensor, fp32 sums in the kernel's order) against ``block_mean``:
-    the same means up to fp32 rounding, each tensor in its own rows of the stacked output."""
-    from pixdit.kernels import llsa
-
-    g = torch.Generator().manual_seed(n + d)
-    xs = [torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3)]
-    xs = [(x if tokens_major else x.contiguous()).to(DEVICE) for x in xs]
-    got = llsa._block_means_op(xs, B)
-    want = torch.stack([block_mean(x, B) for x in xs])
-    assert got.shape == want.shape == (3, b, h, n // B, d) and got.dtype == torch.float32
-    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-    assert not torch.equal(got[0], got[1])  # each tensor pooled into its own rows
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_interpreter)])

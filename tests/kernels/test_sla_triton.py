@@ -56,6 +56,20 @@ def test_interpreted_triton_matches_oracle(scope, feature_map, negligible_ratio,
         torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("n,block_size", [(64, 16), (70, 16), (100, 32)])
+def test_triton_pooling_for_the_scores_matches_the_exact_one(n, block_size):
+    """The Triton path's pooled q and smooth-K k for the classification scores (``block_means`` and the
+    token-weighted mean of k's block means) against the PyTorch reductions, a partial last block included."""
+    from pixdit.kernels import sla
+
+    q, k, *_ = _inputs(2, 3, n, 32, device="cuda" if CUDA else "cpu", seed=n)
+    got = sla._pooled_for_scores(q, k, block_size, triton_path=True)
+    want = sla._pooled_for_scores(q, k, block_size)
+    for name, a, b in zip(("q", "k"), got, want):
+        assert a.shape == b.shape == (2, 3, -(-n // block_size), 32) and a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @interpreter_only
 @pytest.mark.parametrize("block_size,d,n", [(64, 64, 130), (32, 128, 64), (16, 16, 37)])
 def test_interpreted_triton_block_sizes(block_size, d, n):
