@@ -4,16 +4,16 @@ Both branches walk the same critical lists: the sparse branch attends to the lis
 subtracts them from its global sums (``linear_attention.py``; with ``linear_scope="marginal"`` it also subtracts
 the negligible blocks, walked after the critical ones, and with ``"all"`` it walks nothing).
 
-  forward  ``linear_attention.global_terms`` (phi(q), phi(k), the global sums and the linear branch's fp32 start
-           values), then ``_sla_fwd_kernel``, one warp per 16-row block: per step of the walk K, V and phi(K) are
-           loaded once for the sparse branch's online softmax (o_sparse, LSE) and the linear branch's excluded
-           part (o_linear, 1/den). The two branches' own walks, one after the other, loaded V twice
-           (docs/kernel_notes.md v49); a fused forward on 4 warps (v13) had lost to them by its registers.
-  backward ``linear_attention.global_dphi`` (64-row tiles: Δ of the linear branch and the global part of its
-           d phi(q) as fp32 start values), then ``_sla_dq_kernel``, one warp per 16-row block: per step of the walk
-           K, phi(K) and V are loaded once for the sparse dq (``block_sparse.gathered_dq_step``) and the linear one
-           (``linear_attention.excluded_dq_step``); Δ of the sparse branch, dq of both summed in fp32 and rounded
-           once. Then the global sums' gradients (``feature_sums``) and ``_sla_dkdv_kernel``, its key-major twin
+  forward  ``linear_attention.feature_sums`` (phi(k) and the global sums), then ``_sla_fwd_kernel``, one warp per
+           16-row block: phi(q) and its global term as the linear branch's fp32 start values, then per step of
+           the walk K, V and phi(K) loaded once for the sparse branch's online softmax (o_sparse, LSE) and the
+           linear branch's excluded part (o_linear, 1/den). The two branches' own walks, one after the other,
+           loaded V twice (docs/kernel_notes.md v49); a fused forward on 4 warps (v13) had lost to them by its
+           registers; the global term had its own 64-row kernel writing fp32 start values (v50).
+  backward ``_sla_dq_kernel``, one warp per 16-row block: both Δ and the linear branch's global part of d phi(q)
+           as start values, then per step of the walk K, phi(K) and V loaded once for the sparse dq
+           (``block_sparse.gathered_dq_step``) and the linear one (``linear_attention.excluded_dq_step``); dq of
+           both summed in fp32 and rounded once. Then the global sums' gradients (``feature_sums``) and ``_sla_dkdv_kernel``, its key-major twin
            over the CSC transpose of the critical lists (and of the negligible ones): one warp per 16-key block,
            per step one query block's q, phi(q), dO of both branches and their row statistics loaded once for the
            sparse dk/dv (``block_sparse.key_major_step``) and the linear one (``linear_attention.excluded_dkdv_step``),
@@ -127,6 +127,10 @@ def _sla_fwd_kernel(
     num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     num = rows_times_sums(Q, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, HEAD_DIM, 1,
                           row_max, row_sum, num, HEAD_DIM, CHUNK, FEATURE, PREC)  # fmt: skip
+    # phi(q) read back for the walk (the barrier orders the program's store before it): kept from its computation
+    # instead, it held 212 registers in a 64-row program against 167 (sm_90, Triton 3.6)
+    tl.debug_barrier()
+    a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
