@@ -13,14 +13,14 @@ the negligible blocks, walked after the critical ones, and with ``"all"`` it wal
   backward ``_sla_dq_kernel``, one warp per 16-row block: both Δ and the linear branch's global part of d phi(q)
            as start values, then per step of the walk K, phi(K) and V loaded once for the sparse dq
            (``block_sparse.gathered_dq_step``) and the linear one (``linear_attention.excluded_dq_step``); dq of
-           both summed in fp32 and rounded once. Then the global sums' gradients (``feature_sums``) and ``_sla_dkdv_kernel``, its key-major twin
-           over the CSC transpose of the critical lists (and of the negligible ones): one warp per 16-key block,
-           per step one query block's q, phi(q), dO of both branches and their row statistics loaded once for the
-           sparse dk/dv (``block_sparse.key_major_step``) and the linear one (``linear_attention.excluded_dkdv_step``),
-           from the linear branch's global part as fp32 start values; dv of both
-           summed in fp32 and rounded once. The two branches' own key-major kernels, one after the other, read
-           the query rows twice and passed the sparse dk/dv through an fp32 buffer (docs/kernel_notes.md v49). No
-           full-size gradient sums outside the kernels.
+           both summed in fp32 and rounded once. Then the global sums' gradients (``feature_sums``) and
+           ``_sla_dkdv_kernel``, its key-major twin over the CSC transpose of the critical lists (and of the
+           negligible ones): one warp per 16-key block, per step one query block's q, phi(q), dO of both branches
+           and their row statistics loaded once for the sparse dk/dv (``block_sparse.key_major_step``) and the
+           linear one (``linear_attention.excluded_dkdv_step``), from the linear branch's global part as fp32 start
+           values; dv of both summed in fp32 and rounded once. The two branches' own key-major kernels, one after
+           the other, read the query rows twice and passed the sparse dk/dv through an fp32 buffer
+           (docs/kernel_notes.md v49). No full-size gradient sums outside the kernels.
 
 Every gradient row has one writer and sums run in a fixed order: bitwise deterministic. The exact PyTorch form of
 both branches stays the oracle (``sla.py``'s ``impl="torch"``).
