@@ -380,8 +380,8 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
 
 
 def launch_warps(fn, const: dict) -> int:
-    """The warps the launchers give an attention kernel's program without autotuning (block_sparse.launched_program,
-    linear_attention.walk_warps for SLA's own kernels but the query-major walks, query_walk_options)."""
+    """The warps the launchers give an attention kernel's program without autotuning (block_sparse.launched_program;
+    SLA's walks: one warp for 16-row programs, else linear_attention.walk_warps)."""
     d = const["HEAD_DIM"]
     if fn is block_sparse._fwd_kernel:  # its keys per step decide (block_sparse.forward_warps)
         return block_sparse.forward_warps(const["BLOCK_M"], const["KEY_BLOCK"] // const["N_SUB"], d, torch.bfloat16)
@@ -391,7 +391,7 @@ def launch_warps(fn, const: dict) -> int:
         return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
     if fn in (sla_triton._sla_fwd_kernel, sla_triton._sla_dq_kernel, sla_triton._sla_dkdv_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
-    return linear_attention.walk_warps(d)
+    raise ValueError(f"launch_warps: no launch rule for {fn.__name__}")
 
 
 def launch_register_cap(fn, const: dict) -> int | None:
