@@ -21,8 +21,8 @@ Two forms:
     1024 keys the partial ``sum phi(k_u) v_u^T`` (D x D) and ``sum phi(k_u)``; backward, the gradients of the two
     global sums, ``sum (phi(q_t)/den_t)^T dO_t`` and ``sum phi(q_t) (-delta_t/den_t)``. The partials are added by
     ``torch.sum`` (fixed order: deterministic, no atomics, and N / 1024 programs per head instead of one).
-  * for SLA's forward walk: ``phi(q)`` (``phi_row_stats`` / ``phi_columns``: fp32 math, one rounding to the input
-    dtype, stored for the backward) and the global term ``phi(q) . [KV_total | Z_total]`` (``rows_times_sums``:
+  * for SLA's forward walk: ``phi(q)`` (``phi_rows``: fp32 math, one rounding to the input dtype, stored for the
+    backward) and the global term ``phi(q) . [KV_total | Z_total]`` (``rows_times_sums`` of the stored ``phi(q)``:
     the D x D sums in slices) as fp32 start values from which the walk subtracts ``sum_{u in E(i)} w_tu (v_u, 1)``
     (``excluded_fwd_step``: two tensor-core dots per block, like the sparse branch without exponentials); then the
     empty-row rule, ``o_linear`` in the input dtype with fp32 ``1/den`` per row (0 for an empty row); without
@@ -132,29 +132,9 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 def phi_rows(x, row_ok, FEATURE: tl.constexpr):
     """The feature map along the last axis of an fp32 ``[rows, D]`` tile; rows with ``row_ok`` false give 0
     (the masked tail of a partial block: softmax would give 1/D there)."""
-    row_max, row_sum = phi_row_stats(x, FEATURE)
-    return phi_columns(x, row_max, row_sum, row_ok, FEATURE)
-
-
-@triton.jit
-def phi_row_stats(x, FEATURE: tl.constexpr):
-    """What the softmax feature map of an fp32 ``[rows, D]`` tile needs of whole rows: each row's max and its sum
-    of ``exp(x - max)`` (zeros for the elementwise maps)."""
     if FEATURE == "softmax":
-        row_max = tl.max(x, 1)
-        row_sum = tl.sum(tl.exp(x - row_max[:, None]), 1)
-    else:
-        row_max = tl.zeros([x.shape[0]], tl.float32)
-        row_sum = row_max
-    return row_max, row_sum
-
-
-@triton.jit
-def phi_columns(x, row_max, row_sum, row_ok, FEATURE: tl.constexpr):
-    """The feature map of fp32 ``x``, any columns of the rows whose ``phi_row_stats`` are given (a slice of them
-    gives that slice of ``phi_rows``, bit for bit); rows with ``row_ok`` false give 0."""
-    if FEATURE == "softmax":
-        a = tl.exp(x - row_max[:, None]) / row_sum[:, None]
+        e = tl.exp(x - tl.max(x, 1)[:, None])
+        a = e / tl.sum(e, 1)[:, None]
     elif FEATURE == "elu":
         a = tl.where(x > 0, x + 1.0, tl.exp(x))  # elu(x) + 1 = exp(x) for x <= 0
     else:
@@ -170,27 +150,20 @@ def rows_times_sums(
     S,
     stride_si,
     stride_sj,
-    row_max,
-    row_sum,
     acc,
     HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr,
-    FEATURE: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """``acc + f(x) @ S`` in fp32 for the rows of ``X`` starting at ``row_start`` (``[rows]`` offsets, ``row_ok``)
+    """``acc + x @ S`` in fp32 for the rows of ``X`` starting at ``row_start`` (``[rows]`` offsets, ``row_ok``)
     and a D x D fp32 matrix ``S`` (element (i, j) at ``i * stride_si + j * stride_sj``: a transposed one is read
     in place; a transposed copy read by rows measured slower, 1.67 against 1.61 ms for SLA's dq at 256^2 on an H100,
     and spilled in the dk/dv), one ``CHUNK``-column slice of the rows (and ``CHUNK``-row slice of S) at a time, so
-    that a one-warp program never holds all of S (128 registers at D = 64). ``f``: the feature map (``FEATURE``,
-    with the rows' ``phi_row_stats``) rounded to X's dtype, the values of the stored ``phi(x)``; ``FEATURE = ""``:
-    the identity."""
+    that a one-warp program never holds all of S (128 registers at D = 64)."""
     dims = tl.arange(0, HEAD_DIM)
     for c in tl.static_range(0, HEAD_DIM, CHUNK):
         cols = c + tl.arange(0, CHUNK)
         x = tl.load(X + row_start[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
-        if FEATURE != "":
-            x = phi_columns(x.to(tl.float32), row_max, row_sum, row_ok, FEATURE).to(x.dtype)
         s_rows = tl.load(S + cols[:, None] * stride_si + dims[None, :] * stride_sj)
         acc = tl.dot(x.to(tl.float32), s_rows, acc, input_precision=PREC)
     return acc
@@ -335,9 +308,9 @@ def global_dkdv_start(
     row_start = bh * n * HEAD_DIM + key_rows * HEAD_DIM
     d_z = tl.load(D_Z_TOTAL + bh * HEAD_DIM + tl.arange(0, HEAD_DIM))
     dphi = tl.zeros([ROWS, HEAD_DIM], tl.float32) + d_z[None, :]
-    dphi = rows_times_sums(V, row_start, k_ok, d_kv, 1, HEAD_DIM, 0.0, 0.0, dphi, HEAD_DIM, CHUNK, "", PREC)  # d_KV^T
+    dphi = rows_times_sums(V, row_start, k_ok, d_kv, 1, HEAD_DIM, dphi, HEAD_DIM, CHUNK, PREC)  # d_KV^T
     dv = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    dv = rows_times_sums(PHI_K, row_start, k_ok, d_kv, HEAD_DIM, 1, 0.0, 0.0, dv, HEAD_DIM, CHUNK, "", PREC)
+    dv = rows_times_sums(PHI_K, row_start, k_ok, d_kv, HEAD_DIM, 1, dv, HEAD_DIM, CHUNK, PREC)
     return dphi, dv
 
 

@@ -61,8 +61,6 @@ from .linear_attention import (
     global_dkdv_start,
     linear_global_grads,
     one_warp_walk,
-    phi_columns,
-    phi_row_stats,
     phi_rows,
     phi_rows_backward,
     prune_query_walk,
@@ -120,16 +118,16 @@ def _sla_fwd_kernel(
     base = bh * n * HEAD_DIM  # the head's rows, for the listed key blocks
     q = tl.load(Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     x = q.to(tl.float32)
-    row_max, row_sum = phi_row_stats(x, FEATURE)
-    a = phi_columns(x, row_max, row_sum, row_ok, FEATURE).to(q.dtype)  # one rounding, as the walks read it
+    a = phi_rows(x, row_ok, FEATURE).to(q.dtype)  # one rounding, as the walks read it
     tl.store(PHI_Q + tile_offsets, a, mask=row_ok[:, None])
     den = tl.sum(a.to(tl.float32) * tl.load(Z_TOTAL + bh * HEAD_DIM + dims)[None, :], 1)  # exact fp32
-    num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    num = rows_times_sums(Q, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, HEAD_DIM, 1,
-                          row_max, row_sum, num, HEAD_DIM, CHUNK, FEATURE, PREC)  # fmt: skip
-    # phi(q) read back for the walk (the barrier orders the program's store before it): kept from its computation
-    # instead, it held 212 registers in a 64-row program against 167 (sm_90, Triton 3.6)
+    # phi(q) read back, by slices for the global term and whole for the walk (the barrier orders the program's store
+    # before the loads): kept from its computation instead, it held 212 registers in a 64-row program against 167
+    # (sm_90, Triton 3.6)
     tl.debug_barrier()
+    num = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    num = rows_times_sums(PHI_Q, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, HEAD_DIM, 1,
+                          num, HEAD_DIM, CHUNK, PREC)  # fmt: skip
     a = tl.load(PHI_Q + tile_offsets, mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
@@ -249,7 +247,7 @@ def _sla_dq_kernel(
     # the global part, dO KV_total^T - delta Z_total, from dO's rows again a slice at a time (as the forward's)
     dphi = tl.zeros([BLOCK, HEAD_DIM], tl.float32) - delta_l[:, None] * tl.load(Z_TOTAL + bh * HEAD_DIM + dims)[None, :]
     dphi = rows_times_sums(DO_L, base + rows * HEAD_DIM, row_ok, KV_TOTAL + bh * HEAD_DIM * HEAD_DIM, 1, HEAD_DIM,
-                           0.0, 0.0, dphi, HEAD_DIM, CHUNK, "", PREC)  # fmt: skip
+                           dphi, HEAD_DIM, CHUNK, PREC)  # fmt: skip
     koff, slot, list_base = list_walk_start(LIST, bh, tile, stride_lb, stride_lt, BLOCK, PER_ITER)
     ids = listed_ids(list_base, list_len, LIST_SLOTS, PER_ITER)
     for j in range(0, list_len, PER_ITER):  # the critical blocks: both branches
