@@ -147,6 +147,22 @@ def check_selection(idx, q: torch.Tensor, block_size: int, name: str) -> None:
         )
 
 
+def check_means(means, q: torch.Tensor, block_size: int, name: str) -> torch.Tensor:
+    """Precomputed block means (``qk_norm_rope(..., pool_block=block_size)``'s): fp32 ``[3, b, h, T, d]`` on q's
+    device, q's, k's and v's stacked. Returned without gradient."""
+    b, h, n, d = q.shape
+    want = (3, b, h, num_blocks(n, block_size), d)
+    if not isinstance(means, torch.Tensor) or tuple(means.shape) != want or means.dtype != torch.float32:
+        got = f"{tuple(means.shape)} {means.dtype}" if isinstance(means, torch.Tensor) else type(means).__name__
+        raise ValueError(
+            f"{name}: means must be the stacked fp32 block means of q, k, v, shape {want} on {q.device}, got {got}; "
+            f"pass means=None to compute them here"
+        )
+    if means.device != q.device:
+        raise ValueError(f"{name}: means must be on q's device {q.device}, got {means.device}")
+    return means.detach()
+
+
 # ------------------------------------------------------------------------------------------------ block layout
 def num_blocks(num_tokens: int, block_size: int) -> int:
     """Number of blocks of ``block_size`` consecutive tokens (the last one may be partial). Written as a plain

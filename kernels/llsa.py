@@ -31,7 +31,7 @@ import triton
 
 from . import block_sparse as bs
 from .blocks import block_mean, block_means, csr_to_csc
-from .common import autocast_inputs, check_qkv, use_triton
+from .common import autocast_inputs, check_means, check_qkv, use_triton
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -526,14 +526,7 @@ def llsa_attention(
         if len(index) != L:
             raise ValueError(f"llsa_attention: index must hold num_levels={L} tables, got {len(index)}")
     if means is not None:
-        want = (3, b, h, N // block_size, d)
-        if tuple(means.shape) != want or means.dtype != torch.float32 or means.device != q.device:
-            raise ValueError(
-                f"llsa_attention: means must be the stacked fp32 block means of q, k, v, shape {want} on "
-                f"{q.device}, got shape {tuple(means.shape)}, {means.dtype} on {means.device}; pass means=None to "
-                f"compute them here"
-            )
-        means = means.detach()
+        means = check_means(means, q, block_size, "llsa_attention")
     if not triton_path:
         if index is None:
             index = _select(q, k, block_size, cfg, "torch", means)

@@ -45,6 +45,7 @@ from .blocks import block_mean, block_means, exact_fp32_matmul
 from .common import (
     autocast_inputs,
     check_block_size,
+    check_means,
     check_qkv,
     check_selection,
     num_blocks,
@@ -58,15 +59,20 @@ from .sla_triton import sla_triton
 LINEAR_SCOPES = ("noncritical", "all", "marginal")
 
 
-def _pooled_for_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, triton_path: bool = False):
+def _pooled_for_scores(
+    q: torch.Tensor, k: torch.Tensor, block_size: int, triton_path: bool = False, means: torch.Tensor | None = None
+):
     """fp32 ``mean(q_i)`` and smooth-K ``mean(k_j) - mean(k)`` (= ``mean(k_j - mean(k))``), ``[B, H, T, D]`` each.
-    ``triton_path``: the block means by one kernel (``block_means``) and ``mean(k)`` as their token-weighted mean,
-    instead of three PyTorch reductions over the tokens (the same values up to fp32 summation order; ``mean(k)``
-    moves a row's scores all by one ``mean(q_i) . mean(k)``, so its rounding cannot reorder a row's blocks beyond
-    the scores' own rounding)."""
-    if not triton_path:
+    ``triton_path`` or ``means`` (checked block means of q, k, v): the block means by one kernel (``block_means``)
+    or given, and ``mean(k)`` as their token-weighted mean, instead of three PyTorch reductions over the tokens (the
+    same values up to fp32 summation order; ``mean(k)`` moves a row's scores all by one ``mean(q_i) . mean(k)``, so
+    its rounding cannot reorder a row's blocks beyond the scores' own rounding)."""
+    if means is not None:
+        q_pool, k_pool = means[0], means[1]
+    elif triton_path:
+        q_pool, k_pool = block_means([q.detach(), k.detach()], block_size)
+    else:
         return block_mean(q, block_size), block_mean(k, block_size) - k.mean(2, keepdim=True, dtype=torch.float32)
-    q_pool, k_pool = block_means([q.detach(), k.detach()], block_size)
     n, t = k.shape[2], k_pool.shape[2]
     tokens = torch.full((t, 1), float(block_size), device=k.device)  # each block's real tokens
     tokens[-1] = n - (t - 1) * block_size
@@ -104,20 +110,29 @@ def _check_options(linear_scope, feature_map, negligible_ratio) -> None:
 
 
 def sla_select(
-    q, k, block_size: int = 16, topk=None, topk_ratio=None, negligible_ratio: float = 0.0, impl: str = "auto"
+    q,
+    k,
+    block_size: int = 16,
+    topk=None,
+    topk_ratio=None,
+    negligible_ratio: float = 0.0,
+    impl: str = "auto",
+    means=None,
 ):
     """Block classification: ``(critical, negligible)`` int32 ``[B, H, T, K]`` and ``[B, H, T, K_neg]``.
 
     ``critical`` is best first; ``negligible`` lists the lowest-scoring blocks (used by ``linear_scope="marginal"``),
-    an empty last dimension when ``negligible_ratio`` gives 0 blocks.
+    an empty last dimension when ``negligible_ratio`` gives 0 blocks. ``means``: as ``sla_attention``'s.
     """
     check_qkv(q, k, k, name="sla_select")
     check_block_size(block_size)
     t = num_blocks(q.shape[2], block_size)
     kk = resolve_topk(t, topk, topk_ratio)
     triton_topk = use_triton(q, impl)
+    if means is not None:
+        means = check_means(means, q, block_size, "sla_select")
     with torch.no_grad():
-        q_pool, k_pool = _pooled_for_scores(q, k, block_size, triton_topk)
+        q_pool, k_pool = _pooled_for_scores(q, k, block_size, triton_topk, means)
     critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=triton_topk)
     k_neg = num_negligible(negligible_ratio, t, kk)
     if k_neg == 0:
@@ -141,17 +156,23 @@ def sla_attention(
     scale=None,
     impl: str = "auto",
     selection=None,
+    means=None,
 ):
     """``(o_sparse, o_linear)``, each ``[batch, heads, tokens, head_dim]`` in the input dtype; see the module
     docstring. ``impl``: "auto" (Triton for CUDA tensors), "triton" (also CPU under TRITON_INTERPRET=1), "torch".
     ``selection``: optional precomputed ``(critical, negligible)`` from ``sla_select`` (then ``topk``/``topk_ratio``/
-    ``negligible_ratio`` are not used), e.g. to run two paths on the same selection."""
+    ``negligible_ratio`` are not used), e.g. to run two paths on the same selection. ``means``: the fp32 block
+    means of q, k and v stacked, ``[3, batch, heads, T, head_dim]``, when the caller has them (``qk_norm_rope(...,
+    pool_block=block_size)`` computes them while writing q, k, v): the selection's scores start from q's and k's
+    instead of pooling them. Means that are not those of q, k, v give a wrong selection."""
     check_qkv(q, k, v, name="sla_attention", scale=scale)
     check_block_size(block_size)
     _check_options(linear_scope, feature_map, negligible_ratio)
+    if means is not None:
+        means = check_means(means, q, block_size, "sla_attention")
     triton_path = use_triton(q, impl)
     if selection is None:
-        critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl)
+        critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl, means)
     else:
         critical, negligible = selection
         check_selection(critical, q, block_size, "selection[0] (critical)")

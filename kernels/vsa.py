@@ -52,10 +52,11 @@ from .block_sparse import (
     flatten_kv,
     head_offset,
 )
-from .blocks import block_mean
+from .blocks import block_mean, block_means
 from .common import (
     autocast_inputs,
     check_block_size,
+    check_means,
     check_qkv,
     check_selection,
     num_blocks,
@@ -66,15 +67,30 @@ from .common import (
 from .ops import custom_op
 
 
-def vsa_select(q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=None, impl: str = "auto") -> torch.Tensor:
-    """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first."""
+def _tile_means(xs: list[torch.Tensor], block_size: int, triton_path: bool) -> list[torch.Tensor]:
+    """fp32 tile means ``[B, H, T, D]`` of each of ``xs`` without gradient: on the Triton path by one kernel
+    (``block_means``, ~2x faster than PyTorch's reductions), else ``block_mean``; the same values up to fp32
+    summation order."""
+    if triton_path:
+        return list(block_means([x.detach() for x in xs], block_size).unbind(0))
+    return [block_mean(x.detach(), block_size) for x in xs]
+
+
+def vsa_select(
+    q, k, block_size: int = 16, topk=None, topk_ratio=None, scale=None, impl: str = "auto", means=None
+) -> torch.Tensor:
+    """The key tiles each query tile attends to in the fine stage: int32 ``[B, H, T, K]``, best first. ``means``:
+    as ``vsa_attention``'s."""
     check_qkv(q, k, k, name="vsa_select", scale=scale)
     check_block_size(block_size)
     kk = resolve_topk(num_blocks(q.shape[2], block_size), topk, topk_ratio)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return select_topk_blocks(
-        block_mean(q, block_size), block_mean(k, block_size), kk, scale, use_triton_topk=use_triton(q, impl)
-    )
+    triton_path = use_triton(q, impl)
+    if means is None:
+        q_pool, k_pool = _tile_means([q, k], block_size, triton_path)
+    else:
+        q_pool, k_pool, _ = check_means(means, q, block_size, "vsa_select").unbind(0)
+    return select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=triton_path)
 
 
 def vsa_attention(
@@ -89,12 +105,17 @@ def vsa_attention(
     impl: str = "auto",
     tile_idx=None,
     gate_fine=None,
+    means=None,
 ) -> torch.Tensor:
     """VSA output ``O_fine + gate * O_coarse`` ``[batch, heads, tokens, head_dim]``; see the module docstring.
 
     ``tile_idx``: optional precomputed selection from ``vsa_select`` (then ``topk``/``topk_ratio`` are not needed),
     e.g. to run two paths on the same selection. ``gate_fine``: the paper's optional fine gate ``G_f`` (shaped like
-    q): ``O_fine * gate_fine + gate * O_coarse`` (absent = 1, as in the authors' production code)."""
+    q): ``O_fine * gate_fine + gate * O_coarse`` (absent = 1, as in the authors' production code). ``means``: the
+    fp32 tile means of q, k and v stacked, ``[3, batch, heads, T, head_dim]``, when the caller has them
+    (``qk_norm_rope(..., pool_block=block_size)`` computes them while writing q, k, v); they replace the pooling
+    wherever no gradient flows through it: the selection, and on the Triton path the coarse stage (whose backward
+    adds the pooled tokens' gradients itself). Means that are not those of q, k, v give a wrong result."""
     check_qkv(q, k, v, name="vsa_attention", scale=scale)
     check_block_size(block_size)
     for name, x in (("gate", gate), ("gate_fine", gate_fine)):
@@ -110,10 +131,12 @@ def vsa_attention(
         check_selection(tile_idx, q, block_size, "tile_idx")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     n, c = q.shape[2], block_size
+    if means is not None:
+        means = check_means(means, q, block_size, "vsa_attention")
 
     if triton_path:
-        with torch.no_grad():  # the pooled tokens' gradients are added inside the fused backward (_VSATriton)
-            pooled = [block_mean(x, c) for x in (q, k, v)]  # [B, H, T, D] fp32
+        # [B, H, T, D] fp32 without gradient: the pooled tokens' gradients are added inside the fused backward
+        pooled = _tile_means([q, k, v], c, True) if means is None else list(means.unbind(0))
         if tile_idx is None:
             tile_idx = select_topk_blocks(pooled[0], pooled[1], kk, scale, use_triton_topk=True)
         q, k, v = autocast_inputs(q, k, v)
@@ -125,7 +148,8 @@ def vsa_attention(
     # exact fp32 PyTorch path: coarse stage differentiable through the pooling, fine stage in the gather form
     q_pool, k_pool, v_pool = (block_mean(x, c) for x in (q, k, v))  # [B, H, T, D] fp32
     if tile_idx is None:
-        tile_idx = select_topk_blocks(q_pool, k_pool, kk, scale, use_triton_topk=False)
+        scored = (q_pool, k_pool) if means is None else (means[0], means[1])
+        tile_idx = select_topk_blocks(*scored, kk, scale, use_triton_topk=False)
     out_coarse = torch.softmax(scale * q_pool @ k_pool.transpose(-1, -2), -1) @ v_pool
     b, h, t, d = out_coarse.shape
     out_coarse = out_coarse[:, :, :, None].expand(b, h, t, c, d).reshape(b, h, t * c, d)[:, :, :n]

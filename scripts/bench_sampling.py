@@ -23,8 +23,8 @@ they lose against a bandwidth floor (as bench_train.py --compile --profile).
 
 --gelu both times every variant twice in one process: with the MLP's fc1 + GELU as one cuBLASLt call (what sampling
 uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training runs), the "GELU" column.
---means both does the same for LLSA's block means of q, k, v: computed by the qk-norm + RoPE kernel as it writes
-them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
+--means both does the same for the block means of q, k, v (LLSA, VSA, SLA): computed by the qk-norm + RoPE kernel as
+it writes them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
 "means" column. --v both does it for the v that LLSA's forward reads: a view of the qkv projection's output (what
 sampling uses, pixdit.models.dit.Attention.view_v) or the contiguous copy that training's backward needs, the "v"
 column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.

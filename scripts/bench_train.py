@@ -27,9 +27,9 @@ Variants (``--attention``): ``NAME`` trains with configs/attention/NAME.yaml, as
 variant is built once by ``pixdit.attention.build_attention`` before anything is timed, so an unknown key stops the run
 at once with an error naming the variant and the allowed keys. Backends that need Z-order tokens (llsa, vsa, sla) get
 ``model.token_order=zorder``. ``--grad-checkpointing`` takes the values of ``model.grad_checkpointing`` (false, true,
-a number of blocks, mlp, attention; no value = true), one row each. ``--means both`` times each LLSA variant twice: with
-LLSA's block means of q, k, v computed by the qk-norm + RoPE kernel (what the model does) and by the backend itself
-(the variant's label then ends in "(means in backend)").
+a number of blocks, mlp, attention; no value = true), one row each. ``--means both`` times each LLSA, VSA or SLA
+variant of blocks of 16 twice: with its block means of q, k, v computed by the qk-norm + RoPE kernel (what the model
+does) and by the backend itself (the variant's label then ends in "(means in backend)").
 
 Every cell is a number or a one-line reason. A variant that cannot run at a size (LLSA with L=3 needs a multiple of
 16^3 tokens) is a "skipped" row with the model's reason. Batch: ``--tokens-per-step`` / pixels per image (262,144:

@@ -373,21 +373,24 @@ def test_gpu_fused_inference_gelu_matches_the_separate_ops():
     assert errors[True] < 2e-2, errors
 
 
-# ------------------------------------------------------------------------- LLSA's block means from the prologue
-def test_llsa_gets_its_block_means_from_the_qk_norm_rope_prologue(monkeypatch):
+# ------------------------------------------------------------------ the sparse backends' block means from the prologue
+@pytest.mark.parametrize(
+    "attention,name",
+    [
+        ({"name": "llsa", "num_levels": 1}, "LLSAAttention"),
+        ({"name": "vsa"}, "VSAAttention"),
+        ({"name": "sla"}, "SLAAttention"),
+    ],
+)
+def test_backend_gets_its_block_means_from_the_qk_norm_rope_prologue(monkeypatch, attention, name):
     """The backend that declares ``pool_block`` receives the stacked means of its q, k, v from qk_norm_rope; the
     output is bitwise the one of the backend pooling them itself (``Attention.fuse_block_means = False``)."""
     from pixdit.models.dit import Attention
 
     torch.manual_seed(0)
-    model = tiny(input_size=(16, 16), token_order="zorder", attention={"name": "llsa", "num_levels": 1})
+    model = tiny(input_size=(16, 16), token_order="zorder", attention=attention)
     backend_class = type(model.blocks[0].attn.backend)
-    assert backend_class.__name__ == "LLSAAttention" and model.blocks[0].attn.backend.pool_block == 16
-    # larger blocks (their sums cross warps in the kernel: not measured to pay) and other backends pool themselves
-    from pixdit.attention import build_attention
-
-    for config in ({"name": "llsa", "block_size": 32}, {"name": "full"}, {"name": "vsa"}, {"name": "sla"}):
-        assert build_attention(config, 64, 2).pool_block is None, config
+    assert backend_class.__name__ == name and model.blocks[0].attn.backend.pool_block == 16
     seen, forward = [], backend_class.forward
 
     def spy(self, q, k, v, **kwargs):
@@ -404,15 +407,37 @@ def test_llsa_gets_its_block_means_from_the_qk_norm_rope_prologue(monkeypatch):
     assert seen == [None, None]
 
 
+def test_only_blocks_of_16_take_means_and_only_whole_blocks_get_them(monkeypatch):
+    """Larger blocks (their sums cross warps in the prologue's kernel: not measured to pay) and dense attention pool
+    themselves; a grid that is not whole blocks (VSA and SLA take a partial last one) gets no means."""
+    from pixdit.attention import build_attention
+
+    for config in ({"name": "llsa", "block_size": 32}, {"name": "full"}, {"name": "vsa", "block_size": 32},
+                   {"name": "sla", "block_size": 64}):  # fmt: skip
+        assert build_attention(config, 64, 2).pool_block is None, config
+    model = tiny(input_size=(6, 10), token_order="zorder", attention={"name": "vsa"})
+    backend_class = type(model.blocks[0].attn.backend)
+    seen, forward = [], backend_class.forward
+
+    def spy(self, q, k, v, **kwargs):
+        seen.append(kwargs.get("means"))
+        return forward(self, q, k, v, **kwargs)
+
+    monkeypatch.setattr(backend_class, "forward", spy)
+    assert model(*inputs(1, 6, 10)).isfinite().all()
+    assert seen == [None, None]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_llsa_prologue_block_means_match_the_backends_own():
+@pytest.mark.parametrize("attention", [{"name": "llsa", "num_levels": 2}, {"name": "vsa"}, {"name": "sla"}])
+def test_gpu_prologue_block_means_match_the_backends_own(attention):
     """On the GPU the kernel sums each block in its own order: the sampled output stays within bf16 noise of the
     backend pooling q, k, v itself (a sum of 16 bf16 values is mostly exact in fp32, so usually equal)."""
     from pixdit.models.dit import Attention
 
     torch.manual_seed(0)
-    model = build_model("DiT-S", input_size=(128, 128), attention={"name": "llsa", "num_levels": 2}, zero_init=False)
+    model = build_model("DiT-S", input_size=(128, 128), attention=attention, zero_init=False)
     model = model.cuda().eval()
     x, t = (a.cuda() for a in inputs(2, 128, 128))
     outs = {}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pixdit.kernels import block_sparse, sla_attention, sla_select
+from pixdit.kernels.blocks import block_mean, block_means
 from pixdit.kernels.reference import sla_reference
 
 CUDA = torch.cuda.is_available()
@@ -186,3 +187,46 @@ def test_gpu_under_autocast_at_the_two_pass_size(mark):
         grads = _run(q, k, v, up_s, up_l, block_size=16, topk=32)
     assert torch.equal(got[0], want[0])
     assert all(torch.isfinite(x).all() for x in grads)
+
+
+# --------------------------------------------------------------------------- block means given by the caller
+def _stacked_means(xs, block_size):
+    return torch.stack([block_mean(x.detach(), block_size) for x in xs])
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=interpreter_only)])
+def test_given_means_are_the_ones_computed_here(impl):
+    """means= (what the model's qk_norm_rope prologue hands over) replaces the selection's pooling: given the block
+    means of q, k, v, the selection and the outputs and gradients are those without it (the Triton path's bitwise:
+    it pools with the same kernel). 100 tokens: the last of 7 blocks is partial."""
+    q, k, v, up_s, up_l = _inputs(1, 2, 100, 32, seed=7)
+    means = block_means([q, k, v], 16) if impl == "triton" else _stacked_means((q, k, v), 16)
+    opts = dict(block_size=16, topk=3, impl=impl)
+    assert torch.equal(sla_select(q, k, means=means, **opts)[0], sla_select(q, k, **opts)[0])
+    given = _run(q, k, v, up_s, up_l, means=means, **opts)
+    computed = _run(q, k, v, up_s, up_l, **opts)
+    for name, a, b in zip(("o_sparse", "o_linear", "dq", "dk", "dv"), given, computed):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=interpreter_only)])
+def test_given_means_are_used(impl):
+    """The means are read, not recomputed: other tensors' means give their selection, on both paths."""
+    q, k, v, _, _ = _inputs(1, 2, 100, 32, seed=8)
+    other = _stacked_means(_inputs(1, 2, 100, 32, seed=9)[:3], 16)
+    opts = dict(block_size=16, topk=3, impl=impl)
+    chosen = sla_select(q, k, means=other, **opts)
+    assert not torch.equal(chosen[0], sla_select(q, k, **opts)[0])
+    with_other = sla_attention(q, k, v, means=other, **opts)
+    assert not torch.equal(with_other[0], sla_attention(q, k, v, **opts)[0])
+    for a, b in zip(with_other, sla_attention(q, k, v, selection=chosen, **opts)):
+        assert torch.equal(a, b)
+
+
+def test_bad_means_name_the_parameter():
+    q = torch.randn(1, 2, 100, 32)
+    good = _stacked_means((q, q, q), 16)
+    for bad in (good[:2], good.double(), torch.zeros(3, 1, 2, 6, 32), "means"):
+        with pytest.raises(ValueError, match=r"sla_attention: means must be the stacked fp32 block means of q, k, v, "
+                           r"shape \(3, 1, 2, 7, 32\)"):  # fmt: skip
+            sla_attention(q, q, q, 16, topk=2, means=bad)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pixdit.kernels import vsa_attention, vsa_select
+from pixdit.kernels.blocks import block_mean, block_means
 from pixdit.kernels.reference import vsa_reference
 from pixdit.kernels.vsa import _add_coarse
 
@@ -143,3 +144,48 @@ def test_gpu_under_autocast_at_the_two_pass_size(mark):
     for name, a, r in zip(("out", "dq", "dk", "dv", "dgate"), got, want):
         assert torch.isfinite(a).all(), name
         assert _rel(a, r) < TOL[torch.bfloat16], (name, _rel(a, r))
+
+
+# --------------------------------------------------------------------------- tile means given by the caller
+def _stacked_means(xs, block_size):
+    return torch.stack([block_mean(x.detach(), block_size) for x in xs])
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=interpreter_only)])
+def test_given_means_are_the_ones_computed_here(impl):
+    """means= (what the model's qk_norm_rope prologue hands over) replaces the pooling wherever no gradient flows
+    through it: given the means of q, k, v as the path pools them (the Triton path with its kernel), output and
+    gradients are bitwise those without it. 100 tokens: the last of 7 tiles is partial."""
+    q, k, v, gate, upstream = _inputs(1, 2, 100, 32, seed=7)
+    means = block_means([q, k, v], 16) if impl == "triton" else _stacked_means((q, k, v), 16)
+    given = _run(q, k, v, gate, upstream.detach(), block_size=16, topk=3, impl=impl, means=means)
+    computed = _run(q, k, v, gate, upstream.detach(), block_size=16, topk=3, impl=impl)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dgate"), given, computed):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=interpreter_only)])
+def test_given_means_are_used(impl):
+    """The means are read, not recomputed: other tensors' means change the selection (vsa_select reads them too)
+    and on the Triton path the coarse stage, which the PyTorch path keeps differentiable through its own pooling."""
+    q, k, v, gate, _ = _inputs(1, 2, 100, 32, seed=8)
+    other = _stacked_means(_inputs(1, 2, 100, 32, seed=9)[:3], 16)
+    run = lambda **kw: vsa_attention(q, k, v, 16, gate=gate, impl=impl, **kw).detach()  # noqa: E731
+    chosen = vsa_select(q, k, 16, topk=3, impl=impl, means=other)
+    assert not torch.equal(chosen, vsa_select(q, k, 16, topk=3, impl=impl))
+    with_other = run(topk=3, means=other)
+    assert not torch.equal(with_other, run(topk=3))
+    if impl == "torch":  # the selection only
+        assert torch.equal(with_other, run(tile_idx=chosen))
+    else:  # the selection and the coarse stage's pooled tokens
+        assert not torch.equal(with_other, run(tile_idx=chosen))
+        assert torch.equal(with_other, run(tile_idx=chosen, means=other))
+
+
+def test_bad_means_name_the_parameter():
+    q = torch.randn(1, 2, 100, 32)
+    good = _stacked_means((q, q, q), 16)
+    for bad in (good[:2], good.double(), torch.zeros(3, 1, 2, 6, 32), "means"):
+        with pytest.raises(ValueError, match=r"vsa_attention: means must be the stacked fp32 block means of q, k, v, "
+                           r"shape \(3, 1, 2, 7, 32\)"):  # fmt: skip
+            vsa_attention(q, q, q, 16, topk=2, means=bad)

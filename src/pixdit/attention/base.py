@@ -82,7 +82,8 @@ class AttentionBackend(nn.Module):
         hidden: [batch, tokens, dim], the modulated hidden states that fed the qkv projection.
         A backend whose ``pool_block`` is set also takes ``means=``: the fp32 means of every ``pool_block``
         consecutive tokens of q, k and v stacked, [3, batch, heads, tokens / pool_block, head_dim], without gradient
-        (what ``pixdit.kernels.qk_norm_rope(..., pool_block=...)`` returns), or None (pool them yourself).
+        (what ``pixdit.kernels.qk_norm_rope(..., pool_block=...)`` returns), or None (pool them yourself; always None
+        where tokens is not a multiple of ``pool_block``).
         A backend whose ``reads_v_view`` is set is given, when no gradient is needed (sampling), a v that is a
         strided view of the qkv projection's output (``qk_norm_rope(..., v_view=True)``), which it reads without a
         copy; otherwise v is contiguous.

@@ -59,6 +59,9 @@ class SLAAttention(AttentionBackend):
             negligible_ratio=negligible_ratio,
         )
         check_kernel_options("sla", self.head_dim, block_size, lambda x: sla_attention(x, x, x, **self.options))
+        # the selection's block means of q and k from the model's prologue, as LLSA's (only for C = 16: see
+        # LLSAAttention)
+        self.pool_block = 16 if block_size == 16 else None
         self.proj_linear = uninitialized_linear(self.head_dim, self.head_dim)
         self.reset_parameters()
 
@@ -75,8 +78,8 @@ class SLAAttention(AttentionBackend):
         topk = resolve_topk(num_tiles, self.options["topk"], self.options["topk_ratio"])
         return float(topk * self.options["block_size"] + self.head_dim)
 
-    def forward(self, q, k, v, *, grid_hw, hidden):
-        o_sparse, o_linear = sla_attention(q, k, v, **self.options)
+    def forward(self, q, k, v, *, grid_hw, hidden, means=None):
+        o_sparse, o_linear = sla_attention(q, k, v, **self.options, means=means)
         # fp32 master weights; under autocast F.linear runs in the autocast dtype
         projected = self.proj_linear(
             o_linear if torch.is_autocast_enabled(o_linear.device.type) else o_linear.to(self.proj_linear.weight.dtype)

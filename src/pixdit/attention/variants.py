@@ -86,8 +86,8 @@ def add_block_means_option(parser) -> None:
         "--means",
         default="prologue",
         choices=["prologue", "backend", "both"],
-        help="LLSA's block means of q, k, v: from the qk-norm + RoPE kernel, pooled by the attention backend itself, "
-        "or both, one row each (an A/B in one process)",
+        help="the block means of q, k, v of LLSA, VSA and SLA (blocks of 16): from the qk-norm + RoPE kernel, pooled "
+        "by the attention backend itself, or both, one row each (an A/B in one process)",
     )
 
 

@@ -88,6 +88,8 @@ class VSAAttention(AttentionBackend):
         self.gate = uninitialized_linear(dim, dim) if gate else None
         self.fine_gate = uninitialized_linear(dim, dim) if fine_gate else None
         self.register_buffer("training_step", torch.zeros((), dtype=torch.long))
+        # the tile means of q, k, v from the model's prologue, as LLSA's (only for C = 16: see LLSAAttention)
+        self.pool_block = 16 if block_size == 16 else None
         self._step_was_set = False
         self.reset_parameters()
 
@@ -122,7 +124,7 @@ class VSAAttention(AttentionBackend):
         num_tiles = num_blocks(num_tokens, self.block_size)
         return float(resolve_topk(num_tiles, self.topk, self.topk_ratio) * self.block_size + num_tiles**2 / num_tokens)
 
-    def forward(self, q, k, v, *, grid_hw, hidden):
+    def forward(self, q, k, v, *, grid_hw, hidden, means=None):
         b, h, n, d = q.shape
 
         def per_head(projection):  # [b, N, dim] -> [b, heads, N, head_dim], no activation
@@ -136,6 +138,7 @@ class VSAAttention(AttentionBackend):
             topk=self.current_topk(n),
             gate=per_head(self.gate),
             gate_fine=per_head(self.fine_gate),
+            means=means,
         )
 
     def extra_repr(self) -> str:

@@ -139,9 +139,10 @@ class Attention(nn.Module):
     attention backend -> output projection. The norm, RoPE and the split into [batch, heads, tokens, head_dim] are
     one Triton kernel on CUDA (pixdit.kernels.qk_norm_rope), the same PyTorch ops on CPU.
 
-    A backend that starts from block means of q, k, v (``backend.pool_block``: LLSA's selection and pooled bank) gets
-    them from that kernel, which has the rows in registers as it writes them: a separate pass would read q, k and v
-    again (docs/benchmarks.md, "block means in the prologue"). ``fuse_block_means`` turns it off for A/B benchmarks
+    A backend that starts from block means of q, k, v (``backend.pool_block``: LLSA's selection and pooled bank,
+    VSA's selection and coarse stage, SLA's selection) gets them from that kernel, which has the rows in registers as
+    it writes them: a separate pass would read q, k and v again (docs/benchmarks.md, "block means in the
+    prologue"); only where the tokens are whole blocks. ``fuse_block_means`` turns it off for A/B benchmarks
     (``scripts/bench_sampling.py --means``, ``scripts/bench_train.py --means``); the backend then pools them itself.
     Without autograd (sampling), a backend that reads v in place (``backend.reads_v_view``: LLSA) gets v as a view of
     the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks. Otherwise the qkv
@@ -165,6 +166,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, grid_hw):
         b, n, dim = x.shape
         pool = self.backend.pool_block if self.fuse_block_means else None
+        if pool is not None and n % pool:  # the prologue pools whole blocks; VSA and SLA take a partial last one
+            pool = None
         view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         weights = (self.q_norm_weight, self.k_norm_weight)
         # The projection's bias is added inside qk_norm_rope, whose backward sums its gradient in the pass that
