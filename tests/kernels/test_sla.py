@@ -180,6 +180,10 @@ def test_bf16_inputs_give_bf16_outputs_close_to_oracle():
     torch.testing.assert_close(o_l.float(), r_l, atol=2e-2, rtol=2e-2)
 
 
+# means= for q of [1, 2, 32, 32] and blocks of 16 (common.check_means)
+BAD_MEANS = r"sla_attention: means must be the stacked fp32 block means of q, k, v, shape \(3, 1, 2, 2, 32\)"
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -192,6 +196,9 @@ def test_bf16_inputs_give_bf16_outputs_close_to_oracle():
         ({"topk": 1, "feature_map": "hedgehog"}, "feature_map"),
         ({"topk": 1, "negligible_ratio": 0.1}, "marginal"),
         ({"topk": 1, "linear_scope": "marginal", "negligible_ratio": 1.0}, "negligible_ratio"),
+        ({"topk": 1, "means": torch.zeros(3, 1, 2, 1, 32)}, BAD_MEANS),
+        ({"topk": 1, "means": torch.zeros(3, 1, 2, 2, 32, dtype=torch.float64)}, BAD_MEANS),
+        ({"topk": 1, "means": "means"}, BAD_MEANS),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs, message):

@@ -221,12 +221,3 @@ def test_given_means_are_used(impl):
     assert not torch.equal(with_other[0], sla_attention(q, k, v, **opts)[0])
     for a, b in zip(with_other, sla_attention(q, k, v, selection=chosen, **opts)):
         assert torch.equal(a, b)
-
-
-def test_bad_means_name_the_parameter():
-    q = torch.randn(1, 2, 100, 32)
-    good = _stacked_means((q, q, q), 16)
-    for bad in (good[:2], good.double(), torch.zeros(3, 1, 2, 6, 32), "means"):
-        with pytest.raises(ValueError, match=r"sla_attention: means must be the stacked fp32 block means of q, k, v, "
-                           r"shape \(3, 1, 2, 7, 32\)"):  # fmt: skip
-            sla_attention(q, q, q, 16, topk=2, means=bad)

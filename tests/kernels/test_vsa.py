@@ -152,6 +152,10 @@ def test_topk_ratio_to_topk_rule(num_tiles, topk_ratio, expected):
     assert vsa_select(q, q, block_size=16, topk_ratio=topk_ratio).shape[-1] == expected
 
 
+# means= for q of [1, 2, 32, 32] and blocks of 16 (common.check_means)
+BAD_MEANS = r"vsa_attention: means must be the stacked fp32 block means of q, k, v, shape \(3, 1, 2, 2, 32\)"
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -163,6 +167,9 @@ def test_topk_ratio_to_topk_rule(num_tiles, topk_ratio, expected):
         ({"topk_ratio": 1.5}, "topk_ratio"),
         ({"topk": 1, "gate": torch.zeros(1, 1, 32, 32)}, "gate"),
         ({"topk": 1, "scale": -1.0}, "scale"),
+        ({"topk": 1, "means": torch.zeros(3, 1, 2, 1, 32)}, BAD_MEANS),
+        ({"topk": 1, "means": torch.zeros(3, 1, 2, 2, 32, dtype=torch.float64)}, BAD_MEANS),
+        ({"topk": 1, "means": "means"}, BAD_MEANS),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs, message):

@@ -180,12 +180,3 @@ def test_given_means_are_used(impl):
     else:  # the selection and the coarse stage's pooled tokens
         assert not torch.equal(with_other, run(tile_idx=chosen))
         assert torch.equal(with_other, run(tile_idx=chosen, means=other))
-
-
-def test_bad_means_name_the_parameter():
-    q = torch.randn(1, 2, 100, 32)
-    good = _stacked_means((q, q, q), 16)
-    for bad in (good[:2], good.double(), torch.zeros(3, 1, 2, 6, 32), "means"):
-        with pytest.raises(ValueError, match=r"vsa_attention: means must be the stacked fp32 block means of q, k, v, "
-                           r"shape \(3, 1, 2, 7, 32\)"):  # fmt: skip
-            vsa_attention(q, q, q, 16, topk=2, means=bad)
