@@ -20,10 +20,10 @@ are per-program partial sums added in a fixed order: deterministic, no atomics.
 
 With ``pool_block=B`` it also returns the fp32 means of every B consecutive tokens of the q, k, v it wrote
 (``block_mean`` of each; ``[3, batch, heads, tokens / B, head_dim]``, no gradient): the first level of the pyramid
-that LLSA's selection and pooled bank start from. The kernel has those rows in registers already, so the means cost
-an fp32 write of 1/8 of the output's bf16 bytes instead of a separate pass that reads q, k and v again (in a
-compiled 256² sampler, Inductor's fused means were 12% of the GPU time, at ~1 TB/s; the kernel takes 7% longer with
-them, and sampling got 1.10x faster: docs/kernel_notes.md v20).
+that LLSA's selection and pooled bank start from, and the tile means VSA and SLA start from. The kernel has those
+rows in registers already, so the means cost an fp32 write of 1/8 of the output's bf16 bytes instead of a separate
+pass that reads q, k and v again (in a compiled 256² sampler, Inductor's fused means were 12% of the GPU time, at ~1
+TB/s; the kernel takes 7% longer with them, and sampling got 1.10x faster: docs/kernel_notes.md v20).
 
 With ``bias`` (the qkv projection's bias, left out of its matmul) the kernel adds it to the rows it reads, in
 fp32, and its backward sums the gradient it writes over each program's rows: the bias's gradient without the
