@@ -197,8 +197,9 @@ def _stacked_means(xs, block_size):
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=interpreter_only)])
 def test_given_means_are_the_ones_computed_here(impl):
     """means= (what the model's qk_norm_rope prologue hands over) replaces the selection's pooling: given the block
-    means of q, k, v, the selection and the outputs and gradients are those without it (the Triton path's bitwise:
-    it pools with the same kernel). 100 tokens: the last of 7 blocks is partial."""
+    means of q, k, v, the selection and the outputs and gradients are bitwise those without it (the Triton path pools
+    with the same kernel; the PyTorch path's mean(k) from the block means moves the scores by fp32 rounding only,
+    which reorders no block of these inputs). 100 tokens: the last of 7 blocks is partial."""
     q, k, v, up_s, up_l = _inputs(1, 2, 100, 32, seed=7)
     means = block_means([q, k, v], 16) if impl == "triton" else _stacked_means((q, k, v), 16)
     opts = dict(block_size=16, topk=3, impl=impl)
