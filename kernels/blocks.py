@@ -5,7 +5,7 @@ Everything here is deterministic and, but for one pooling kernel, plain PyTorch 
 * ``block_mean(x, block_size)``            fp32 mean over consecutive blocks of tokens (a partial last block is
                                             averaged over its real tokens); ``block_mean_adjoint`` its gradient.
 * ``block_means(xs, block_size)``          the same means of several tensors by a Triton kernel, no gradient (the
-                                            selections' pooling on the Triton path: LLSA's first level, SLA's scores).
+                                            Triton paths' pooling: LLSA's first level, VSA's tiles, SLA's scores).
 * ``topk_desc(scores, k, ids=None)``        top-k ids by descending score, ties -> smaller id, bitwise reproducible.
 * ``csr_to_csc(index, num_cols)``           transpose of a per-row list of column ids (CSR) into per-column lists of
                                             row ids (CSC), rows ascending inside a column; no float atomics.
@@ -147,7 +147,7 @@ BLOCK_MEANS_PROGRAM = (32, 1)
 def block_means(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
     """``block_mean`` of each of the same-shaped ``xs`` ``[b, h, N, d]`` (any strides), stacked: fp32 ``[len(xs), b,
     h, ceil(N / block_size), d]``, the same means summed in the kernel's order (the oracle tests compare them with a
-    tolerance). No gradient: the pooling of the Triton paths' selections (and LLSA's bank)."""
+    tolerance). No gradient: the pooling of the Triton paths' selections (and LLSA's bank, VSA's coarse stage)."""
     b, h, n, d = xs[0].shape
     n_blocks = triton.cdiv(n, block_size)
     out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)

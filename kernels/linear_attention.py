@@ -124,8 +124,9 @@ def linear_attention_torch(q, k, v, block_size: int, feature_map_name: str, excl
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Triton: the global terms' kernels, the linear steps of SLA's walks (sla_triton.py), and a chunked reduction for
-# the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as [B*H, N, D] contiguous.
+# Triton: the feature map, the global terms' start values and the linear steps of SLA's walks (sla_triton.py), and a
+# chunked reduction for the two global sums (forward) and their gradients (backward). Layout: q, k, v, o, dO as
+# [B*H, N, D] contiguous.
 
 
 @triton.jit
