@@ -19,11 +19,13 @@ Four paths, one result:
   128 KiB): all scores of a 16-row tile at once, then k rounds of (row max, smallest id reaching it, remove it).
 * two-pass (every key row a candidate, up to ``ROW_SELECT_MAX_CANDIDATES`` of them, ``k <= ROW_SELECT_MAX_K``):
   the fp32 scores of a chunk of rows by cuBLAS (at most 256 MiB at a time), then ``_row_topk_kernel``, one score
-  row per program: a search over the bits of order-preserving int32 keys narrows the k-th largest score down until
-  at most ``_row_cap(k)`` keys are at or above its lower bound (on continuous scores after ~10 of the 32 bits);
-  those candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
+  row per program: a bisection over order-preserving int32 keys narrows the k-th largest score down until at most
+  ``_row_cap(k)`` keys are at or above its lower bound. It starts between the smallest of k (or more) group maxima
+  and the largest key, so continuous scores need ~2 steps after that first pass (~10 from the top bit); those
+  candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
   ranked pairwise (score descending, ties -> smaller id). Only when more keys
-  tie at the k-th score than that does the search run all 32 bits and a search over the ids pick the smallest.
+  tie at the k-th score than that does the bisection run down to that score and a search over the ids pick the
+  smallest.
   On rows of >= 2,048 candidates with k <= 51 (``_screens``: VSA and SLA at 256² and up) the cuBLAS scores are
   *screened* ones (``_screened_scores``: TF32 tensor cores, ~3x faster than fp32 FFMA on the H200), each within
   e = ``_screen_error(d)`` * ||q|| * max ||k|| of its fp32 score. The row kernel picks each row's top c
@@ -235,8 +237,8 @@ def _row_topk_kernel(
     ATOMIC_SLOTS: tl.constexpr,
     FLAGGED: tl.constexpr,
 ):
-    """One row of precomputed fp32 scores per program: a bitwise search for the k-th largest score that stops once
-    at most CAP keys are at or above its lower bound; those candidates' ids are compacted into a scratch row and
+    """One row of precomputed fp32 scores per program: a bisection for the k-th largest score that stops once at
+    most CAP keys are at or above its lower bound; those candidates' ids are compacted into a scratch row and
     ranked pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id).
     ``COUNT``: one zeroed int32 per row, the scratch row's fill counter when ``ATOMIC_SLOTS``. ``FLAGGED``: only
     the rows whose int32 in ``FLAGS`` is nonzero (the screened selection's uncertified rows)."""
@@ -250,25 +252,30 @@ def _row_topk_kernel(
     out_row = OUT + row * stride_o
     # int32 keys, not int64: a search step is one compare, one select and one add per key; absent = INT32_MIN
     key = tl.where(valid, _order_key(tl.load(s_row + offs, mask=valid, other=0.0)), -2147483648)
-    # Search over u = key + 2^31 (0 .. 2^32 - 1) from the top bit down for the k-th largest u: tau only rises and
-    # c_lo = #(u >= tau) stays >= k. Continuous scores leave at most CAP keys >= tau after the sign, the exponent
-    # and a few mantissa bits, so the search stops there instead of running all 32 steps.
-    tau = tl.zeros([], tl.int64)
-    c_lo = tl.zeros([], tl.int32) + n
-    c_hi = tl.zeros([], tl.int32)  # #(u >= tau + 2^(32 - step)): < k, all of them winners
-    step = tl.zeros([], tl.int32)
-    while (step < 32) & (c_lo > CAP):
-        cand = tau + (tl.full([], 1, tl.int64) << (31 - step).to(tl.int64))
-        c = tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), 0)
+    # Bisection over u = key + 2^31 (0 .. 2^32 - 1) for the k-th largest u, keeping c_lo = #(u >= lo) >= k and
+    # c_hi = #(u >= hi) < k (those all winners). It starts from a bracket, not from the top bit: hi just above the
+    # largest key, lo the smallest of G >= k group maxima (G distinct keys are >= it, so c_lo >= k; a group of
+    # absent keys only has the absent key as its maximum, which starts lo at 0, the whole range). Continuous scores
+    # leave at most CAP keys >= lo after ~2 more steps (from the top bit it took ~10: the sign, the exponent, a few
+    # mantissa bits), so the search stops there; only ties at the k-th score take it down to hi = lo + 1.
+    G: tl.constexpr = CAP // 2  # >= k (_row_cap)
+    group_max = tl.max(tl.reshape(key, [G, BLOCK // G], can_reorder=True), 1)  # which keys share a group: any
+    lo = tl.min(group_max, 0).to(tl.int64) + 2147483648
+    hi = tl.max(group_max, 0).to(tl.int64) + 2147483649
+    c_lo = tl.sum((valid & (key >= (lo - 2147483648).to(tl.int32))).to(tl.int32), 0)
+    c_hi = tl.zeros([], tl.int32)
+    while (c_lo > CAP) & (hi - lo > 1):
+        mid = (lo + hi) >> 1
+        c = tl.sum((key >= (mid - 2147483648).to(tl.int32)).to(tl.int32), 0)
         take = c >= k
-        tau = tl.where(take, cand, tau)
+        lo = tl.where(take, mid, lo)
         c_lo = tl.where(take, c, c_lo)
+        hi = tl.where(take, hi, mid)
         c_hi = tl.where(take, c_hi, c)
-        step += 1
-    lo = (tau - 2147483648).to(tl.int32)
-    # The candidates: every key >= lo. Only when more than CAP keys tie at the k-th score (the search then ran all
-    # 32 steps and lo is that score): the keys above it and the first k - c_hi ids of the tied ones, i.e. exactly
-    # the k winners, found by a search over the ids.
+    lo = (lo - 2147483648).to(tl.int32)
+    # The candidates: every key >= lo. Only when more than CAP keys tie at the k-th score (the search then ended at
+    # hi = lo + 1, lo that score): the keys above it and the first k - c_hi ids of the tied ones, i.e. exactly the
+    # k winners, found by a search over the ids.
     last = tl.zeros([], tl.int32) + BLOCK  # ids of tied keys up to `last` (exclusive) are candidates
     if c_lo > CAP:
         tied = valid & (key == lo)
@@ -382,11 +389,17 @@ def _one_shot_launch(cand: int, d: int) -> dict:
     return chunk | {"PRECISION": "ieee", "num_warps": 8}
 
 
-def _row_warps(block: int) -> int:
-    """Warps of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile report's).
-    Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4 warps
-    1.25x faster than 8, 16 warps slower still. At 16,384 slots 8 and 16 warps measured the same, 16 spill less."""
-    return 4 if block <= 8192 else 16
+def _row_launch(block: int) -> dict:
+    """Launch options of a ``_row_topk_kernel`` program holding a score row of ``block`` slots (also the compile
+    report's). Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4
+    warps 1.25x faster than 8, 16 warps slower still. At 16,384 slots 8 and 16 warps measured the same, 16 spill
+    less. Rows of 4,096 slots (VSA's and SLA's 16-token tiles at 256²) get at most 128 registers, four programs an
+    SM: left to itself ptxas (Triton 3.6, sm_90) gives them 128-164 depending on small changes of the source,
+    capped 106-128 without spills; shorter rows need fewer uncapped (56-144 at 1,024 and 2,048 slots) and the cap
+    would raise them to 128."""
+    if block > 8192:
+        return {"num_warps": 16}
+    return {"num_warps": 4} | ({"maxnreg": 128} if block == 4096 else {})
 
 
 def _row_keys_in_scratch(block: int) -> bool:
@@ -449,7 +462,7 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor, flags: torch.Ten
         KEYS_IN_SCRATCH=_row_keys_in_scratch(block),
         ATOMIC_SLOTS=atomic,
         FLAGGED=flags is not None,
-        num_warps=_row_warps(block),
+        **_row_launch(block),
     )
     return out
 

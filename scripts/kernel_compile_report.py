@@ -80,7 +80,7 @@ def row_select_variant(block: int, k: int) -> tuple:
     args["stride_o"] = k
     const = {"BLOCK": block, "CAP": topk._row_cap(k), "KEYS_IN_SCRATCH": topk._row_keys_in_scratch(block)}
     const |= {"ATOMIC_SLOTS": topk._row_atomic_slots(block), "FLAGGED": False}
-    return topk._row_topk_kernel, args, const, {"num_warps": topk._row_warps(block)}
+    return topk._row_topk_kernel, args, const, topk._row_launch(block)
 
 
 def rescore_variant(block: int, k: int, head_dim: int) -> tuple:
@@ -485,16 +485,16 @@ def topk_rows(args) -> list[dict]:
     variants += [
         (f"row select n={b} cap={topk._row_cap(k)}", row_select_variant(b, k))
         for b in (1024, 4096, 16384)
-        for k in (64, 128)
+        for k in (32, 64, 128)
     ]
     variants += [(f"rescore k={k}", rescore_variant(4096, k, args.head_dim)) for k in (8, 20, 32, 64)]
     for label, (fn, run_args, const, options) in variants:
         signature, attrs = launch_variant(fn, run_args, const)
         row = {"kernel": label, "head_dim": args.head_dim, "stages": options.get("num_stages", "default")}
+        row["maxnreg"] = options.get("maxnreg", "-")
         name = label.replace(" ", "_").replace("=", "")
-        row.update(
-            compile_one(fn, signature, const, options["num_warps"], args.dump, name, attrs, options.get("num_stages"))
-        )
+        warps, stages, cap = options["num_warps"], options.get("num_stages"), options.get("maxnreg")
+        row.update(compile_one(fn, signature, const, warps, args.dump, name, attrs, stages, cap))
         rows.append(row)
         print(row, flush=True)
     return rows
