@@ -897,6 +897,27 @@ def test_bench_train_kernel_table_sorts_pixdit_kernels_by_kind(h, monkeypatch):
     }
 
 
+def test_every_pixdit_kernel_has_a_kind_in_the_kernel_table():
+    """Each Triton kernel of pixdit.kernels (the names the profiler shows) lands in a named row of the kind-of-kernel
+    table, not in "other"; found by walking the package, so a new kernel without a row fails here."""
+    import importlib
+    import pkgutil
+    import re
+
+    import pixdit.kernels
+    from pixdit.report import KERNEL_CATEGORIES
+
+    names = set()
+    for info in pkgutil.iter_modules(pixdit.kernels.__path__):
+        module = importlib.import_module(f"pixdit.kernels.{info.name}")
+        names |= {name for name, obj in vars(module).items() if name.endswith("_kernel") and hasattr(obj, "fn")}
+    assert {"_block_means_kernel", "_row_topk_kernel", "_sla_fwd_kernel", "_joint_bwd_kernel"} <= names
+    kinds = {name: next((g for g, p in KERNEL_CATEGORIES if re.search(p, name)), "other") for name in names}
+    assert [name for name, kind in kinds.items() if kind == "other"] == []
+    assert kinds["_block_means_kernel"] == "block means (pooling)" and kinds["_rescore_kernel"].startswith("block sel")
+    assert kinds["_combine_bwd_kernel"] == kinds["_sum_slots_kernel"] == "sparse attention (pixdit.kernels)"
+
+
 def test_bandwidth_table_ranks_inductor_kernels_by_time_lost(monkeypatch, tmp_path):
     """--compile --profile's bandwidth table: byte estimates read from the output code Inductor writes under the
     directory ``enable_inductor_kernel_bytes`` gives it (two graphs' kernels of one name with different estimates get

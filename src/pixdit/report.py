@@ -109,11 +109,16 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
 # The Triton kernels of pixdit.kernels keep their function names; Inductor's fused kernels are triton_poi/red/per_*.
 KERNEL_CATEGORIES = (
     ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
-    ("sparse attention (pixdit.kernels)", r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_feature_sums_kernel"),
-    # the sparse backends' pooled q, k, v: Inductor's fused means (their names also carry "topk_select" when fused
-    # next to the selection) or ATen's mean kernel in eager mode
-    ("block means (pooling)", r"triton_\w+_fused_mean|MeanOps"),
-    ("block selection (top-k)", r"topk|_select|bitonic|sort"),
+    # the walks, LLSA's slot sums, SLA's feature sums, VSA's gated sum of its two stages
+    (
+        "sparse attention (pixdit.kernels)",
+        r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_sum_slots_kernel|_feature_sums_kernel|_combine_\w+_kernel",
+    ),
+    # the sparse backends' pooled q, k, v: pixdit.kernels.blocks' kernel, Inductor's fused means (their names also
+    # carry "topk_select" when fused next to the selection) or ATen's mean kernel in eager mode
+    ("block means (pooling)", r"_block_means_kernel|triton_\w+_fused_mean|MeanOps"),
+    ("block selection (top-k)", r"topk|_select|_rescore_kernel|bitonic|sort"),
+    ("adaLN joint backward (pixdit.kernels)", r"_joint_bwd_kernel"),
     ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
     ("matmul", r"gemm|nvjet|cutlass|sm90_|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)"),
     ("optimizer + EMA (foreach)", r"multi_tensor|foreach|adam|lerp"),
