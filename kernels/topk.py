@@ -286,20 +286,29 @@ def _row_topk_kernel(
         last += 1
     is_cand = valid & ((key > lo) | ((key == lo) & (offs < last)))
     n_cand = tl.where(c_lo > CAP, k, c_lo)
-    # Compaction of the candidates' ids: a block-wide prefix sum (ascending, so a smaller position means a smaller
-    # id), or on the longest rows (ATOMIC_SLOTS, _row_atomic_slots) a slot per candidate from the row's counter, in
-    # any order, so that there the ranking breaks ties by id. Their keys go into the scratch too only for short rows
-    # (KEYS_IN_SCRATCH): on long rows, scattering both holds two address vectors (at 4,096 slots 141 registers
-    # against 111 with Triton 3.6, 216 against 80 with 3.8), so there the keys are read back from the score row (just
-    # loaded, in cache); on short rows those dependent reads cost more than the registers save (_row_keys_in_scratch).
+    # Compaction of the candidates' ids: a prefix sum in position order (so a smaller slot means a smaller id), or
+    # on the longest rows (ATOMIC_SLOTS, _row_atomic_slots) a slot per candidate from the row's counter, in any
+    # order, so that there the ranking breaks ties by id. The prefix sum runs over rows of 32 keys: each row's count,
+    # an exclusive sum of the counts, a sum within each row. One block-wide scan of the 4,096 keys ran in the
+    # scatter's layout of one key per thread and step (Triton puts the layout change before the scan), 160
+    # shuffles at 4,096 slots against ~60 this way (sm_90, Triton 3.6). Their keys go into the scratch too only for
+    # short rows (KEYS_IN_SCRATCH): on long rows, scattering both holds two address vectors (at 4,096 slots 141
+    # registers against 111 with Triton 3.6, 216 against 80 with 3.8), so there the keys are read back from the
+    # score row (just loaded, in cache); on short rows those dependent reads cost more than the registers save
+    # (_row_keys_in_scratch).
     ids_at = SCRATCH + row * (2 * CAP)
     if ATOMIC_SLOTS:
         pos = tl.atomic_add(COUNT + row + tl.zeros([BLOCK], tl.int32), 1, mask=is_cand, sem="relaxed")
+        tl.store(ids_at + pos, offs, mask=is_cand)
+        if KEYS_IN_SCRATCH:
+            tl.store(ids_at + CAP + pos, key, mask=is_cand)
     else:
-        pos = tl.cumsum(is_cand.to(tl.int32), 0) - 1
-    tl.store(ids_at + pos, offs, mask=is_cand)
-    if KEYS_IN_SCRATCH:
-        tl.store(ids_at + CAP + pos, key, mask=is_cand)
+        in_rows = tl.reshape(is_cand.to(tl.int32), [BLOCK // 32, 32])
+        per_row = tl.sum(in_rows, 1)
+        pos = (tl.cumsum(per_row, 0) - per_row)[:, None] + tl.cumsum(in_rows, 1) - 1
+        tl.store(ids_at + pos, tl.reshape(offs, [BLOCK // 32, 32]), mask=in_rows != 0)
+        if KEYS_IN_SCRATCH:
+            tl.store(ids_at + CAP + pos, tl.reshape(key, [BLOCK // 32, 32]), mask=in_rows != 0)
     tl.debug_barrier()
     i = tl.arange(0, CAP)
     i_ok = i < n_cand
