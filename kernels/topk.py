@@ -23,7 +23,7 @@ Four paths, one result:
   ``_row_cap(k)`` keys are at or above its lower bound. It starts between the smallest of k (or more) group maxima
   and the largest key, so continuous scores need ~2 steps after that first pass (~10 from the top bit); those
   candidates are compacted (by a prefix sum, or by an atomic counter on rows of more than 8,192 slots) and
-  ranked pairwise (score descending, ties -> smaller id). Only when more keys
+  sorted (score descending, ties -> smaller id). Only when more keys
   tie at the k-th score than that does the bisection run down to that score and a search over the ids pick the
   smallest.
   On rows of >= 2,048 candidates with k <= 51 (``_screens``: VSA and SLA at 256² and up) the cuBLAS scores are
@@ -75,7 +75,7 @@ _STREAM_ROWS = 32  # query rows per program: each loaded key chunk serves 32 row
 _STREAM_CHUNK = 128  # candidates scored per step
 _TORCH_MAX_SCORES = 1 << 26  # fp32 scores alive at once in the PyTorch and two-pass paths (256 MiB)
 # Two-pass path: a score row of up to this many candidates is held by one program, and up to 2 * 128 candidates
-# are ranked pairwise ([256, 32] compares at a time), hence the bound on k. Where both run, it is faster than the
+# are sorted, hence the bound on k. Where both run, it is faster than the
 # streaming kernel at every k (docs/benchmarks.md, "Block selection alone").
 ROW_SELECT_MAX_CANDIDATES = 16384
 ROW_SELECT_MAX_K = 128
@@ -208,18 +208,6 @@ def _order_key(s):
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-@triton.jit
-def _candidates(s_row, ids_at, j, j_ok, CAP: tl.constexpr, KEYS_IN_SCRATCH: tl.constexpr):
-    """Ids and keys of the compacted candidates ``j``: keys from the scratch row, or read back from the score row by
-    id (a caller that uses only the keys leaves the id load dead, and the compiler drops it)."""
-    ids = tl.load(ids_at + j, mask=j_ok, other=0)
-    if KEYS_IN_SCRATCH:
-        keys = tl.load(ids_at + CAP + j, mask=j_ok, other=-2147483648)
-    else:
-        keys = tl.where(j_ok, _order_key(tl.load(s_row + ids, mask=j_ok, other=0.0)), -2147483648)
-    return ids, keys
-
-
 @triton.jit(do_not_specialize=["k", "stride_o"])  # k (= the output row stride): one kernel per (BLOCK, CAP)
 def _row_topk_kernel(
     S,
@@ -239,7 +227,7 @@ def _row_topk_kernel(
 ):
     """One row of precomputed fp32 scores per program: a bisection for the k-th largest score that stops once at
     most CAP keys are at or above its lower bound; those candidates' ids are compacted into a scratch row and
-    ranked pairwise, and each of the k best is stored at its place (score descending, ties -> smaller id).
+    sorted, and the k best are stored in order (score descending, ties -> smaller id).
     ``COUNT``: one zeroed int32 per row, the scratch row's fill counter when ``ATOMIC_SLOTS``. ``FLAGGED``: only
     the rows whose int32 in ``FLAGS`` is nonzero (the screened selection's uncertified rows)."""
     row = tl.program_id(0).to(tl.int64)
@@ -286,16 +274,15 @@ def _row_topk_kernel(
         last += 1
     is_cand = valid & ((key > lo) | ((key == lo) & (offs < last)))
     n_cand = tl.where(c_lo > CAP, k, c_lo)
-    # Compaction of the candidates' ids: a prefix sum in position order (so a smaller slot means a smaller id), or
-    # on the longest rows (ATOMIC_SLOTS, _row_atomic_slots) a slot per candidate from the row's counter, in any
-    # order, so that there the ranking breaks ties by id. The prefix sum runs over rows of 32 keys: each row's count,
-    # an exclusive sum of the counts, a sum within each row. One block-wide scan of the 4,096 keys ran in the
-    # scatter's layout of one key per thread and step (Triton puts the layout change before the scan), 160
-    # shuffles at 4,096 slots against ~60 this way (sm_90, Triton 3.6). Their keys go into the scratch too only for
-    # short rows (KEYS_IN_SCRATCH): on long rows, scattering both holds two address vectors (at 4,096 slots 141
-    # registers against 111 with Triton 3.6, 216 against 80 with 3.8), so there the keys are read back from the
-    # score row (just loaded, in cache); on short rows those dependent reads cost more than the registers save
-    # (_row_keys_in_scratch).
+    # Compaction of the candidates' ids into slots 0 .. n_cand - 1 (their order does not matter: the sort below
+    # breaks ties by id): a prefix sum, or on the longest rows (ATOMIC_SLOTS, _row_atomic_slots) a slot per
+    # candidate from the row's counter. The prefix sum runs over rows of 32 keys: each row's count, an exclusive sum
+    # of the counts, a sum within each row. One block-wide scan of the 4,096 keys ran in the scatter's layout of one
+    # key per thread and step (Triton puts the layout change before the scan): ~160 shuffles at 4,096 slots against
+    # ~60 this way (sm_90, Triton 3.6). Their keys go into the scratch too only for short rows (KEYS_IN_SCRATCH): on
+    # long rows, scattering both holds two address vectors (at 4,096 slots 141 registers against 111 with Triton
+    # 3.6, 216 against 80 with 3.8), so there the keys are read back from the score row (just loaded, in cache); on
+    # short rows those dependent reads cost more than the registers save (_row_keys_in_scratch).
     ids_at = SCRATCH + row * (2 * CAP)
     if ATOMIC_SLOTS:
         pos = tl.atomic_add(COUNT + row + tl.zeros([BLOCK], tl.int32), 1, mask=is_cand, sem="relaxed")
@@ -312,19 +299,17 @@ def _row_topk_kernel(
     tl.debug_barrier()
     i = tl.arange(0, CAP)
     i_ok = i < n_cand
-    id_i, key_i = _candidates(s_row, ids_at, i, i_ok, CAP, KEYS_IN_SCRATCH)
-    place = tl.zeros([CAP], tl.int32)  # how many candidates come first: higher score, or equal and smaller id
-    for c in tl.static_range(0, CAP, 32):  # [CAP, 32] at a time: the full square costs registers
-        j = c + tl.arange(0, 32)
-        j_ok = j < n_cand
-        id_j, key_j = _candidates(s_row, ids_at, j, j_ok, CAP, KEYS_IN_SCRATCH)
-        if ATOMIC_SLOTS:
-            before = id_j[None, :] < id_i[:, None]
-        else:  # slots in id order (id_j unused)
-            before = j[None, :] < i[:, None]
-        first = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & before)
-        place += tl.sum((first & j_ok[None, :]).to(tl.int32), 1)
-    tl.store(out_row + place, id_i, mask=i_ok & (place < k))
+    ids = tl.load(ids_at + i, mask=i_ok, other=0)
+    if KEYS_IN_SCRATCH:
+        keys = tl.load(ids_at + CAP + i, mask=i_ok)
+    else:
+        keys = _order_key(tl.load(s_row + ids, mask=i_ok, other=0.0))
+    # Best first: the key, then the smaller id, as one int64 per candidate (absent slots the smallest), sorted by a
+    # bitonic network (CAP log^2 CAP compare-exchanges). It replaced a pairwise ranking, CAP^2 compares: at 4,096
+    # slots and CAP = 128, ~900 -> ~340 instructions (sm_90, Triton 3.6).
+    order = keys.to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
+    order = tl.sort(tl.where(i_ok, order, -9223372036854775807 - 1), descending=True)
+    tl.store(out_row + i, (4294967295 - (order & 4294967295)).to(tl.int32), mask=i < k)
 
 
 @triton.jit(do_not_specialize=["k", "c", "rows_per_slice"])  # one kernel per (CAP, HEAD_DIM)
@@ -426,9 +411,9 @@ def _row_atomic_slots(block: int) -> bool:
 
 
 def _row_cap(k: int) -> int:
-    """Candidates a ``_row_topk_kernel`` program ranks pairwise (its search stops at this many): twice the power of
-    two >= k, at least 32. The ranking costs CAP^2 compares, one more search step halves the candidates; one
-    compiled variant per value and row length, so a sweep over k compiles four (32, 64, 128, 256)."""
+    """Candidates a ``_row_topk_kernel`` program sorts (its search stops at this many): twice the power of two >= k,
+    at least 32. One compiled variant per value and row length, so a sweep over k compiles four (32, 64, 128,
+    256)."""
     return max(32, 2 * triton.next_power_of_2(k))
 
 

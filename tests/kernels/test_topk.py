@@ -166,7 +166,7 @@ def test_screened_selection_is_exact_against_the_worst_screening_and_ties(n, k):
 
 @needs_interpreter
 @pytest.mark.parametrize("screened", [False, True])
-@pytest.mark.parametrize("scores_per_chunk", [None, 2 * 24 * 600, 10 * 600])
+@pytest.mark.parametrize("scores_per_chunk", [None, 2 * 12 * 600, 10 * 600])
 def test_two_pass_route_chunks_slices_and_rows(scores_per_chunk, screened, monkeypatch):
     """The two-pass route end to end (exact or screened cuBLAS scores, row kernel) on tie-heavy inputs, with the
     scores cut into chunks of whole slices (3 slices: chunks of 2 and 1) or of rows of one slice (10 rows at a
@@ -176,7 +176,7 @@ def test_two_pass_route_chunks_slices_and_rows(scores_per_chunk, screened, monke
     if screened:
         monkeypatch.setattr(topk, "_SCREEN_MIN_CANDIDATES", 0)
     assert topk._screens(20, 600) == screened and not topk._screens(64, 600)
-    qp, kp = tie_heavy(3, 24, 600, 64, seed=7)
+    qp, kp = tie_heavy(3, 12, 600, 64, seed=7)
     for k in (1, 20, 64):
         assert topk._route(600, 64, k, None) == "two_pass"
         got = topk.pooled_topk(qp.to(DEVICE), kp.to(DEVICE), k, impl="triton").cpu()
