@@ -333,8 +333,9 @@ def _rescore_kernel(
     """The screened selection's second pass, one score row per program: ``CAND`` holds the row's top c ids by
     screened score (``S``, best first). Every exact score is within e = error * ||q|| * max ||k|| of its screened
     one, so when the c-th screened score is below the k-th minus 2e, no key outside the c can reach the exact top
-    k (it scores below (k-th screened) - e, which k candidates reach): the row is certified, its c candidates are
-    rescored in fp32 and the k best by exact score (ties -> smaller id) written to ``OUT``.
+    k (it scores below (k-th screened) - e, which k candidates reach): the row is certified, those of its c
+    candidates that are not below that bound either are rescored in fp32 and the k best by exact score (ties ->
+    smaller id) written to ``OUT``.
     Otherwise (near-ties at the cut) the row's exact fp32 scores replace the screened ones in ``S`` and ``FLAGS``
     marks it for the plain row kernel."""
     row = tl.program_id(0).to(tl.int64)
@@ -347,15 +348,18 @@ def _rescore_kernel(
     i = tl.arange(0, CAP)
     live = i < c
     ids = tl.load(CAND + row * c + i, mask=live, other=0)
-    # the k-th and the c-th screened score (two loads: the other candidates' scores are not needed)
     thr = tl.load(s_row + tl.load(CAND + row * c + k - 1)) - margin  # (the k-th screened score) - 2e
     if tl.load(s_row + tl.load(CAND + row * c + c - 1)) < thr:  # certified (false for a NaN margin)
-        kt = tl.load(k_rows + ids[:, None].to(tl.int64) * d + dims[None, :], mask=live[:, None] & (dims < d)[None, :])
-        key = tl.where(live, _order_key(tl.sum(kt * q[None, :], 1)), -2147483648)
+        # Only candidates screened at or above thr can be among the exact top k (one below it scores below the k-th
+        # screened - e exactly, which k candidates reach), so only their key rows are read: ~k of the c. A NaN
+        # screened score keeps its candidate.
+        near = live & ~(tl.load(s_row + ids, mask=live, other=0.0) < thr)
+        kt = tl.load(k_rows + ids[:, None].to(tl.int64) * d + dims[None, :], mask=near[:, None] & (dims < d)[None, :])
+        key = tl.where(near, _order_key(tl.sum(kt * q[None, :], 1)), -2147483648)
         # place = how many candidates come first: a higher exact score, or an equal one and a smaller id
         first = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ids[None, :] < ids[:, None]))
-        place = tl.sum((first & live[None, :]).to(tl.int32), 1)
-        tl.store(OUT + row * k + place, ids, mask=live & (place < k))
+        place = tl.sum((first & near[None, :]).to(tl.int32), 1)
+        tl.store(OUT + row * k + place, ids, mask=near & (place < k))
     else:
         for j0 in range(0, n, 32):
             j = j0 + tl.arange(0, 32)
