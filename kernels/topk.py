@@ -392,9 +392,9 @@ def _row_launch(block: int) -> dict:
     report's). Fewer warps per row mean cheaper reductions per search step; measured on the H200 at 4,096 slots: 4
     warps 1.25x faster than 8, 16 warps slower still. At 16,384 slots 8 and 16 warps measured the same, 16 spill
     less. Rows of 4,096 slots (VSA's and SLA's 16-token tiles at 256²) get at most 128 registers, four programs an
-    SM: left to itself ptxas (Triton 3.6, sm_90) gives them 128-164 depending on small changes of the source,
-    capped 106-128 without spills; shorter rows need fewer uncapped (56-144 at 1,024 and 2,048 slots) and the cap
-    would raise them to 128."""
+    SM: left to itself ptxas (Triton 3.6, sm_90) gives them 128-164 depending on small changes of the source
+    (~152 now), capped ~110 without spills; shorter rows need fewer uncapped (56 at 1,024 slots, 96-106 at 2,048),
+    which the cap would raise (ptxas fills the budget), and 8,192 would spill under it."""
     if block > 8192:
         return {"num_warps": 16}
     return {"num_warps": 4} | ({"maxnreg": 128} if block == 4096 else {})
