@@ -107,6 +107,7 @@ def test_streaming_kernel_worst_kept_is_the_kth_best():
 @pytest.mark.parametrize(
     "n,k",
     [(1, 1), (7, 7), (300, 1), (300, 16), (300, 17), (1000, 32), (1000, 33), (2100, 64), (2100, 65), (2100, 128)]
+    + [(4096, 64)]  # full rows of VSA's / SLA's 256² (no absent key: the search starts from the group maxima)
     + [(9000, 40)],  # the longest bucket (BLOCK 16,384, 16 warps on the GPU: 512^2 VSA with 16-token tiles)
 )
 def test_row_select_kernel_matches_topk_desc(n, k):
