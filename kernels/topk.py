@@ -304,8 +304,8 @@ def _row_topk_kernel(
         keys = tl.load(ids_at + CAP + i, mask=i_ok)
     else:
         keys = _order_key(tl.load(s_row + ids, mask=i_ok, other=0.0))
-    # Best first: the key, then the smaller id, as one int64 per candidate (absent slots the smallest), sorted by a
-    # bitonic network (CAP log^2 CAP compare-exchanges). It replaced a pairwise ranking, CAP^2 compares: at 4,096
+    # Best first: the key, then the smaller id, as one int64 per candidate (absent slots the smallest; the order of
+    # blocks.topk_desc's keys), sorted by a bitonic network (CAP log^2 CAP compare-exchanges). It replaced a pairwise ranking, CAP^2 compares: at 4,096
     # slots and CAP = 128, ~900 -> ~340 instructions (sm_90, Triton 3.6).
     order = keys.to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
     order = tl.sort(tl.where(i_ok, order, -9223372036854775807 - 1), descending=True)
