@@ -305,8 +305,8 @@ def _row_topk_kernel(
     else:
         keys = _order_key(tl.load(s_row + ids, mask=i_ok, other=0.0))
     # Best first: the key, then the smaller id, as one int64 per candidate (absent slots the smallest; the order of
-    # blocks.topk_desc's keys), sorted by a bitonic network (CAP log^2 CAP compare-exchanges). It replaced a pairwise ranking, CAP^2 compares: at 4,096
-    # slots and CAP = 128, ~900 -> ~340 instructions (sm_90, Triton 3.6).
+    # blocks.topk_desc's keys), sorted by a bitonic network (CAP log^2 CAP compare-exchanges). It replaced a pairwise
+    # ranking, CAP^2 compares: at 4,096 slots and CAP = 128, ~900 -> ~340 instructions (sm_90, Triton 3.6).
     order = keys.to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
     order = tl.sort(tl.where(i_ok, order, -9223372036854775807 - 1), descending=True)
     tl.store(out_row + i, (4294967295 - (order & 4294967295)).to(tl.int32), mask=i < k)
@@ -333,9 +333,8 @@ def _rescore_kernel(
     """The screened selection's second pass, one score row per program: ``CAND`` holds the row's top c ids by
     screened score (``S``, best first). Every exact score is within e = error * ||q|| * max ||k|| of its screened
     one, so when the c-th screened score is below the k-th minus 2e, no key outside the c can reach the exact top
-    k (it scores below (k-th screened) - e, which k candidates reach): the row is certified, those of its c
-    candidates that are not below that bound either are rescored in fp32 and the k best by exact score (ties ->
-    smaller id) written to ``OUT``.
+    k (it scores below (k-th screened) - e, which k candidates reach): the row is certified, its c candidates are
+    rescored in fp32 and the k best by exact score (ties -> smaller id) written to ``OUT``.
     Otherwise (near-ties at the cut) the row's exact fp32 scores replace the screened ones in ``S`` and ``FLAGS``
     marks it for the plain row kernel."""
     row = tl.program_id(0).to(tl.int64)
@@ -348,18 +347,17 @@ def _rescore_kernel(
     i = tl.arange(0, CAP)
     live = i < c
     ids = tl.load(CAND + row * c + i, mask=live, other=0)
+    # the k-th and the c-th screened score (two loads: the other candidates' scores are not needed; reading all c
+    # to skip the key rows of those that cannot win made the kernel 1.4x slower on the H100, docs/kernel_notes.md
+    # v52 (d): one more dependent load per row)
     thr = tl.load(s_row + tl.load(CAND + row * c + k - 1)) - margin  # (the k-th screened score) - 2e
     if tl.load(s_row + tl.load(CAND + row * c + c - 1)) < thr:  # certified (false for a NaN margin)
-        # Only candidates screened at or above thr can be among the exact top k (one below it scores below the k-th
-        # screened - e exactly, which k candidates reach), so only their key rows are read: ~k of the c. A NaN
-        # screened score keeps its candidate.
-        near = live & ~(tl.load(s_row + ids, mask=live, other=0.0) < thr)
-        kt = tl.load(k_rows + ids[:, None].to(tl.int64) * d + dims[None, :], mask=near[:, None] & (dims < d)[None, :])
-        key = tl.where(near, _order_key(tl.sum(kt * q[None, :], 1)), -2147483648)
+        kt = tl.load(k_rows + ids[:, None].to(tl.int64) * d + dims[None, :], mask=live[:, None] & (dims < d)[None, :])
+        key = tl.where(live, _order_key(tl.sum(kt * q[None, :], 1)), -2147483648)
         # place = how many candidates come first: a higher exact score, or an equal one and a smaller id
         first = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ids[None, :] < ids[:, None]))
-        place = tl.sum((first & near[None, :]).to(tl.int32), 1)
-        tl.store(OUT + row * k + place, ids, mask=near & (place < k))
+        place = tl.sum((first & live[None, :]).to(tl.int32), 1)
+        tl.store(OUT + row * k + place, ids, mask=live & (place < k))
     else:
         for j0 in range(0, n, 32):
             j = j0 + tl.arange(0, 32)
