@@ -126,11 +126,15 @@ def sla_select(
     """
     check_qkv(q, k, k, name="sla_select")
     check_block_size(block_size)
-    t = num_blocks(q.shape[2], block_size)
-    kk = resolve_topk(t, topk, topk_ratio)
-    triton_topk = use_triton(q, impl)
     if means is not None:
         means = check_means(means, q, block_size, "sla_select")
+    return _select_blocks(q, k, block_size, topk, topk_ratio, negligible_ratio, use_triton(q, impl), means)
+
+
+def _select_blocks(q, k, block_size, topk, topk_ratio, negligible_ratio, triton_topk, means):
+    """``sla_select`` on arguments its callers have checked."""
+    t = num_blocks(q.shape[2], block_size)
+    kk = resolve_topk(t, topk, topk_ratio)
     with torch.no_grad():
         q_pool, k_pool = _pooled_for_scores(q, k, block_size, triton_topk, means)
     critical = select_topk_blocks(q_pool, k_pool, kk, use_triton_topk=triton_topk)
@@ -172,7 +176,7 @@ def sla_attention(
         means = check_means(means, q, block_size, "sla_attention")
     triton_path = use_triton(q, impl)
     if selection is None:
-        critical, negligible = sla_select(q, k, block_size, topk, topk_ratio, negligible_ratio, impl, means)
+        critical, negligible = _select_blocks(q, k, block_size, topk, topk_ratio, negligible_ratio, triton_path, means)
     else:
         critical, negligible = selection
         check_selection(critical, q, block_size, "selection[0] (critical)")
