@@ -2047,7 +2047,7 @@ def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The CSC of "every query tile lists this block", for ``shared_list=True``."""
     # [[0, n_tiles]] built on the device: a tensor from a Python list is a blocking host-to-device copy (a stream
     # sync in every LLSA backward)
-    offsets = torch.arange(2, device=device, dtype=torch.int32).mul_(n_tiles)[None]
+    offsets = torch.arange(0, 2 * n_tiles, n_tiles, device=device, dtype=torch.int32)[None]  # [[0, n_tiles]]
     return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
 
 

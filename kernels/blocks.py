@@ -224,12 +224,20 @@ def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple
     per_col = rows * width if slots else rows  # the entries one column can hold
     span = (num_cols + 1) * per_col
     dtype = torch.int32 if batch * span < INT32_KEYS_BELOW else torch.int64
-    entry = torch.arange(per_col, device=index.device, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
-    base = torch.arange(batch, device=index.device, dtype=dtype).view(batch, 1, 1) * span
-    # (c + 1) * per_col + entry + base as two passes over the entries (an empty slot: c + 1 = 0)
-    keys = torch.add((base + per_col) + entry, index.to(dtype), alpha=per_col)
+    # Every index tensor below is one arange (the step carries the batch's multiplier): in an eager backward each
+    # extra tiny launch costs ~1-2 us of GPU time, and two of these transposes run per LLSA backward.
+    dev = index.device
+    start = torch.arange(per_col, batch * span + per_col, span, device=dev, dtype=dtype).view(batch, 1, 1)
+    entry = torch.arange(per_col, device=dev, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
+    # b * span + (c + 1) * per_col + entry (an empty slot: c + 1 = 0)
+    keys = torch.add(start + entry, index.to(dtype), alpha=per_col)
     keys = torch.sort(keys.flatten()).values
-    bounds = base.view(batch, 1) + torch.arange(1, num_cols + 2, device=index.device, dtype=dtype) * per_col
-    first = torch.arange(batch, device=index.device, dtype=torch.int64).view(batch, 1) * (rows * width)
-    offsets = (torch.searchsorted(keys, bounds.flatten()).view(batch, -1) - first).to(torch.int32)
+    # offsets[b, c]: the keys below column c's first key b * span + (c + 1) * per_col, which is (t + 1) * per_col
+    # for t = b * (num_cols + 1) + c
+    bounds = torch.arange(per_col, batch * span + 1, per_col, device=dev, dtype=dtype)
+    total = batch * rows * width
+    small = total < 2**31  # positions as int32 straight from the search
+    ends = torch.searchsorted(keys, bounds, out_int32=small).view(batch, -1)
+    first = torch.arange(0, total, rows * width, device=dev, dtype=ends.dtype).view(batch, 1)
+    offsets = (ends - first).to(torch.int32)
     return offsets, (keys % per_col).to(torch.int32).view(batch, rows * width)

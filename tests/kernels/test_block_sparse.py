@@ -52,6 +52,7 @@ def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, slots
     ).int()
     index[:, ::4, -1] = -1  # empty slots
     offsets, flat = csr_to_csc(index, cols, slots=slots)
+    assert offsets.dtype == flat.dtype == torch.int32 and offsets.shape == (batch, cols + 1)
     for bi in range(batch):
         assert offsets[bi, -1] - offsets[bi, 0] == (index[bi] >= 0).sum() and offsets[bi, -1] == index[bi].numel()
         for c in range(cols):
