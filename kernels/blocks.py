@@ -236,8 +236,8 @@ def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple
     # for t = b * (num_cols + 1) + c
     bounds = torch.arange(per_col, batch * span + 1, per_col, device=dev, dtype=dtype)
     total = batch * rows * width
-    small = total < 2**31  # positions as int32 straight from the search
-    ends = torch.searchsorted(keys, bounds, out_int32=small).view(batch, -1)
+    # int32 keys mean fewer than 2^31 entries (total < batch * span): the search's positions fit int32 as well
+    ends = torch.searchsorted(keys, bounds, out_int32=dtype == torch.int32).view(batch, -1)
     first = torch.arange(0, total, rows * width, device=dev, dtype=ends.dtype).view(batch, 1)
     offsets = (ends - first).to(torch.int32)
     return offsets, (keys % per_col).to(torch.int32).view(batch, rows * width)
