@@ -8,7 +8,11 @@
 Times are medians (ms, CUDA events: ``pixdit.report.time_median``) of the whole call (LLSA includes pooling + selection) for the
 forward and for forward+backward (backward of a random upstream gradient). TFLOP/s counts the FLOPs of the attended
 tokens only: forward 4*N*T*d per batch*head (T = tokens per query, N for dense), forward+backward 3.5x that
-(FlashAttention convention). Writes a markdown table, a JSON file and a log-log PNG (time vs tokens) under --out.
+(FlashAttention convention). ``--kernel-time``: the time columns (and the speed-ups and TFLOP/s from them) are the GPU
+kernel time instead (torch.profiler, every kernel of the call, no host path; an eager sparse call is host-bound at
+256^2), with the eager medians in a last column. The speed-ups are over the SDPA row of the same size, wherever
+``sdpa`` stands in --backends (the table printed at the end has them all). Writes a markdown table, a JSON file and a
+log-log PNG (time vs tokens) under --out.
 
 Backends: ``sdpa`` (torch scaled_dot_product_attention), ``flash`` (pixdit.kernels.flash_attention: our dense
 block-sparse kernel with every block listed), ``llsa`` (one row per valid L), ``vsa`` / ``sla`` (K per image side
@@ -163,18 +167,19 @@ def bench_one(fn, q, k, v, quick, kernel_time=False):
     with torch.no_grad():
         t_fwd = 1000 * time_median(fn, warm, rep, q.device)[0]
     t_fb = 1000 * time_median(fwd_bwd, warm, rep, q.device)[0]
+    gpu = None
     if kernel_time:  # the kernels alone: eager minus this = the host path's share
         with torch.no_grad():
             fwd_gpu = kernel_ms(fn)
-        fb_gpu = kernel_ms(fwd_bwd)
-        print(f"  kernel time: fwd {fwd_gpu:.3f} ms (eager {t_fwd:.3f}); fwd+bwd {fb_gpu:.3f} ms (eager {t_fb:.3f})")
+        gpu = (fwd_gpu, kernel_ms(fwd_bwd))
+        print(f"  kernel time: fwd {gpu[0]:.3f} ms (eager {t_fwd:.3f}); fwd+bwd {gpu[1]:.3f} ms (eager {t_fb:.3f})")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return t_fwd, t_fb, peak
+    return t_fwd, t_fb, peak, gpu
 
 
 def profile(fn, q, k, v, label):
@@ -207,17 +212,17 @@ def run(args):
             torch.randn(batch, args.heads, N, args.head_dim, device="cuda", dtype=dtype, requires_grad=True)
             for _ in range(3)
         )
-        sdpa_ms = None
         for name in args.backends:
             for label, fn, T in BACKENDS[name](args, q, k, v):
                 if label.startswith("flash") and N > args.max_dense_ours:
                     continue
-                t_fwd, t_fb, peak = bench_one(fn, q, k, v, args.quick, kernel_time=args.kernel_time)
+                t_fwd, t_fb, peak, gpu = bench_one(fn, q, k, v, args.quick, kernel_time=args.kernel_time)
                 if args.profile and label.split()[0] in ("llsa", "vsa", "sla", "block_sparse", "flex"):
                     profile(fn, q, k, v, f"{label} at {side}^2")
-                if label == "sdpa":
-                    sdpa_ms = (t_fwd, t_fb)
                 flops = 4.0 * N * T * args.head_dim * batch * args.heads
+                # the time columns: GPU kernel time with --kernel-time (an eager sparse call is host-bound), else
+                # the eager medians; the eager medians stay in their own columns
+                fwd_ms, fwdbwd_ms = gpu if gpu else (t_fwd, t_fb)
                 if args.label:
                     label = f"{label} ({args.label})"
                 row = dict(
@@ -226,33 +231,51 @@ def run(args):
                     batch=batch,
                     backend=label,
                     tokens_per_query=T,
-                    fwd_ms=t_fwd,
-                    fwdbwd_ms=t_fb,
+                    fwd_ms=fwd_ms,
+                    fwdbwd_ms=fwdbwd_ms,
+                    eager_fwd_ms=t_fwd,
+                    eager_fwdbwd_ms=t_fb,
+                    kernel_time=gpu is not None,
                     peak_mib=peak,
-                    fwd_tflops=flops / t_fwd * 1e-9,
-                    fwdbwd_tflops=3.5 * flops / t_fb * 1e-9,
-                    speedup_fwd=sdpa_ms[0] / t_fwd if sdpa_ms else None,
-                    speedup_fwdbwd=sdpa_ms[1] / t_fb if sdpa_ms else None,
+                    fwd_tflops=flops / fwd_ms * 1e-9,
+                    fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9,
                 )
                 rows.append(row)
+                fill_speedups(rows)
                 print(format_row(row), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     return rows
 
 
-HEADER = (
-    "| tokens | batch | backend | tok/query | fwd ms | fwd+bwd ms | speed-up fwd | speed-up fwd+bwd | "
-    "peak MiB | TFLOP/s fwd | TFLOP/s fwd+bwd |\n|---|---|---|---|---|---|---|---|---|---|---|"
-)
+def fill_speedups(rows):
+    """Each row's speed-up over the SDPA row of its size, wherever that row stands in the list (None while there
+    is none): the same time columns on both sides."""
+    sdpa = {r["side"]: r for r in rows if r["backend"].split(" (")[0] == "sdpa"}
+    for r in rows:
+        base = sdpa.get(r["side"])
+        r["speedup_fwd"] = base["fwd_ms"] / r["fwd_ms"] if base else None
+        r["speedup_fwdbwd"] = base["fwdbwd_ms"] / r["fwdbwd_ms"] if base else None
+
+
+def header(kernel_time: bool) -> str:
+    """The table's header; with kernel time the time columns say so and the eager medians follow."""
+    times = "GPU fwd ms | GPU fwd+bwd ms" if kernel_time else "fwd ms | fwd+bwd ms"
+    eager = " eager fwd / fwd+bwd ms |" if kernel_time else ""
+    cols = 11 + kernel_time
+    return (
+        f"| tokens | batch | backend | tok/query | {times} | speed-up fwd | speed-up fwd+bwd | peak MiB | "
+        f"TFLOP/s fwd | TFLOP/s fwd+bwd |{eager}\n|" + "---|" * cols
+    )
 
 
 def format_row(r):
     sp = lambda x: "-" if x is None else f"{x:.1f}x"  # noqa: E731
+    eager = f" {r['eager_fwd_ms']:.3f} / {r['eager_fwdbwd_ms']:.3f} |" if r.get("kernel_time") else ""
     return (
         f"| {r['tokens']:,} ({r['side']}²) | {r['batch']} | {r['backend']} | {r['tokens_per_query']:,} | "
-        f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {sp(r['speedup_fwd'])} | {sp(r['speedup_fwdbwd'])} | "
-        f"{r['peak_mib']:.0f} | {r['fwd_tflops']:.0f} | {r['fwdbwd_tflops']:.0f} |"
+        f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {sp(r.get('speedup_fwd'))} | {sp(r.get('speedup_fwdbwd'))} | "
+        f"{r['peak_mib']:.0f} | {r['fwd_tflops']:.0f} | {r['fwdbwd_tflops']:.0f} |{eager}"
     )
 
 
@@ -314,8 +337,8 @@ def main(argv=None):
     p.add_argument(
         "--kernel-time",
         action="store_true",
-        help="also print each row's GPU kernel time per forward and forward+backward (torch.profiler), without the "
-        "host path: at 256² an eager sparse call is host-bound",
+        help="time columns in GPU kernel time (torch.profiler) instead of eager medians, which follow in a last "
+        "column: at 256² an eager sparse call is host-bound",
     )
     p.add_argument(
         "--llsa-coarse-tile",
@@ -352,8 +375,9 @@ def main(argv=None):
         f"# {torch.cuda.get_device_name()} torch {torch.__version__} dtype {args.dtype} heads {args.heads} "
         f"head_dim {args.head_dim} B={args.block_size} K={args.topk}"
     )
-    print(HEADER)
+    print(header(args.kernel_time))
     rows = run(args)
+    fill_speedups(rows)
     cmd = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = os.path.join(args.out, "bench_attention.md")
     with open(md, "w") as f:
@@ -361,9 +385,10 @@ def main(argv=None):
             f"`{cmd}` on {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
             f"heads {args.heads}, head_dim {args.head_dim}, B={args.block_size}, K={args.topk}\n\n"
         )
-        f.write(HEADER + "\n" + "\n".join(format_row(r) for r in rows) + "\n")
+        table = header(args.kernel_time) + "\n" + "\n".join(format_row(r) for r in rows)
+        f.write(table + "\n")
     json.dump({"command": cmd, "rows": rows}, open(os.path.join(args.out, "bench_attention.json"), "w"), indent=1)
-    print(f"wrote {md}")
+    print(f"\n{table}\n\nwrote {md}")  # again, with every speed-up (an SDPA row listed later included)
     plot(rows, os.path.join(args.out, "bench_attention.png"))
 
 

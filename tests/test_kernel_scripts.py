@@ -368,3 +368,29 @@ def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
         run.stderr + run.stdout
     )
     assert not (tmp_path / "ab_knob.log").exists()
+
+
+def test_bench_attention_speedups_follow_the_sdpa_row_wherever_it_stands(monkeypatch):
+    """The speed-ups are over the SDPA row of the same size even when ``sdpa`` is listed after the sparse backends
+    (a run with ``--backends llsa,sdpa`` once printed "-" for them); a size without an SDPA row has none. With kernel
+    time, the time columns are the GPU's and the eager medians get their own column: header and rows agree."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the script imports its neighbour kernel_ab
+    script = runpy.run_path(str(ROOT / "scripts" / "bench_attention.py"))
+
+    def row(side, backend, fwd, fwdbwd, kernel_time):
+        return dict(side=side, tokens=side * side, batch=2, backend=backend, tokens_per_query=512, fwd_ms=fwd,
+                    fwdbwd_ms=fwdbwd, eager_fwd_ms=2 * fwd, eager_fwdbwd_ms=2 * fwdbwd, kernel_time=kernel_time,
+                    peak_mib=1.0, fwd_tflops=1.0, fwdbwd_tflops=1.0)  # fmt: skip
+
+    for kernel_time in (False, True):
+        rows = [row(256, "llsa L=2", 0.5, 2.0, kernel_time), row(256, "sdpa", 25.0, 100.0, kernel_time)]
+        rows.append(row(128, "llsa L=2", 0.4, 1.5, kernel_time))
+        script["fill_speedups"](rows)
+        assert (rows[0]["speedup_fwd"], rows[0]["speedup_fwdbwd"]) == (50.0, 50.0)
+        assert (rows[1]["speedup_fwd"], rows[2]["speedup_fwd"]) == (1.0, None)
+        head, rule = script["header"](kernel_time).splitlines()
+        cells = [script["format_row"](r).count("|") for r in rows]
+        assert cells == [head.count("|")] * 3 == [rule.count("|")] * 3
+        line = script["format_row"](rows[0])
+        assert "| 50.0x | 50.0x |" in line and (" 1.000 / 4.000 |" in line) == kernel_time
+        assert ("GPU fwd ms" in head) == kernel_time
