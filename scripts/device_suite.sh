@@ -9,6 +9,7 @@
 #   bash scripts/device_suite.sh vs DIR [VARIANTS]  # the whole package vs another commit's tree in DIR, compiled 256^2 step
 #   bash scripts/device_suite.sh loss DIR   # validation loss of a short DiT-S LLSA run (64^2 crops), this tree vs DIR's
 #   bash scripts/device_suite.sh ncu        # hardware counters of one LLSA fwd+bwd (256^2, L=2), Nsight Compute
+#   bash scripts/device_suite.sh host       # where an eager LLSA call's host time goes (GPU vs wall time, cProfile)
 #   bash scripts/device_suite.sh train      # DiT-S training throughput, eager, full / LLSA L=1..3 / VSA / SLA, 64..512 px
 #   bash scripts/device_suite.sh train-compiled  # the same with torch.compile (train.py's default on GPUs), 128/256 px
 #   bash scripts/device_suite.sh profile    # what limits a training step: top CUDA ops, eager and compiled
@@ -20,7 +21,7 @@
 #
 # The tables go into docs/benchmarks.md together with the command that made them.
 set -uo pipefail
-stage=${1:?usage: device_suite.sh tests|attention|ab|knob|vs|loss|ncu|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
+stage=${1:?usage: device_suite.sh tests|attention|ab|knob|vs|loss|ncu|host|train|train-compiled|profile|sampling|scaling|grow|trainpy|fsdp2 [part]}
 OUT=${OUT:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -127,6 +128,12 @@ PYEOF
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis $PY scripts/profile_llsa.py --size 256 --levels 2 > "$OUT/ncu_llsa256.txt" 2>&1
     grep -E "^  [_a-z].*Context|Duration|Registers Per|Achieved Occupancy" "$OUT/ncu_llsa256.txt" | head -120 ;;
+  host)
+    # An eager LLSA forward + backward is host-bound at 128^2-256^2 (docs/kernel_notes.md v53): its GPU kernel time,
+    # its wall time per call back to back and the host's Python functions by own time (cProfile). ~1 min.
+    for size in 128 256; do
+      timeout -k 10 150 $PY scripts/profile_llsa.py --host --size $size --levels 2 2>&1 | tee "$OUT/host_llsa$size.txt"
+    done ;;
   train)
     # One process for every variant and size (Triton kernels compile once; speed-ups against full of the same run).
     # Full attention takes ~10 s per step at 512^2, hence fewer steps there (--steps-at). ~6 min on an H200.
@@ -220,6 +227,6 @@ PYEOF
       [[ -f $table ]] && { echo; echo "== $table"; cat "$table"; }
     done ;;
   *)
-    echo "unknown stage '$stage': use tests, attention, ab, vs, loss, ncu, train, train-compiled, profile, sampling, scaling, grow, trainpy or fsdp2" >&2
+    echo "unknown stage '$stage': use tests, attention, ab, knob, vs, loss, ncu, host, train, train-compiled, profile, sampling, scaling, grow, trainpy or fsdp2" >&2
     exit 2 ;;
 esac

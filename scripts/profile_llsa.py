@@ -6,11 +6,19 @@
         python scripts/profile_llsa.py --size 256 --levels 2 > ncu_llsa256.txt
 
 (bash scripts/device_suite.sh ncu runs exactly this.) ``--tokens-total`` sets the batch as in bench_attention.py.
+
+``--host``: where the host's time goes instead (an eager call is host-bound at these sizes: its wall time is a
+multiple of its GPU time). It prints the GPU kernel time of one call, the wall time per call back to back (as
+bench_attention.py times it), and the Python functions that took the host's time over ``--calls`` calls (cProfile,
+by own time), so a launch, a wrapper or a wait on the GPU shows by name (bash scripts/device_suite.sh host).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import time
 
 import torch
 
@@ -25,6 +33,8 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens-total", type=int, default=131072, help="batch = max(1, tokens_total // tokens)")
+    p.add_argument("--host", action="store_true", help="profile the host side of eager calls instead (cProfile)")
+    p.add_argument("--calls", type=int, default=50, help="--host: calls to time and to profile")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_llsa.py needs a CUDA device (it drives a GPU profiler)")
@@ -41,10 +51,34 @@ def main(argv=None) -> None:
     for _ in range(3):
         call()
     torch.cuda.synchronize()
+    if args.host:
+        host_profile(call, args.calls)
+        return
     torch.cuda.cudart().cudaProfilerStart()
     call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def host_profile(call, calls: int) -> None:
+    """GPU time of one call, wall time per call back to back, and the host's functions by own time."""
+    from pixdit.report import kernel_ms
+
+    gpu = kernel_ms(call)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / calls * 1e3
+    print(f"forward + backward: GPU kernel time {gpu:.3f} ms, wall time per call back to back {wall:.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -394,3 +394,28 @@ def test_bench_attention_speedups_follow_the_sdpa_row_wherever_it_stands(monkeyp
         line = script["format_row"](rows[0])
         assert "| 50.0x | 50.0x |" in line and (" 1.000 / 4.000 |" in line) == kernel_time
         assert ("GPU fwd ms" in head) == kernel_time
+
+
+def test_profile_llsa_host_mode_reports_gpu_and_wall_time_and_the_host_functions(monkeypatch, capsys):
+    """``profile_llsa.py --host`` (device_suite.sh host): the GPU time of a call, its wall time back to back and the
+    host's functions by own time, here with a stand-in for the GPU profiler and a CPU call that sleeps."""
+    import time
+
+    import torch
+
+    import pixdit.report as report
+
+    host_profile = runpy.run_path(str(ROOT / "scripts" / "profile_llsa.py"))["host_profile"]
+    monkeypatch.setattr(report, "kernel_ms", lambda fn: 0.25)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    def slow_launcher():
+        calls.append(1)
+        time.sleep(0.002)
+
+    host_profile(slow_launcher, 5)
+    out = capsys.readouterr().out
+    wall = float(out.split("wall time per call back to back ")[1].split(" ms")[0])
+    assert "GPU kernel time 0.250 ms" in out and wall >= 2.0 and len(calls) == 10
+    assert "slow_launcher" in out and "tottime" in out
