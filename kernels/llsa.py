@@ -240,8 +240,8 @@ def _coarse_lists(index, N, B, L, Le, device):
     parts = []
     for lvl in range(1, min(Le, L - 1) + 1):  # candidates: children of the level-(lvl+1) ancestor's selection
         tiles_per_ancestor = B ** (lvl + 1) // COARSE_TILE
-        part = index[lvl].repeat_interleave(tiles_per_ancestor, dim=2)
-        parts.append(part + offsets[lvl - 1] // B if lvl > 1 else part)  # level 1 starts the bank: no shift
+        part, shift = index[lvl].repeat_interleave(tiles_per_ancestor, dim=2), offsets[lvl - 1] // B
+        parts.append(part + shift if shift else part)  # level 1 starts the bank: no add of a zero shift
     if not parts:
         return torch.full((b * h, n_tiles, 1), -1, device=device, dtype=torch.int32)
     lists = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(torch.int32)

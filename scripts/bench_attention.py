@@ -376,8 +376,7 @@ def main(argv=None):
         f"head_dim {args.head_dim} B={args.block_size} K={args.topk}"
     )
     print(header(args.kernel_time))
-    rows = run(args)
-    fill_speedups(rows)
+    rows = run(args)  # speed-ups filled after every row, so the last table has an SDPA row listed later too
     cmd = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = os.path.join(args.out, "bench_attention.md")
     with open(md, "w") as f:
