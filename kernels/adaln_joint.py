@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .common import AUTOTUNE, autotuned, use_triton
-from .ops import custom_op
+from .ops import custom_op, next_power_of_2
 
 __all__ = ["adaln_joint", "adaln_joint_backward_torch", "backward_launches", "joint_backward"]
 
@@ -190,7 +190,7 @@ _LAUNCH_GRID = tuple(itertools.product((4, 8), ROW_STEPS, (2, 3)))
 
 
 def _elements_per_thread(block_rows: int, dim: int, warps: int) -> int:
-    return block_rows * triton.next_power_of_2(dim) // (32 * warps)
+    return block_rows * next_power_of_2(dim) // (32 * warps)
 
 
 def backward_launches(dim: int) -> list[dict]:
@@ -208,8 +208,8 @@ def backward_launches(dim: int) -> list[dict]:
 
 def fixed_launch(dim: int) -> dict:
     """The launch without autotuning: 8 elements a thread, on 4 warps up to 1,024 columns."""
-    warps = 4 if triton.next_power_of_2(dim) <= 1024 else 8
-    rows = max(1, min(ROW_STEPS[-1], 8 * 32 * warps // triton.next_power_of_2(dim)))
+    warps = 4 if next_power_of_2(dim) <= 1024 else 8
+    rows = max(1, min(ROW_STEPS[-1], 8 * 32 * warps // next_power_of_2(dim)))
     return {"BLOCK_ROWS": rows, "NUM_STAGES": 2, "num_warps": warps}
 
 
@@ -262,7 +262,7 @@ def joint_backward(dh, dres, x, branch, gate, scale, eps: float, launch: dict | 
         HAS_BRANCH=branch is not None,
         HAS_DRES=dres is not None,
         HAS_STATS=mean is not None,
-        DIM_PAD=triton.next_power_of_2(dim),
+        DIM_PAD=next_power_of_2(dim),
         **launch,
     )
     return dx, dbranch, partial

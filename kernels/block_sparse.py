@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .blocks import block_mean_adjoint, csr_to_csc
 from .common import AUTOTUNE, INTERPRET, autocast_inputs, autotuned, check_qkv, use_triton
-from .ops import custom_op
+from .ops import cdiv, custom_op, next_power_of_2
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
@@ -1296,7 +1296,7 @@ def list_slots(list_len: int, per_iter: int, limit: int = LIST_IN_REGISTERS) -> 
     one compilation serves every length up to the bucket."""
     if list_len == 0 or list_len > limit:
         return 0
-    return max(per_iter, triton.next_power_of_2(list_len))
+    return max(per_iter, next_power_of_2(list_len))
 
 
 def forward_ids_in_registers(rows: int, key_block: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -1455,7 +1455,7 @@ def _bsa_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     BH, n_q, d = q.shape
     n_k = k.shape[1]
-    n_tiles = triton.cdiv(n_q, query_block)
+    n_tiles = cdiv(n_q, query_block)
     assert lists.shape[1] == n_tiles, (lists.shape, n_tiles)
     o = q.new_empty(_out_shape(q, out_heads), dtype=out_dtype)
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
@@ -1593,7 +1593,7 @@ def _bsa_backward_dq_op(
     full_lists: bool,
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
-    n_tiles = triton.cdiv(n_q, query_block)
+    n_tiles = cdiv(n_q, query_block)
     if o is not None:  # read with do's strides (those of a size-1 dim are never used)
         assert o.shape == do.shape and all(a == b or n == 1 for a, b, n in zip(o.stride(), do.stride(), do.shape))
     accumulate = dq is not None
@@ -1690,7 +1690,7 @@ def bsa_backward_dkdv(
     ``ds`` (``ds_buffer(ds_lists, ...)``) with ``ds_lists`` (the query blocks' lists that ``csc`` transposes, ``[BH,
     n_query_blocks, width]``): also keeps every listed pair's dS there, for ``bsa_backward_ds_dq`` (one-warp programs
     only: ``keeps_ds``)."""
-    n_blocks = triton.cdiv(k.shape[1], key_block)
+    n_blocks = cdiv(k.shape[1], key_block)
     if ds is not None and not keeps_ds(query_block, key_block, q.shape[-1], group):
         raise ValueError(
             f"bsa_backward_dkdv: ds is kept only by one-warp programs of one key block over query blocks of <= 64 "
@@ -1779,7 +1779,7 @@ def _bsa_backward_dkdv_op(
 ) -> None:
     BH, n_q, d = q.shape
     n_k = k.shape[1]
-    n_groups = triton.cdiv(hi - lo, group)
+    n_groups = cdiv(hi - lo, group)
     per_iter = walk_blocks_per_step(key_block * group, query_block, d)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
     if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
@@ -1843,7 +1843,7 @@ def _bsa_backward_dkdv_op(
         N_SUB=n_sub,
         TRANSPOSED=transposed_backward(key_block * group, d),
         DESC_ROWS=desc_rows,
-        DS_SLOTS=triton.next_power_of_2(ds_lists.shape[-1]) if ds is not None else 0,
+        DS_SLOTS=next_power_of_2(ds_lists.shape[-1]) if ds is not None else 0,
         **_launch("dkdv", key_block * group, d, q.dtype),
     )
     if n_split > 1:
@@ -1930,7 +1930,7 @@ def bsa_backward_dkdv_grouped(
     key block; a second kernel adds each key block's per-group partials in a fixed order (the CSC of the slots that
     list it), so every row has one writer and the sums are bitwise reproducible. ``do`` as in ``bsa_backward_dq``.
     Writes rows ``[lo * key_block, hi * key_block)`` of ``dk`` / ``dv`` (zeros for blocks no group lists)."""
-    n_blocks = triton.cdiv(k.shape[1], key_block)
+    n_blocks = cdiv(k.shape[1], key_block)
     lo, hi = blk_range if blk_range is not None else (0, n_blocks)
     if dk is None:
         dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)
@@ -1986,7 +1986,7 @@ def _bsa_backward_dkdv_grouped_op(
     slots = blocks_per_step(key_block)  # listed blocks per program: 64 key rows (one block if larger)
     partial_k = torch.empty(BH, n_groups, width * key_block, d, device=q.device, dtype=torch.float32)
     partial_v = torch.empty_like(partial_k)
-    _grouped_dkdv[(triton.cdiv(width, slots), n_groups, BH)](
+    _grouped_dkdv[(cdiv(width, slots), n_groups, BH)](
         q,
         k,
         v,
@@ -2100,7 +2100,7 @@ def bsa_backward(
         kf, vf = kf.contiguous(), vf.contiguous()
     n_k = kf.shape[1]
     kv_query_block, kv_key_block = (dkdv_block, dkdv_block) if dkdv_block is not None else (query_block, key_block)
-    n_blocks = triton.cdiv(n_k, kv_key_block)
+    n_blocks = cdiv(n_k, kv_key_block)
     shared = csc is not None
     csc = csc if shared else csr_to_csc(lists, n_blocks)
     add_q, add_k, add_v = pooled_add if pooled_add is not None else (None, None, None)
@@ -2121,7 +2121,7 @@ def bsa_backward(
         pooled_add=add_q,
         dense_tail=dense_tail,
     )
-    n_split = split_count(qf.shape[0] * n_blocks, triton.cdiv(qf.shape[1], kv_query_block))
+    n_split = split_count(qf.shape[0] * n_blocks, cdiv(qf.shape[1], kv_query_block))
     dk, dv = bsa_backward_dkdv(
         qf,
         kf,
@@ -2161,8 +2161,8 @@ def dense_walk(n_q: int, n_k: int, device) -> tuple[torch.Tensor, tuple, tuple[t
     ``[1, tiles, 0]`` for all heads), all ``n_k`` keys as the dense tail (``bsa_forward`` / ``bsa_backward``'s
     ``dense_tail``), and the dk/dv pass's CSC: every ``DENSE_KV_TILE``-key block lists every ``DENSE_KV_TILE``-row
     query tile (shared, no sort; pass ``dkdv_block=DENSE_KV_TILE`` to ``bsa_backward``)."""
-    lists = torch.empty(1, triton.cdiv(n_q, DENSE_TILE), 0, device=device, dtype=torch.int32)
-    return lists, (0, n_k, 0.0), shared_csc(triton.cdiv(n_q, DENSE_KV_TILE), device)
+    lists = torch.empty(1, cdiv(n_q, DENSE_TILE), 0, device=device, dtype=torch.int32)
+    return lists, (0, n_k, 0.0), shared_csc(cdiv(n_q, DENSE_KV_TILE), device)
 
 
 # ------------------------------------------------------------------------------------------------------- public API
@@ -2277,7 +2277,7 @@ def block_sparse_attention(
         raise ValueError(f"block_sparse_attention: query_block must be a positive multiple of 16, got {query_block}")
     if key_block < 16 or key_block & (key_block - 1):
         raise ValueError(f"block_sparse_attention: key_block must be a power of two >= 16, got {key_block}")
-    n_tiles = triton.cdiv(q.shape[2], query_block)
+    n_tiles = cdiv(q.shape[2], query_block)
     if block_lists.dim() != 4 or block_lists.shape[-2] != n_tiles:
         raise ValueError(
             f"block_sparse_attention: block_lists must be [b, h, {n_tiles}, len] for Nq={q.shape[2]} "
@@ -2310,7 +2310,7 @@ def flash_attention(q, k, v, scale: float | None = None, impl: str = "auto"):
     """Dense softmax attention through the block-sparse kernels, every key walked as one range (``attention=full
     impl=triton``): our own FlashAttention, the like-for-like baseline of the sparse kernels."""
     if not use_triton(q, impl):  # the exact gather form with every key block listed
-        n_tiles, n_blocks = triton.cdiv(q.shape[2], DENSE_TILE), triton.cdiv(k.shape[2], DENSE_TILE)
+        n_tiles, n_blocks = cdiv(q.shape[2], DENSE_TILE), cdiv(k.shape[2], DENSE_TILE)
         every = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(1, 1, n_tiles, n_blocks)
         return block_sparse_attention(
             q, k, v, every, query_block=DENSE_TILE, key_block=DENSE_TILE, scale=scale, impl=impl

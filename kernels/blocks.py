@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import custom_op
+from .ops import cdiv, custom_op
 
 __all__ = [
     "block_mean",
@@ -149,13 +149,13 @@ def block_means(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
     h, ceil(N / block_size), d]``, the same means summed in the kernel's order (the oracle tests compare them with a
     tolerance). No gradient: the pooling of the Triton paths' selections (and LLSA's bank, VSA's coarse stage)."""
     b, h, n, d = xs[0].shape
-    n_blocks = triton.cdiv(n, block_size)
+    n_blocks = cdiv(n, block_size)
     out = torch.empty(len(xs), b, h, n_blocks, d, device=xs[0].device, dtype=torch.float32)
     tokens, warps = BLOCK_MEANS_PROGRAM
     group = max(1, tokens // block_size)
     warps = max(warps, group * block_size * d // 4096)
     for x, part in zip(xs, out):
-        _block_means_kernel[(triton.cdiv(n_blocks, group), b * h)](
+        _block_means_kernel[(cdiv(n_blocks, group), b * h)](
             x, part, *x.stride(), h, n, n_blocks, BLOCK=block_size, GROUP=group, HEAD_DIM=d, num_warps=warps
         )
     return out
@@ -164,7 +164,7 @@ def block_means(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
 @block_means.register_fake
 def _(xs, block_size):
     b, h, n, d = xs[0].shape
-    return xs[0].new_empty((len(xs), b, h, triton.cdiv(n, block_size), d), dtype=torch.float32)
+    return xs[0].new_empty((len(xs), b, h, cdiv(n, block_size), d), dtype=torch.float32)
 
 
 def _descending_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

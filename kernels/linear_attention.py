@@ -60,7 +60,7 @@ from .block_sparse import (
     walk_blocks_per_step,
 )
 from .common import AUTOTUNE, pad_to_blocks
-from .ops import custom_op
+from .ops import cdiv, custom_op
 
 FEATURE_MAPS = ("softmax", "elu", "relu")
 ALL_SCOPE_EPS = 1e-5
@@ -334,8 +334,8 @@ def feature_sums(x, y, feature_map_name, inv_den=None, delta=None):
     sum phi(k) [BH, D])``. Backward (x = phi(q), y = dO, per-row ``1/den`` and ``delta``): the gradients of the two
     global sums, ``(None, sum (phi(q)/den)^T dO, sum phi(q) (-delta/den))``."""
     bh, n, d = x.shape
-    chunk = min(SUM_CHUNK, triton.cdiv(n, SUM_TILE) * SUM_TILE)
-    chunks = triton.cdiv(n, chunk)
+    chunk = min(SUM_CHUNK, cdiv(n, SUM_TILE) * SUM_TILE)
+    chunks = cdiv(n, chunk)
     outer = torch.empty(bh, chunks, d, d, device=x.device, dtype=torch.float32)
     total = torch.empty(bh, chunks, d, device=x.device, dtype=torch.float32)
     backward = inv_den is not None

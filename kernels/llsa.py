@@ -27,11 +27,11 @@ import math
 from collections.abc import Sequence
 
 import torch
-import triton
 
 from . import block_sparse as bs
 from .blocks import block_mean, block_means, csr_to_csc
 from .common import autocast_inputs, check_means, check_qkv, use_triton
+from .ops import cdiv
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -236,7 +236,7 @@ def _coarse_lists(index, N, B, L, Le, device):
     Without candidate levels (L = 1) one empty slot (-1) per tile."""
     b, h = index[0].shape[:2]
     offsets, _ = _bank_layout(N, B, L, Le)
-    n_tiles = triton.cdiv(N, COARSE_TILE)
+    n_tiles = cdiv(N, COARSE_TILE)
     parts = []
     for lvl in range(1, min(Le, L - 1) + 1):  # candidates: children of the level-(lvl+1) ancestor's selection
         tiles_per_ancestor = B ** (lvl + 1) // COARSE_TILE
@@ -261,10 +261,10 @@ def _bank_log_weights(N, B, L, Le, device):
     """fp32 ``[bank blocks]``: each bank block's log multiplicity ``l ln B``. Built per call (a few tiny fills), not
     cached: a cached tensor would be state that torch.compile cannot trace."""
     offsets, total = _bank_layout(N, B, L, Le)
-    w = torch.empty(triton.cdiv(total, B), device=device, dtype=torch.float32)
+    w = torch.empty(cdiv(total, B), device=device, dtype=torch.float32)
     for lvl in range(1, min(Le, L) + 1):
         lo = offsets[lvl - 1] // B
-        hi = triton.cdiv(offsets[lvl] if lvl < min(Le, L) else total, B)
+        hi = cdiv(offsets[lvl] if lvl < min(Le, L) else total, B)
         w[lo:hi] = lvl * math.log(B)
     return w
 
@@ -319,9 +319,8 @@ class _LLSATriton(torch.autograd.Function):
             out_dtype=_partial_dtype(q.dtype) if has_coarse else None,
             out_heads=0 if has_coarse else h,
         )
-        logw, tail = None, _bank_tail(N, B, L, Le)
+        tail = _bank_tail(N, B, L, Le)
         if has_coarse:
-            logw = _bank_log_weights(N, B, L, Le, q.device)
             o, lse = bs.bsa_forward(
                 qf,
                 bank_k,
@@ -334,15 +333,15 @@ class _LLSATriton(torch.autograd.Function):
                 out_dtype=q.dtype,
                 dense_tail=tail,
                 out_heads=h,
-                **_pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists),
+                **_pooled_list_args(B, L, Le, N, q.device, cand_widths, d, full_lists),
             )
-        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
+        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
+        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v = ctx.saved_tensors
         B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths, full_lists = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
@@ -351,7 +350,8 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
+            logw = _bank_log_weights(N, B, L, Le, qf.device)
+            weights = _pooled_list_args(B, L, Le, N, qf.device, cand_widths, d, full_lists, logw)
             dq = bs.bsa_backward_dq(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
             )
@@ -390,18 +390,20 @@ class _LLSATriton(torch.autograd.Function):
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
-def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:
+def _pooled_list_args(B, L, Le, N, device, cand_widths, head_dim, full_lists: bool, logw=None) -> dict:
     """The weights and fullness of the pooled pass's lists for ``bsa_forward`` / ``bsa_backward_dq``. Each candidate
     level's blocks fill one run of the lists' columns (``cand_widths``, finest first) and share its weight
     ``l ln B``, passed as ``(columns, weight)`` runs (a scalar per step in the kernels, not a load per key: the values
     of ``logw``, bit for bit) where every run but the last ends at a whole step of the walk (K = 8 at L = 3), else as
-    ``logw`` per bank block. ``full_lists``: no empty slot, so the walk needs no masks; without candidate levels the
+    ``logw`` per bank block (``_bank_log_weights``, built here unless given). ``full_lists``: no empty slot, so the walk needs no masks; without candidate levels the
     lists are one empty slot each."""
     per_step = bs.walk_blocks_per_step(COARSE_TILE, B, head_dim)
     runs = [(width, lvl * math.log(B)) for lvl, width in enumerate(cand_widths, start=1)]
     whole_steps = all(width % per_step == 0 for width, _ in runs[:-1])
     if LIST_WEIGHT_RUNS and 1 <= len(runs) <= bs.MAX_LIST_RUNS and whole_steps:
         return {"list_log_weight": runs if len(runs) > 1 else runs[0][1], "full_lists": full_lists}
+    if logw is None:  # built only where needed (a few tiny launches): an eager call is host-bound
+        logw = _bank_log_weights(N, B, L, Le, device)
     return {"log_weights": logw, "full_lists": full_lists and len(runs) >= 1}
 
 
@@ -413,7 +415,7 @@ def _pooled_bank_grads(
     ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
     BH, N, d = qf.shape
     offsets, total = _bank_layout(N, B, L, Le)
-    n_bank_blocks = triton.cdiv(total, B)
+    n_bank_blocks = cdiv(total, B)
     n_tiles = coarse_lists.shape[1]
     dbank = torch.empty(2, BH, total, d, device=qf.device, dtype=torch.float32)  # dK, dV: one pyramid pass for both
     top_lo = offsets[L - 1] // B if Le >= L else n_bank_blocks
@@ -443,7 +445,7 @@ def _pooled_bank_grads(
         )
     if top_lo < n_bank_blocks:  # coarsest level: every tile lists every block -> one shared list,
         group = max(1, 64 // B)  # groups of 64 keys per program, long list split over programs
-        n_groups = triton.cdiv(n_bank_blocks - top_lo, group)
+        n_groups = cdiv(n_bank_blocks - top_lo, group)
         bs.bsa_backward_dkdv(
             qf,
             bank_k,
@@ -534,27 +536,32 @@ def llsa_attention(
         return _llsa_torch(q, k, v, index, block_size, Le, scale, reference_l1_grad)
     B, n_bank = block_size, min(Le, L)
     full_lists = index is None  # a selection made here fills every slot; one given by the caller may hold -1
-    if means is None:  # the level-1 means of what this call pools: q to select, k to select or bank, v to bank
-        pooled = {"q": index is None, "k": index is None or Le >= 1, "v": Le >= 1}
-        xs = [x.detach() for x, name in zip((q, k, v), "qkv") if pooled[name]]
-        found = iter(block_means(xs, block_size).unbind(0) if xs else ())
-        q1, k1, v1 = (next(found) if pooled[name] else None for name in "qkv")
-    else:
-        q1, k1, v1 = means.unbind(0)
-    with torch.no_grad():  # one fp32 pyramid of k serves selection and the bank
-        kp = _pyramid(k.detach(), B, L if index is None else n_bank, k1)
+    # What this call pools, a contiguous run of (q, k, v): q to select, k to select or bank, v to bank. Their
+    # pyramids are built stacked, so each level is one reduction and the bank's k and v rows of a level one copy (an
+    # eager call is host-bound: every launch saved is host time saved).
+    pooled = [name for name, wanted in zip("qkv", (index is None, index is None or Le >= 1, Le >= 1)) if wanted]
+    first = "qkv".index(pooled[0]) if pooled else 0
+    with torch.no_grad():
+        # levels 1..L to select (q, k), 1..n_bank to bank (k, v); [len(pooled), b, h, N / B^l, d] fp32 each
+        pyramid = []
+        if means is not None:
+            pyramid.append(means[first : first + len(pooled)])
+        elif pooled:
+            pyramid.append(block_means([x.detach() for x, name in zip((q, k, v), "qkv") if name in pooled], B))
+        while pyramid and len(pyramid) < (L if index is None else n_bank):
+            pyramid.append(block_mean(pyramid[-1], B))
+        at = {name: i for i, name in enumerate(pooled)}
         if index is None:
-            index = _select_from_pooled(_pyramid(q.detach(), B, L, q1), kp, B, cfg["topk"], impl="triton")
+            qp, kp = ([level[at[name]] for level in pyramid] for name in "qk")
+            index = _select_from_pooled(qp, kp, B, cfg["topk"], impl="triton")
         bank_k = bank_v = coarse_lists = None
         if Le >= 1:
-            vp = _pyramid(v.detach(), B, n_bank, v1)
             offsets, total = _bank_layout(N, B, L, Le)
-            bank_k = torch.empty(b * h, total, d, device=q.device, dtype=q.dtype)
-            bank_v = torch.empty_like(bank_k)
+            bank = torch.empty(2, b * h, total, d, device=q.device, dtype=q.dtype)  # k's bank, then v's
             for lvl in range(n_bank):
                 rows = slice(offsets[lvl], offsets[lvl] + N // B ** (lvl + 1))
-                bank_k[:, rows].copy_(kp[lvl].reshape(b * h, -1, d))
-                bank_v[:, rows].copy_(vp[lvl].reshape(b * h, -1, d))
+                bank[:, :, rows].copy_(pyramid[lvl][at["k"] : at["k"] + 2].reshape(2, b * h, -1, d))
+            bank_k, bank_v = bank.unbind(0)
             coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])
     cand_widths = tuple(index[lvl].shape[-1] for lvl in range(1, min(Le, L - 1) + 1))

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .blocks import block_mean
 from .common import use_triton
-from .ops import custom_op
+from .ops import cdiv, custom_op, next_power_of_2
 
 __all__ = ["apply_rope", "qk_norm_rope", "qk_norm_rope_torch"]
 
@@ -289,7 +289,7 @@ def _qk_norm_rope_bwd_kernel(
 
 
 def _tiles(n: int, rows: int = ROWS_PER_PROGRAM) -> int:
-    return triton.cdiv(n, rows)
+    return cdiv(n, rows)
 
 
 def _backward_grid(b, n, num_heads):
@@ -419,10 +419,10 @@ def _qk_norm_rope_op(
         qkv.stride(1),
         eps,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=next_power_of_2(head_dim),
         ROWS=rows,
         POOL=pool_block,
-        LANES=_lanes(qkv.dtype, triton.next_power_of_2(head_dim), pool_block) if pool_block else 1,
+        LANES=_lanes(qkv.dtype, next_power_of_2(head_dim), pool_block) if pool_block else 1,
         STORE_V=store_v,
         HAS_BIAS=bias is not None,
         # No FMA contraction: with the head walk, the compiler fused the multiply-adds of the norm and the rotation
@@ -475,7 +475,7 @@ def _qk_norm_rope_backward_op(
         dqkv.stride(1),
         eps,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=next_power_of_2(head_dim),
         ROWS=ROWS_PER_PROGRAM,
         HAS_BIAS=bias is not None,
     )

@@ -68,7 +68,7 @@ from .linear_attention import (
     row_tile,
     rows_times_sums,
 )
-from .ops import custom_op
+from .ops import cdiv, custom_op
 
 
 @triton.jit
@@ -412,7 +412,7 @@ class _SLATriton(torch.autograd.Function):
         q, k, v, phi_q, phi_k, o_s, lse, o_l, inv_den, kv_total, z_total, critical, negligible = saved
         block_size, feature_map_name, scale, exclude = ctx.config
         bh, n, d = q.shape
-        t = triton.cdiv(n, block_size)
+        t = cdiv(n, block_size)
         do_s, do_l = [flatten_grad(g.to(q.dtype)) for g in (do_s, do_l)]
         dq, delta_s, delta_l = _sla_backward_dq_op(
             q,
@@ -503,7 +503,7 @@ def _sla_forward_op(
     inv_den = torch.empty_like(lse)
     options = _block_walk_options(d, block_size, q.dtype)
     neg_len = negligible.shape[2] if exclude else 0
-    _fwd[(triton.cdiv(n, block_size), bh)](
+    _fwd[(cdiv(n, block_size), bh)](
         q,
         k,
         v,
@@ -572,7 +572,7 @@ def _sla_backward_dq_op(
     exclude: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bh, n, d = q.shape
-    t = triton.cdiv(n, block_size)
+    t = cdiv(n, block_size)
     dq = torch.empty_like(q)
     delta_s, delta_l = torch.empty_like(lse), torch.empty_like(lse)
     options = query_walk_options(d, block_size, q.dtype)
@@ -643,7 +643,7 @@ def _sla_backward_dkdv_op(
     bh, n, d = q.shape
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     options = _block_walk_options(d, block_size, q.dtype)
-    _dkdv[(triton.cdiv(n, block_size), bh)](
+    _dkdv[(cdiv(n, block_size), bh)](
         q,
         k,
         v,

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .blocks import exact_fp32_matmul, fp32_matmul, topk_desc
-from .ops import custom_op
+from .ops import cdiv, custom_op, next_power_of_2
 
 __all__ = [
     "pooled_topk",
@@ -416,7 +416,7 @@ def _row_cap(k: int) -> int:
     """Candidates a ``_row_topk_kernel`` program sorts (its search stops at this many): twice the power of two >= k,
     at least 32. One compiled variant per value and row length, so a sweep over k compiles four (32, 64, 128,
     256)."""
-    return max(32, 2 * triton.next_power_of_2(k))
+    return max(32, 2 * next_power_of_2(k))
 
 
 def _screen_error(d: int) -> float:
@@ -438,7 +438,7 @@ def _rows_topk(scores: torch.Tensor, k: int, out: torch.Tensor, flags: torch.Ten
     if scores.dtype != torch.float32:  # the kernel reads the bits of fp32 scores
         raise TypeError(f"_rows_topk: scores must be float32, got {scores.dtype} (computed under autocast?)")
     R, n = scores.shape
-    block = max(128, triton.next_power_of_2(n))
+    block = max(128, next_power_of_2(n))
     cap = _row_cap(k)
     scratch = torch.empty(R, 2 * cap, device=scores.device, dtype=torch.int32)
     atomic = _row_atomic_slots(block)
@@ -467,7 +467,7 @@ def _screen_width(k: int) -> int:
     """How many ids per row, best screened score first, the screened selection passes on to ``_rescore_kernel``: the
     power of two >= k, doubled when that leaves fewer than k / 4 to spare (a row whose c-th screened score is still
     within the margin of the k-th takes the exact path)."""
-    c = triton.next_power_of_2(k)
+    c = next_power_of_2(k)
     return 2 * c if 4 * c < 5 * k else c
 
 
@@ -478,7 +478,7 @@ def _screens(k: int, n: int) -> bool:
 
 def _rescore_launch(c: int) -> tuple[int, int]:
     """``(CAP, num_warps)`` of a ``_rescore_kernel`` program ranking ``c`` candidates (also the compile report's)."""
-    cap = max(16, triton.next_power_of_2(c))
+    cap = max(16, next_power_of_2(c))
     return cap, 4 if cap <= 64 else 8
 
 
@@ -507,7 +507,7 @@ def _rows_topk_screened(scores: torch.Tensor, k: int, out: torch.Tensor, q: torc
         d,
         _screen_error(d),
         CAP=cap,
-        HEAD_DIM=max(16, triton.next_power_of_2(d)),
+        HEAD_DIM=max(16, next_power_of_2(d)),
         num_warps=warps,
     )
     return _rows_topk(scores, k, out, flags=flags)
@@ -517,7 +517,7 @@ def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
     """Launch ``_streaming_topk_kernel`` on contiguous fp32 ``[BH, R, d]`` / ``[BH, C, d]`` into int32 ``out``
     (``rows_per_program`` is a knob for scripts/bench_topk.py)."""
     BH, R, d = qf.shape
-    _streaming_topk_kernel[(triton.cdiv(R, rows_per_program), BH)](
+    _streaming_topk_kernel[(cdiv(R, rows_per_program), BH)](
         qf,
         kf,
         out,
@@ -530,7 +530,7 @@ def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
         HEAD_DIM=d,
         ROWS=rows_per_program,
         CHUNK=_STREAM_CHUNK,
-        SLOTS=max(_STREAM_MIN_SLOTS, triton.next_power_of_2(k)),
+        SLOTS=max(_STREAM_MIN_SLOTS, next_power_of_2(k)),
         num_warps=4,
     )
     return out
@@ -538,7 +538,7 @@ def _streaming_topk(qf, kf, k, out, rows_per_program=_STREAM_ROWS):
 
 def _route(n_cand: int, d: int, k: int, child_block: int | None) -> str:
     """Which path ``pooled_topk`` runs on the GPU: "one_shot", "two_pass", "streaming" or "torch" (module doc)."""
-    cand = max(16, triton.next_power_of_2(n_cand))
+    cand = max(16, next_power_of_2(n_cand))
     if cand <= MAX_CANDIDATES and cand * d <= _MAX_CAND_X_DIM and (child_block is None or child_block % _ROWS == 0):
         return "one_shot" if child_block is not None or k < n_cand else "torch"
     if child_block is None and k < n_cand:
@@ -591,9 +591,9 @@ def _pooled_topk_op(
     BH = qf.shape[0]
     out = torch.empty(BH, R, k, device=qf.device, dtype=torch.int32)
     if path == "one_shot":
-        cand = max(16, triton.next_power_of_2(n_cand))
+        cand = max(16, next_power_of_2(n_cand))
         par = parents.reshape(BH, -1).to(torch.int32).contiguous() if parents is not None else out
-        _pooled_topk_kernel[(triton.cdiv(R, _ROWS), BH)](
+        _pooled_topk_kernel[(cdiv(R, _ROWS), BH)](
             qf,
             kf,
             par,

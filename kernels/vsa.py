@@ -64,7 +64,7 @@ from .common import (
     select_topk_blocks,
     use_triton,
 )
-from .ops import custom_op
+from .ops import cdiv, custom_op
 
 
 def _tile_means(xs: list[torch.Tensor], block_size: int, triton_path: bool) -> list[torch.Tensor]:
@@ -348,7 +348,7 @@ def _combine_backward_out(go, coarse, gate, gate_grad: bool) -> list[torch.Tenso
 def _combine_op(fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int) -> torch.Tensor:
     b, h, n, d = fine.shape
     out = _combine_out(fine, coarse, gate)
-    _combine_fwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
+    _combine_fwd_kernel[(cdiv(n, _COMBINE_ROWS), b * h)](
         fine,
         coarse,
         gate if gate is not None else fine,
@@ -377,7 +377,7 @@ def _combine_backward_op(
 ) -> list[torch.Tensor]:
     b, h, n, d = go.shape
     grads = _combine_backward_out(go, coarse, gate, gate_grad)
-    _combine_bwd_kernel[(triton.cdiv(n, _COMBINE_ROWS), b * h)](
+    _combine_bwd_kernel[(cdiv(n, _COMBINE_ROWS), b * h)](
         go,
         coarse,
         gate if gate is not None else go,

@@ -307,3 +307,16 @@ def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_it(monkeypatch):
             traced = call(q, k, v, extra)
     assert seen == ["op"], "a call under a dispatch mode skipped the custom op"
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    """The launchers' host copies of ``triton.cdiv`` / ``triton.next_power_of_2`` (which are constexpr functions,
+    slow to call from the host) give the same numbers."""
+    import triton
+
+    from pixdit.kernels.ops import cdiv, next_power_of_2
+
+    for a in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 64, 100, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
