@@ -10,7 +10,8 @@
 ``--host``: where the host's time goes instead (an eager call is host-bound at these sizes: its wall time is a
 multiple of its GPU time). It prints the GPU kernel time of one call, the wall time per call back to back (as
 bench_attention.py times it), and the Python functions that took the host's time over ``--calls`` calls (cProfile,
-by own time), so a launch, a wrapper or a wait on the GPU shows by name (bash scripts/device_suite.sh host).
+by own time, then by cumulative time), so a launch, a wrapper or a wait on the GPU shows by name (bash
+scripts/device_suite.sh host).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
 
 
 def host_profile(call, calls: int) -> None:
-    """GPU time of one call, wall time per call back to back, and the host's functions by own time."""
+    """GPU time of one call, wall time per call back to back, and the host's functions by own and by cumulative time."""
     from pixdit.report import kernel_ms
 
     gpu = kernel_ms(call)
@@ -78,7 +79,9 @@ def host_profile(call, calls: int) -> None:
         call()
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)  # where the host's own time goes
+    stats.sort_stats("cumulative").print_stats(40)  # each launcher with the Triton launch and ATen calls under it
 
 
 if __name__ == "__main__":
