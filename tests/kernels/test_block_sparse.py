@@ -91,9 +91,9 @@ def test_block_mean_fp32_and_partial_tail():
     ],
 )
 def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_major):
-    """The Triton paths' pooling (one launch per tensor, fp32 sums in the kernel's order) against ``block_mean``:
-    the same means up to fp32 rounding, a partial last block over its real tokens, each tensor in its own rows of
-    the stacked output."""
+    """The Triton paths' pooling (one launch for up to three tensors of one layout, fp32 sums in the kernel's order)
+    against ``block_mean``: the same means up to fp32 rounding, a partial last block over its real tokens, each
+    tensor in its own rows of the stacked output."""
     g = torch.Generator().manual_seed(n + d)
     xs = [torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3)]
     xs = [(x if tokens_major else x.contiguous()).to(DEVICE) for x in xs]
@@ -102,6 +102,40 @@ def test_block_means_kernel_matches_block_mean(b, h, n, d, B, dtype, tokens_majo
     assert got.shape == want.shape == (3, b, h, triton.cdiv(n, B), d) and got.dtype == torch.float32
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert not torch.equal(got[0], got[1])  # each tensor pooled into its own rows
+
+
+class _Recorder:
+    """A Triton kernel whose launches record their grids, then run."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.gpu
+@needs_interpreter
+def test_block_means_launches_group_inputs_of_one_layout():
+    """Up to three inputs of one layout and dtype share a launch (grid axis 2 picks the input): pooled together or one
+    at a time, each tensor's means are the same bits, in mixed layouts and dtypes that split the launches."""
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d, B = 2, 3, 16 * 6, 32, 16
+    tokens_major = lambda dtype: torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)  # noqa: E731
+    plain = lambda dtype: torch.randn(b, h, n, d, generator=g).to(dtype)  # noqa: E731
+    f16, f32 = torch.float16, torch.float32
+    # launches: [0, 1, 2], [3], [4], [5, 6]
+    xs = [plain(f16), plain(f16), plain(f16), plain(f16), tokens_major(f16), plain(f32), plain(f32)]
+    xs = [x.to(DEVICE) for x in xs]
+    launches = []
+    real = blocks._block_means_kernel
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "_block_means_kernel", _Recorder(real, launches))
+        got = blocks.block_means(xs, B)
+    assert [grid[2] for grid in launches] == [3, 1, 1, 2]
+    for i, x in enumerate(xs):
+        assert torch.equal(got[i], blocks.block_means([x], B)[0]), i
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
