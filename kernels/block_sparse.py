@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .blocks import block_mean_adjoint, csr_to_csc
 from .common import AUTOTUNE, INTERPRET, autocast_inputs, autotuned, check_qkv, use_triton
-from .ops import cdiv, custom_op, next_power_of_2
+from .ops import cdiv, custom_op, next_power_of_2, shape_constant
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
@@ -2045,10 +2045,14 @@ def _(*args):
 
 def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The CSC of "every query tile lists this block", for ``shared_list=True``."""
+
     # [[0, n_tiles]] built on the device: a tensor from a Python list is a blocking host-to-device copy (a stream
-    # sync in every LLSA backward)
-    offsets = torch.arange(0, 2 * n_tiles, n_tiles, device=device, dtype=torch.int32)[None]  # [[0, n_tiles]]
-    return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
+    # sync in every LLSA backward); kept for eager calls (``shape_constant``)
+    def make():
+        offsets = torch.arange(0, 2 * n_tiles, n_tiles, device=device, dtype=torch.int32)[None]  # [[0, n_tiles]]
+        return offsets, torch.arange(n_tiles, device=device, dtype=torch.int32)[None]
+
+    return shape_constant(("shared csc", n_tiles), torch.device(device), make)
 
 
 def split_count(n_programs: int, list_len: int) -> int:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import cdiv, custom_op
+from .ops import cdiv, custom_op, shape_constant
 
 __all__ = [
     "block_mean",
@@ -252,20 +252,34 @@ def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple
     per_col = rows * width if slots else rows  # the entries one column can hold
     span = (num_cols + 1) * per_col
     dtype = torch.int32 if batch * span < INT32_KEYS_BELOW else torch.int64
-    # Every index tensor below is one arange (the step carries the batch's multiplier): in an eager backward each
-    # extra tiny launch costs ~1-2 us of GPU time, and two of these transposes run per LLSA backward.
+    # The index tensors below depend only on the sizes: kept for eager calls (``shape_constant``), each one arange
+    # (the step carries the batch's multiplier) where made; in an eager backward each tiny launch costs host time and
+    # ~1-2 us of GPU time, and two of these transposes run per LLSA backward.
     dev = index.device
-    start = torch.arange(per_col, batch * span + per_col, span, device=dev, dtype=dtype).view(batch, 1, 1)
-    entry = torch.arange(per_col, device=dev, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
+
+    def key_base():  # b * span + per_col + entry
+        start = torch.arange(per_col, batch * span + per_col, span, device=dev, dtype=dtype).view(batch, 1, 1)
+        entry = torch.arange(per_col, device=dev, dtype=dtype).view(1, rows, -1)  # r, or r * width + s
+        return start + entry
+
+    base = shape_constant(("csc key base", batch, rows, per_col, span, dtype), dev, key_base)
     # b * span + (c + 1) * per_col + entry (an empty slot: c + 1 = 0)
-    keys = torch.add(start + entry, index.to(dtype), alpha=per_col)
+    keys = torch.add(base, index.to(dtype), alpha=per_col)
     keys = torch.sort(keys.flatten()).values
     # offsets[b, c]: the keys below column c's first key b * span + (c + 1) * per_col, which is (t + 1) * per_col
     # for t = b * (num_cols + 1) + c
-    bounds = torch.arange(per_col, batch * span + 1, per_col, device=dev, dtype=dtype)
+    bounds = shape_constant(
+        ("csc column bounds", per_col, batch * span, dtype),
+        dev,
+        lambda: torch.arange(per_col, batch * span + 1, per_col, device=dev, dtype=dtype),
+    )
     total = batch * rows * width
     # int32 keys mean fewer than 2^31 entries (total < batch * span): the search's positions fit int32 as well
     ends = torch.searchsorted(keys, bounds, out_int32=dtype == torch.int32).view(batch, -1)
-    first = torch.arange(0, total, rows * width, device=dev, dtype=ends.dtype).view(batch, 1)
+    first = shape_constant(
+        ("csc batch firsts", total, rows * width, ends.dtype),
+        dev,
+        lambda: torch.arange(0, total, rows * width, device=dev, dtype=ends.dtype).view(batch, 1),
+    )
     offsets = (ends - first).to(torch.int32)
     return offsets, (keys % per_col).to(torch.int32).view(batch, rows * width)

@@ -31,12 +31,17 @@ class KernelOp:
         self.launcher, self.op = launcher, op
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or _has_tensor_subclass(args, kwargs):
+        if _traced() or _has_tensor_subclass(args, kwargs):
             return self.op(*args, **kwargs)
         return self.launcher(*args, **kwargs)
 
     def register_fake(self, fn):
         return self.op.register_fake(fn)
+
+
+def _traced() -> bool:
+    """Whether something traces or intercepts the calls made now: torch.compile, or a TorchDispatchMode."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
 
 
 def _has_tensor_subclass(args, kwargs) -> bool:
@@ -74,3 +79,28 @@ def custom_op(name: str, mutates_args: tuple[str, ...] = ()):
         return KernelOp(launcher, op)
 
     return wrap
+
+
+# Tensors that depend only on shapes, kept for eager calls (``shape_constant``): at most this many, the oldest dropped.
+SHAPE_CONSTANTS_KEPT = 64
+_shape_constants: dict = {}
+
+
+def shape_constant(key: tuple, device: torch.device, make):
+    """``make()``: a tensor (or a tuple of them) on ``device`` that depends only on ``key`` (sizes, dtypes), made once
+    and kept for eager calls. For the index tensors of the lists' transposes (``blocks.csr_to_csc``, ``shared_csc``):
+    each is an ``arange`` or two, whose launches a host-bound eager backward paid on every call. Made anew, not kept,
+    where calls are traced (torch.compile, a dispatch mode: a kept tensor would be state they do not see) or captured
+    in a CUDA graph. The caller must not write into it."""
+    if _traced() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return make()
+    key = (key, device)
+    kept = _shape_constants.get(key)
+    if kept is None:
+        kept = make()
+        if device.type == "cuda":  # made on this stream: finished before another stream can read it
+            torch.cuda.current_stream(device).synchronize()
+        if len(_shape_constants) >= SHAPE_CONSTANTS_KEPT:
+            del _shape_constants[next(iter(_shape_constants))]
+        _shape_constants[key] = kept
+    return kept

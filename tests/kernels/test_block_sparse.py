@@ -61,6 +61,41 @@ def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, slots
             assert got == [r * width + s if slots else r for r, s in listing]
 
 
+def test_csr_to_csc_keeps_its_index_tensors_for_eager_calls_only(monkeypatch):
+    """The transposes' shape-only index tensors are made once per shape and kept for eager calls
+    (``ops.shape_constant``): a cold call, a warm one, one of another shape in between and one under a dispatch mode
+    (as tracing runs it: made anew, nothing kept) give the same transposes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pixdit.kernels import ops
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(ops, "_shape_constants", {})
+    g = torch.Generator().manual_seed(4)
+    index = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(2 * 7)]).view(2, 7, 3).int()
+    other = torch.stack([torch.randperm(13, generator=g)[:4] for _ in range(3 * 5)]).view(3, 5, 4).int()
+    cold = csr_to_csc(index, 9, slots=True)
+    kept = dict(ops._shape_constants)
+    assert len(kept) == 3  # the keys' base, the column bounds, the batches' first entries
+    csr_to_csc(other, 13)
+    assert len(ops._shape_constants) == 6
+    warm = csr_to_csc(index, 9, slots=True)
+    assert all(ops._shape_constants[key] is tensor for key, tensor in kept.items())  # read, not made again
+    with Passthrough():
+        traced = csr_to_csc(index, 9, slots=True)
+        csr_to_csc(index, 10, slots=True)  # a new shape: made, not kept
+    assert len(ops._shape_constants) == 6
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(cold, warm, traced))
+    # the same sizes but more columns: other index tensors, not the kept ones
+    wider = csr_to_csc(index, 12, slots=True)
+    with Passthrough():
+        assert all(torch.equal(a, b) for a, b in zip(wider, csr_to_csc(index, 12, slots=True)))
+    assert block_sparse_module.shared_csc(5, "cpu") is block_sparse_module.shared_csc(5, "cpu")
+
+
 def test_flatten_grad_is_flatten_heads_of_the_contiguous_tensor():
     """A transposed gradient (as a model's tokens-major output gives), a contiguous slice at a storage offset (q, k, v
     of one stacked buffer) and a 3-D tensor: the values and the [B*H, N, d] strides of a contiguous flatten."""
