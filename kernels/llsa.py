@@ -31,7 +31,7 @@ import torch
 from . import block_sparse as bs
 from .blocks import block_mean, block_means, csr_to_csc
 from .common import autocast_inputs, check_means, check_qkv, use_triton
-from .ops import cdiv
+from .ops import cdiv, shape_constant
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -258,15 +258,19 @@ def _bank_tail(N, B, L, Le):
 
 
 def _bank_log_weights(N, B, L, Le, device):
-    """fp32 ``[bank blocks]``: each bank block's log multiplicity ``l ln B``. Built per call (a few tiny fills), not
-    cached: a cached tensor would be state that torch.compile cannot trace."""
-    offsets, total = _bank_layout(N, B, L, Le)
-    w = torch.empty(cdiv(total, B), device=device, dtype=torch.float32)
-    for lvl in range(1, min(Le, L) + 1):
-        lo = offsets[lvl - 1] // B
-        hi = cdiv(offsets[lvl] if lvl < min(Le, L) else total, B)
-        w[lo:hi] = lvl * math.log(B)
-    return w
+    """fp32 ``[bank blocks]``: each bank block's log multiplicity ``l ln B``; a few tiny fills, made once per shape and
+    kept for eager calls (``shape_constant``; made each call where traced)."""
+
+    def make():
+        offsets, total = _bank_layout(N, B, L, Le)
+        w = torch.empty(cdiv(total, B), device=device, dtype=torch.float32)
+        for lvl in range(1, min(Le, L) + 1):
+            lo = offsets[lvl - 1] // B
+            hi = cdiv(offsets[lvl] if lvl < min(Le, L) else total, B)
+            w[lo:hi] = lvl * math.log(B)
+        return w
+
+    return shape_constant(("llsa bank log weights", N, B, L, Le), torch.device(device), make)
 
 
 def _tokens_major(x: torch.Tensor) -> bool:
