@@ -164,13 +164,11 @@ def block_means(xs: list[torch.Tensor], block_size: int) -> torch.Tensor:
     group = max(1, tokens // block_size)
     warps = max(warps, group * block_size * d // 4096)
     # inputs of one layout and dtype share a launch, up to three (an eager call is host-bound: a launch costs host time)
+    layout = [(x.stride(), x.dtype) for x in xs]
     first = 0
     while first < len(xs):
         last = first + 1
-        while last < min(first + 3, len(xs)) and (xs[last].stride(), xs[last].dtype) == (
-            xs[first].stride(),
-            xs[first].dtype,
-        ):
+        while last < min(first + 3, len(xs)) and layout[last] == layout[first]:
             last += 1
         three = (xs[first:last] * 3)[:3]  # unused pointers repeat a used one
         _block_means_kernel[(cdiv(n_blocks, group), b * h, last - first)](

@@ -399,14 +399,14 @@ def _pooled_list_args(B, L, Le, N, device, cand_widths, head_dim, full_lists: bo
     level's blocks fill one run of the lists' columns (``cand_widths``, finest first) and share its weight
     ``l ln B``, passed as ``(columns, weight)`` runs (a scalar per step in the kernels, not a load per key: the values
     of ``logw``, bit for bit) where every run but the last ends at a whole step of the walk (K = 8 at L = 3), else as
-    ``logw`` per bank block (``_bank_log_weights``, built here unless given). ``full_lists``: no empty slot, so the walk needs no masks; without candidate levels the
-    lists are one empty slot each."""
+    ``logw`` per bank block (``_bank_log_weights``, taken here unless given). ``full_lists``: no empty slot, so the
+    walk needs no masks; without candidate levels the lists are one empty slot each."""
     per_step = bs.walk_blocks_per_step(COARSE_TILE, B, head_dim)
     runs = [(width, lvl * math.log(B)) for lvl, width in enumerate(cand_widths, start=1)]
     whole_steps = all(width % per_step == 0 for width, _ in runs[:-1])
     if LIST_WEIGHT_RUNS and 1 <= len(runs) <= bs.MAX_LIST_RUNS and whole_steps:
         return {"list_log_weight": runs if len(runs) > 1 else runs[0][1], "full_lists": full_lists}
-    if logw is None:  # built only where needed (a few tiny launches): an eager call is host-bound
+    if logw is None:  # taken only where a kernel reads it
         logw = _bank_log_weights(N, B, L, Le, device)
     return {"log_weights": logw, "full_lists": full_lists and len(runs) >= 1}
 

@@ -88,19 +88,20 @@ _shape_constants: dict = {}
 
 def shape_constant(key: tuple, device: torch.device, make):
     """``make()``: a tensor (or a tuple of them) on ``device`` that depends only on ``key`` (sizes, dtypes), made once
-    and kept for eager calls. For the index tensors of the lists' transposes (``blocks.csr_to_csc``, ``shared_csc``):
-    each is an ``arange`` or two, whose launches a host-bound eager backward paid on every call. Made anew, not kept,
+    and kept for eager calls. For the index tensors of the lists' transposes (``blocks.csr_to_csc``, ``shared_csc``)
+    and LLSA's bank weights: each is an ``arange`` or two, or a few fills, whose launches a host-bound eager backward
+    paid on every call. Made anew, not kept,
     where calls are traced (torch.compile, a dispatch mode: a kept tensor would be state they do not see) or captured
     in a CUDA graph. The caller must not write into it."""
     if _traced() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return make()
-    key = (key, device)
-    kept = _shape_constants.get(key)
+    kept = _shape_constants.get((key, device))
     if kept is None:
-        kept = make()
+        with torch.inference_mode(False):  # a normal tensor even if the first call samples under inference mode
+            kept = make()
         if device.type == "cuda":  # made on this stream: finished before another stream can read it
             torch.cuda.current_stream(device).synchronize()
         if len(_shape_constants) >= SHAPE_CONSTANTS_KEPT:
             del _shape_constants[next(iter(_shape_constants))]
-        _shape_constants[key] = kept
+        _shape_constants[(key, device)] = kept
     return kept

@@ -94,6 +94,9 @@ def test_csr_to_csc_keeps_its_index_tensors_for_eager_calls_only(monkeypatch):
     with Passthrough():
         assert all(torch.equal(a, b) for a, b in zip(wider, csr_to_csc(index, 12, slots=True)))
     assert block_sparse_module.shared_csc(5, "cpu") is block_sparse_module.shared_csc(5, "cpu")
+    with torch.inference_mode():  # kept from a sampling call, read later by training: not an inference tensor
+        offsets, _ = block_sparse_module.shared_csc(6, "cpu")
+    assert not offsets.is_inference()
 
 
 def test_flatten_grad_is_flatten_heads_of_the_contiguous_tensor():
