@@ -124,7 +124,9 @@ def llsa_check(
 
 
 # ----------------------------------------------------------------------------------------------------- selection
-def _pyramid(x: torch.Tensor, block_size: int, levels: int, first: torch.Tensor | None = None) -> list[torch.Tensor]:
+def _pyramid(
+    x: torch.Tensor | None, block_size: int, levels: int, first: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """[x^(1), ..., x^(levels)]: recursive fp32 block means; ``first``: x^(1) when the caller has it already."""
     out, cur = [], x
     for lvl in range(levels):
@@ -323,8 +325,9 @@ class _LLSATriton(torch.autograd.Function):
             out_dtype=_partial_dtype(q.dtype) if has_coarse else None,
             out_heads=0 if has_coarse else h,
         )
-        tail = _bank_tail(N, B, L, Le)
+        logw, tail = None, _bank_tail(N, B, L, Le)
         if has_coarse:
+            logw = _bank_log_weights(N, B, L, Le, q.device)
             o, lse = bs.bsa_forward(
                 qf,
                 bank_k,
@@ -337,15 +340,15 @@ class _LLSATriton(torch.autograd.Function):
                 out_dtype=q.dtype,
                 dense_tail=tail,
                 out_heads=h,
-                **_pooled_list_args(B, L, Le, N, q.device, cand_widths, d, full_lists),
+                **_pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists),
             )
-        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v)
+        ctx.save_for_backward(qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw)
         ctx.cfg = (B, L, Le, scale, reference_l1_grad, q.shape, tail, cand_widths, full_lists)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v = ctx.saved_tensors
+        qf, kf, vf, o, lse, fine_lists, coarse_lists, bank_k, bank_v, logw = ctx.saved_tensors
         B, L, Le, scale, reference_l1_grad, shape, tail, cand_widths, full_lists = ctx.cfg
         BH, N, d = qf.shape
         dt = qf.dtype
@@ -354,8 +357,7 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            logw = _bank_log_weights(N, B, L, Le, qf.device)
-            weights = _pooled_list_args(B, L, Le, N, qf.device, cand_widths, d, full_lists, logw)
+            weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
             dq = bs.bsa_backward_dq(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
             )
@@ -394,20 +396,18 @@ class _LLSATriton(torch.autograd.Function):
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
-def _pooled_list_args(B, L, Le, N, device, cand_widths, head_dim, full_lists: bool, logw=None) -> dict:
+def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:
     """The weights and fullness of the pooled pass's lists for ``bsa_forward`` / ``bsa_backward_dq``. Each candidate
     level's blocks fill one run of the lists' columns (``cand_widths``, finest first) and share its weight
     ``l ln B``, passed as ``(columns, weight)`` runs (a scalar per step in the kernels, not a load per key: the values
     of ``logw``, bit for bit) where every run but the last ends at a whole step of the walk (K = 8 at L = 3), else as
-    ``logw`` per bank block (``_bank_log_weights``, taken here unless given). ``full_lists``: no empty slot, so the
-    walk needs no masks; without candidate levels the lists are one empty slot each."""
+    ``logw`` per bank block. ``full_lists``: no empty slot, so the walk needs no masks; without candidate levels the
+    lists are one empty slot each."""
     per_step = bs.walk_blocks_per_step(COARSE_TILE, B, head_dim)
     runs = [(width, lvl * math.log(B)) for lvl, width in enumerate(cand_widths, start=1)]
     whole_steps = all(width % per_step == 0 for width, _ in runs[:-1])
     if LIST_WEIGHT_RUNS and 1 <= len(runs) <= bs.MAX_LIST_RUNS and whole_steps:
         return {"list_log_weight": runs if len(runs) > 1 else runs[0][1], "full_lists": full_lists}
-    if logw is None:  # taken only where a kernel reads it
-        logw = _bank_log_weights(N, B, L, Le, device)
     return {"log_weights": logw, "full_lists": full_lists and len(runs) >= 1}
 
 
@@ -544,16 +544,14 @@ def llsa_attention(
     # pyramids are built stacked, so each level is one reduction and the bank's k and v rows of a level one copy (an
     # eager call is host-bound: every launch saved is host time saved).
     pooled = [name for name, wanted in zip("qkv", (index is None, index is None or Le >= 1, Le >= 1)) if wanted]
-    first = "qkv".index(pooled[0]) if pooled else 0
     with torch.no_grad():
         # levels 1..L to select (q, k), 1..n_bank to bank (k, v); [len(pooled), b, h, N / B^l, d] fp32 each
         pyramid = []
-        if means is not None:
-            pyramid.append(means[first : first + len(pooled)])
-        elif pooled:
-            pyramid.append(block_means([x.detach() for x, name in zip((q, k, v), "qkv") if name in pooled], B))
-        while pyramid and len(pyramid) < (L if index is None else n_bank):
-            pyramid.append(block_mean(pyramid[-1], B))
+        if pooled:
+            first = "qkv".index(pooled[0])
+            xs = [x.detach() for x, name in zip((q, k, v), "qkv") if name in pooled]
+            level1 = means[first : first + len(pooled)] if means is not None else block_means(xs, B)
+            pyramid = _pyramid(None, B, L if index is None else n_bank, level1)
         at = {name: i for i, name in enumerate(pooled)}
         if index is None:
             qp, kp = ([level[at[name]] for level in pyramid] for name in "qk")

@@ -90,9 +90,8 @@ def shape_constant(key: tuple, device: torch.device, make):
     """``make()``: a tensor (or a tuple of them) on ``device`` that depends only on ``key`` (sizes, dtypes), made once
     and kept for eager calls. For the index tensors of the lists' transposes (``blocks.csr_to_csc``, ``shared_csc``)
     and LLSA's bank weights: each is an ``arange`` or two, or a few fills, whose launches a host-bound eager backward
-    paid on every call. Made anew, not kept,
-    where calls are traced (torch.compile, a dispatch mode: a kept tensor would be state they do not see) or captured
-    in a CUDA graph. The caller must not write into it."""
+    paid on every call. Made anew, not kept, where calls are traced (torch.compile, a dispatch mode: a kept tensor
+    would be state they do not see) or captured in a CUDA graph. The caller must not write into it."""
     if _traced() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return make()
     kept = _shape_constants.get((key, device))

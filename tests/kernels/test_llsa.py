@@ -238,7 +238,7 @@ def test_pooled_pass_weights_at_llsas_sizes(N, L, K, runs, tail_rows, whole_step
     ks = llsa_check(N, B, L, K)["topk"]
     widths = tuple(ks[lvl] for lvl in range(1, L))
     logw = torch.zeros(4)
-    args = _pooled_list_args(B, L, L, N, "cpu", widths, d, True, logw)
+    args = _pooled_list_args(B, L, L, logw, widths, d, True)
     if runs == "per block":
         assert args == {"log_weights": logw, "full_lists": True}
     else:
