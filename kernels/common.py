@@ -28,6 +28,7 @@ __all__ = [
     "INTERPRET",
     "AUTOTUNE",
     "autotuned",
+    "KeptPicks",
     "use_triton",
     "autocast_inputs",
     "check_qkv",
@@ -62,7 +63,56 @@ def autotuned(kernel, key: list[str], configs: list, prune=None):
     if not AUTOTUNE:
         return kernel
     prune_by = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by)(kernel)
+    return KeptPicks(triton.autotune(configs=configs, key=key, prune_configs_by=prune_by)(kernel), key)
+
+
+_ABSENT = object()  # a key argument the launch left at its default (Triton's key then leaves it out)
+
+
+class KeptPicks:
+    """A Triton autotuner (``triton.autotune(...)(kernel)``) that keeps the configuration it picked for each key and
+    launches the kernel with it directly on later calls: ``kernel[grid](...)`` as before.
+
+    Why not Triton's ``Autotuner.run`` on every launch: before it looks up its cache it builds a dict of all the
+    kernel's arguments (~50 for the attention kernels), filters it by membership in a list of their names and
+    formats a dtype string per tensor, ~10-20 µs of Python per launch, and an eager LLSA forward + backward makes
+    seven autotuned launches. The key kept here holds the same information as Triton's (the key arguments' values
+    and the dtype of every tensor argument, in order), so a kept pick is the configuration Triton's cache holds for
+    that launch: results stay as reproducible as with Triton's own lookup. A new key goes through ``Autotuner.run``
+    (which prunes, times the configurations and launches) and its pick is kept afterwards."""
+
+    def __init__(self, tuner, key: list[str]):
+        self.tuner = tuner
+        self.fn = tuner  # as Triton's wrappers do: ``.fn`` leads to the JITFunction and on to the Python function
+        positions = {name: i for i, name in enumerate(tuner.arg_names)}
+        self._key = [(name, positions[name]) for name in key]
+        self._picks: dict[tuple, dict] = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        values = tuple(
+            kwargs[name] if name in kwargs else args[i] if i < len(args) else _ABSENT for name, i in self._key
+        )
+        key = (
+            values,
+            tuple(a.dtype for a in args if hasattr(a, "dtype")),  # Triton's rule (and faster than isinstance)
+            tuple(a.dtype for a in kwargs.values() if hasattr(a, "dtype")),
+        )
+        pick = self._picks.get(key)
+        if pick is None or warmup:
+            ret = self.tuner.run(*args, grid=grid, warmup=warmup, **kwargs)
+            config = self.tuner.best_config
+            if not warmup and config.pre_hook is None:  # a pre-hook runs on every launch: left to Triton's run
+                self._picks[key] = config.all_kwargs()
+            return ret
+        return self.tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **pick)
+
+    def __getattr__(self, name):  # the autotuner's own attributes (configs, cache, keys, ...)
+        if name == "tuner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.tuner, name)
 
 
 # ------------------------------------------------------------------------------------------- Triton or PyTorch

@@ -129,6 +129,8 @@ def labelled_launches(lib):
     import triton
 
     kinds = (triton.runtime.jit.JITFunction, triton.runtime.autotuner.Autotuner)
+    kept = getattr(importlib.import_module(f"{lib.__name__}.common"), "KeptPicks", None)  # absent in older libraries
+    kinds += (kept,) if kept is not None else ()
     if os.environ.get("TRITON_INTERPRET") == "1":
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -140,7 +142,7 @@ def labelled_launches(lib):
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, kinds):
                 fn = obj
-                while hasattr(fn, "fn"):  # Autotuner -> JITFunction -> the Python function
+                while hasattr(fn, "fn"):  # KeptPicks -> Autotuner -> JITFunction -> the Python function
                     fn = fn.fn
                 if fn.__name__.endswith("_kernel"):
                     wrapped.append((module, attr, obj))
