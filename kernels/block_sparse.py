@@ -665,6 +665,26 @@ def key_major_step(
 
 
 @triton.jit
+def _pooled_pyramid_grad(ADD, kblk, n_blocks, dims, FACTOR: tl.constexpr, LEVELS: tl.constexpr):
+    """The gradient of the pooled token above key blocks ``kblk`` (``[rows, 1]`` block ids), pushed down a pyramid of
+    ``LEVELS`` levels stored at ``ADD`` finest first (level l's ``n_blocks / FACTOR^(l-1)`` rows of ``len(dims)``
+    after the levels before it): ``G^(LEVELS) = g^(LEVELS)``, ``G^(l) = g^(l) + G^(l+1)[parent] / FACTOR``, in fp32
+    and in that order (as LLSA's PyTorch form summed it: the same bits). One level: the rows ``kblk`` as they are."""
+    width = dims.shape[0]
+    ok = kblk < n_blocks
+    start, div = 0, 1
+    for _ in tl.static_range(LEVELS - 1):  # where the coarsest level starts, and how many key blocks a row pools
+        start += n_blocks // div
+        div *= FACTOR
+    g = tl.load(ADD + (start + kblk // div) * width + dims[None, :], mask=ok, other=0.0)
+    for _ in tl.static_range(LEVELS - 1):  # then each finer level, down to the key blocks' own
+        div //= FACTOR
+        start -= n_blocks // div
+        g = tl.load(ADD + (start + kblk // div) * width + dims[None, :], mask=ok, other=0.0) + g / FACTOR
+    return g
+
+
+@triton.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -703,6 +723,7 @@ def _dkdv_kernel(
     csc_step,
     out_row0,
     out_rows,
+    add_rows,
     qk_scale,
     sm_scale,
     HEAD_DIM: tl.constexpr,
@@ -713,6 +734,7 @@ def _dkdv_kernel(
     N_SPLIT: tl.constexpr,
     HAS_LOGW: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    ADD_LEVELS: tl.constexpr,
     PREC: tl.constexpr,
     EVEN_Q: tl.constexpr,
     N_SUB: tl.constexpr,
@@ -810,11 +832,15 @@ def _dkdv_kernel(
         dv = tl.trans(dvt)
     dk = dk * sm_scale
     if HAS_ADD:  # mean-pool adjoint: + (gradient of the pooled token that contains this key) / (its block's real keys)
-        kblk = krow // KEY_BLOCK
-        a_offs = bh * tl.cdiv(n_k, KEY_BLOCK) * HEAD_DIM + kblk[:, None] * HEAD_DIM + dims[None, :]
-        count = tl.maximum(tl.minimum(n_k - kblk * KEY_BLOCK, KEY_BLOCK), 1).to(tl.float32)[:, None]
-        dk += tl.load(ADD_K + a_offs, mask=k_ok[:, None], other=0.0) / count
-        dv += tl.load(ADD_V + a_offs, mask=k_ok[:, None], other=0.0) / count
+        # the program's keys are one block (GROUP 1): one row per level, added to every key (a [keys, d] tile of
+        # equal rows took more registers than the rest of the program)
+        tl.static_assert(GROUP == 1)
+        kblk = tl.zeros([1, 1], tl.int32) + first_blk
+        count = tl.maximum(tl.minimum(n_k - kblk * KEY_BLOCK, KEY_BLOCK), 1).to(tl.float32)
+        base = bh * add_rows * HEAD_DIM
+        n_blocks = tl.cdiv(n_k, KEY_BLOCK)
+        dk += _pooled_pyramid_grad(ADD_K + base, kblk, n_blocks, dims, KEY_BLOCK, ADD_LEVELS) / count
+        dv += _pooled_pyramid_grad(ADD_V + base, kblk, n_blocks, dims, KEY_BLOCK, ADD_LEVELS) / count
     # target [N_SPLIT, BH, out_rows, d]: rows [out_row0, out_row0 + out_rows) of dk/dv of this split
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
@@ -1676,6 +1702,7 @@ def bsa_backward_dkdv(
     dv=None,
     shared_list=False,
     pooled_add=None,
+    pooled_levels=1,
     out_dtype=torch.float32,
     ds=None,
     ds_lists=None,
@@ -1686,7 +1713,10 @@ def bsa_backward_dkdv(
     their partial sums are added in a fixed order. Writes into ``dk``/``dv`` (rows outside the range untouched).
     ``shared_list=True``: every key block has the same list ``rows[offsets[0]:offsets[1]]`` (dense / global level),
     so ``offsets`` is just ``[[0, n]]``. ``pooled_add = (gk, gv)`` (fp32 [BH, ceil(Nk / key_block), d], n_split 1
-    only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused).
+    and group 1 only): adds ``g[row // key_block] / key_block`` to every row (LLSA's mean-pool adjoint, fused).
+    ``pooled_levels`` > 1: gk and gv hold that many levels of a pyramid over the key blocks, finest first (level l
+    pools ``key_block`` rows of level l - 1; LLSA's bank gradients), and ``g`` is the coarsest level's gradient pushed
+    down them: ``G^(l) = g^(l) + G^(l+1)[parent] / key_block``, computed in the epilogue.
     ``ds`` (``ds_buffer(ds_lists, ...)``) with ``ds_lists`` (the query blocks' lists that ``csc`` transposes, ``[BH,
     n_query_blocks, width]``): also keeps every listed pair's dS there, for ``bsa_backward_ds_dq`` (one-warp programs
     only: ``keeps_ds``)."""
@@ -1702,7 +1732,7 @@ def bsa_backward_dkdv(
         alloc = torch.empty if (lo, hi) == (0, n_blocks) else torch.zeros
         dk = alloc(k.shape, device=q.device, dtype=out_dtype)
         dv = alloc(k.shape, device=q.device, dtype=out_dtype)
-    assert pooled_add is None or n_split == 1
+    assert pooled_add is None or (n_split == 1 and group == 1)
     if hi > lo:
         gk, gv = pooled_add if pooled_add is not None else (None, None)
         _bsa_backward_dkdv_op(
@@ -1718,6 +1748,7 @@ def bsa_backward_dkdv(
             log_weights,
             gk,
             gv,
+            pooled_levels,
             query_block,
             key_block,
             scale,
@@ -1766,6 +1797,7 @@ def _bsa_backward_dkdv_op(
     log_weights: torch.Tensor | None,
     pooled_k: torch.Tensor | None,
     pooled_v: torch.Tensor | None,
+    pooled_levels: int,
     query_block: int,
     key_block: int,
     scale: float,
@@ -1828,6 +1860,7 @@ def _bsa_backward_dkdv_op(
         0 if shared_list else group,
         out_row0,
         out_rows,
+        pooled_k.shape[1] if pooled_k is not None else 0,
         scale * LOG2E,
         scale,
         HEAD_DIM=d,
@@ -1838,6 +1871,7 @@ def _bsa_backward_dkdv_op(
         N_SPLIT=n_split,
         HAS_LOGW=log_weights is not None,
         HAS_ADD=pooled_k is not None,
+        ADD_LEVELS=pooled_levels if pooled_k is not None else 1,
         PREC=dot_precision(q.dtype),
         EVEN_Q=n_q % query_block == 0,
         N_SUB=n_sub,

@@ -387,6 +387,7 @@ class _LLSATriton(torch.autograd.Function):
             B,
             scale,
             pooled_add=(pooled_k, pooled_v) if pooled_k is not None else None,
+            pooled_levels=min(Le, L),
             out_dtype=dt,
             ds=ds,
             ds_lists=fine_lists if keep_ds else None,
@@ -414,9 +415,10 @@ def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -
 def _pooled_bank_grads(
     qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
 ):
-    """dK/dV of the pooled bank (the candidate levels by query group, the coarsest key-major), then pushed down the
-    pyramid to level 1: returns fp32
-    ``G^(1) = dK^(1) + up(dK^(2)) / B + ...`` ([BH, N/B, d]) for k and v; the fine pass adds ``G^(1)[i // B] / B``."""
+    """dK/dV of the pooled bank (the candidate levels by query group, the coarsest key-major): fp32 ``[BH, bank
+    rows, d]`` for k and v, levels 1..min(Le, L) finest first. The fine pass pushes them down the pyramid in its
+    epilogue (``bsa_backward_dkdv``'s ``pooled_levels``), ``G^(l) = dK^(l) + up(G^(l+1)) / B``, and adds
+    ``G^(1)[i // B] / B`` to key i."""
     BH, N, d = qf.shape
     offsets, total = _bank_layout(N, B, L, Le)
     n_bank_blocks = cdiv(total, B)
@@ -471,12 +473,7 @@ def _pooled_bank_grads(
         )
     if reference_l1_grad and L == 1:  # the authors' l1 kernel: pooled-path gradient B times too small
         dbank = dbank / B
-    g = None
-    for lvl in range(min(Le, L), 0, -1):  # coarsest first: G^(l) = dK^(l) + up(G^(l+1)) / B
-        rows = dbank[:, :, offsets[lvl - 1] : offsets[lvl - 1] + N // B**lvl]
-        # up() as a broadcast over each parent's B children: one pass, no repeated copy
-        g = rows if g is None else (rows.unflatten(2, (-1, B)) + (g / B)[:, :, :, None]).flatten(2, 3)
-    gk, gv = g.contiguous().unbind(0)
+    gk, gv = dbank.unbind(0)
     return gk, gv
 
 

@@ -257,6 +257,10 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         const = dict(common, QUERY_BLOCK=query_block, KEY_BLOCK=key_block, GROUP=group, PER_ITER=per_iter)
         const |= dict(TRANSPOSED=block_sparse.transposed_backward(key_block * group, d), DESC_ROWS=desc_rows)
         const |= dict(DS_SLOTS=triton.next_power_of_2(ds_width) if ds_width else 0)
+        if "ADD_LEVELS" in constexpr_names(block_sparse._dkdv_kernel):  # absent in libraries before it
+            # the fine level's pooled adjoint at L = 2: the bank's two levels, pushed down in the epilogue
+            args |= dict(add_rows=n // 16 + n // 256)
+            const |= dict(ADD_LEVELS=2 if has_add else 1)
         return args, const | dict(N_SPLIT=n_split, HAS_LOGW=has_logw, HAS_ADD=has_add, EVEN_Q=True, N_SUB=n_sub)
 
     def ds_dq(list_len):  # the fine level's dq from the dS its dk/dv kept, added to the pooled pass's fp32 dq
