@@ -1023,19 +1023,18 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # spilled (3 per SM): on the H200 LLSA's pooled forward 1.11x, pooled dq 1.08x, coarsest dk/dv 1.12x at 256² (1.48x
 # at 512²) and VSA's 64-key dk/dv 1.21x faster (docs/kernel_notes.md v28). The dk/dv by query group (210 registers)
 # takes the dk/dv's cap too: at 168 it spills 72 B, and still measured 1.11x faster at LLSA 256² and 1.12x at 512²
-# (v29). The autotuner also times the capped configuration against the others.
-_REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 168}
-_CONFIGS = [
-    triton.Config({}, num_warps=w, num_stages=s) for w, s in dict.fromkeys(_WARPGROUP_PROGRAMS + _SMALL_PROGRAMS)
-] + [triton.Config({}, num_warps=4, num_stages=2, maxnreg=cap) for cap in sorted(set(_REGISTER_CAPS.values()))]
+# (v29). The one-warp dk/dv of 16 keys that keeps dS for the dq holds 165 registers (12 programs per SM); capped at
+# 128 (16 per SM, as the plain one) it ran 1.09x faster on the H100 at LLSA 256² (v55 (c)). The autotuner also times
+# the capped configuration against the others.
+_REGISTER_CAPS = {("forward", 64): 128, ("dq", 64): 128, ("dkdv", 64): 168, ("dkdv", 16): 128}  # (kind, rows)
 
 
 def register_cap(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:
     """``maxnreg`` of a ``kind`` ("forward", "dq" or "dkdv": key-major or by query group) program of ``rows`` rows
     (see ``_REGISTER_CAPS``)."""
-    if rows != 64 or head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
+    if head_dim > 64 or dtype not in (torch.float16, torch.bfloat16):
         return None
-    return _REGISTER_CAPS[kind]
+    return _REGISTER_CAPS.get((kind, rows))
 
 
 def program_warps(rows: int, backward: bool, head_dim: int) -> int:
@@ -1057,6 +1056,18 @@ def transposed_backward(rows: int, head_dim: int) -> bool:
     transposed (``TRANSPOSED``, the note above _dq_kernel): a program of < 64 rows that ``program_warps`` gives a
     warpgroup."""
     return rows < 64 and program_warps(rows, True, head_dim) >= 4
+
+
+# The autotuner's configurations: the warps and stages of _WARPGROUP_PROGRAMS and _SMALL_PROGRAMS, and each register
+# cap on its program's warps (``_configs_for`` prunes them to the launch's program).
+_CONFIGS = [
+    triton.Config({}, num_warps=w, num_stages=s) for w, s in dict.fromkeys(_WARPGROUP_PROGRAMS + _SMALL_PROGRAMS)
+] + [
+    triton.Config({}, num_warps=warps, num_stages=2, maxnreg=cap)
+    for warps, cap in sorted(
+        {(program_warps(rows, kind != "forward", 64), cap) for (kind, rows), cap in _REGISTER_CAPS.items()}
+    )
+]
 
 
 # Each autotuned kernel's program: the kind that ``register_cap`` knows, and the query or key rows that size it, from

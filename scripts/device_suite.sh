@@ -74,7 +74,7 @@ case "$stage" in
     # process as `ab` does ("before" = the copy, so a speed-up below 1 is the copy's gain), with each case's 8
     # largest kernels. Cases: KNOB_CASES (default LLSA 256², 128² at L = 2, 512² at L = 3).
     # The table prints at the end: three copies fit a 10-minute call (each copy compiles its kernels once).
-    #   bash scripts/device_suite.sh knob '_REGISTER_CAPS = {"forward": 128, "dq": 128, "dkdv": 184}' \
+    #   bash scripts/device_suite.sh knob '_REGISTER_CAPS = {("forward", 64): 128, ("dq", 64): 128, ("dkdv", 64): 184}' \
     #     'llsa:PARTIAL_DTYPE = "float32"'
     [ $# -gt 1 ] || { echo "usage: device_suite.sh knob '[MODULE:]NAME = VALUE' ... (module-level names of kernels/)"; exit 2; }
     root=$(mktemp -d); dirs=()
