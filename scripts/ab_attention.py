@@ -7,12 +7,15 @@ This script loads both libraries side by side (``kernel_ab.load_kernels_as``), a
 on the same inputs, and reports the median of the rounds' ``do_bench`` medians and their spread. Several
 ``--kernels-from`` folders (variants of one change) are each timed against the installed library in the same
 process: one table row per case and folder (column "before"), and the device compiles the installed side once. Run
-it with ``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration.
+it with ``PIXDIT_KERNELS_AUTOTUNE=0`` so that both sides use one fixed launch configuration. ``--back-to-back N``
+times an eager loop instead (N calls, one synchronisation at the end): wall and host milliseconds per call, where a
+change to the launchers' host path shows (with autotuning on, the default, if the change is in that path).
 
     git archive HEAD~1 kernels | tar -x -C /tmp/base
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --cases vsa:256 sla:256
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/base/kernels --kernel-time  # GPU only
+    python scripts/ab_attention.py --kernels-from /tmp/base/kernels --back-to-back 40  # eager loop, autotuned, host
     PIXDIT_KERNELS_AUTOTUNE=0 python scripts/ab_attention.py --kernels-from /tmp/v1/kernels /tmp/v2/kernels
     python scripts/ab_attention.py --kernels-from kernels --quick --device cpu   # CPU check of the script (PyTorch path)
 
@@ -37,7 +40,7 @@ import argparse
 import statistics
 
 import torch
-from kernel_ab import launch_breakdown, load_kernels_as, random_block_order, rel_diff, timer
+from kernel_ab import back_to_back_ms, launch_breakdown, load_kernels_as, random_block_order, rel_diff, timer
 
 import pixdit.kernels as current
 from pixdit.report import kernel_ms, markdown_table
@@ -80,6 +83,15 @@ def parse_args(argv=None):
         help="time the GPU kernels of each call (torch.profiler), without the host path (at 256^2 an eager sparse "
         "call is host-bound, so eager times mix the kernels with Python)",
     )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N calls issued back to back with one synchronisation at the end, as a user's eager loop runs "
+        "them: wall ms per call, and the host's ms per call to issue them (do_bench's cache flush between calls "
+        "gives the host a head start)",
+    )
     args = p.parse_args(argv)
     if args.cases is None:
         args.cases = (
@@ -88,6 +100,11 @@ def parse_args(argv=None):
     args.cases = [parse_case(case) for case in args.cases]  # a bad case is named before anything runs
     if len(set(args.kernels_from)) < len(args.kernels_from):
         raise SystemExit(f"--kernels-from {' '.join(args.kernels_from)}: a folder is given twice; give each once")
+    if args.back_to_back < 0 or (args.back_to_back and args.kernel_time):
+        raise SystemExit(
+            f"--back-to-back takes a number of calls (>= 1, 0 = off) and times the wall clock, not --kernel-time; got "
+            f"--back-to-back {args.back_to_back}{' with --kernel-time' if args.kernel_time else ''}"
+        )
     if args.per_kernel < 0:
         raise SystemExit(f"--per-kernel takes the number of kernels to list (>= 1, 0 = off), got {args.per_kernel}")
     for flag, on in (("--kernel-time", args.kernel_time), ("--per-kernel", args.per_kernel)):
@@ -175,6 +192,11 @@ def main(argv=None) -> list[dict]:
                         per_kernel[(case, version)] = launch_breakdown(lib, forward_backward)
                 if args.kernel_time:
                     entry = (kernel_ms(forward), kernel_ms(forward_backward))
+                elif args.back_to_back:  # (wall, host) per call of each: fwd, fwd+bwd, fwd host, fwd+bwd host
+                    (fwd, fwd_host), (both, both_host) = (
+                        back_to_back_ms(fn, args.back_to_back, args.device) for fn in (forward, forward_backward)
+                    )
+                    entry = (fwd, both, fwd_host, both_host)
                 else:
                     entry = (time_ms(forward, 100), time_ms(forward_backward, 200))
                 times.setdefault((case, version), []).append(entry)
@@ -188,7 +210,8 @@ def main(argv=None) -> list[dict]:
                 "L or K": {"llsa": f"L={x}", "flash": "-"}.get(method, f"K={x}"),
             }
             row |= {"B": "-" if method == "flash" else block} | ({"before": directory} if len(bases) > 1 else {})
-            for i, what in enumerate(("fwd", "fwd+bwd")):
+            timed = ("fwd", "fwd+bwd", "fwd host", "fwd+bwd host") if args.back_to_back else ("fwd", "fwd+bwd")
+            for i, what in enumerate(timed):
                 before = statistics.median(t[i] for t in times[(case, directory)])
                 after = statistics.median(t[i] for t in times[(case, "after")])
                 spread = [t[i] for t in times[(case, directory)] + times[(case, "after")]]

@@ -66,6 +66,28 @@ def timer(device: str):
     return wall_ms
 
 
+def back_to_back_ms(fn, calls: int, device: str) -> tuple[float, float]:
+    """``fn()`` ``calls`` times back to back after two warm-up calls, one synchronisation at the end: (wall ms per
+    call, host ms per call to issue them). Wall above host: the GPU is the bound; equal: the host is."""
+    import time
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    return (end - start) * 1e3 / calls, (issued - start) * 1e3 / calls
+
+
 def random_block_order(shape, block: int, device, seed: int = 0):
     """Random block lists of the block-sparse benchmarks (bench_attention.py's bsa and flex rows, ab_attention.py's
     bsa cases): per (batch, head, query tile of ``block`` rows of a ``[b, h, n, d]`` shape) every key block in a

@@ -60,6 +60,30 @@ def test_ab_attention_times_several_libraries_against_the_installed_one(tmp_path
     assert twice.returncode != 0 and "a folder is given twice" in twice.stderr
 
 
+def test_ab_attention_back_to_back_reports_wall_and_host_time():
+    """--back-to-back N: the loop's wall and host milliseconds per call, before and after; not with --kernel-time."""
+    run = ab_attention("kernels", "--back-to-back", "3", "--cases", "llsa:32:1")
+    assert run.returncode == 0, run.stderr
+    header, rule, llsa = run.stdout.strip().splitlines()[-3:]
+    for column in ("before fwd ms", "after fwd+bwd ms", "before fwd host ms", "after fwd+bwd host ms"):
+        assert f"| {column} |" in header
+    assert "fwd+bwd host speed-up" in header and llsa.startswith("| llsa | 32² | L=1 |")
+    both = ab_attention("kernels", "--back-to-back", "3", "--kernel-time")
+    assert both.returncode != 0 and "not --kernel-time" in both.stderr
+
+
+def test_back_to_back_times_every_call_and_the_host_share():
+    """kernel_ab.back_to_back_ms: two warm-up calls and N timed ones; on the CPU the host is the whole wall time."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from kernel_ab import back_to_back_ms
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    calls = []
+    wall, host = back_to_back_ms(lambda: calls.append(1), 5, "cpu")
+    assert len(calls) == 7 and 0 <= host <= wall
+
+
 def test_ab_attention_kernel_time_needs_cuda():
     run = ab_attention("kernels", "--kernel-time")
     assert run.returncode != 0 and "--kernel-time times CUDA kernels, got --device cpu" in run.stderr
