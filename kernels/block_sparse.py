@@ -1024,8 +1024,8 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # at 512²) and VSA's 64-key dk/dv 1.21x faster (docs/kernel_notes.md v28). The dk/dv by query group (210 registers)
 # takes the dk/dv's cap too: at 168 it spills 72 B, and still measured 1.11x faster at LLSA 256² and 1.12x at 512²
 # (v29). The one-warp dk/dv of 16 keys that keeps dS for the dq holds 165 registers (12 programs per SM); capped at
-# 128 (16 per SM, as the plain one) it ran 1.09x faster on the H100 at LLSA 256² (v55 (c)). The autotuner also times
-# the capped configuration against the others.
+# 128 (16 per SM, as the plain one; 8 B spilled) it ran 1.09x faster on the H100 at LLSA 256², the whole forward +
+# backward 1.014x (v55 (c)). The autotuner also times the capped configuration against the others.
 _REGISTER_CAPS = {("forward", 64): 128, ("dq", 64): 128, ("dkdv", 64): 168, ("dkdv", 16): 128}  # (kind, rows)
 
 
