@@ -27,11 +27,13 @@ import math
 from collections.abc import Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 from . import block_sparse as bs
 from .blocks import block_mean, block_means, csr_to_csc
 from .common import autocast_inputs, check_means, check_qkv, use_triton
-from .ops import cdiv, shape_constant
+from .ops import cdiv, custom_op, shape_constant
 from .topk import pooled_topk
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
@@ -135,6 +137,95 @@ def _pyramid(
     return out
 
 
+@triton.jit
+def _next_level_kernel(
+    PREV,
+    NEXT,
+    BANK,
+    n_next,
+    bank_rows,
+    prev_row0,
+    next_row0,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BANK_PREV: tl.constexpr,
+    BANK_NEXT: tl.constexpr,
+):
+    # program: one row of the next level of one (batch, head) of stacked input <axis 2>, the fp32 mean of its BLOCK
+    # rows of the level below; the last two inputs' (k's and v's) rows of either level also cast into the bank's two
+    # halves (BANK_PREV / BANK_NEXT)
+    row, bh, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_bh = tl.num_programs(1)
+    dims = tl.arange(0, HEAD_DIM)
+    prev_rows = row.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    plane = which.to(tl.int64) * n_bh + bh  # the (input, batch * head) plane of PREV and NEXT
+    x = tl.load(PREV + (plane * n_next * BLOCK + prev_rows[:, None]) * HEAD_DIM + dims[None, :])
+    mean = tl.sum(x, axis=0) / BLOCK
+    tl.store(NEXT + (plane * n_next + row) * HEAD_DIM + dims, mean)
+    if BANK_PREV or BANK_NEXT:
+        half = which - (tl.num_programs(2) - 2)
+        if half >= 0:
+            bank = BANK + (half.to(tl.int64) * n_bh + bh) * bank_rows * HEAD_DIM
+            if BANK_PREV:
+                rows = prev_row0 + prev_rows[:, None]
+                tl.store(bank + rows * HEAD_DIM + dims[None, :], x.to(BANK.dtype.element_ty))
+            if BANK_NEXT:
+                tl.store(bank + (next_row0 + row) * HEAD_DIM + dims, mean.to(BANK.dtype.element_ty))
+
+
+@custom_op("llsa_next_level", mutates_args=("bank",))
+def next_level(
+    prev: torch.Tensor, block_size: int, bank: torch.Tensor | None, prev_row0: int, next_row0: int
+) -> torch.Tensor:
+    """The pyramid's next level of stacked fp32 levels ``prev`` ``[n, b, h, rows, d]`` (rows a multiple of
+    ``block_size``): fp32 ``[n, b, h, rows / block_size, d]``, each row the mean of its ``block_size`` rows below (summed
+    in the kernel's order). With a ``bank`` (``[2, b * h, bank rows, d]``, k's half then v's): the last two stacked
+    inputs (k and v) are also cast into it, this level's rows from bank row
+    ``prev_row0`` on and the next level's from ``next_row0`` (each -1: not written). One launch where the PyTorch form
+    made a reduction and a cast-copy per level."""
+    n, b, h, rows, d = prev.shape
+    prev = prev.contiguous()
+    n_next = rows // block_size
+    out = prev.new_empty(n, b, h, n_next, d)
+    bank_prev, bank_next = bank is not None and prev_row0 >= 0, bank is not None and next_row0 >= 0
+    _next_level_kernel[(n_next, b * h, n)](
+        prev,
+        out,
+        bank if bank is not None else out,
+        n_next,
+        bank.shape[2] if bank is not None else 0,
+        max(prev_row0, 0),
+        max(next_row0, 0),
+        BLOCK=block_size,
+        HEAD_DIM=d,
+        BANK_PREV=bank_prev,
+        BANK_NEXT=bank_next,
+        num_warps=1,
+    )
+    return out
+
+
+@next_level.register_fake
+def _(prev, block_size, bank, prev_row0, next_row0):
+    n, b, h, rows, d = prev.shape
+    return prev.new_empty(n, b, h, rows // block_size, d)
+
+
+def _pyramid_and_bank(level1: torch.Tensor, block_size: int, levels: int, bank=None, bank_offsets=()):
+    """Triton path: ``[x^(1), ..., x^(levels)]`` of the stacked fp32 level-1 means ``level1`` (``[n, b, h, N / B,
+    d]``), and with a ``bank`` its levels ``1 .. len(bank_offsets)`` written from rows ``bank_offsets`` on (the last two
+    stacked inputs are k and v): one ``next_level`` launch per level above the first."""
+    pyramid, n_bank = [level1], len(bank_offsets) if bank is not None else 0
+    for lvl in range(1, levels):  # level lvl + 1 from level lvl
+        last = lvl + 1 == levels
+        prev_row0 = bank_offsets[lvl - 1] if lvl <= n_bank else -1
+        next_row0 = bank_offsets[lvl] if last and lvl + 1 <= n_bank else -1
+        pyramid.append(next_level(pyramid[-1], block_size, bank, prev_row0, next_row0))
+    if levels == 1 and n_bank:  # nothing to pool: the first level's copy
+        bank[:, :, : level1.shape[3]].copy_(level1[-2:].flatten(1, 2))
+    return pyramid
+
+
 def _select_from_pooled(qp, kp, block_size: int, ks: list[int], impl: str) -> list[torch.Tensor]:
     """Hierarchical top-k on fp32 pyramids qp/kp = [x^(1)..x^(L)]; returns [I^(1)..I^(L)] int32.
     Coarsest level: every key is a candidate; level l < L: the B children of each of the parent's K_{l+1} picks,
@@ -163,12 +254,17 @@ def llsa_select(
     clamped as in ``llsa_check``. ``impl``: "auto" (fused Triton top-k on CUDA), "triton", "torch".
     """
     cfg = llsa_check(q.shape[-2], block_size, num_levels, topk)
-    means = block_means([q.detach(), k.detach()], block_size) if use_triton(q, impl) else None
-    return _select(q, k, block_size, cfg, impl, means)
+    if not use_triton(q, impl):
+        return _select(q, k, block_size, cfg, impl)
+    with torch.no_grad():  # the pyramids as llsa_attention builds them
+        pyramid = _pyramid_and_bank(block_means([q.detach(), k.detach()], block_size), block_size, cfg["num_levels"])
+        qp, kp = ([level[i] for level in pyramid] for i in (0, 1))
+        return _select_from_pooled(qp, kp, block_size, cfg["topk"], impl)
 
 
 def _select(q, k, block_size: int, cfg: dict, impl: str, means: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``llsa_select`` for a checked ``cfg``; ``means``: the level-1 means of q and k (then v) stacked, if known."""
+    """``llsa_select``'s PyTorch path for a checked ``cfg``; ``means``: the level-1 means of q and k (then v)
+    stacked, if known."""
     L = cfg["num_levels"]
     with torch.no_grad():
         qp = _pyramid(q.detach(), block_size, L, None if means is None else means[0])
@@ -538,28 +634,25 @@ def llsa_attention(
     B, n_bank = block_size, min(Le, L)
     full_lists = index is None  # a selection made here fills every slot; one given by the caller may hold -1
     # What this call pools, a contiguous run of (q, k, v): q to select, k to select or bank, v to bank. Their
-    # pyramids are built stacked, so each level is one reduction and the bank's k and v rows of a level one copy (an
-    # eager call is host-bound: every launch saved is host time saved).
+    # pyramids are built stacked, one launch per level that also writes the bank's k and v rows (an eager call is
+    # host-bound: every launch saved is host time saved).
     pooled = [name for name, wanted in zip("qkv", (index is None, index is None or Le >= 1, Le >= 1)) if wanted]
     with torch.no_grad():
-        # levels 1..L to select (q, k), 1..n_bank to bank (k, v); [len(pooled), b, h, N / B^l, d] fp32 each
-        pyramid = []
-        if pooled:
+        bank = offsets = None
+        if Le >= 1:  # k's bank, then v's: levels 1..n_bank concatenated
+            offsets, total = _bank_layout(N, B, L, Le)
+            bank = torch.empty(2, b * h, total, d, device=q.device, dtype=q.dtype)
+        if pooled:  # levels 1..L to select (q, k), 1..n_bank to bank (k, v); [len(pooled), b, h, N / B^l, d] fp32
             first = "qkv".index(pooled[0])
             xs = [x.detach() for x, name in zip((q, k, v), "qkv") if name in pooled]
             level1 = means[first : first + len(pooled)] if means is not None else block_means(xs, B)
-            pyramid = _pyramid(None, B, L if index is None else n_bank, level1)
-        at = {name: i for i, name in enumerate(pooled)}
+            at = {name: i for i, name in enumerate(pooled)}
+            pyramid = _pyramid_and_bank(level1, B, L if index is None else n_bank, bank, offsets or ())
         if index is None:
             qp, kp = ([level[at[name]] for level in pyramid] for name in "qk")
             index = _select_from_pooled(qp, kp, B, cfg["topk"], impl="triton")
         bank_k = bank_v = coarse_lists = None
         if Le >= 1:
-            offsets, total = _bank_layout(N, B, L, Le)
-            bank = torch.empty(2, b * h, total, d, device=q.device, dtype=q.dtype)  # k's bank, then v's
-            for lvl in range(n_bank):
-                rows = slice(offsets[lvl], offsets[lvl] + N // B ** (lvl + 1))
-                bank[:, :, rows].copy_(pyramid[lvl][at["k"] : at["k"] + 2].reshape(2, b * h, -1, d))
             bank_k, bank_v = bank.unbind(0)
             coarse_lists = _coarse_lists(index, N, B, L, Le, q.device)
     fine_lists = index[0].reshape(b * h, N // B, index[0].shape[-1])

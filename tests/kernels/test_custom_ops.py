@@ -256,6 +256,7 @@ OPS = [
     "bsa_backward_ds_dq",
     "pooled_topk",
     "block_means",
+    "llsa_next_level",
     "vsa_combine",
     "vsa_combine_backward",
     "linear_global_grads",

@@ -412,6 +412,45 @@ def test_non_contiguous_inputs_and_tiny_sequences(impl):
 
 
 # --------------------------------------------------------------------------- block means given by the caller
+@needs_interpreter
+@pytest.mark.parametrize(
+    "B,levels,n_bank,n,dtype",
+    [
+        (16, 2, 2, 3, torch.float16),  # q, k, v stacked (a selection made here), every level banked
+        (16, 3, 3, 2, torch.float32),  # k, v stacked (a given selection), L = 3
+        (16, 3, 1, 3, torch.float16),  # enrich_levels 1 of 3: only the first level banked
+        (32, 2, 0, 2, torch.float16),  # no bank (enrich_levels 0): q and k, the levels alone
+        (16, 1, 1, 3, torch.float16),  # L = 1: nothing to pool, the first level copied
+    ],
+)
+def test_pyramid_kernel_levels_and_bank(B, levels, n_bank, n, dtype):
+    """The Triton path's pyramid (one launch per level above the first): each level the fp32 block mean of the one
+    below (up to the summation order) and the bank's rows the k and v levels cast, bit for bit, at their offsets,
+    every row written."""
+    from pixdit.kernels.llsa import _bank_layout, _pyramid_and_bank
+
+    g = torch.Generator().manual_seed(5)
+    b, h, d = 2, 3, 16
+    N = B**levels * 2
+    level1 = torch.randn(n, b, h, N // B, d, generator=g).to(DEVICE)
+    bank = offsets = None
+    if n_bank:
+        offsets, total = _bank_layout(N, B, levels, n_bank)
+        bank = torch.full((2, b * h, total, d), float("nan"), device=DEVICE, dtype=dtype)
+    pyramid = _pyramid_and_bank(level1, B, levels, bank, offsets or ())
+    assert len(pyramid) == levels and pyramid[0] is level1
+    for lvl in range(1, levels):
+        want = block_mean(pyramid[lvl - 1], B)
+        assert pyramid[lvl].shape == want.shape and pyramid[lvl].dtype == torch.float32
+        torch.testing.assert_close(pyramid[lvl], want, rtol=1e-6, atol=1e-6)
+    if bank is None:
+        return
+    for lvl in range(n_bank):
+        rows = bank[:, :, offsets[lvl] : offsets[lvl] + N // B ** (lvl + 1)]
+        assert torch.equal(rows, pyramid[lvl][-2:].flatten(1, 2).to(dtype)), lvl  # k's and v's
+    assert not bank.isnan().any(), "a bank row nobody wrote"
+
+
 def stacked_means(q, k, v, B):
     return torch.stack([block_mean(x.detach(), B) for x in (q, k, v)])
 
