@@ -1025,8 +1025,16 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # takes the dk/dv's cap too: at 168 it spills 72 B, and still measured 1.11x faster at LLSA 256² and 1.12x at 512²
 # (v29). The one-warp dk/dv of 16 keys that keeps dS for the dq holds 165 registers (12 programs per SM); capped at
 # 128 (16 per SM, as the plain one; 8 B spilled) it ran 1.09x faster on the H100 at LLSA 256², the whole forward +
-# backward 1.014x (v55 (c)). The autotuner also times the capped configuration against the others.
-_REGISTER_CAPS = {("forward", 64): 128, ("dq", 64): 128, ("dkdv", 64): 168, ("dkdv", 16): 128}  # (kind, rows)
+# backward 1.014x (v55 (c)). The one-warp forward of 16 rows holds 96 without a cap (21 programs per SM), 80 capped
+# and still without spills (25 per SM; 72 spills): its walk gathers every step's keys, so more programs in flight
+# hide more of that latency (v56). The autotuner also times the capped configuration against the others.
+_REGISTER_CAPS = {
+    ("forward", 16): 80,
+    ("forward", 64): 128,
+    ("dq", 64): 128,
+    ("dkdv", 64): 168,
+    ("dkdv", 16): 128,
+}  # (kind, rows) -> maxnreg
 
 
 def register_cap(kind: str, rows: int, head_dim: int, dtype: torch.dtype) -> int | None:

@@ -725,8 +725,8 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     # dk/dv programs are sized by their key rows (a group of 4 blocks of 16 keys is a 64-row program)
     assert tried(dkdv(_CONFIGS, {"QUERY_BLOCK": 64} | bf16, KEY_BLOCK=16, GROUP=1, HEAD_DIM=64)) == one_warp
     assert tried(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == warpgroup
-    # a register-capped configuration too, for the 64-row programs and the 16-key dk/dv of 16-bit inputs at head dim
-    # <= 64 only
+    # a register-capped configuration too, for the 64-row programs, the 16-key dk/dv and the 16-row forward of 16-bit
+    # inputs at head dim <= 64 only
     assert caps(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=64)) == [(4, 2, 128)]
     assert caps(dq(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=32)) == [(4, 2, 128)]
     assert caps(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == [(4, 2, 168)]
@@ -741,7 +741,8 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert tried(grouped(_CONFIGS, bf16, KEY_BLOCK=16, SLOTS=4, HEAD_DIM=64)) == warpgroup
     keeping_ds = {"KEY_BLOCK": 16, "GROUP": 1, "HEAD_DIM": 64, "DS_SLOTS": 8}
     assert caps(dkdv(_CONFIGS, bf16, **keeping_ds)) == [(1, 2, 128)]
-    assert caps(fwd(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=64)) == [] == caps(dkdv(_CONFIGS, fp32, **keeping_ds))
+    assert caps(fwd(_CONFIGS, bf16, BLOCK_M=16, HEAD_DIM=64)) == [(1, 2, 80)]
+    assert caps(fwd(_CONFIGS, fp32, BLOCK_M=16, HEAD_DIM=64)) == [] == caps(dkdv(_CONFIGS, fp32, **keeping_ds))
     # a capped configuration is tried only by programs of its warps and cap: not a one-warp one at 168 by the 64-key
     # dk/dv (4 warps), nor by the one-warp dk/dv (its cap is 128)
     foreign = _CONFIGS + [triton.Config({}, num_warps=1, num_stages=2, maxnreg=168)]
@@ -749,7 +750,8 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert caps(dkdv(foreign, bf16, **keeping_ds)) == [(1, 2, 128)]
     assert block_sparse_module._launch("dkdv", 16, 64, torch.bfloat16).get("maxnreg") == 128
     assert "maxnreg" not in block_sparse_module._launch("dkdv", 16, 64, torch.float32)
-    assert "maxnreg" not in block_sparse_module._launch("forward", 16, 64, torch.bfloat16)
+    assert block_sparse_module._launch("forward", 16, 64, torch.bfloat16).get("maxnreg") == 80
+    assert "maxnreg" not in block_sparse_module._launch("forward", 32, 64, torch.bfloat16)
 
 
 @needs_interpreter
