@@ -424,19 +424,30 @@ def test_non_contiguous_inputs_and_tiny_sequences(impl):
     ],
 )
 def test_pyramid_kernel_levels_and_bank(B, levels, n_bank, n, dtype):
+    check_pyramid_kernel(B, levels, n_bank, n, dtype, 16, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("levels,n_bank", [(2, 2), (3, 3), (3, 1)])
+def test_gpu_pyramid_kernel_levels_and_bank(levels, n_bank):
+    check_pyramid_kernel(16, levels, n_bank, 3, torch.bfloat16, 64, "cuda")
+
+
+def check_pyramid_kernel(B, levels, n_bank, n, dtype, d, device):
     """The Triton path's pyramid (one launch per level above the first): each level the fp32 block mean of the one
     below (up to the summation order) and the bank's rows the k and v levels cast, bit for bit, at their offsets,
     every row written."""
     from pixdit.kernels.llsa import _bank_layout, _pyramid_and_bank
 
     g = torch.Generator().manual_seed(5)
-    b, h, d = 2, 3, 16
+    b, h = 2, 3
     N = B**levels * 2
-    level1 = torch.randn(n, b, h, N // B, d, generator=g).to(DEVICE)
+    level1 = torch.randn(n, b, h, N // B, d, generator=g).to(device)
     bank = offsets = None
     if n_bank:
         offsets, total = _bank_layout(N, B, levels, n_bank)
-        bank = torch.full((2, b * h, total, d), float("nan"), device=DEVICE, dtype=dtype)
+        bank = torch.full((2, b * h, total, d), float("nan"), device=device, dtype=dtype)
     pyramid = _pyramid_and_bank(level1, B, levels, bank, offsets or ())
     assert len(pyramid) == levels and pyramid[0] is level1
     for lvl in range(1, levels):
