@@ -1228,7 +1228,10 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
 # v36); the dk/dv by TMA took the dense backward 1.04x faster, blocks of 64 1.05x (v37). Needs compute capability >= 9
 # (or the interpreter); PIXDIT_KERNELS_TMA=0 keeps pointer loads everywhere.
 TMA_LOADS = os.environ.get("PIXDIT_KERNELS_TMA", "1") not in ("", "0")
-TMA_MIN_ROWS = 64  # narrower steps (one-warp programs over 16-key blocks) keep pointer loads: not measured by TMA
+# Narrower steps (the one-warp programs over 16-key blocks) keep pointer loads (cp.async): by TMA, 16-row steps made
+# LLSA's fine forward 1.09x slower and its key-major dk/dv 1.6x (spills at its register cap), VSA's forward 1.6x
+# (H100, docs/kernel_notes.md v56).
+TMA_MIN_ROWS = 64
 
 
 @functools.cache
