@@ -141,6 +141,7 @@ def vsa_attention(
             tile_idx = select_topk_blocks(pooled[0], pooled[1], kk, scale, use_triton_topk=True)
         q, k, v = autocast_inputs(q, k, v)
         out_fine, out_coarse = _VSATriton.apply(q, k, v, flat_lists(tile_idx, q), c, scale, *pooled)
+        out_fine = out_fine.transpose(1, 2)  # [b, h, n, d], a view of the fine pass's tokens-major output
         if gate_fine is not None:
             out_fine = out_fine * gate_fine
         return _add_coarse(out_fine, out_coarse, gate, c)
@@ -162,8 +163,9 @@ def vsa_attention(
 
 
 class _VSATriton(torch.autograd.Function):
-    """Both stages of VSA as one autograd node: ``(q, k, v) -> (O_fine, O_coarse)``, the coarse output per tile
-    ``[b, h, T, d]`` in the input dtype. Its backward runs the coarse (pooled) pass first and hands the pooled
+    """Both stages of VSA as one autograd node: ``(q, k, v) -> (O_fine, O_coarse)``, the fine output tokens-major
+    ``[b, n, h, d]`` (the layout of the gated sum and of a model's projection input, so neither direction copies it)
+    and the coarse output per tile ``[b, h, T, d]``, both in the input dtype. Its backward runs the coarse (pooled) pass first and hands the pooled
     tokens' fp32 gradients to the fine pass's dq and dk/dv kernels, which add each tile's ``g / count`` in their
     epilogues: without this node autograd would broadcast three pooled gradients to token size and add them to the
     fine gradients, six extra full-size passes (docs/kernel_notes.md v12)."""
@@ -178,10 +180,10 @@ class _VSATriton(torch.autograd.Function):
         dense, dense_tail, dense_csc = dense_walk(t, t, q.device)
         o_coarse, lse_coarse = bsa_forward(pq, pk, pv, dense, DENSE_TILE, DENSE_TILE, scale, dense_tail=dense_tail)
         # fine stage: each query tile over its K selected key tiles (the shared block-sparse kernel)
-        o_fine, lse_fine = bsa_forward(qf, kf, vf, lists, block_size, block_size, scale)
+        o_fine, lse_fine = bsa_forward(qf, kf, vf, lists, block_size, block_size, scale, out_heads=h)
         ctx.save_for_backward(qf, kf, vf, lists, o_fine, lse_fine, pq, pk, pv, o_coarse, lse_coarse)
         ctx.cfg = (block_size, scale, q.shape, dense, dense_tail, dense_csc)
-        return o_fine.view(b, h, n, d), o_coarse.view(b, h, t, d)
+        return o_fine, o_coarse.view(b, h, t, d)
 
     @staticmethod
     def backward(ctx, do_fine, do_coarse):
@@ -203,9 +205,8 @@ class _VSATriton(torch.autograd.Function):
             dkdv_block=DENSE_KV_TILE,
             dense_tail=dense_tail,
         )
-        grads = bsa_backward(
-            qf, kf, vf, flatten_grad(do_fine), o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads
-        )
+        # dO_fine tokens-major like O_fine (the kernels read both with dO's strides)
+        grads = bsa_backward(qf, kf, vf, do_fine, o_fine, lse_fine, lists, c, c, scale, pooled_add=pooled_grads)
         return (*(g.view(shape) for g in grads), None, None, None, None, None, None)
 
 
@@ -217,13 +218,14 @@ _COMBINE_ROWS = 64  # token rows per program (whole tiles: the tile size divides
 
 
 @triton.jit
-def _combine_rows(n, D: tl.constexpr, ROWS: tl.constexpr):
+def _combine_rows(n, heads, D: tl.constexpr, ROWS: tl.constexpr):
     """This program's ``ROWS`` token rows of one (batch, head): ``(bh, rows, row mask [ROWS, 1], dims, their offsets
-    in a contiguous [BH, n, D] tensor)``."""
+    in a contiguous tokens-major [b, n, heads, D] tensor)``."""
     bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, D)
-    return bh, rows, (rows < n)[:, None], dims, bh * n * D + rows[:, None] * D + dims[None, :]
+    offsets = head_offset(bh, heads, n * heads * D, D) + rows[:, None] * (heads * D) + dims[None, :]
+    return bh, rows, (rows < n)[:, None], dims, offsets
 
 
 @triton.jit
@@ -256,7 +258,7 @@ def _combine_fwd_kernel(
     ROWS: tl.constexpr,
     HAS_GATE: tl.constexpr,
 ):
-    bh, rows, ok, dims, offsets = _combine_rows(n, D, ROWS)
+    bh, rows, ok, dims, offsets = _combine_rows(n, heads, D, ROWS)
     coarse = _coarse_of_rows(COARSE, bh, rows, ok, dims, t, D, C)
     out = tl.load(FINE + offsets, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
@@ -287,7 +289,7 @@ def _combine_bwd_kernel(
     GATE_GRAD: tl.constexpr,
 ):
     # d_gate = dO * coarse (broadcast); d_coarse[tile] = sum over its tokens of dO * gate, in fp32 in a fixed order
-    bh, rows, ok, dims, offsets = _combine_rows(n, D, ROWS)
+    bh, rows, ok, dims, offsets = _combine_rows(n, heads, D, ROWS)
     go = tl.load(GO + offsets, mask=ok, other=0.0).to(tl.float32)
     if HAS_GATE:
         if GATE_GRAD:
@@ -308,8 +310,11 @@ def _gate_strides(gate):
 
 
 class _GatedCombine(torch.autograd.Function):
-    """``(O_fine [b, h, n, d], O_coarse per tile [b, h, t, d], gate or None) -> O_fine + gate * O_coarse`` with each
-    tile's coarse output broadcast to its ``c`` tokens, never written at token size."""
+    """``(O_fine [b, n, h, d], O_coarse per tile [b, h, t, d], gate [b, h, n, d] or None) -> O_fine + gate *
+    O_coarse`` ``[b, n, h, d]`` with each tile's coarse output broadcast to its ``c`` tokens, never written at token
+    size. The fine output, the sum and its gradient are tokens-major, the layout of the fine pass's output and of a
+    model's projection input (``[b, h, n, d]`` here cost a copy each way); the gate's gradient is returned in that
+    layout too, as a ``[b, h, n, d]`` view."""
 
     @staticmethod
     def forward(ctx, fine, coarse, gate, c):
@@ -327,7 +332,7 @@ class _GatedCombine(torch.autograd.Function):
         go = grad_out.contiguous()
         gate_grad = gate is not None and ctx.needs_input_grad[2]
         d_coarse, *d_gate = _combine_backward_op(go, coarse, gate, c, gate_grad)
-        return go.to(fine_dtype), d_coarse, d_gate[0] if gate_grad else None, None
+        return go.to(fine_dtype), d_coarse, d_gate[0].transpose(1, 2) if gate_grad else None, None
 
 
 # The two gated-sum launches as custom ops. Each op's outputs are allocated by one function that its fake-tensor rule
@@ -339,14 +344,15 @@ def _combine_out(fine, coarse, gate) -> torch.Tensor:
 
 
 def _combine_backward_out(go, coarse, gate, gate_grad: bool) -> list[torch.Tensor]:
-    """``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient)."""
+    """``[d coarse]``, or ``[d coarse, d gate]`` with ``gate_grad`` (a list: no placeholder for an absent gradient;
+    d gate tokens-major like ``go``)."""
     d_coarse = torch.empty_like(coarse)
     return [d_coarse, go.new_empty(go.shape, dtype=gate.dtype)] if gate_grad else [d_coarse]
 
 
 @custom_op("vsa_combine")
 def _combine_op(fine: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int) -> torch.Tensor:
-    b, h, n, d = fine.shape
+    b, n, h, d = fine.shape
     out = _combine_out(fine, coarse, gate)
     _combine_fwd_kernel[(cdiv(n, _COMBINE_ROWS), b * h)](
         fine,
@@ -375,7 +381,7 @@ def _(fine, coarse, gate, c):
 def _combine_backward_op(
     go: torch.Tensor, coarse: torch.Tensor, gate: torch.Tensor | None, c: int, gate_grad: bool
 ) -> list[torch.Tensor]:
-    b, h, n, d = go.shape
+    b, n, h, d = go.shape
     grads = _combine_backward_out(go, coarse, gate, gate_grad)
     _combine_bwd_kernel[(cdiv(n, _COMBINE_ROWS), b * h)](
         go,
@@ -402,6 +408,7 @@ def _(go, coarse, gate, c, gate_grad):
 
 
 def _add_coarse(out_fine, out_coarse, gate, c):
-    """``out_fine + gate * O_coarse`` with each tile's coarse output ``[b, h, t, d]`` broadcast to its ``c`` tokens
-    (``_GatedCombine``)."""
-    return _GatedCombine.apply(out_fine, out_coarse, gate, c)
+    """``out_fine + gate * O_coarse`` ``[b, h, n, d]`` with each tile's coarse output ``[b, h, t, d]`` broadcast to its
+    ``c`` tokens (``_GatedCombine``): a view of tokens-major ``[b, n, h, d]`` memory, read from ``out_fine`` (any
+    layout; a view of tokens-major memory is read without a copy)."""
+    return _GatedCombine.apply(out_fine.transpose(1, 2), out_coarse, gate, c).transpose(1, 2)

@@ -66,6 +66,26 @@ def test_interpreted_triton_all_tiles_is_full_attention_and_deterministic():
         assert torch.equal(x, y)
 
 
+@interpreter_only
+@pytest.mark.parametrize("gated,fine_gate", [(True, False), (False, True)])
+def test_interpreted_output_is_tokens_major_and_takes_its_gradient_in_any_layout(gated, fine_gate):
+    """The Triton path returns a transposed view of a tokens-major [b, n, h, d] tensor, as LLSA does (a model's
+    projection reads it without a copy); its gradient arriving in that layout (the model's case) or as a plain
+    [b, h, n, d] tensor gives the same gradients, bit for bit, those of q, k, v and of both gates included."""
+    q, k, v, gate, upstream = _inputs(1, 2, 70, 16, seed=3)
+    gate_fine = torch.randn_like(q).requires_grad_() if fine_gate else None
+    extra = ([gate] if gated else []) + ([gate_fine] if fine_gate else [])
+
+    def run(go):
+        out = vsa_attention(q, k, v, 16, topk=2, gate=gate if gated else None, gate_fine=gate_fine, impl="triton")
+        return [out.detach()] + list(torch.autograd.grad(out, [q, k, v] + extra, go))
+
+    want = run(upstream.detach())
+    assert want[0].shape == (1, 2, 70, 16) and want[0].transpose(1, 2).is_contiguous()
+    tokens_major = upstream.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(run(tokens_major), want))
+
+
 def _combine_case(b, h, n, d, c, gated, dtype, device, seed=0):
     """The gated combination ``O_fine + gate * O_coarse`` (tile broadcast) against the same expression in fp64
     PyTorch: output and the gradients of all three inputs. The gate is a head-split view of a ``[b, n, h, d]``
