@@ -345,11 +345,13 @@ def test_launch_breakdown_matches_kernels_to_launches_in_order():
     )
     assert run.returncode == 0, run.stderr
     rows = dict(line.split("|")[::-1] for line in run.stdout.splitlines() if "|" in line)
-    # one LLSA forward: the pooling of q, k, v (one launch), 2 selection launches, then the fine (4th) and the
-    # pooled (5th) forward; 5 launches per call, so the second call's fine forward is the 9th kernel
-    assert float(rows["_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)"]) == (4 + 9) / 2
-    assert float(rows["_block_means_kernel GROUP=2 grid (32, 1, 3)"]) == (1 + 6) / 2
-    assert float(rows["_pooled_topk_kernel grid (1, 1)"]) == (2 + 7) / 2 and float(rows["a copy"]) == 0.25
+    # one LLSA forward: the pooling of q, k, v (one launch), the pyramid's second level and the bank (one), 2
+    # selection launches, then the fine (5th) and the pooled (6th) forward; 6 launches per call, so the second
+    # call's fine forward is the 11th kernel
+    assert float(rows["_fwd_kernel BLOCK_M=16 KEY_BLOCK=16 PER_ITER=1 grid (64, 1)"]) == (5 + 11) / 2
+    assert float(rows["_block_means_kernel GROUP=2 grid (32, 1, 3)"]) == (1 + 7) / 2
+    assert float(rows["_next_level_kernel grid (4, 1, 3)"]) == (2 + 8) / 2
+    assert float(rows["_pooled_topk_kernel grid (1, 1)"]) == (3 + 9) / 2 and float(rows["a copy"]) == 0.25
     assert "mismatch: launch_breakdown: the profiler saw" in run.stdout
 
 

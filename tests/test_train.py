@@ -914,7 +914,8 @@ def test_every_pixdit_kernel_has_a_kind_in_the_kernel_table():
     assert {"_block_means_kernel", "_row_topk_kernel", "_sla_fwd_kernel", "_joint_bwd_kernel"} <= names
     kinds = {name: next((g for g, p in KERNEL_CATEGORIES if re.search(p, name)), "other") for name in names}
     assert [name for name, kind in kinds.items() if kind == "other"] == []
-    assert kinds["_block_means_kernel"] == "block means (pooling)" and kinds["_rescore_kernel"].startswith("block sel")
+    assert kinds["_block_means_kernel"] == kinds["_next_level_kernel"] == "block means (pooling)"
+    assert kinds["_rescore_kernel"].startswith("block sel")
     assert kinds["_combine_bwd_kernel"] == kinds["_sum_slots_kernel"] == "sparse attention (pixdit.kernels)"
 
 

@@ -114,9 +114,10 @@ KERNEL_CATEGORIES = (
         "sparse attention (pixdit.kernels)",
         r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_sum_slots_kernel|_feature_sums_kernel|_combine_\w+_kernel",
     ),
-    # the sparse backends' pooled q, k, v: pixdit.kernels.blocks' kernel, Inductor's fused means (their names also
-    # carry "topk_select" when fused next to the selection) or ATen's mean kernel in eager mode
-    ("block means (pooling)", r"_block_means_kernel|triton_\w+_fused_mean|MeanOps"),
+    # the sparse backends' pooled q, k, v: pixdit.kernels.blocks' kernel, LLSA's pyramid levels above the first (with
+    # its bank), Inductor's fused means (their names also carry "topk_select" when fused next to the selection) or
+    # ATen's mean kernel in eager mode
+    ("block means (pooling)", r"_block_means_kernel|_next_level_kernel|triton_\w+_fused_mean|MeanOps"),
     ("block selection (top-k)", r"topk|_select|_rescore_kernel|bitonic|sort"),
     ("adaLN joint backward (pixdit.kernels)", r"_joint_bwd_kernel"),
     ("dense attention (SDPA / flash)", r"flash|fmha|scaled_dot_product|attention"),
