@@ -4,7 +4,6 @@ block-sparse attention (TRITON_INTERPRET=1, set in conftest.py) against an fp64 
     .venv/bin/python -m pytest tests/kernels/test_block_sparse.py -q
 """
 
-import math
 import os
 
 import pytest
@@ -367,17 +366,6 @@ def test_flash_attention_split_key_major_lists():
 @needs_interpreter
 @pytest.mark.parametrize("n_split,group", [(3, 1), (5, 4)])
 def test_split_lists_are_summed_by_their_last_program(n_split, group, monkeypatch):
-    check_split_sums(n_split, group, 2, 640, torch.float32, DEVICE, monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_split_lists_are_summed_by_their_last_program(monkeypatch):
-    # LLSA 256²'s coarsest level: 21 splits of 1,024 query tiles per group of 64 keys, programs finishing in any order
-    check_split_sums(21, 4, 12, 65536, torch.bfloat16, "cuda", monkeypatch)
-
-
-def check_split_sums(n_split, group, BH, n_q, dtype, device, monkeypatch):
     """A key-major dk/dv whose shared list is split over ``n_split`` programs per key group (LLSA's coarsest level):
     the last of a group's programs to finish sums the fp32 parts in split order into dk and dv. Against the unsplit
     pass (the same sums in another order): close; the rows outside the range untouched (NaN stays NaN); two runs
@@ -386,17 +374,17 @@ def check_split_sums(n_split, group, BH, n_q, dtype, device, monkeypatch):
     from pixdit.kernels.block_sparse import bsa_backward_dkdv, shared_csc
 
     g = torch.Generator().manual_seed(n_split)
-    n_k, d, qb, kb = 160, 16 if device == "cpu" else 64, 64, 16
-    q, do = (torch.randn(BH, n_q, d, generator=g).to(device, dtype) for _ in range(2))
-    k, v = (torch.randn(BH, n_k, d, generator=g).to(device, dtype) for _ in range(2))
-    lse = (torch.randn(BH, n_q, generator=g).abs() + 4.0 + math.log(n_k)).to(device)
-    delta = torch.randn(BH, n_q, generator=g).to(device)
+    BH, n_q, n_k, d, qb, kb = 2, 640, 160, 16, 64, 16
+    q, do = (torch.randn(BH, n_q, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(BH, n_k, d, generator=g) for _ in range(2))
+    lse = torch.randn(BH, n_q, generator=g).abs() + 4.0
+    delta = torch.randn(BH, n_q, generator=g)
     lo, hi = 2, 10  # key blocks 2..9 of 10: the range; blocks 0, 1 are outside it
 
     def run(splits):
-        dk, dv = (torch.full((BH, n_k, d), float("nan"), device=device) for _ in range(2))
-        csc = shared_csc(n_q // qb, device)
-        args = (q, k, v, do, lse, delta, csc, qb, kb, d**-0.5)
+        dk, dv = (torch.full((BH, n_k, d), float("nan")) for _ in range(2))
+        csc = shared_csc(n_q // qb, "cpu")
+        args = (q, k, v, do, lse, delta, csc, qb, kb, 0.25)
         bsa_backward_dkdv(*args, blk_range=(lo, hi), group=group, n_split=splits, dk=dk, dv=dv, shared_list=True)
         return dk, dv
 
@@ -414,7 +402,7 @@ def check_split_sums(n_split, group, BH, n_q, dtype, device, monkeypatch):
     assert len(kept) == 2 and kept[0] is kept[1] and not kept[0].any()
     for a, b, c in zip(split, whole, again):
         assert a[:, : lo * kb].isnan().all() and torch.isfinite(a[:, lo * kb :]).all()
-        torch.testing.assert_close(a[:, lo * kb :], b[:, lo * kb :], rtol=1e-4, atol=1e-4 * b[:, lo * kb :].abs().max().item())
+        torch.testing.assert_close(a[:, lo * kb :], b[:, lo * kb :], rtol=1e-5, atol=1e-5)
         assert torch.equal(a[:, lo * kb :], c[:, lo * kb :])
 
 
