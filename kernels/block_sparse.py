@@ -685,16 +685,6 @@ def _pooled_pyramid_grad(ADD, kblk, n_blocks, dims, FACTOR: tl.constexpr, LEVELS
 
 
 @triton.jit
-def _sum_split_parts(parts, total, per_split, ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, N_SPLIT: tl.constexpr):
-    """``total`` = the fp32 sum of the ``N_SPLIT`` tiles ``parts + s * per_split`` (``[ROWS, HEAD_DIM]`` pointers), in
-    split order; read past L1 (other programs wrote them)."""
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for s in range(N_SPLIT):
-        acc += tl.load(parts + s * per_split, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    tl.store(total, acc.to(total.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -713,9 +703,6 @@ def _dkdv_kernel(
     DO_DESC,
     DS,
     DS_LIST,
-    SPLITS_DONE,
-    SUM_K,
-    SUM_V,
     stride_qb,
     stride_qn,
     stride_kb,
@@ -728,8 +715,6 @@ def _dkdv_kernel(
     stride_rb,
     stride_sb,
     stride_st,
-    stride_sum_b,
-    stride_sum_n,
     ds_width,
     n_q,
     n_k,
@@ -860,17 +845,6 @@ def _dkdv_kernel(
     out = ((split * tl.num_programs(1) + bh) * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
-    if N_SPLIT > 1:  # the key group's last split to finish sums all its splits' rows, in split order, into SUM_K/V
-        tl.debug_barrier()  # every thread's stores of this split issued before the count says it is done
-        done = SPLITS_DONE + g * tl.num_programs(1) + bh
-        if tl.atomic_add(done, 1, sem="acq_rel") == N_SPLIT - 1:
-            tl.atomic_xchg(done, 0)  # back to zero: a relaunch (the autotuner's timing runs) counts afresh
-            part = (bh * out_rows + (krow[:, None] - out_row0)) * HEAD_DIM + dims[None, :]
-            per_split = tl.num_programs(1).to(tl.int64) * out_rows * HEAD_DIM
-            final = bh * stride_sum_b + krow[:, None] * stride_sum_n + dims[None, :]
-            # one sum after the other: half the registers
-            _sum_split_parts(DK + part, SUM_K + final, per_split, k_ok, KEY_ROWS, HEAD_DIM, N_SPLIT)
-            _sum_split_parts(DV + part, SUM_V + final, per_split, k_ok, KEY_ROWS, HEAD_DIM, N_SPLIT)
 
 
 @triton.jit
@@ -1862,14 +1836,10 @@ def _bsa_backward_dkdv_op(
     n_groups = cdiv(hi - lo, group)
     per_iter = walk_blocks_per_step(key_block * group, query_block, d)
     r0, r1 = lo * key_block, min(n_k, hi * key_block)
-    # n_split > 1: every split writes all rows of the range (zeros when its part of the list is empty) as fp32
-    # partials, and the last of a key group's splits to finish sums them into dk, dv (counted in splits_done)
-    splits_done = None
-    if n_split > 1:
+    if n_split > 1:  # every split writes all rows of the range (zeros when its part of the list is empty)
         tgt_k = torch.empty(n_split, BH, r1 - r0, d, device=q.device, dtype=torch.float32)
         tgt_v = torch.empty_like(tgt_k)
         out_row0, out_rows = r0, r1 - r0
-        splits_done = torch.zeros(n_groups * BH, device=q.device, dtype=torch.int32)
     else:
         tgt_k, tgt_v = dk, dv
         out_row0, out_rows = 0, n_k
@@ -1895,9 +1865,6 @@ def _bsa_backward_dkdv_op(
         do_desc,
         ds if ds is not None else lse,  # not read without DS_SLOTS
         ds_lists if ds_lists is not None else offsets,
-        splits_done if splits_done is not None else offsets,  # not read with N_SPLIT = 1
-        dk,
-        dv,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1907,8 +1874,6 @@ def _bsa_backward_dkdv_op(
         _bstride(rows),
         ds_lists.stride(0) if ds_lists is not None else 0,
         ds_lists.stride(1) if ds_lists is not None else 0,
-        dk.stride(0),
-        dk.stride(1),
         ds_lists.shape[-1] if ds_lists is not None else 0,
         n_q,
         n_k,
@@ -1937,6 +1902,9 @@ def _bsa_backward_dkdv_op(
         DS_SLOTS=next_power_of_2(ds_lists.shape[-1]) if ds is not None else 0,
         **_launch("dkdv", key_block * group, d, q.dtype),
     )
+    if n_split > 1:
+        dk[:, r0:r1] = tgt_k.sum(0)
+        dv[:, r0:r1] = tgt_v.sum(0)
 
 
 @_bsa_backward_dkdv_op.register_fake

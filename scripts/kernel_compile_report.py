@@ -249,8 +249,6 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
         args |= dict(stride_sb=(n // query_block) * max(ds_width, 1), stride_st=max(ds_width, 1), ds_width=ds_width)
         args |= dict(blk_lo=0, csc_lo=0)
         args |= dict(csc_step=group, out_row0=0, out_rows=n_k, qk_scale=0.18, sm_scale=0.125)
-        # a split list's sums (N_SPLIT > 1): the splits' counters and the final dk, dv rows
-        args |= dict(SPLITS_DONE="*i32", SUM_K="*fp32", SUM_V="*fp32", stride_sum_b=n_k * d, stride_sum_n=d)
         per_iter = block_sparse.walk_blocks_per_step(key_block * group, query_block, d)
         n_sub = block_sparse._n_sub(query_block)
         # q and dO of whole steps of >= 64 rows by TMA
