@@ -178,11 +178,11 @@ def next_level(
     prev: torch.Tensor, block_size: int, bank: torch.Tensor | None, prev_row0: int, next_row0: int
 ) -> torch.Tensor:
     """The pyramid's next level of stacked fp32 levels ``prev`` ``[n, b, h, rows, d]`` (rows a multiple of
-    ``block_size``): fp32 ``[n, b, h, rows / block_size, d]``, each row the mean of its ``block_size`` rows below (summed
-    in the kernel's order). With a ``bank`` (``[2, b * h, bank rows, d]``, k's half then v's): the last two stacked
-    inputs (k and v) are also cast into it, this level's rows from bank row
-    ``prev_row0`` on and the next level's from ``next_row0`` (each -1: not written). One launch where the PyTorch form
-    made a reduction and a cast-copy per level."""
+    ``block_size``): fp32 ``[n, b, h, rows / block_size, d]``, each row the mean of its ``block_size`` rows below
+    (summed in the kernel's order). With a ``bank`` (``[2, b * h, bank rows, d]``, k's half then v's): the last two
+    stacked inputs (k and v) are also cast into it, this level's rows from bank row ``prev_row0`` on and the next
+    level's from ``next_row0`` (each -1: not written). One launch where the PyTorch form made a reduction and a
+    cast-copy per level."""
     n, b, h, rows, d = prev.shape
     prev = prev.contiguous()
     n_next = rows // block_size

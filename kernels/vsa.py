@@ -165,10 +165,10 @@ def vsa_attention(
 class _VSATriton(torch.autograd.Function):
     """Both stages of VSA as one autograd node: ``(q, k, v) -> (O_fine, O_coarse)``, the fine output tokens-major
     ``[b, n, h, d]`` (the layout of the gated sum and of a model's projection input, so neither direction copies it)
-    and the coarse output per tile ``[b, h, T, d]``, both in the input dtype. Its backward runs the coarse (pooled) pass first and hands the pooled
-    tokens' fp32 gradients to the fine pass's dq and dk/dv kernels, which add each tile's ``g / count`` in their
-    epilogues: without this node autograd would broadcast three pooled gradients to token size and add them to the
-    fine gradients, six extra full-size passes (docs/kernel_notes.md v12)."""
+    and the coarse output per tile ``[b, h, T, d]``, both in the input dtype. Its backward runs the coarse (pooled)
+    pass first and hands the pooled tokens' fp32 gradients to the fine pass's dq and dk/dv kernels, which add each
+    tile's ``g / count`` in their epilogues: without this node autograd would broadcast three pooled gradients to
+    token size and add them to the fine gradients, six extra full-size passes (docs/kernel_notes.md v12)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lists, block_size, scale, q_pool, k_pool, v_pool):

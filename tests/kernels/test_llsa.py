@@ -411,7 +411,7 @@ def test_non_contiguous_inputs_and_tiny_sequences(impl):
             assert rel(a.grad, r.grad) < 1e-5
 
 
-# --------------------------------------------------------------------------- block means given by the caller
+# ------------------------------------------------------------------- the Triton path's pyramid and bank
 @needs_interpreter
 @pytest.mark.parametrize(
     "B,levels,n_bank,n,dtype",
@@ -462,6 +462,7 @@ def check_pyramid_kernel(B, levels, n_bank, n, dtype, d, device):
     assert not bank.isnan().any(), "a bank row nobody wrote"
 
 
+# --------------------------------------------------------------------------- block means given by the caller
 def stacked_means(q, k, v, B):
     return torch.stack([block_mean(x.detach(), B) for x in (q, k, v)])
 
