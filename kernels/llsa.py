@@ -126,10 +126,9 @@ def llsa_check(
 
 
 # ----------------------------------------------------------------------------------------------------- selection
-def _pyramid(
-    x: torch.Tensor | None, block_size: int, levels: int, first: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """[x^(1), ..., x^(levels)]: recursive fp32 block means; ``first``: x^(1) when the caller has it already."""
+def _pyramid(x: torch.Tensor, block_size: int, levels: int, first: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """PyTorch path: [x^(1), ..., x^(levels)], recursive fp32 block means; ``first``: x^(1) when the caller has it
+    already. (The Triton path builds its pyramids with ``_pyramid_and_bank``.)"""
     out, cur = [], x
     for lvl in range(levels):
         cur = first if lvl == 0 and first is not None else block_mean(cur, block_size)
