@@ -972,6 +972,13 @@ def _grouped_dkdv_kernel(
     tl.store(PV + out, dv, mask=s_ok[:, None])
 
 
+# Warps of a slot-sum program (``_sum_slots_kernel``: a key block's listing slots' partial tiles added in a fixed
+# order). One warp held 128 registers at d = 64 (16 programs per SM: a wave and a half at LLSA 256²); 4 warps hold
+# fewer per thread and keep more loads in flight: on the H200 at LLSA 256² 0.084 -> 0.067 ms, 512² L = 3 0.140 ->
+# 0.120, the same sums (docs/kernel_notes.md v57).
+SUM_SLOTS_WARPS = 4
+
+
 @triton.jit
 def _sum_slots_kernel(
     PK,
@@ -1027,10 +1034,13 @@ _SMALL_PROGRAMS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3))  # at most program_wa
 # 128 (16 per SM, as the plain one; 8 B spilled) it ran 1.09x faster on the H100 at LLSA 256², the whole forward +
 # backward 1.014x (v55 (c)). The one-warp forward of 16 rows holds 96 without a cap (21 programs per SM), 80 capped
 # and still without spills (25 per SM; 72 spills): its walk gathers every step's keys, so more programs in flight
-# hide more of that latency (v56). The autotuner also times the capped configuration against the others.
+# hide more of that latency (v56). The 64-row forward (LLSA's pooled pass, 124 registers at the cap of 128) holds 96
+# without spills since v30's leaner walk: 5 programs per SM instead of 4 (41 KB of shared memory each), its launch
+# 0.273 -> 0.259 ms at LLSA 256² on an H100 (at v29, with 32 B spilled, it was neutral; v57). The autotuner also
+# times the capped configuration against the others.
 _REGISTER_CAPS = {
     ("forward", 16): 80,
-    ("forward", 64): 128,
+    ("forward", 64): 96,
     ("dq", 64): 128,
     ("dkdv", 64): 168,
     ("dkdv", 16): 128,
@@ -2074,7 +2084,7 @@ def _bsa_backward_dkdv_grouped_op(
         PREC=dot_precision(q.dtype),
         **_launch("dkdv", key_block * slots, d, q.dtype),
     )
-    _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program: nothing to tune
+    _sum_slots_kernel[(hi - lo, BH)](  # a memory-bound sum of a few tiles per program (SUM_SLOTS_WARPS)
         partial_k,
         partial_v,
         offsets,
@@ -2090,7 +2100,7 @@ def _bsa_backward_dkdv_grouped_op(
         n_k,
         HEAD_DIM=d,
         KEY_BLOCK=key_block,
-        num_warps=1 if key_block * d <= 1024 else 4,
+        num_warps=SUM_SLOTS_WARPS,
     )
 
 
@@ -2111,9 +2121,18 @@ def shared_csc(n_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return shape_constant(("shared csc", n_tiles), torch.device(device), make)
 
 
+# Programs a key-major dk/dv with long shared lists is split into (``split_count``): about one wave of the 4-warp,
+# 168-register programs on a 132-SM H100 / H200 (three per SM). LLSA's coarsest-level dk/dv at 256², L = 2 (48 key
+# groups) on an H100: 21 splits (1,008 programs, the former target of ~1,000: 2.55 waves) 0.252 ms, 16 (two waves)
+# 0.230, 8 (one) 0.229, and the fp32 parts' sum 0.018 -> 0.009 ms; at 128² 0.102 / 0.089 / 0.082 ms
+# (docs/kernel_notes.md v57).
+SPLIT_PROGRAMS = 384
+
+
 def split_count(n_programs: int, list_len: int) -> int:
-    """Split long key-major lists so that ~1000 programs run (deterministic: depends on shapes only)."""
-    want = max(1, 1024 // max(1, n_programs))
+    """Split long key-major lists so that about ``SPLIT_PROGRAMS`` programs run, at least 8 list entries each and
+    at most 64 parts (deterministic: depends on shapes only, so a gradient's summation order does too)."""
+    want = max(1, SPLIT_PROGRAMS // max(1, n_programs))
     return int(min(want, max(1, list_len // 8), 64))
 
 

@@ -392,7 +392,7 @@ def launch_warps(fn, const: dict) -> int:
     if fn in block_sparse.PROGRAMS:
         return block_sparse.launched_program(fn, const, torch.bfloat16)[0]
     if fn is block_sparse._sum_slots_kernel:
-        return 1 if const["KEY_BLOCK"] * d <= 1024 else 4
+        return block_sparse.SUM_SLOTS_WARPS
     if fn in (sla_triton._sla_fwd_kernel, sla_triton._sla_dq_kernel, sla_triton._sla_dkdv_kernel):
         return 1 if linear_attention.one_warp_walk(const["BLOCK"], d) else linear_attention.walk_warps(d)
     raise ValueError(f"launch_warps: no launch rule for {fn.__name__}")

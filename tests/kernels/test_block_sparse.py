@@ -341,6 +341,18 @@ def test_flash_attention_is_dense_softmax(impl):
         assert rel(a.grad, b.grad) < 1e-5
 
 
+def test_split_count_gives_about_split_programs_programs():
+    """Key-major lists split into about SPLIT_PROGRAMS programs in all, at least 8 list entries a part, at most 64
+    parts: LLSA's coarsest level at 256², L = 2 (2 x 6 heads x 4 key groups, 1,024 query tiles) in 8 parts (one wave
+    of its programs on a 132-SM GPU), at 512², L = 3 (6 x 1 groups, 4,096 tiles) in 64; enough programs already, or
+    short lists, are not split."""
+    from pixdit.kernels.block_sparse import SPLIT_PROGRAMS, split_count
+
+    assert SPLIT_PROGRAMS == 384
+    assert split_count(48, 1024) == 8 and split_count(6, 4096) == 64 and split_count(24, 1024) == 16
+    assert split_count(384, 1024) == 1 == split_count(4096, 4096) and split_count(48, 40) == 5
+
+
 @needs_interpreter
 def test_flash_attention_split_key_major_lists():
     """1,100 tokens, one head: the dk/dv pass (64-key programs over the shared list of 18 query tiles of 64 rows)
@@ -727,7 +739,7 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert tried(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == warpgroup
     # a register-capped configuration too, for the 64-row programs, the 16-key dk/dv and the 16-row forward of 16-bit
     # inputs at head dim <= 64 only
-    assert caps(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=64)) == [(4, 2, 128)]
+    assert caps(fwd(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=64)) == [(4, 2, 96)]
     assert caps(dq(_CONFIGS, bf16, BLOCK_M=64, HEAD_DIM=32)) == [(4, 2, 128)]
     assert caps(dkdv(_CONFIGS, bf16, KEY_BLOCK=16, GROUP=4, HEAD_DIM=64)) == [(4, 2, 168)]
     assert caps(dkdv(_CONFIGS, bf16, KEY_BLOCK=64, GROUP=1, HEAD_DIM=64)) == [(4, 2, 168)]
@@ -751,6 +763,7 @@ def test_program_warps_and_the_autotuners_pruning_follow_the_program_size():
     assert block_sparse_module._launch("dkdv", 16, 64, torch.bfloat16).get("maxnreg") == 128
     assert "maxnreg" not in block_sparse_module._launch("dkdv", 16, 64, torch.float32)
     assert block_sparse_module._launch("forward", 16, 64, torch.bfloat16).get("maxnreg") == 80
+    assert block_sparse_module._launch("forward", 64, 64, torch.bfloat16).get("maxnreg") == 96
     assert "maxnreg" not in block_sparse_module._launch("forward", 32, 64, torch.bfloat16)
 
 
