@@ -194,8 +194,9 @@ def test_compile_report_gives_every_kernel_argument():
 
 def test_compile_report_launch_warps_are_the_launchers():
     """``--warps launch``: the 16-row fine programs on one warp, the 64-row pooled tiles and the 64-key dk/dv programs
-    of the candidate and coarsest levels on four, SLA's 16-row walks (forward, dq, dk/dv) on one; the 128-row
-    forward on four over 128-key steps, on eight over the dense tail's 64-key steps; the 128-key dk/dv on eight."""
+    of the candidate and coarsest levels on four, the candidates' slot sums on four (SUM_SLOTS_WARPS), SLA's 16-row
+    walks (forward, dq, dk/dv) on one; the 128-row forward on four over 128-key steps, on eight over the dense
+    tail's 64-key steps; the 128-key dk/dv on eight."""
     report = runpy.run_path(str(ROOT / "scripts" / "kernel_compile_report.py"))
     warps = {label: report["launch_warps"](fn, const) for label, fn, _, const in report["attention_variants"](64)}
     assert warps == {
@@ -211,7 +212,7 @@ def test_compile_report_launch_warps_are_the_launchers():
         "dkdv fine keeping dS": 1,
         "dq fine from the kept dS": 1,
         "dkdv pooled candidates (by query group)": 4,
-        "dkdv pooled candidates, partials summed": 1,
+        "dkdv pooled candidates, partials summed": 4,
         "dkdv pooled coarsest (64 keys, split)": 4,
         "dkdv dense 128": 8,
         "sla dq (16-row blocks)": 1,
