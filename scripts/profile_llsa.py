@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
@@ -62,17 +61,18 @@ def main(argv=None) -> None:
 
 
 def host_profile(call, calls: int) -> None:
-    """GPU time of one call, wall time per call back to back, and the host's functions by own and by cumulative time."""
+    """GPU time of one call, wall and host time per call back to back (``kernel_ab.back_to_back_ms``), and the host's
+    functions by own and by cumulative time."""
+    from kernel_ab import back_to_back_ms
+
     from pixdit.report import kernel_ms
 
     gpu = kernel_ms(call)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls * 1e3
-    print(f"forward + backward: GPU kernel time {gpu:.3f} ms, wall time per call back to back {wall:.3f} ms")
+    wall, host = back_to_back_ms(call, calls, "cuda")
+    print(
+        f"forward + backward: GPU kernel time {gpu:.3f} ms, wall time per call back to back {wall:.3f} ms "
+        f"(host {host:.3f} ms to issue it)"
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
