@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -356,7 +358,7 @@ def test_launch_breakdown_matches_kernels_to_launches_in_order():
     assert "mismatch: launch_breakdown: the profiler saw" in run.stdout
 
 
-def test_bench_joint_quick_cpu():
+def test_bench_joint_quick_cpu(monkeypatch):
     """The joints' benchmark: the three compiled forms (plain ops, adaln_joint recomputing its statistics and reading
     the forward's) give the same gradients (fp32 here), and in the interpreter the Triton backward runs at every
     launch both ways, the fixed one marked once per joint."""
@@ -373,10 +375,12 @@ def test_bench_joint_quick_cpu():
 
     assert len(launches) == 2 * sum(launch["NUM_STAGES"] == 2 for launch in backward_launches(48))
     assert sum("| yes |" in line for line in launches) == 2
-    bad = subprocess.run([*command[:2], "--side", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--side must be >= 1, got 0" in bad.stderr
-    bad = subprocess.run([*command, "--per-kernel", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--per-kernel needs a CUDA device" in bad.stderr
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # bad input, in process: the script's folder on the path
+    parse_args = runpy.run_path(str(ROOT / "scripts" / "bench_joint.py"))["parse_args"]
+    with pytest.raises(SystemExit, match="--side must be >= 1, got 0"):
+        parse_args(["--side", "0"])
+    with pytest.raises(SystemExit, match="--per-kernel needs a CUDA device"):
+        parse_args(["--quick", "--device", "cpu", "--per-kernel", "4"])
 
 
 def test_device_suite_knob_names_a_missing_knob_before_any_work(tmp_path):
