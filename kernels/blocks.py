@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import cdiv, custom_op, shape_constant
+from .ops import INTERPRET, cdiv, custom_op, shape_constant
 
 __all__ = [
     "block_mean",
@@ -228,6 +228,135 @@ def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
 
 
 INT32_KEYS_BELOW = 2**31  # csr_to_csc sorts int32 keys when all fit (half the radix passes of int64)
+# csr_to_csc by counts instead of one sort (``_csr_to_csc_by_counts``), for CUDA tensors and the interpreter: the
+# same offsets and rows, bit for bit. Measured on an H100 with the prefix sums in PyTorch (docs/kernel_notes.md v57
+# (f)): chunks of 512 entries, LLSA forward + backward 1.010x at 256² and 1.024x at 128² (the ranks 0.021 ms against
+# the radix sort's 0.074, but ~0.06 ms of PyTorch scans and adds around them); the prefix kernel that replaces those
+# (``_csc_prefix_kernel``) is not measured yet, so the switch is off.
+CSC_BY_COUNTS = False
+# Most entries per program of the transpose by counts (sorted in registers; a power of two): 512 measured faster
+# than 4,096 (a grid of 8 x 12 programs at 256²) and, with the PyTorch prefix sums, than 256 (v57 (f))
+CSC_CHUNK = 512
+# Its per-chunk column counts grow as entries x columns / chunk: above this many the sort runs instead (LLSA's fine
+# lists at 256² take 3.1 M counts for 2 x 6 heads, 6.3 M for 4 x 6; SLA's at 256², K = 32, 12.6 M)
+CSC_COUNTS_LIMIT = 2**23
+
+
+def _csc_chunk(entries: int) -> int:
+    """Entries per program of the transpose by counts: ~32 chunks of 64 to ``CSC_CHUNK`` (a grid that fills more of
+    the GPU than a few long sorts)."""
+    return min(CSC_CHUNK, max(64, triton.next_power_of_2(cdiv(entries, 32))))
+
+
+def _csc_by_counts(index: torch.Tensor, num_cols: int) -> bool:
+    """Whether ``csr_to_csc`` counts (``CSC_BY_COUNTS``): for CUDA tensors or under the interpreter, where the counts
+    fit ``CSC_COUNTS_LIMIT`` and the sort keys (column, entry) fit int32."""
+    batch, rows, width = index.shape
+    chunk = _csc_chunk(rows * width)
+    counts = batch * cdiv(rows * width, chunk) * (num_cols + 1)
+    on_device = index.is_cuda or INTERPRET
+    return CSC_BY_COUNTS and on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 2) * chunk < 2**31
+
+
+@triton.jit
+def _run_length(first_a, last_a, run_a, first_b, last_b, run_b):
+    """The scan operator of ``_csc_rank_kernel`` over sorted column ids: a stretch's (first id, last id, entries in
+    its last id's run); a run continues across the join where the right stretch is one run of the left's last id."""
+    joined = (first_b == last_b) & (last_a == first_b)
+    return first_a, last_b, tl.where(joined, run_a + run_b, run_b)
+
+
+@triton.jit
+def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_cols1, CHUNK: tl.constexpr):
+    # program: CHUNK consecutive entries (row-major) of one batch row of the lists; column c is stored as c + 1 (an
+    # empty slot, -1, as 0). Writes each entry's rank among this chunk's entries of its column that come before it,
+    # and adds the chunk's count of each column (integer atomics: the same counts in any order)
+    chunk, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    pos = tl.arange(0, CHUNK)
+    entry = chunk * CHUNK + pos
+    ok = entry < n_entries
+    col = tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    col = tl.where(ok, col, n_cols1)  # past the last entry: after every column
+    keys = tl.sort(col * CHUNK + pos)  # by column, then by entry
+    sorted_col = keys // CHUNK
+    sorted_entry = chunk * CHUNK + keys % CHUNK
+    ones = tl.full([CHUNK], 1, tl.int32)
+    _, _, run = tl.associative_scan((sorted_col, sorted_col, ones), 0, _run_length)
+    real = sorted_col < n_cols1
+    tl.store(RANK + b * n_entries + sorted_entry, run - 1, mask=real)
+    tl.atomic_add(COUNTS + (b * n_chunks + chunk) * n_cols1 + sorted_col, ones, mask=real)
+
+
+@triton.jit
+def _csc_prefix_kernel(COUNTS, TOTALS, n_chunks, n_cols1, CHUNKS: tl.constexpr, COLS: tl.constexpr):
+    # program: COLS columns of one batch row, all its chunks (CHUNKS >= n_chunks) as one tile: each chunk's count of
+    # a column is replaced by the column's entries in the chunks before it, and the column's total is stored
+    chunks = tl.arange(0, CHUNKS)
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    b = tl.program_id(1).to(tl.int64)
+    ok = (chunks < n_chunks)[:, None] & (cols < n_cols1)[None, :]
+    ptrs = COUNTS + (b * n_chunks + chunks[:, None]) * n_cols1 + cols[None, :]
+    counts = tl.load(ptrs, mask=ok, other=0)
+    upto = tl.cumsum(counts, 0)
+    tl.store(ptrs, upto - counts, mask=ok)
+    tl.store(TOTALS + b * n_cols1 + cols, tl.sum(counts, 0), mask=cols < n_cols1)
+
+
+@triton.jit
+def _csc_scatter_kernel(
+    INDEX,
+    RANK,
+    BEFORE,
+    ENDS,
+    TOTALS,
+    ROWS,
+    n_entries,
+    n_chunks,
+    n_cols1,
+    width,
+    SLOTS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # program: the same CHUNK entries; each goes to its column's start (ENDS - TOTALS) plus the column's entries in
+    # the earlier chunks (BEFORE) plus its rank in this chunk, as its row (or slot, SLOTS)
+    chunk, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    entry = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = entry < n_entries
+    col = tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    rank = tl.load(RANK + b * n_entries + entry, mask=ok, other=0)
+    before = tl.load(BEFORE + (b * n_chunks + chunk) * n_cols1 + col, mask=ok, other=0)
+    start = tl.load(ENDS + b * n_cols1 + col, mask=ok, other=0) - tl.load(TOTALS + b * n_cols1 + col, mask=ok, other=0)
+    value = entry if SLOTS else entry // width
+    tl.store(ROWS + b * n_entries + start + before + rank, value.to(tl.int32), mask=ok)
+
+
+def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``csr_to_csc`` by counting (``CSC_BY_COUNTS``): per chunk of entries, each entry's rank within its column and
+    the column counts; prefix sums of the counts over the chunks and over the columns give each column's start per
+    chunk, and every entry lands at start + rank. Integers only, no order-dependent step. A list of ``n`` entries
+    is cut into ``_csc_chunk(n)`` chunks."""
+    batch, rows, width = index.shape
+    n = rows * width
+    chunk = _csc_chunk(n)
+    n_chunks, n_cols1 = cdiv(n, chunk), num_cols + 1
+    flat = index.reshape(batch, n).to(torch.int32).contiguous()
+    rank = torch.empty_like(flat)
+    counts = torch.zeros(batch, n_chunks, n_cols1, device=index.device, dtype=torch.int32)
+    warps = max(1, min(8, chunk // 512))
+    _csc_rank_kernel[(n_chunks, batch)](flat, rank, counts, n, n_chunks, n_cols1, CHUNK=chunk, num_warps=warps)
+    totals = torch.empty(batch, n_cols1, device=index.device, dtype=torch.int32)
+    tile_chunks = triton.next_power_of_2(n_chunks)
+    cols = max(1, min(512, 8192 // tile_chunks))  # a tile of at most 8,192 counts per program
+    _csc_prefix_kernel[(cdiv(n_cols1, cols), batch)](
+        counts, totals, n_chunks, n_cols1, CHUNKS=tile_chunks, COLS=cols, num_warps=8
+    )
+    # ends[j]: the entries of stored columns <= j, i.e. where list column j starts (ends[0]: the empty slots)
+    ends = torch.cumsum(totals, 1, dtype=torch.int32)
+    out = torch.empty_like(flat)
+    _csc_scatter_kernel[(n_chunks, batch)](
+        flat, rank, counts, ends, totals, out, n, n_chunks, n_cols1, width, SLOTS=slots, CHUNK=chunk, num_warps=warps
+    )
+    return ends, out
 
 
 def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,10 +371,13 @@ def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple
     follow the lists are bitwise reproducible. One flat sort of int32 keys where they fit: a batched (segmented) sort
     of int64 keys costs about twice the radix passes. ``slots=True``: each entry is the slot ``r * width + s`` that
     lists the column (``index[b, r, s] = c``) instead of the row ``r``, still ascending (where a per-slot result of
-    the row pass is stored: ``bsa_backward_dkdv_grouped``).
+    the row pass is stored: ``bsa_backward_dkdv_grouped``). ``CSC_BY_COUNTS``: the same result by counting
+    (``_csr_to_csc_by_counts``) instead of the sort.
     """
     if index.dim() != 3:
         raise ValueError(f"csr_to_csc: index must be [batch, rows, width], got shape {tuple(index.shape)}")
+    if _csc_by_counts(index, num_cols):
+        return _csr_to_csc_by_counts(index, num_cols, slots)
     batch, rows, width = index.shape
     per_col = rows * width if slots else rows  # the entries one column can hold
     span = (num_cols + 1) * per_col

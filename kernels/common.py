@@ -20,6 +20,7 @@ import torch
 import triton
 
 from . import topk as shared_topk
+from .ops import INTERPRET  # (defined with the launch helpers, below every other module)
 
 __all__ = [
     "HEAD_DIMS",
@@ -45,9 +46,6 @@ HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_SIZES = (16, 32, 64)  # VSA's and SLA's block sizes
 IMPLS = ("auto", "triton", "torch")
-# The Triton interpreter runs the kernels on CPU tensors (tests); TRITON_INTERPRET=1 must be set before pixdit.kernels
-# is imported (the @triton.jit functions are created then).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # On the GPU the attention kernels are autotuned over a few warp/stage counts (keyed by their tile shapes: a few
 # seconds of compiling per new shape). PIXDIT_KERNELS_AUTOTUNE=0 (set by tests/kernels/conftest.py) and the

@@ -11,12 +11,16 @@ registers its ops under that name instead of clashing with the installed ones.
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 NAMESPACE = "pixdit" if __package__ == "pixdit.kernels" else re.sub(r"\W", "_", __package__ or "kernels")
+# The Triton interpreter runs the kernels on CPU tensors (tests); TRITON_INTERPRET=1 must be set before pixdit.kernels
+# is imported (the @triton.jit functions are created then).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class KernelOp:

@@ -61,6 +61,34 @@ def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, slots
             assert got == [r * width + s if slots else r for r, s in listing]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("slots", [False, True])
+# 5 chunks of 64 entries (the last one partial, chunks splitting rows), one chunk, several blocks of 512 columns
+@pytest.mark.parametrize("rows,cols", [(53, 40), (9, 40), (40, 1100)])
+def test_csr_to_csc_by_counts_is_the_sorts_transpose_bit_for_bit(slots, rows, cols, monkeypatch):
+    """``blocks.CSC_BY_COUNTS``: the transpose by per-chunk ranks and column counts gives the sort's offsets and rows
+    exactly, with empty slots (-1), rows listing nothing, columns nobody lists, and chunks that split a row."""
+    g = torch.Generator().manual_seed(3)
+    batch, width = 3, 6
+    index = torch.stack(
+        [torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)]) for _ in range(batch)]
+    ).int()
+    index[:, ::5, -2:] = -1  # empty slots
+    index[:, 7] = -1  # a row that lists nothing
+    index[index == 13] = -1  # a column that nobody lists
+    want = csr_to_csc(index, cols, slots=slots)
+    monkeypatch.setattr(blocks, "CSC_BY_COUNTS", True)
+    calls = []
+    by_counts = blocks._csr_to_csc_by_counts
+    monkeypatch.setattr(blocks, "_csr_to_csc_by_counts", lambda *a: calls.append(a) or by_counts(*a))
+    got = csr_to_csc(index.to(DEVICE), cols, slots=slots)
+    assert len(calls) == 1 and all(t.dtype == torch.int32 for t in got)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    monkeypatch.setattr(blocks, "CSC_COUNTS_LIMIT", batch * (cols + 1) - 1)  # counts of one chunk too many: the sort
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(csr_to_csc(index.to(DEVICE), cols, slots=slots), want))
+    assert len(calls) == 1
+
+
 def test_csr_to_csc_keeps_its_index_tensors_for_eager_calls_only(monkeypatch):
     """The transposes' shape-only index tensors are made once per shape and kept for eager calls
     (``ops.shape_constant``): a cold call, a warm one, one of another shape in between and one under a dispatch mode
