@@ -251,11 +251,13 @@ def _csc_chunk(entries: int) -> int:
 def _csc_by_counts(index: torch.Tensor, num_cols: int) -> bool:
     """Whether ``csr_to_csc`` counts (``CSC_BY_COUNTS``): for CUDA tensors or under the interpreter, where the counts
     fit ``CSC_COUNTS_LIMIT`` and the sort keys (column, entry) fit int32."""
+    if not CSC_BY_COUNTS:
+        return False
     batch, rows, width = index.shape
     chunk = _csc_chunk(rows * width)
     counts = batch * cdiv(rows * width, chunk) * (num_cols + 1)
     on_device = index.is_cuda or INTERPRET
-    return CSC_BY_COUNTS and on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 2) * chunk < 2**31
+    return on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 2) * chunk < 2**31
 
 
 @triton.jit
