@@ -113,7 +113,8 @@ KERNEL_CATEGORIES = (
     # counts (blocks.CSC_BY_COUNTS; the sort it replaces falls under the selection's "sort")
     (
         "sparse attention (pixdit.kernels)",
-        r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_sum_slots_kernel|_feature_sums_kernel|_combine_\w+_kernel|_csc_\w+_kernel",
+        r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_sum_slots_kernel|_feature_sums_kernel|_combine_\w+_kernel"
+        r"|_csc_\w+_kernel",
     ),
     # the sparse backends' pooled q, k, v: pixdit.kernels.blocks' kernel, LLSA's pyramid levels above the first (with
     # its bank), Inductor's fused means (their names also carry "topk_select" when fused next to the selection) or
