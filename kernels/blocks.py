@@ -269,15 +269,23 @@ def _run_length(first_a, last_a, run_a, first_b, last_b, run_b):
 
 
 @triton.jit
-def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_cols1, CHUNK: tl.constexpr):
-    # program: CHUNK consecutive entries (row-major) of one batch row of the lists; column c is stored as c + 1 (an
-    # empty slot, -1, as 0). Writes each entry's rank among this chunk's entries of its column that come before it,
-    # and adds the chunk's count of each column (integer atomics: the same counts in any order)
+def _chunk_columns(INDEX, n_entries, CHUNK: tl.constexpr):
+    """This program's ``CHUNK`` consecutive entries (row-major) of one batch row of the lists: ``(batch row, chunk,
+    positions in the chunk, entries, entry mask, stored columns)``, column c stored as c + 1 (an empty slot, -1, as
+    0)."""
     chunk, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     pos = tl.arange(0, CHUNK)
     entry = chunk * CHUNK + pos
     ok = entry < n_entries
-    col = tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    return b, chunk, pos, entry, ok, tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+
+
+@triton.jit
+def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_cols1, CHUNK: tl.constexpr):
+    # program: one chunk of entries (_chunk_columns). Writes each entry's rank among this chunk's entries of its
+    # column that come before it, and adds the chunk's count of each column (integer atomics: the same counts in any
+    # order)
+    b, chunk, pos, entry, ok, col = _chunk_columns(INDEX, n_entries, CHUNK)
     col = tl.where(ok, col, n_cols1)  # past the last entry: after every column
     keys = tl.sort(col * CHUNK + pos)  # by column, then by entry
     sorted_col = keys // CHUNK
@@ -319,12 +327,9 @@ def _csc_scatter_kernel(
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    # program: the same CHUNK entries; each goes to its column's start (ENDS - TOTALS) plus the column's entries in
-    # the earlier chunks (BEFORE) plus its rank in this chunk, as its row (or slot, SLOTS)
-    chunk, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    entry = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = entry < n_entries
-    col = tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    # program: the same chunk of entries; each goes to its column's start (ENDS - TOTALS) plus the column's entries
+    # in the earlier chunks (BEFORE) plus its rank in this chunk, as its row (or slot, SLOTS)
+    b, chunk, _, entry, ok, col = _chunk_columns(INDEX, n_entries, CHUNK)
     rank = tl.load(RANK + b * n_entries + entry, mask=ok, other=0)
     before = tl.load(BEFORE + (b * n_chunks + chunk) * n_cols1 + col, mask=ok, other=0)
     start = tl.load(ENDS + b * n_cols1 + col, mask=ok, other=0) - tl.load(TOTALS + b * n_cols1 + col, mask=ok, other=0)
