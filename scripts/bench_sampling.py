@@ -57,7 +57,7 @@ from pixdit.attention.variants import (  # noqa: E402
     switch_settings,
 )
 from pixdit.errors import PixditError  # noqa: E402
-from pixdit.eval.sampling import auto_batch_size, sampling_model  # noqa: E402
+from pixdit.eval.sampling import auto_batch_size, check_batch_size, sampling_model  # noqa: E402
 from pixdit.files import atomic_write, write_json  # noqa: E402
 from pixdit.flow import RectifiedFlow  # noqa: E402
 from pixdit.models import DIT_MODELS, build_model  # noqa: E402
@@ -87,8 +87,10 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="image sides in pixels")
     parser.add_argument(
         "--batch",
+        nargs="+",
         default=None,
-        help="images per batch: an int, or auto (what fits in free GPU memory, as evaluation does); default: by size",
+        help="images per batch: an int, or auto (what fits in free GPU memory, as evaluation does); several values: "
+        "one row each, in one process (an A/B of the batch); default: by size",
     )
     parser.add_argument(
         "--compile",
@@ -136,16 +138,18 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def bench(args, attention: str, attention_config: dict, side: int, gelu: str, means: str, v: str, mode: str) -> dict:
+def bench(
+    args, attention: str, attention_config: dict, side: int, batch: str | None, gelu: str, means: str, v: str, mode: str
+) -> dict:
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
     model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
-    if args.batch == "auto":
+    if batch == "auto":
         batch = auto_batch_size(model, (side, side), device, args.precision)
     else:
-        batch = int(args.batch) if args.batch else DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
+        batch = int(batch) if batch else DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
     model = sampling_model(model, device, args.compile, mode)
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
     cuda = device.type == "cuda"
@@ -292,7 +296,14 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.quick:
-        args.sizes, args.batch, args.steps, args.warmup, args.repeats = [16], 2, 2, 1, 1
+        args.sizes, args.steps, args.warmup, args.repeats = [16], 2, 1, 1
+        args.batch = args.batch if args.batch and len(args.batch) > 1 else ["2"]  # several: the A/B's CPU check
+    batches = [None]  # the default batch of each size
+    if args.batch:
+        try:
+            batches = [check_batch_size(b if b == "auto" else int(b), "--batch") for b in args.batch]
+        except (PixditError, ValueError):
+            sys.exit(f"error: --batch {' '.join(args.batch)}: each value must be a positive int or auto")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu --quick to check the script")
     try:  # every variant is checked before the first one is timed
@@ -315,14 +326,16 @@ def main(argv=None) -> list[dict]:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
             vs = switch_settings(args.v, ("view", "copy"), variants[attention].v_view)
-            for gelu, means, v, mode in [(g, m, v, c) for g in gelus for m in meanses for v in vs for c in modes]:
+            settings_ = [(b, g, m, v, c) for b in batches for g in gelus for m in meanses for v in vs for c in modes]
+            for batch, gelu, means, v, mode in settings_:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 Attention.view_v = v == "view"
                 label = means if variants[attention].block_means else "-"
                 v_label = v if variants[attention].v_view else "-"
                 try:
-                    rows.append(bench(args, attention, variants[attention].attention, side, gelu, label, v_label, mode))
+                    config = variants[attention].attention
+                    rows.append(bench(args, attention, config, side, batch, gelu, label, v_label, mode))
                 except torch.OutOfMemoryError:
                     oom = {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu}
                     rows.append(oom | {"means": label, "v": v_label, "mode": mode})
@@ -336,16 +349,25 @@ def main(argv=None) -> list[dict]:
     done = [r for r in rows if "images/s" in r]
     print(markdown(done) if done else "every setting ran out of memory")
     for side in args.sizes:
-        speed = {variant(r): r["images/s"] for r in done if r["size"] == f"{side}x{side}"}
-        for row, twin in ab_pairs([r for r in done if r["size"] == f"{side}x{side}"]):
-            print(f"{side}x{side} {variant(row)}: {row['images/s'] / twin['images/s']:.3f}x {variant(twin)}")
-        if "full" in speed:
-            print(
-                f"{side}x{side}: "
-                + ", ".join(
+        size = f"{side}x{side}"
+        batches_here = list(dict.fromkeys(r["batch"] for r in done if r["size"] == size))
+        for batch in batches_here:
+            same = [r for r in done if r["size"] == size and r["batch"] == batch]
+            where = size if len(batches_here) == 1 else f"{size}, batch {batch}"
+            speed = {variant(r): r["images/s"] for r in same}
+            for row, twin in ab_pairs(same):
+                print(f"{where} {variant(row)}: {row['images/s'] / twin['images/s']:.3f}x {variant(twin)}")
+            if "full" in speed:
+                others = [
                     f"{name} {value / speed['full']:.2f}x full" for name, value in speed.items() if name != "full"
-                )
-            )
+                ]
+                print(f"{where}: " + ", ".join(others))
+        first = {}  # --batch A/B: each variant's rate against its first batch's
+        for row in (r for r in done if r["size"] == size):
+            base = first.setdefault(variant(row), row)
+            if base is not row:
+                ratio = row["images/s"] / base["images/s"]
+                print(f"{size} {variant(row)}: batch {row['batch']} {ratio:.3f}x batch {base['batch']}")
     print(f"\ncommand: {command}")
     if args.out:
         print(f"wrote {args.out / 'bench_sampling.md'} and {args.out / 'bench_sampling.json'}")

@@ -116,3 +116,17 @@ def test_bench_sampling_compile_modes_time_one_row_per_mode(capsys):
     with pytest.raises(SystemExit):
         script["main"]([*argv, "--compile-mode", "fastest"])
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_bench_sampling_times_several_batches_in_one_process(capsys):
+    script = runpy.run_path(str(SCRIPT))
+    rows = script["main"](["--device", "cpu", "--quick", "--attention", "llsa", "--batch", "1", "3"])
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert "llsa (separate GELU): batch 3 " in capsys.readouterr().out  # the ratio to the first batch's row
+
+
+def test_bench_sampling_rejects_a_bad_batch_before_timing(capsys):
+    script = runpy.run_path(str(SCRIPT))
+    with pytest.raises(SystemExit, match="--batch 4 0: each value must be a positive int or auto"):
+        script["main"](["--device", "cpu", "--batch", "4", "0"])
+    assert "images/s" not in capsys.readouterr().err
