@@ -229,11 +229,10 @@ def topk_desc(scores: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> 
 
 INT32_KEYS_BELOW = 2**31  # csr_to_csc sorts int32 keys when all fit (half the radix passes of int64)
 # csr_to_csc by counts instead of one sort (``_csr_to_csc_by_counts``), for CUDA tensors and the interpreter: the
-# same offsets and rows, bit for bit. Measured on an H100 with the prefix sums in PyTorch (docs/kernel_notes.md v57
-# (f)): chunks of 512 entries, LLSA forward + backward 1.010x at 256² and 1.024x at 128² (the ranks 0.021 ms against
-# the radix sort's 0.074, but ~0.06 ms of PyTorch scans and adds around them); the prefix kernel that replaces those
-# (``_csc_prefix_kernel``) is not measured yet, so the switch is off.
-CSC_BY_COUNTS = False
+# same offsets and rows, bit for bit. On an H100 (docs/kernel_notes.md v58 (a)), LLSA forward + backward 1.030x at
+# 256², 1.042x at 128² and 1.016x at 512², L = 3 against the radix sort; with the prefix sums in PyTorch instead of
+# ``_csc_prefix_kernel`` it was 1.010x / 1.024x (v57 (f))
+CSC_BY_COUNTS = True
 # Most entries per program of the transpose by counts (sorted in registers; a power of two): 512 measured faster
 # than 4,096 (a grid of 8 x 12 programs at 256²) and, with the PyTorch prefix sums, than 256 (v57 (f))
 CSC_CHUNK = 512
@@ -244,8 +243,11 @@ CSC_COUNTS_LIMIT = 2**23
 
 def _csc_chunk(entries: int) -> int:
     """Entries per program of the transpose by counts: ~32 chunks of 64 to ``CSC_CHUNK`` (a grid that fills more of
-    the GPU than a few long sorts)."""
-    return min(CSC_CHUNK, max(64, triton.next_power_of_2(cdiv(entries, 32))))
+    the GPU than a few long sorts). Doubled by comparisons only, so that a traced call's symbolic sizes pass."""
+    chunk = 64
+    while chunk < CSC_CHUNK and chunk * 32 < entries:
+        chunk *= 2
+    return chunk
 
 
 def _csc_by_counts(index: torch.Tensor, num_cols: int) -> bool:
@@ -255,9 +257,9 @@ def _csc_by_counts(index: torch.Tensor, num_cols: int) -> bool:
         return False
     batch, rows, width = index.shape
     chunk = _csc_chunk(rows * width)
-    counts = batch * cdiv(rows * width, chunk) * (num_cols + 1)
+    counts = batch * cdiv(rows * width, chunk) * (num_cols + 2)
     on_device = index.is_cuda or INTERPRET
-    return on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 2) * chunk < 2**31
+    return on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 3) * chunk < 2**31
 
 
 @triton.jit
@@ -269,23 +271,26 @@ def _run_length(first_a, last_a, run_a, first_b, last_b, run_b):
 
 
 @triton.jit
-def _chunk_columns(INDEX, n_entries, CHUNK: tl.constexpr):
+def _chunk_columns(INDEX, n_entries, n_stored, CHUNK: tl.constexpr):
     """This program's ``CHUNK`` consecutive entries (row-major) of one batch row of the lists: ``(batch row, chunk,
-    positions in the chunk, entries, entry mask, stored columns)``, column c stored as c + 1 (an empty slot, -1, as
-    0)."""
+    positions in the chunk, entries, entry mask, stored columns)``. Of the ``n_stored = num_cols + 2`` stored
+    columns, column c is c + 1, an empty slot (-1) 0, and an id past the last column ``n_stored - 1``: after every
+    column, where the sort puts it too (an id that is not < num_cols breaks csr_to_csc's contract, but no write of
+    this transpose may then land outside its output)."""
     chunk, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     pos = tl.arange(0, CHUNK)
     entry = chunk * CHUNK + pos
     ok = entry < n_entries
-    return b, chunk, pos, entry, ok, tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    col = tl.load(INDEX + b * n_entries + entry, mask=ok, other=-1) + 1
+    return b, chunk, pos, entry, ok, tl.minimum(tl.maximum(col, 0), n_stored - 1)
 
 
 @triton.jit
 def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_cols1, CHUNK: tl.constexpr):
-    # program: one chunk of entries (_chunk_columns). Writes each entry's rank among this chunk's entries of its
-    # column that come before it, and adds the chunk's count of each column (integer atomics: the same counts in any
-    # order)
-    b, chunk, pos, entry, ok, col = _chunk_columns(INDEX, n_entries, CHUNK)
+    # program: one chunk of entries (_chunk_columns; n_cols1 stored columns). Writes each entry's rank among this
+    # chunk's entries of its column that come before it, and adds the chunk's count of each column (integer atomics:
+    # the same counts in any order)
+    b, chunk, pos, entry, ok, col = _chunk_columns(INDEX, n_entries, n_cols1, CHUNK)
     col = tl.where(ok, col, n_cols1)  # past the last entry: after every column
     keys = tl.sort(col * CHUNK + pos)  # by column, then by entry
     sorted_col = keys // CHUNK
@@ -318,7 +323,6 @@ def _csc_scatter_kernel(
     RANK,
     BEFORE,
     ENDS,
-    TOTALS,
     ROWS,
     n_entries,
     n_chunks,
@@ -327,25 +331,28 @@ def _csc_scatter_kernel(
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    # program: the same chunk of entries; each goes to its column's start (ENDS - TOTALS) plus the column's entries
-    # in the earlier chunks (BEFORE) plus its rank in this chunk, as its row (or slot, SLOTS)
-    b, chunk, _, entry, ok, col = _chunk_columns(INDEX, n_entries, CHUNK)
+    # program: the same chunk of entries; each goes to its column's start (the previous stored column's end, ENDS
+    # has n_cols1 - 1 of them) plus the column's entries in the earlier chunks (BEFORE) plus its rank in this chunk,
+    # as its row (or slot, SLOTS)
+    b, chunk, _, entry, ok, col = _chunk_columns(INDEX, n_entries, n_cols1, CHUNK)
     rank = tl.load(RANK + b * n_entries + entry, mask=ok, other=0)
     before = tl.load(BEFORE + (b * n_chunks + chunk) * n_cols1 + col, mask=ok, other=0)
-    start = tl.load(ENDS + b * n_cols1 + col, mask=ok, other=0) - tl.load(TOTALS + b * n_cols1 + col, mask=ok, other=0)
+    start = tl.load(ENDS + b * (n_cols1 - 1) + col - 1, mask=ok & (col > 0), other=0)
     value = entry if SLOTS else entry // width
     tl.store(ROWS + b * n_entries + start + before + rank, value.to(tl.int32), mask=ok)
 
 
+@custom_op("csr_to_csc_by_counts")
 def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``csr_to_csc`` by counting (``CSC_BY_COUNTS``): per chunk of entries, each entry's rank within its column and
     the column counts; prefix sums of the counts over the chunks and over the columns give each column's start per
     chunk, and every entry lands at start + rank. Integers only, no order-dependent step. A list of ``n`` entries
-    is cut into ``_csc_chunk(n)`` chunks."""
+    is cut into ``_csc_chunk(n)`` chunks. A custom op: torch.compile cannot trace Triton launches made from here
+    (the interpreter's pointers, the grid arithmetic), and the backward that calls it is traced."""
     batch, rows, width = index.shape
     n = rows * width
     chunk = _csc_chunk(n)
-    n_chunks, n_cols1 = cdiv(n, chunk), num_cols + 1
+    n_chunks, n_cols1 = cdiv(n, chunk), num_cols + 2  # stored columns: empty slots, the columns, ids past them
     flat = index.reshape(batch, n).to(torch.int32).contiguous()
     rank = torch.empty_like(flat)
     counts = torch.zeros(batch, n_chunks, n_cols1, device=index.device, dtype=torch.int32)
@@ -358,12 +365,19 @@ def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tu
         counts, totals, n_chunks, n_cols1, CHUNKS=tile_chunks, COLS=cols, num_warps=8
     )
     # ends[j]: the entries of stored columns <= j, i.e. where list column j starts (ends[0]: the empty slots)
-    ends = torch.cumsum(totals, 1, dtype=torch.int32)
+    ends = torch.cumsum(totals[:, : num_cols + 1], 1, dtype=torch.int32)
     out = torch.empty_like(flat)
     _csc_scatter_kernel[(n_chunks, batch)](
-        flat, rank, counts, ends, totals, out, n, n_chunks, n_cols1, width, SLOTS=slots, CHUNK=chunk, num_warps=warps
+        flat, rank, counts, ends, out, n, n_chunks, n_cols1, width, SLOTS=slots, CHUNK=chunk, num_warps=warps
     )
     return ends, out
+
+
+@_csr_to_csc_by_counts.register_fake
+def _(index, num_cols, slots):
+    batch, rows, width = index.shape
+    offsets = index.new_empty((batch, num_cols + 1), dtype=torch.int32)
+    return offsets, index.new_empty((batch, rows * width), dtype=torch.int32)
 
 
 def csr_to_csc(index: torch.Tensor, num_cols: int, slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,17 +41,22 @@ def test_topk_desc_matches_stable_sort_with_ties_and_signs():
 
 
 @pytest.mark.parametrize("slots", [False, True])
-@pytest.mark.parametrize("int32_keys", [True, False])
-def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, slots, monkeypatch):
+@pytest.mark.parametrize("int32_keys,by_counts", [(True, False), (False, False), (True, True)])
+def test_csr_to_csc_is_the_exact_transpose_with_ascending_rows(int32_keys, by_counts, slots, monkeypatch):
+    """Against a Python transpose: the sort (int32 and int64 keys) and, where the kernels run (a GPU or the
+    interpreter), the counts."""
     if not int32_keys:  # the int64 keys of tables too big for int32
         monkeypatch.setattr(blocks, "INT32_KEYS_BELOW", 0)
+    monkeypatch.setattr(blocks, "CSC_BY_COUNTS", by_counts)
     g = torch.Generator().manual_seed(1)
     batch, rows, width, cols = 3, 37, 5, 11
     index = torch.stack(
         [torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(rows)]) for _ in range(batch)]
     ).int()
     index[:, ::4, -1] = -1  # empty slots
-    offsets, flat = csr_to_csc(index, cols, slots=slots)
+    assert blocks._csc_by_counts(index.to(DEVICE), cols) == (by_counts and (DEVICE == "cuda" or blocks.INTERPRET))
+    offsets, flat = csr_to_csc(index.to(DEVICE), cols, slots=slots)
+    offsets, flat = offsets.cpu(), flat.cpu()
     assert offsets.dtype == flat.dtype == torch.int32 and offsets.shape == (batch, cols + 1)
     for bi in range(batch):
         assert offsets[bi, -1] - offsets[bi, 0] == (index[bi] >= 0).sum() and offsets[bi, -1] == index[bi].numel()
@@ -76,6 +81,7 @@ def test_csr_to_csc_by_counts_is_the_sorts_transpose_bit_for_bit(slots, rows, co
     index[:, ::5, -2:] = -1  # empty slots
     index[:, 7] = -1  # a row that lists nothing
     index[index == 13] = -1  # a column that nobody lists
+    monkeypatch.setattr(blocks, "CSC_BY_COUNTS", False)
     want = csr_to_csc(index, cols, slots=slots)
     monkeypatch.setattr(blocks, "CSC_BY_COUNTS", True)
     calls = []
@@ -84,9 +90,31 @@ def test_csr_to_csc_by_counts_is_the_sorts_transpose_bit_for_bit(slots, rows, co
     got = csr_to_csc(index.to(DEVICE), cols, slots=slots)
     assert len(calls) == 1 and all(t.dtype == torch.int32 for t in got)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
-    monkeypatch.setattr(blocks, "CSC_COUNTS_LIMIT", batch * (cols + 1) - 1)  # counts of one chunk too many: the sort
+    monkeypatch.setattr(blocks, "CSC_COUNTS_LIMIT", batch * (cols + 2) - 1)  # counts of one chunk too many: the sort
     assert all(torch.equal(a.cpu(), b) for a, b in zip(csr_to_csc(index.to(DEVICE), cols, slots=slots), want))
     assert len(calls) == 1
+
+
+@needs_interpreter
+def test_csr_to_csc_by_counts_keeps_ids_past_the_last_column_inside_its_output(monkeypatch):
+    """Ids >= num_cols break the contract, but a transpose that must not write outside its output takes them (the
+    test of ``bsa_backward_dkdv_grouped`` lists blocks past its range's end): every column's rows as a Python
+    transpose has them, the empty slots counted in ``offsets[:, 0]``, the ids past the end after every column."""
+    g = torch.Generator().manual_seed(5)
+    batch, rows, width, cols = 3, 70, 4, 9
+    index = torch.stack(
+        [torch.stack([torch.randperm(cols + 2, generator=g)[:width] for _ in range(rows)]) for _ in range(batch)]
+    ).int()  # ids cols and cols + 1: past the last column
+    index[:, ::6, -1] = -1
+    monkeypatch.setattr(blocks, "CSC_BY_COUNTS", True)
+    assert blocks._csc_by_counts(index.to(DEVICE), cols)
+    offsets, flat = (x.cpu() for x in csr_to_csc(index.to(DEVICE), cols, slots=True))
+    for b in range(batch):
+        listing = index[b].view(-1).tolist()
+        assert offsets[b, 0] == listing.count(-1)
+        for c in range(cols):
+            assert flat[b, offsets[b, c] : offsets[b, c + 1]].tolist() == [e for e, x in enumerate(listing) if x == c]
+        assert sorted(flat[b, offsets[b, -1] :].tolist()) == [e for e, x in enumerate(listing) if x >= cols]
 
 
 def test_csr_to_csc_keeps_its_index_tensors_for_eager_calls_only(monkeypatch):
@@ -102,6 +130,7 @@ def test_csr_to_csc_keeps_its_index_tensors_for_eager_calls_only(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(ops, "_shape_constants", {})
+    monkeypatch.setattr(blocks, "CSC_BY_COUNTS", False)  # the sort's index tensors (the counts need none)
     g = torch.Generator().manual_seed(4)
     index = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(2 * 7)]).view(2, 7, 3).int()
     other = torch.stack([torch.randperm(13, generator=g)[:4] for _ in range(3 * 5)]).view(3, 5, 4).int()

@@ -256,6 +256,7 @@ OPS = [
     "bsa_backward_ds_dq",
     "pooled_topk",
     "block_means",
+    "csr_to_csc_by_counts",
     "llsa_next_level",
     "vsa_combine",
     "vsa_combine_backward",
