@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import INTERPRET, cdiv, custom_op, shape_constant
+from .ops import INTERPRET, cdiv, custom_op, next_power_of_2, shape_constant
 
 __all__ = [
     "block_mean",
@@ -359,7 +359,7 @@ def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tu
     warps = max(1, min(8, chunk // 512))
     _csc_rank_kernel[(n_chunks, batch)](flat, rank, counts, n, n_chunks, n_cols1, CHUNK=chunk, num_warps=warps)
     totals = torch.empty(batch, n_cols1, device=index.device, dtype=torch.int32)
-    tile_chunks = triton.next_power_of_2(n_chunks)
+    tile_chunks = next_power_of_2(n_chunks)
     cols = max(1, min(512, 8192 // tile_chunks))  # a tile of at most 8,192 counts per program
     _csc_prefix_kernel[(cdiv(n_cols1, cols), batch)](
         counts, totals, n_chunks, n_cols1, CHUNKS=tile_chunks, COLS=cols, num_warps=8

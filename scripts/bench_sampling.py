@@ -139,17 +139,18 @@ def parse_args(argv=None):
 
 
 def bench(
-    args, attention: str, attention_config: dict, side: int, batch: str | None, gelu: str, means: str, v: str, mode: str
+    args, attention: str, attention_config: dict, side: int, batch_spec, gelu: str, means: str, v: str, mode: str
 ) -> dict:
+    """One row: ``batch_spec`` an int, "auto" (from free memory) or None (the size's default batch)."""
     device = torch.device(args.device)
     overrides = dict(hidden_size=64, depth=2, num_heads=2) if args.quick else {}
     model = build_model(args.model, input_size=(side, side), attention=attention_config, **overrides)
     model = model.to(device).eval().requires_grad_(False)
     flow = RectifiedFlow(image_size=side)
-    if batch == "auto":
+    if batch_spec == "auto":
         batch = auto_batch_size(model, (side, side), device, args.precision)
     else:
-        batch = int(batch) if batch else DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
+        batch = batch_spec or DEFAULT_BATCH.get(side, max(1, 65536 * 16 // (side * side)))
     model = sampling_model(model, device, args.compile, mode)
     noise = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device)
     cuda = device.type == "cuda"
@@ -326,8 +327,8 @@ def main(argv=None) -> list[dict]:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
             vs = switch_settings(args.v, ("view", "copy"), variants[attention].v_view)
-            settings_ = [(b, g, m, v, c) for b in batches for g in gelus for m in meanses for v in vs for c in modes]
-            for batch, gelu, means, v, mode in settings_:
+            combos = [(b, g, m, v, c) for b in batches for g in gelus for m in meanses for v in vs for c in modes]
+            for batch, gelu, means, v, mode in combos:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 Attention.view_v = v == "view"
