@@ -286,35 +286,35 @@ def _chunk_columns(INDEX, n_entries, n_stored, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_cols1, CHUNK: tl.constexpr):
-    # program: one chunk of entries (_chunk_columns; n_cols1 stored columns). Writes each entry's rank among this
-    # chunk's entries of its column that come before it, and adds the chunk's count of each column (integer atomics:
-    # the same counts in any order)
-    b, chunk, pos, entry, ok, col = _chunk_columns(INDEX, n_entries, n_cols1, CHUNK)
-    col = tl.where(ok, col, n_cols1)  # past the last entry: after every column
+def _csc_rank_kernel(INDEX, RANK, COUNTS, n_entries, n_chunks, n_stored, CHUNK: tl.constexpr):
+    # program: one chunk of entries (_chunk_columns). Writes each entry's rank among this chunk's entries of its
+    # column that come before it, and adds the chunk's count of each column (integer atomics: the same counts in any
+    # order)
+    b, chunk, pos, entry, ok, col = _chunk_columns(INDEX, n_entries, n_stored, CHUNK)
+    col = tl.where(ok, col, n_stored)  # past the last entry: after every column
     keys = tl.sort(col * CHUNK + pos)  # by column, then by entry
     sorted_col = keys // CHUNK
     sorted_entry = chunk * CHUNK + keys % CHUNK
     ones = tl.full([CHUNK], 1, tl.int32)
     _, _, run = tl.associative_scan((sorted_col, sorted_col, ones), 0, _run_length)
-    real = sorted_col < n_cols1
+    real = sorted_col < n_stored
     tl.store(RANK + b * n_entries + sorted_entry, run - 1, mask=real)
-    tl.atomic_add(COUNTS + (b * n_chunks + chunk) * n_cols1 + sorted_col, ones, mask=real)
+    tl.atomic_add(COUNTS + (b * n_chunks + chunk) * n_stored + sorted_col, ones, mask=real)
 
 
 @triton.jit
-def _csc_prefix_kernel(COUNTS, TOTALS, n_chunks, n_cols1, CHUNKS: tl.constexpr, COLS: tl.constexpr):
+def _csc_prefix_kernel(COUNTS, TOTALS, n_chunks, n_stored, CHUNKS: tl.constexpr, COLS: tl.constexpr):
     # program: COLS columns of one batch row, all its chunks (CHUNKS >= n_chunks) as one tile: each chunk's count of
     # a column is replaced by the column's entries in the chunks before it, and the column's total is stored
     chunks = tl.arange(0, CHUNKS)
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     b = tl.program_id(1).to(tl.int64)
-    ok = (chunks < n_chunks)[:, None] & (cols < n_cols1)[None, :]
-    ptrs = COUNTS + (b * n_chunks + chunks[:, None]) * n_cols1 + cols[None, :]
+    ok = (chunks < n_chunks)[:, None] & (cols < n_stored)[None, :]
+    ptrs = COUNTS + (b * n_chunks + chunks[:, None]) * n_stored + cols[None, :]
     counts = tl.load(ptrs, mask=ok, other=0)
     upto = tl.cumsum(counts, 0)
     tl.store(ptrs, upto - counts, mask=ok)
-    tl.store(TOTALS + b * n_cols1 + cols, tl.sum(counts, 0), mask=cols < n_cols1)
+    tl.store(TOTALS + b * n_stored + cols, tl.sum(counts, 0), mask=cols < n_stored)
 
 
 @triton.jit
@@ -326,18 +326,18 @@ def _csc_scatter_kernel(
     ROWS,
     n_entries,
     n_chunks,
-    n_cols1,
+    n_stored,
     width,
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     # program: the same chunk of entries; each goes to its column's start (the previous stored column's end, ENDS
-    # has n_cols1 - 1 of them) plus the column's entries in the earlier chunks (BEFORE) plus its rank in this chunk,
+    # has n_stored - 1 of them) plus the column's entries in the earlier chunks (BEFORE) plus its rank in this chunk,
     # as its row (or slot, SLOTS)
-    b, chunk, _, entry, ok, col = _chunk_columns(INDEX, n_entries, n_cols1, CHUNK)
+    b, chunk, _, entry, ok, col = _chunk_columns(INDEX, n_entries, n_stored, CHUNK)
     rank = tl.load(RANK + b * n_entries + entry, mask=ok, other=0)
-    before = tl.load(BEFORE + (b * n_chunks + chunk) * n_cols1 + col, mask=ok, other=0)
-    start = tl.load(ENDS + b * (n_cols1 - 1) + col - 1, mask=ok & (col > 0), other=0)
+    before = tl.load(BEFORE + (b * n_chunks + chunk) * n_stored + col, mask=ok, other=0)
+    start = tl.load(ENDS + b * (n_stored - 1) + col - 1, mask=ok & (col > 0), other=0)
     value = entry if SLOTS else entry // width
     tl.store(ROWS + b * n_entries + start + before + rank, value.to(tl.int32), mask=ok)
 
@@ -352,23 +352,23 @@ def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tu
     batch, rows, width = index.shape
     n = rows * width
     chunk = _csc_chunk(n)
-    n_chunks, n_cols1 = cdiv(n, chunk), num_cols + 2  # stored columns: empty slots, the columns, ids past them
+    n_chunks, n_stored = cdiv(n, chunk), num_cols + 2  # empty slots, the columns, ids past them
     flat = index.reshape(batch, n).to(torch.int32).contiguous()
     rank = torch.empty_like(flat)
-    counts = torch.zeros(batch, n_chunks, n_cols1, device=index.device, dtype=torch.int32)
+    counts = torch.zeros(batch, n_chunks, n_stored, device=index.device, dtype=torch.int32)
     warps = max(1, min(8, chunk // 512))
-    _csc_rank_kernel[(n_chunks, batch)](flat, rank, counts, n, n_chunks, n_cols1, CHUNK=chunk, num_warps=warps)
-    totals = torch.empty(batch, n_cols1, device=index.device, dtype=torch.int32)
+    _csc_rank_kernel[(n_chunks, batch)](flat, rank, counts, n, n_chunks, n_stored, CHUNK=chunk, num_warps=warps)
+    totals = torch.empty(batch, n_stored, device=index.device, dtype=torch.int32)
     tile_chunks = next_power_of_2(n_chunks)
     cols = max(1, min(512, 8192 // tile_chunks))  # a tile of at most 8,192 counts per program
-    _csc_prefix_kernel[(cdiv(n_cols1, cols), batch)](
-        counts, totals, n_chunks, n_cols1, CHUNKS=tile_chunks, COLS=cols, num_warps=8
+    _csc_prefix_kernel[(cdiv(n_stored, cols), batch)](
+        counts, totals, n_chunks, n_stored, CHUNKS=tile_chunks, COLS=cols, num_warps=8
     )
     # ends[j]: the entries of stored columns <= j, i.e. where list column j starts (ends[0]: the empty slots)
     ends = torch.cumsum(totals[:, : num_cols + 1], 1, dtype=torch.int32)
     out = torch.empty_like(flat)
     _csc_scatter_kernel[(n_chunks, batch)](
-        flat, rank, counts, ends, out, n, n_chunks, n_cols1, width, SLOTS=slots, CHUNK=chunk, num_warps=warps
+        flat, rank, counts, ends, out, n, n_chunks, n_stored, width, SLOTS=slots, CHUNK=chunk, num_warps=warps
     )
     return ends, out
 
