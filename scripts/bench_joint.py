@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=384, help="the model's width (DiT-S 384, B 768, L 1024, XL 1152)")
     p.add_argument("--rep", type=int, default=200, help="milliseconds of timed calls per cell (do_bench)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true", help="CPU check: 16², batch 2, width 48, launches of 2 stages")
+    p.add_argument("--quick", action="store_true", help="CPU check: 8², batch 2, width 48, launches of 2 stages")
     p.add_argument(
         "--per-kernel",
         type=int,
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     if args.per_kernel and not args.device.startswith("cuda"):
         raise SystemExit(f"--per-kernel needs a CUDA device (the profiler's kernel times), got --device {args.device}")
     if args.quick:
-        args.side, args.batch, args.dim, args.rep = 16, 2, 48, 1
+        args.side, args.batch, args.dim, args.rep = 8, 2, 48, 1
     for name in ("side", "batch", "dim", "rep"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -1,9 +1,9 @@
 """`trainer=ddp` and `trainer=fsdp` on the CPU: two processes (gloo) train a few steps through train.py's own
 `train()`; afterwards both ranks hold identical weights and EMA weights, and the loader gave the ranks disjoint
-samples. Resuming from the last checkpoint continues exactly: same weights on every rank as the run that never
-stopped, same samples. FSDP (weights, gradients and AdamW sharded over the two processes, pixdit.fsdp) ends with the
-weights DDP ends with, up to float rounding, with gradient clipping active (a wrong global gradient norm would show)
-and every block recomputed in the backward (model.grad_checkpointing=true inside the FSDP units).
+samples. Resuming from a checkpoint at half the steps continues exactly: same weights on every rank as the run that
+never stopped, same samples. FSDP (weights, gradients and AdamW sharded over the two processes, pixdit.fsdp) ends
+with the weights DDP ends with, up to float rounding, with gradient clipping active (a wrong global gradient norm
+would show) and every block recomputed in the backward (model.grad_checkpointing=true inside the FSDP units).
 
 The test runs this file as a script (``python tests/test_distributed.py OUT_DIR OVERRIDES...``). Lightning's launcher
 re-runs the same command for rank 1, so the script is the whole program of both ranks: it composes configs/train.yaml
@@ -24,7 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 4, 4
-CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.save_top_k=0"]
+CHECKPOINT_EVERY_2 = ["callbacks.checkpoint.every_n_train_steps=2"]  # every one kept: the resumes start at step=2
 DDP = ["trainer=ddp"]
 FSDP = ["trainer=fsdp", "model.grad_checkpointing=true"]  # + recomputation inside the FSDP units
 OVERRIDES = [
@@ -162,12 +162,17 @@ def test_ddp_two_cpu_processes_agree_on_weights(straight):
     assert (out_dir / "run" / "metrics.csv").is_file() and (out_dir / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
+def half_way(run: tuple[list[dict], Path]) -> str:
+    """The override that resumes from a straight run's checkpoint at half its steps, as after a preemption there."""
+    return f"ckpt_path='{run[1] / 'run' / 'checkpoints' / f'step={STEPS // 2}.ckpt'}'"
+
+
 def test_ddp_resume_is_exact(tmp_path, data_root, straight):
-    """Half the steps, stop, resume from last.ckpt for the rest == straight through, on both ranks (model, EMA, data)."""
+    """New processes resumed from the straight run's checkpoint at half the steps: the rest == straight through, on
+    both ranks (model, EMA, data)."""
     half = STEPS // 2
-    run_two(DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
     resumed = run_two(
-        DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last", *CHECKPOINT_EVERY_2
+        DDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", half_way(straight), *CHECKPOINT_EVERY_2
     )
     for r in (0, 1):
         assert resumed[r]["step"] == STEPS
@@ -202,12 +207,16 @@ def test_fsdp_trains_like_ddp(straight, straight_fsdp):
 
 
 def test_fsdp_resume_is_exact(tmp_path, data_root, straight_fsdp):
-    """trainer=fsdp: half the steps, stop, resume from last.ckpt (a full state dict loaded into the shards, with
-    AdamW's state) == straight through, bit for bit, on both ranks (model, EMA, data)."""
+    """trainer=fsdp: new processes resumed from the straight run's checkpoint at half the steps (a full state dict
+    loaded into the shards, with AdamW's state) == straight through, bit for bit, on both ranks (model, EMA, data)."""
     half = STEPS // 2
-    run_two(FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={half}", *CHECKPOINT_EVERY_2)
     resumed = run_two(
-        FSDP, tmp_path / "resumed", data_root, f"trainer.max_steps={STEPS}", "ckpt_path=last", *CHECKPOINT_EVERY_2
+        FSDP,
+        tmp_path / "resumed",
+        data_root,
+        f"trainer.max_steps={STEPS}",
+        half_way(straight_fsdp),
+        *CHECKPOINT_EVERY_2,
     )
     for r in (0, 1):
         assert resumed[r]["step"] == STEPS

@@ -131,7 +131,9 @@ def test_every_launch_the_autotuner_may_pick_gives_the_same_gradients(with_branc
     mean = rstd = None
     if stats:
         _, _, mean, rstd = adaln_joint_forward(x, branch, gate, scale, scale, 1e-5, with_stats=True)
-    for launch in launches:
+    # the interpreter runs a program the same way at any warps and pipelining stages: one launch per rows per step
+    # covers every distinct walk
+    for launch in {c["BLOCK_ROWS"]: c for c in launches}.values():
         dx, dbranch, partial = joint_backward(dh, dres, x, branch, gate, scale, 1e-5, launch, mean, rstd)
         assert partial.shape == (INTERPRETER_PROGRAMS, 3, dim)  # 3 programs per sample, 2 samples
         sums = partial.view(b, -1, 3, dim).sum(1)
