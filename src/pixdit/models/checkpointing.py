@@ -17,6 +17,7 @@ What each setting keeps and costs: docs/scaling.md ("Memory"); the estimate of p
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -60,7 +61,8 @@ def apply_grad_checkpointing(blocks: nn.ModuleList, plan: dict[int, str]) -> Non
 
 def _recomputed_forward(self: nn.Module, *args, **kwargs):
     """The class's forward, under torch.utils.checkpoint when gradients are being recorded."""
-    forward = type(self).forward.__get__(self)
+    # a partial, not ``forward.__get__(self)``: torch 2.11's Dynamo cannot trace a function's __get__ (fullgraph)
+    forward = functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
