@@ -236,23 +236,16 @@ CSC_BY_COUNTS = True
 # Most entries per program of the transpose by counts (sorted in registers; a power of two): 512 measured faster
 # than 4,096 (a grid of 8 x 12 programs at 256²) and, with the PyTorch prefix sums, than 256 (v57 (f))
 CSC_CHUNK = 512
-# Its per-chunk column counts grow as entries x columns / chunk (LLSA's fine lists at 256² take 3.1 M counts for
-# 2 x 6 heads in chunks of 512; SLA's at 256², K = 32, 12.6 M; LLSA's at 512², L = 3, 25 M): above this many the
-# chunks double, up to CSC_CHUNK_MAX entries (lists that large still give hundreds of programs), and where the counts
-# still do not fit, the sort runs instead
+# Its per-chunk column counts grow as entries x columns / chunk: above this many the sort runs instead (LLSA's fine
+# lists at 256² take 3.1 M counts for 2 x 6 heads, 6.3 M for 4 x 6; SLA's at 256², K = 32, 12.6 M)
 CSC_COUNTS_LIMIT = 2**23
-CSC_CHUNK_MAX = 4096
 
 
-def _csc_chunk(batch: int, entries: int, num_cols: int) -> int:
-    """Entries per program of the transpose by counts of ``batch`` lists of ``entries`` each: ~32 chunks of 64 to
-    ``CSC_CHUNK`` (a grid that fills more of the GPU than a few long sorts), then doubled up to ``CSC_CHUNK_MAX``
-    while the counts exceed ``CSC_COUNTS_LIMIT``. Doubled by comparisons only, so that a traced call's symbolic sizes
-    pass."""
+def _csc_chunk(entries: int) -> int:
+    """Entries per program of the transpose by counts: ~32 chunks of 64 to ``CSC_CHUNK`` (a grid that fills more of
+    the GPU than a few long sorts). Doubled by comparisons only, so that a traced call's symbolic sizes pass."""
     chunk = 64
     while chunk < CSC_CHUNK and chunk * 32 < entries:
-        chunk *= 2
-    while chunk < CSC_CHUNK_MAX and batch * cdiv(entries, chunk) * (num_cols + 2) > CSC_COUNTS_LIMIT:
         chunk *= 2
     return chunk
 
@@ -263,7 +256,7 @@ def _csc_by_counts(index: torch.Tensor, num_cols: int) -> bool:
     if not CSC_BY_COUNTS:
         return False
     batch, rows, width = index.shape
-    chunk = _csc_chunk(batch, rows * width, num_cols)
+    chunk = _csc_chunk(rows * width)
     counts = batch * cdiv(rows * width, chunk) * (num_cols + 2)
     on_device = index.is_cuda or INTERPRET
     return on_device and 0 < counts <= CSC_COUNTS_LIMIT and (num_cols + 3) * chunk < 2**31
@@ -354,11 +347,11 @@ def _csr_to_csc_by_counts(index: torch.Tensor, num_cols: int, slots: bool) -> tu
     """``csr_to_csc`` by counting (``CSC_BY_COUNTS``): per chunk of entries, each entry's rank within its column and
     the column counts; prefix sums of the counts over the chunks and over the columns give each column's start per
     chunk, and every entry lands at start + rank. Integers only, no order-dependent step. A list of ``n`` entries
-    is cut into chunks of ``_csc_chunk`` entries. A custom op: torch.compile cannot trace Triton launches made from here
+    is cut into ``_csc_chunk(n)`` chunks. A custom op: torch.compile cannot trace Triton launches made from here
     (the interpreter's pointers, the grid arithmetic), and the backward that calls it is traced."""
     batch, rows, width = index.shape
     n = rows * width
-    chunk = _csc_chunk(batch, n, num_cols)
+    chunk = _csc_chunk(n)
     n_chunks, n_stored = cdiv(n, chunk), num_cols + 2  # empty slots, the columns, ids past them
     flat = index.reshape(batch, n).to(torch.int32).contiguous()
     rank = torch.empty_like(flat)
