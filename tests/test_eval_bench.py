@@ -21,7 +21,7 @@ def test_bench_sampling_reports_a_bad_variant_before_timing(capsys):
     script = runpy.run_path(str(SCRIPT))
     with pytest.raises(SystemExit, match="--attention llsa:bogus=1: .*bogus"):
         script["main"](["--device", "cpu", "--quick", "--attention", "full", "llsa:bogus=1"])
-    assert "images/s" not in capsys.readouterr().err  # nothing was timed, not even the valid variant
+    assert "images/s" not in capsys.readouterr().out  # nothing was timed, not even the valid variant
 
 
 def test_bench_sampling_writes_its_files_and_the_cost_of_50k_samples(tmp_path, capsys):
@@ -129,4 +129,4 @@ def test_bench_sampling_rejects_a_bad_batch_before_timing(capsys):
     script = runpy.run_path(str(SCRIPT))
     with pytest.raises(SystemExit, match="--batch 4 0: each value must be a positive int or auto"):
         script["main"](["--device", "cpu", "--batch", "4", "0"])
-    assert "images/s" not in capsys.readouterr().err
+    assert "images/s" not in capsys.readouterr().out  # no row was timed (the table goes to stdout)
