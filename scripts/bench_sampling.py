@@ -40,6 +40,7 @@ and hours per 50k against the image side, one line per attention variant).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -130,6 +131,14 @@ def parse_args(argv=None):
         "copy written by the qk-norm kernel (as in training), or both, one row each (an A/B in one process)",
     )
     parser.add_argument(
+        "--qkv",
+        default="separate",
+        choices=["separate", "fused", "both"],
+        help="the qkv projection and the qk-norm + RoPE kernel as two launches (cuBLAS, then the kernel) or as one GEMM "
+        "with the kernel's work in its epilogue (pixdit.models.dit.Attention.fuse_inference_qkv), or both, one row "
+        "each (an A/B in one process)",
+    )
+    parser.add_argument(
         "--kernels-from",
         default=None,
         metavar="DIR",
@@ -139,7 +148,16 @@ def parse_args(argv=None):
 
 
 def bench(
-    args, attention: str, attention_config: dict, side: int, batch_spec, gelu: str, means: str, v: str, mode: str
+    args,
+    attention: str,
+    attention_config: dict,
+    side: int,
+    batch_spec,
+    gelu: str,
+    means: str,
+    v: str,
+    mode: str,
+    qkv: str = "separate",
 ) -> dict:
     """One row: ``batch_spec`` an int, "auto" (from free memory) or None (the size's default batch)."""
     device = torch.device(args.device)
@@ -172,6 +190,7 @@ def bench(
         "GELU": gelu if cuda else "separate",
         "means": means,
         "v": v,
+        "qkv": qkv if cuda else "separate",
         "batch s": seconds,
         "images/s": batch / seconds,
         "50k h": FID_SAMPLES / (batch / seconds) / 3600,
@@ -236,14 +255,16 @@ def variant(row: dict) -> str:
         + (" (separate GELU)" if row.get("GELU") == "separate" else "")
         + (" (means in backend)" if row.get("means") == "backend" else "")
         + (" (v copied)" if row.get("v") == "copy" else "")
+        + (" (qkv GEMM fused)" if row.get("qkv") == "fused" else "")
         + (f" ({row['mode']})" if row.get("mode") not in (None, "-", "default") else "")
     )
 
 
 def ab_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(row, twin) for every --gelu / --means / --v / --compile-mode A/B: the twin ran the same attention with only
-    that switch off (the separate GELU, the backend's own means, v copied, the default compile mode)."""
-    switches = {"GELU": "separate", "means": "backend", "v": "copy", "mode": "default"}
+    """(row, twin) for every --gelu / --means / --v / --qkv / --compile-mode A/B: the twin ran the same attention with
+    only that switch off (the separate GELU, the backend's own means, v copied, the projection and the qk-norm
+    kernel as two launches, the default compile mode)."""
+    switches = {"GELU": "separate", "means": "backend", "v": "copy", "qkv": "separate", "mode": "default"}
     pairs = []
     for row in rows:
         for key, off in switches.items():
@@ -322,27 +343,30 @@ def main(argv=None) -> list[dict]:
     )
     rows = []
     gelus = ["fused", "separate"] if args.gelu == "both" else [args.gelu]
+    qkvs = ["fused", "separate"] if args.qkv == "both" else [args.qkv]
     modes = list(dict.fromkeys(args.compile_mode)) if args.compile else ["default"]
     for side in args.sizes:
         for attention in args.attention:
             meanses = block_means_settings(args.means, variants[attention])
             vs = switch_settings(args.v, ("view", "copy"), variants[attention].v_view)
-            combos = [(b, g, m, v, c) for b in batches for g in gelus for m in meanses for v in vs for c in modes]
-            for batch, gelu, means, v, mode in combos:
+            combos = itertools.product(batches, gelus, meanses, vs, qkvs, modes)
+            for batch, gelu, means, v, qkv, mode in combos:
                 # class switches, read at trace time: set before compiling
                 Mlp.fuse_inference_gelu, Attention.fuse_block_means = gelu == "fused", means == "prologue"
                 Attention.view_v = v == "view"
+                Attention.fuse_inference_qkv = qkv == "fused"
                 label = means if variants[attention].block_means else "-"
                 v_label = v if variants[attention].v_view else "-"
                 try:
                     config = variants[attention].attention
-                    rows.append(bench(args, attention, config, side, batch, gelu, label, v_label, mode))
+                    rows.append(bench(args, attention, config, side, batch, gelu, label, v_label, mode, qkv))
                 except torch.OutOfMemoryError:
                     oom = {"attention": attention, "size": f"{side}x{side}", "batch": "OOM", "GELU": gelu}
-                    rows.append(oom | {"means": label, "v": v_label, "mode": mode})
+                    rows.append(oom | {"means": label, "v": v_label, "qkv": qkv, "mode": mode})
                     torch.cuda.empty_cache()
                 finally:
                     Mlp.fuse_inference_gelu = Attention.fuse_block_means = Attention.view_v = True
+                    Attention.fuse_inference_qkv = False
                 print(rows[-1], file=sys.stderr, flush=True)
                 if args.out:
                     write_files(args.out, command, settings, rows)

@@ -39,6 +39,7 @@ from pixdit.attention import AttentionBackend, block_attention_configs, build_at
 from pixdit.errors import PixditError
 from pixdit.kernels.adaln_joint import adaln_joint, adaln_joint_forward
 from pixdit.kernels.qk_norm_rope import apply_rope, qk_norm_rope  # noqa: F401  (apply_rope: part of this API)
+from pixdit.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_fits
 from pixdit.models.checkpointing import apply_grad_checkpointing, grad_checkpointing_plan
 from pixdit.tokens import (
     MODEL_TOKEN_ORDERS,
@@ -147,10 +148,14 @@ class Attention(nn.Module):
     Without autograd (sampling), a backend that reads v in place (``backend.reads_v_view``: LLSA) gets v as a view of
     the qkv projection's output instead of a copy; ``view_v`` turns that off for A/B benchmarks. Otherwise the qkv
     projection's bias is added by that kernel, which sums its gradient in its backward.
+    With ``fuse_inference_qkv``, a forward without autograd on CUDA runs the projection and that kernel's work as one
+    GEMM (pixdit.kernels.qkv_norm_rope: qkv is never written; v is written in the attention's layout, so
+    ``view_v`` has nothing left to save); off until measured (``scripts/bench_sampling.py --qkv both``).
     """
 
     fuse_block_means = True
     view_v = True
+    fuse_inference_qkv = False
 
     def __init__(self, dim: int, num_heads: int, attention: Mapping[str, Any] | str | None, qk_norm_eps: float = 1e-5):
         super().__init__()
@@ -168,8 +173,18 @@ class Attention(nn.Module):
         pool = self.backend.pool_block if self.fuse_block_means else None
         if pool is not None and n % pool:  # the prologue pools whole blocks; VSA and SLA take a partial last one
             pool = None
-        view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         weights = (self.q_norm_weight, self.k_norm_weight)
+        if (
+            self.fuse_inference_qkv
+            and x.is_cuda
+            and not torch.is_grad_enabled()
+            and qkv_norm_rope_fits(x, self.num_heads, pool)
+        ):
+            outs = qkv_norm_rope(
+                x, self.qkv.weight, self.qkv.bias, *weights, cos, sin, self.num_heads, self.qk_norm_eps, pool
+            )
+            return self._attend(x, outs, pool, grid_hw)
+        view_v = self.view_v and self.backend.reads_v_view and not torch.is_grad_enabled()
         # The projection's bias is added inside qk_norm_rope, whose backward sums its gradient in the pass that
         # writes d(qkv) (autograd's sum read d(qkv) again: docs/kernel_notes.md v40); but a v read in place from
         # the projection's output (sampling) must hold it, so there the matmul adds it.
@@ -186,6 +201,12 @@ class Attention(nn.Module):
             v_view=view_v,
             bias=self.qkv.bias if bias_in_kernel else None,
         )
+        return self._attend(x, outs, pool, grid_hw)
+
+    def _attend(self, x, outs, pool, grid_hw):
+        """The backend on the prologue's outputs (q, k, v, and the block means where ``pool``), then the output
+        projection."""
+        b, n, dim = x.shape
         if pool is None:  # q, k, v: each [b, heads, n, head_dim]
             out = self.backend(*outs, grid_hw=grid_hw, hidden=x)
         else:  # and their block means
