@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pixdit.kernels as K
 from pixdit.kernels.qk_norm_rope import qk_norm_rope
+from pixdit.kernels.qkv_norm_rope import qkv_norm_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -232,6 +233,14 @@ def _recorded_calls():
             qkv.transpose(0, 1), 2, *weights, angles.cos(), angles.sin(), impl="triton", pool_block=8, bias=bias
         )
         _loss(tuple(out)).backward()
+        # the inference projection with qk-norm + RoPE + block means in its epilogue (no autograd)
+        x = torch.randn(2, 64, 32, device=DEVICE, dtype=torch.float16)
+        rope = torch.rand(64, 8, device=DEVICE)
+        with torch.no_grad():
+            qkv_norm_rope(
+                x, torch.randn(96, 32, device=DEVICE), torch.randn(96, device=DEVICE), *torch.rand(2, 16, device=DEVICE) + 0.5,
+                rope.cos(), rope.sin(), 2, pool_block=16, impl="triton",
+            )  # fmt: skip
         # the DiT block's two joints: before the attention (no branch) and after it; the second once more with the
         # backward reading the forward's statistics (its most arguments: the call recorded)
         from pixdit.kernels import adaln_joint as joint
@@ -267,6 +276,7 @@ OPS = [
     "sla_backward_dkdv",
     "qk_norm_rope",
     "qk_norm_rope_backward",
+    "qkv_norm_rope",
     "adaln_joint_backward",
 ]
 
