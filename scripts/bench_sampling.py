@@ -12,6 +12,7 @@ warm-up batches, then the median of --repeats batches timed with CUDA events. De
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 64 --compile --gelu both   # fused vs separate
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --means both  # prologue vs own
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --v both   # v in place vs copied
+    python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --qkv both  # one GEMM vs two
     python scripts/bench_sampling.py --attention llsa --sizes 256 --batch 32 --compile --gelu separate \
         --compile-mode default max-autotune-no-cudagraphs          # Inductor's own matmuls, GELU in their epilogue
     python scripts/bench_sampling.py --device cpu --quick               # CPU smoke run of the script itself
@@ -27,7 +28,9 @@ uses on CUDA, pixdit.models.dit.Mlp) and as the two separate ops (what training 
 it writes them (what the model does, pixdit.models.dit.Attention) or by the attention backend in a pass of its own, the
 "means" column. --v both does it for the v that LLSA's forward reads: a view of the qkv projection's output (what
 sampling uses, pixdit.models.dit.Attention.view_v) or the contiguous copy that training's backward needs, the "v"
-column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.
+column. --qkv both does it for the qkv projection and the qk-norm + RoPE kernel: two launches (cuBLAS writes qkv,
+the kernel reads it back) or one Triton GEMM with the kernel's work in its epilogue (pixdit.kernels.qkv_norm_rope,
+pixdit.models.dit.Attention.fuse_inference_qkv), the "qkv" column. --compile-mode MODE [MODE ...] does it for torch.compile's modes (the "mode" column): e.g.
 max-autotune-no-cudagraphs against default, where Inductor times its own Triton matmuls against cuBLAS and may fuse
 the elementwise work after them (with --gelu separate, the GELU) into their epilogue.
 

@@ -169,7 +169,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def forward(self, x, cos, sin, grid_hw):
-        b, n, dim = x.shape
+        n = x.shape[1]
         pool = self.backend.pool_block if self.fuse_block_means else None
         if pool is not None and n % pool:  # the prologue pools whole blocks; VSA and SLA take a partial last one
             pool = None
