@@ -15,7 +15,9 @@ Why: the projection writes qkv (2,304 bytes per token and layer at DiT-S width) 
 back to write q, k, v in the attention's layout; in a compiled 256² sampler that kernel was ~9 % of the GPU time,
 bound by those bytes. Here the GEMM's epilogue holds a tile of 128 tokens x whole heads in registers, normalises and
 rotates it there and writes q, k, v once. Training keeps the two ops: their backward needs qkv, which this form never
-writes (docs/kernel_notes.md v60).
+writes. Measured on an H100 it only ties with the two launches (0.99x): its products, with plain loads, run 1.34-1.51x
+behind cuBLAS's at DiT-S width, which costs what the epilogue saves; so the model leaves it off
+(``Attention.fuse_inference_qkv``) until the products load by TMA (docs/kernel_notes.md v60).
 
 A persistent grid (one program per SM walking the tiles, the next tile's loads in flight during this one's epilogue:
 ``tl.range(flatten=True)``), tiles of 128 tokens x 128 channels: with the products' 6 steps of 64 at DiT-S width, a
@@ -55,7 +57,7 @@ def _epilogue(
     HT: tl.constexpr = BN // D  # heads in the tile
     dims = tl.arange(0, D)
     cols = col0 + tl.arange(0, BN)
-    x = x + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0)[None, :]
+    x = x + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]  # the bias in x's dtype
     x = x.to(OUT.dtype.element_ty).to(tl.float32)  # qkv, rounded once as the projection's output
     heads = col0 // D + tl.arange(0, HT)  # heads over q, k, v: part = heads // H
     part = heads // H
@@ -217,11 +219,13 @@ def qkv_norm_rope(
             f"tokens a multiple of 64 and pool_block None or a power of two up to 64; got head_dim={d}, dim={dim}, "
             f"tokens={n}, pool_block={pool_block!r} (check qkv_norm_rope_fits first, or use impl='torch')"
         )
-    bias = torch.zeros(3 * dim, device=x.device) if bias is None else bias.to(x.dtype)
+    # The bias in x's dtype, as F.linear under autocast takes it, widened in the kernel: a cast to bf16 and back on
+    # the host would be elided by Inductor, which does not emulate precision casts (the compiled outputs differed).
+    bias = torch.zeros(3 * dim, device=x.device, dtype=x.dtype) if bias is None else bias.to(x.dtype)
     out, means = _qkv_norm_rope_op(
         x.contiguous(),
         weight.to(x.dtype).contiguous(),
-        bias.float(),  # rounded to x's dtype first, as F.linear under autocast takes it
+        bias.contiguous(),
         torch.stack([q_weight, k_weight]).float(),
         cos.float().contiguous(),
         sin.float().contiguous(),
