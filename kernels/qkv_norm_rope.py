@@ -17,7 +17,8 @@ bound by those bytes. Here the GEMM's epilogue holds a tile of 128 tokens x whol
 rotates it there and writes q, k, v once. Training keeps the two ops: their backward needs qkv, which this form never
 writes. Measured on an H100 it only ties with the two launches (0.99x): its products, with plain loads, run 1.34-1.51x
 behind cuBLAS's at DiT-S width, which costs what the epilogue saves; so the model leaves it off
-(``Attention.fuse_inference_qkv``) until the products load by TMA (docs/kernel_notes.md v60).
+(``Attention.fuse_inference_qkv``) until the products load by TMA (docs/kernel_notes.md v60; the comparison:
+scripts/ab_qkv_gemm.py).
 
 A persistent grid (one program per SM walking the tiles, the next tile's loads in flight during this one's epilogue:
 ``tl.range(flatten=True)``), tiles of 128 tokens x 128 channels: with the products' 6 steps of 64 at DiT-S width, a
@@ -35,7 +36,7 @@ from .common import use_triton
 from .ops import cdiv, custom_op
 from .qk_norm_rope import qk_norm_rope_torch
 
-__all__ = ["qkv_norm_rope", "qkv_norm_rope_fits", "qkv_norm_rope_ref"]
+__all__ = ["qkv_norm_rope", "qkv_norm_rope_fits", "qkv_norm_rope_products", "qkv_norm_rope_ref"]
 
 BLOCK_N = 128  # channels per tile: whole heads (head_dim divides it)
 WARPS, STAGES = 8, 3
@@ -89,7 +90,7 @@ def _epilogue(
 def _qkv_norm_rope_kernel(
     X, W, BIAS, NW, COS, SIN, OUT, MEANS, M, n, n_bh, eps,
     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    POOL: tl.constexpr, PROGRAMS: tl.constexpr, STAGES: tl.constexpr,
+    POOL: tl.constexpr, PROGRAMS: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr,
 ):  # fmt: skip
     tiles_n = tl.cdiv(3 * C, BN)  # the channel tiles vary fastest: a token tile's x is read from L2 after the first
     ks = tl.arange(0, BK)
@@ -102,7 +103,13 @@ def _qkv_norm_rope_kernel(
             a = tl.load(X + rows[:, None].to(tl.int64) * C + (kk * BK + ks)[None, :])
             w = tl.load(W + cols[:, None] * C + (kk * BK + ks)[None, :], mask=(cols < 3 * C)[:, None], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc)
-        _epilogue(acc, tm, (tile % tiles_n) * BN, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps, C, H, D, BM, BN, POOL)
+        if PRODUCTS_ONLY:  # qkv + bias stored [M, 3 C]: the tiles' pace without the epilogue (benchmarks)
+            y = acc + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]
+            tl.store(OUT + rows[:, None].to(tl.int64) * (3 * C) + cols[None, :], y.to(OUT.dtype.element_ty),
+                     mask=(cols < 3 * C)[None, :])  # fmt: skip
+        else:
+            _epilogue(acc, tm, (tile % tiles_n) * BN, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps, C, H, D, BM, BN,
+                      POOL)  # fmt: skip
 
 
 def _tile_rows(n: int) -> int:
@@ -141,8 +148,13 @@ def _qkv_norm_rope_op(
     eps: float,
     pool_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, n, dim = x.shape
     out, means = _outputs(x, num_heads, pool_block)
+    _launch(x, weight, bias, norm_weights, cos, sin, out, means, num_heads, eps, pool_block, products_only=False)
+    return out, means
+
+
+def _launch(x, weight, bias, norm_weights, cos, sin, out, means, num_heads, eps, pool_block, products_only):
+    b, n, dim = x.shape
     rows = _tile_rows(n)
     tiles = b * n // rows * cdiv(3 * dim, BLOCK_N)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -150,9 +162,20 @@ def _qkv_norm_rope_op(
     _qkv_norm_rope_kernel[(programs,)](
         x, weight, bias, norm_weights, cos, sin, out, means, b * n, n, b * num_heads, eps,
         C=dim, H=num_heads, D=dim // num_heads, BM=rows, BN=BLOCK_N, BK=64 if dim % 64 == 0 else 32,
-        POOL=pool_block, PROGRAMS=programs, STAGES=STAGES, num_warps=WARPS,
+        POOL=pool_block, PROGRAMS=programs, STAGES=STAGES, PRODUCTS_ONLY=products_only, num_warps=WARPS,
     )  # fmt: skip
-    return out, means
+
+
+def qkv_norm_rope_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (x fp16 / bf16 ``[batch, tokens, dim]``, the weight and bias in its dtype) by
+    ``qkv_norm_rope``'s GEMM with its tiles and grid, no epilogue: for benchmarks (scripts/ab_qkv_gemm.py), what the
+    tiles' products cost against cuBLAS's. Shapes as ``qkv_norm_rope_fits`` takes them."""
+    b, n, dim = x.shape
+    out, unused = x.new_empty((b, n, 3 * dim)), x.new_empty(0)
+    # one head: the heads are the epilogue's, which does not run
+    _launch(x.contiguous(), weight.contiguous(), bias.contiguous(), unused, unused, unused, out, unused, 1, 0.0, 0,
+            products_only=True)  # fmt: skip
+    return out
 
 
 @_qkv_norm_rope_op.register_fake

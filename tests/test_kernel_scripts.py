@@ -156,6 +156,20 @@ def test_ab_qk_norm_quick_cpu():
     assert bad.returncode != 0 and "--pool must be a power of two up to 128 that divides side² = 1024" in bad.stderr
 
 
+def test_ab_qkv_gemm_quick_cpu():
+    """The fused qkv GEMM's A/B, the kernels interpreted: one row per shape, the two forms agree to fp16 rounding;
+    a malformed shape is refused by name."""
+    command = [sys.executable, "scripts/ab_qkv_gemm.py", "--quick", "--device", "cpu"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    header, rule, row = run.stdout.strip().splitlines()[-3:]
+    assert "two launches ms" in header and "one GEMM ms" in header and row.startswith("| 8², batch 2 |")
+    assert float(row.split("|")[-2]) < 4e-3  # max rel. diff: one fp16 rounding of qkv at most
+    bad = subprocess.run([*command, "--shapes", "8x2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--shapes: each must be SIDE:BATCH" in bad.stderr
+
+
 def test_ab_qk_norm_reports_a_library_that_computes_something_else(tmp_path):
     """A "before" library whose qk-norm uses another eps: the comparison column is no longer zero."""
     shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))

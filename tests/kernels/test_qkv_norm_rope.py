@@ -10,7 +10,7 @@ fp64. On CPU the kernel runs in the interpreter (tests/kernels/conftest.py).
 import pytest
 import torch
 
-from pixdit.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_fits
+from pixdit.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_fits, qkv_norm_rope_products
 
 CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
@@ -81,6 +81,15 @@ def compare(b, n, heads, d, dtype, device, pool_block, impl="auto", eps=1e-5):
 )
 def test_interpreted_triton_matches_oracle(b, n, heads, d, pool_block):
     compare(b, n, heads, d, torch.float16, "cpu", pool_block, impl="triton")
+
+
+@interpreter_only
+def test_interpreted_products_are_the_projection():
+    """The benchmarks' products-only launch (the GEMM without the epilogue) computes F.linear, rounded once."""
+    x, weight, bias, *_ = make_inputs(2, 64, 3, 64, torch.float16, "cpu")
+    got = qkv_norm_rope_products(x, weight.half(), bias.half())
+    want = (x.double() @ weight.half().double().T + bias.half().double()).half()
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
 def test_torch_path_matches_oracle():
