@@ -17,8 +17,8 @@ bound by those bytes. Here the GEMM's epilogue holds a tile of 128 tokens x whol
 rotates it there and writes q, k, v once. Training keeps the two ops: their backward needs qkv, which this form never
 writes. Measured on an H100 it only ties with the two launches (0.99x): its products, with plain loads, run 1.34-1.51x
 behind cuBLAS's at DiT-S width, which costs what the epilogue saves; so the model leaves it off
-(``Attention.fuse_inference_qkv``) until the products load by TMA (docs/kernel_notes.md v60; the comparison:
-scripts/ab_qkv_gemm.py).
+(``Attention.fuse_inference_qkv``). The loads by TMA (``TMA_LOADS``) are the next form to measure
+(docs/kernel_notes.md v60; the comparison: scripts/ab_qkv_gemm.py).
 
 A persistent grid (one program per SM walking the tiles, the next tile's loads in flight during this one's epilogue:
 ``tl.range(flatten=True)``), tiles of 128 tokens x 128 channels: with the products' 6 steps of 64 at DiT-S width, a
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import use_triton
 from .ops import cdiv, custom_op
@@ -40,6 +41,10 @@ __all__ = ["qkv_norm_rope", "qkv_norm_rope_fits", "qkv_norm_rope_products", "qkv
 
 BLOCK_N = 128  # channels per tile: whole heads (head_dim divides it)
 WARPS, STAGES = 8, 3
+# x and W loaded by TMA (2-D descriptors of the tiles) instead of pointer loads: the form in which a Triton GEMM kept
+# cuBLAS's pace for the MLP (docs/kernel_notes.md v38); the pointer loads' products ran 1.34-1.51x behind it here
+# (v60). Off: not yet measured (scripts/ab_qkv_gemm.py times both).
+TMA_LOADS = False
 
 
 def qkv_norm_rope_ref(x, weight, bias, q_weight, k_weight, cos, sin, num_heads, eps=1e-5, pool_block=None):
@@ -90,8 +95,9 @@ def _epilogue(
 def _qkv_norm_rope_kernel(
     X, W, BIAS, NW, COS, SIN, OUT, MEANS, M, n, n_bh, eps,
     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    POOL: tl.constexpr, PROGRAMS: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr,
+    POOL: tl.constexpr, PROGRAMS: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    # TMA: X and W are descriptors of [BM, BK] / [BN, BK] tiles of x [M, C] and W [3 C, C] (rows past 3 C read as 0)
     tiles_n = tl.cdiv(3 * C, BN)  # the channel tiles vary fastest: a token tile's x is read from L2 after the first
     ks = tl.arange(0, BK)
     for tile in tl.range(tl.program_id(0), (M // BM) * tiles_n, PROGRAMS, flatten=True, num_stages=STAGES):
@@ -100,8 +106,12 @@ def _qkv_norm_rope_kernel(
         cols = (tile % tiles_n) * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for kk in range(0, C // BK):
-            a = tl.load(X + rows[:, None].to(tl.int64) * C + (kk * BK + ks)[None, :])
-            w = tl.load(W + cols[:, None] * C + (kk * BK + ks)[None, :], mask=(cols < 3 * C)[:, None], other=0.0)
+            if TMA:
+                a = X.load([tm * BM, kk * BK])
+                w = W.load([(tile % tiles_n) * BN, kk * BK])
+            else:
+                a = tl.load(X + rows[:, None].to(tl.int64) * C + (kk * BK + ks)[None, :])
+                w = tl.load(W + cols[:, None] * C + (kk * BK + ks)[None, :], mask=(cols < 3 * C)[:, None], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc)
         if PRODUCTS_ONLY:  # qkv + bias stored [M, 3 C]: the tiles' pace without the epilogue (benchmarks)
             y = acc + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]
@@ -159,10 +169,14 @@ def _launch(x, weight, bias, norm_weights, cos, sin, out, means, num_heads, eps,
     tiles = b * n // rows * cdiv(3 * dim, BLOCK_N)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     programs = min(sms, tiles)
+    step = 64 if dim % 64 == 0 else 32
+    if TMA_LOADS:
+        x = TensorDescriptor(x, [b * n, dim], [dim, 1], [rows, step])
+        weight = TensorDescriptor(weight, [3 * dim, dim], [dim, 1], [BLOCK_N, step])
     _qkv_norm_rope_kernel[(programs,)](
         x, weight, bias, norm_weights, cos, sin, out, means, b * n, n, b * num_heads, eps,
-        C=dim, H=num_heads, D=dim // num_heads, BM=rows, BN=BLOCK_N, BK=64 if dim % 64 == 0 else 32,
-        POOL=pool_block, PROGRAMS=programs, STAGES=STAGES, PRODUCTS_ONLY=products_only, num_warps=WARPS,
+        C=dim, H=num_heads, D=dim // num_heads, BM=rows, BN=BLOCK_N, BK=step, POOL=pool_block, PROGRAMS=programs,
+        STAGES=STAGES, PRODUCTS_ONLY=products_only, TMA=TMA_LOADS, num_warps=WARPS,
     )  # fmt: skip
 
 

@@ -6,10 +6,12 @@ against one Triton GEMM with the kernel's work in its epilogue (``pixdit.kernels
     python scripts/ab_qkv_gemm.py --shapes 256:140 --heads 12 --head-dim 64      # DiT-B at the sampler's 256² batch
     TRITON_INTERPRET=1 python scripts/ab_qkv_gemm.py --quick --device cpu        # CPU check (the kernel interpreted)
 
-Rounds alternate the two forms' order; a cell is the median over rounds of a ``do_bench`` median. "products" times
-the fused kernel's GEMM alone on the same tiles (bias added, qkv stored, no norm): what the epilogue costs is the
+Rounds alternate the forms' order; a cell is the median over rounds of a ``do_bench`` median. "products" times the
+fused kernel's GEMM alone on the same tiles (bias added, qkv stored, no norm): what the epilogue costs is the
 difference to "one GEMM", and what the tiles lose to cuBLAS is the difference of "products" to ``F.linear`` alone.
-The last column: the largest difference of q, k, v and the means between the forms, relative to the largest value.
+", TMA": the same with x and W loaded by TMA (``qkv_norm_rope.TMA_LOADS``, off in the library). The last column: the
+largest difference of q, k, v and the means between the fused forms and the two launches, relative to the largest
+value.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch.nn.functional as F
 from kernel_ab import rel_diff, timer
 
 from pixdit.kernels import qk_norm_rope
+from pixdit.kernels import qkv_norm_rope as fused_module
 from pixdit.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_products
 from pixdit.report import markdown_table
 
-FORMS = ("F.linear", "two launches", "products", "one GEMM")
+FORMS = ("F.linear", "two launches", "products", "one GEMM", "products, TMA", "one GEMM, TMA")
 
 
 def parse_args(argv=None):
@@ -68,12 +71,23 @@ def calls(args, side: int, batch: int) -> dict:
         qkv = F.linear(x, weight, bias)
         return qk_norm_rope(qkv, h, *norm, cos, sin, pool_block=args.pool, v_view=True, impl=impl)
 
-    forms = (
-        lambda: (F.linear(x, weight, bias),),
-        two_launches,
-        lambda: (qkv_norm_rope_products(x, weight, bias),),
-        lambda: qkv_norm_rope(x, weight, bias, *norm, cos, sin, h, pool_block=args.pool, impl=impl),
-    )
+    def products():
+        return (qkv_norm_rope_products(x, weight, bias),)
+
+    def one_gemm():
+        return qkv_norm_rope(x, weight, bias, *norm, cos, sin, h, pool_block=args.pool, impl=impl)
+
+    def by_tma(fn):  # the same call with x and W loaded by TMA (``qkv_norm_rope.TMA_LOADS``)
+        def call():
+            fused_module.TMA_LOADS = True
+            try:
+                return fn()
+            finally:
+                fused_module.TMA_LOADS = False
+
+        return call
+
+    forms = (lambda: (F.linear(x, weight, bias),), two_launches, products, one_gemm, by_tma(products), by_tma(one_gemm))
     return dict(zip(FORMS, forms))
 
 
@@ -85,7 +99,11 @@ def main(argv=None) -> list[dict]:
     for side, batch in args.shapes:
         forms = calls(args, side, batch)
         outputs = {name: fn() for name, fn in forms.items()}
-        worst = max(rel_diff(a, b) for a, b in zip(outputs["one GEMM"], outputs["two launches"]))
+        worst = max(
+            rel_diff(a, b)
+            for fused in ("one GEMM", "one GEMM, TMA")
+            for a, b in zip(outputs[fused], outputs["two launches"])
+        )
         times = {name: [] for name in forms}
         for round_ in range(args.rounds):
             for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
@@ -93,7 +111,9 @@ def main(argv=None) -> list[dict]:
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = {"shape": f"{side}², batch {batch}", **{f"{name} ms": ms[name] for name in FORMS}}
         row["speed-up"] = ms["two launches"] / ms["one GEMM"]
+        row["speed-up, TMA"] = ms["two launches"] / ms["one GEMM, TMA"]
         row["products / F.linear"] = ms["products"] / ms["F.linear"]
+        row["products TMA / F.linear"] = ms["products, TMA"] / ms["F.linear"]
         row["max rel. diff"] = f"{worst:.1e}"
         rows.append(row)
         del forms, outputs

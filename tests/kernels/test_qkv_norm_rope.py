@@ -10,6 +10,7 @@ fp64. On CPU the kernel runs in the interpreter (tests/kernels/conftest.py).
 import pytest
 import torch
 
+from pixdit.kernels import qkv_norm_rope as module
 from pixdit.kernels.qkv_norm_rope import qkv_norm_rope, qkv_norm_rope_fits, qkv_norm_rope_products
 
 CUDA = torch.cuda.is_available()
@@ -79,13 +80,17 @@ def compare(b, n, heads, d, dtype, device, pool_block, impl="auto", eps=1e-5):
         (1, 64, 2, 128, 64),  # one head per tile, one block per tile
     ],
 )
-def test_interpreted_triton_matches_oracle(b, n, heads, d, pool_block):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer loads", "TMA loads"])
+def test_interpreted_triton_matches_oracle(b, n, heads, d, pool_block, tma, monkeypatch):
+    monkeypatch.setattr(module, "TMA_LOADS", tma)
     compare(b, n, heads, d, torch.float16, "cpu", pool_block, impl="triton")
 
 
 @interpreter_only
-def test_interpreted_products_are_the_projection():
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer loads", "TMA loads"])
+def test_interpreted_products_are_the_projection(tma, monkeypatch):
     """The benchmarks' products-only launch (the GEMM without the epilogue) computes F.linear, rounded once."""
+    monkeypatch.setattr(module, "TMA_LOADS", tma)
     x, weight, bias, *_ = make_inputs(2, 64, 3, 64, torch.float16, "cpu")
     got = qkv_norm_rope_products(x, weight.half(), bias.half())
     want = (x.double() @ weight.half().double().T + bias.half().double()).half()
@@ -126,6 +131,14 @@ def test_bad_inputs_name_the_parameter():
 )
 def test_gpu_matches_oracle(b, n, heads, d, pool_block, dtype):
     compare(b, n, heads, d, dtype, "cuda", pool_block)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("b,n,heads,d,pool_block", [(2, 4096, 6, 64, 16), (1, 1088, 3, 64, None)])
+def test_gpu_tma_loads_match_oracle(b, n, heads, d, pool_block, monkeypatch):
+    monkeypatch.setattr(module, "TMA_LOADS", True)
+    compare(b, n, heads, d, torch.bfloat16, "cuda", pool_block)
 
 
 @pytest.mark.gpu
