@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 
 def calls(args, side: int, batch: int) -> dict:
-    """The four forms of ``FORMS`` on one set of inputs, each returning the tensors to compare (or to time)."""
+    """The forms of ``FORMS`` on one set of inputs, each returning the tensors to compare (or to time)."""
     g = torch.Generator(device=args.device).manual_seed(0)
     n, h, d = side * side, args.heads, args.head_dim
     dim = h * d
