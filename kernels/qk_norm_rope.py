@@ -487,6 +487,31 @@ def _(qkv, weights, cos, sin, dq, dk, dv, num_heads, eps, bias):
     return _backward_out(qkv, num_heads, bias is not None)
 
 
+def check_norm_args(caller: str, n: int, head_dim: int, q_weight, k_weight, cos, sin, pool_block) -> None:
+    """The norm weights, RoPE tables and ``pool_block`` of a prologue over ``n`` tokens with heads of ``head_dim``
+    (``qk_norm_rope``, ``qkv_norm_rope``): one message naming the bad argument, prefixed by ``caller``."""
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(weight.shape) != (head_dim,):
+            raise ValueError(f"{caller}: {name} must have shape ({head_dim},) (head_dim), got {tuple(weight.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if tuple(table.shape) != (n, head_dim // 2):
+            raise ValueError(
+                f"{caller}: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
+                f"got {tuple(table.shape)}"
+            )
+    if pool_block is not None and (
+        isinstance(pool_block, bool)
+        or not isinstance(pool_block, int)
+        or not 1 <= pool_block <= MAX_POOL_BLOCK
+        or pool_block & (pool_block - 1)
+        or n % pool_block
+    ):
+        raise ValueError(
+            f"{caller}: pool_block must be None or a power of two up to {MAX_POOL_BLOCK} that divides "
+            f"tokens={n}, got {pool_block!r}"
+        )
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     num_heads: int,
@@ -532,28 +557,7 @@ def qk_norm_rope(
         )
     b, n, width = qkv.shape
     head_dim = width // (3 * num_heads)
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if tuple(weight.shape) != (head_dim,):
-            raise ValueError(
-                f"qk_norm_rope: {name} must have shape ({head_dim},) (head_dim), got {tuple(weight.shape)}"
-            )
-    for name, table in (("cos", cos), ("sin", sin)):
-        if tuple(table.shape) != (n, head_dim // 2):
-            raise ValueError(
-                f"qk_norm_rope: {name} must have shape ({n}, {head_dim // 2}) (tokens, head_dim / 2), "
-                f"got {tuple(table.shape)}"
-            )
-    if pool_block is not None and (
-        isinstance(pool_block, bool)
-        or not isinstance(pool_block, int)
-        or not 1 <= pool_block <= MAX_POOL_BLOCK
-        or pool_block & (pool_block - 1)
-        or n % pool_block
-    ):
-        raise ValueError(
-            f"qk_norm_rope: pool_block must be None or a power of two up to {MAX_POOL_BLOCK} that divides "
-            f"tokens={n}, got {pool_block!r}"
-        )
+    check_norm_args("qk_norm_rope", n, head_dim, q_weight, k_weight, cos, sin, pool_block)
     if bias is not None and (tuple(bias.shape) != (width,) or v_view):
         raise ValueError(
             f"qk_norm_rope: bias must be None or of shape ({width},) (qkv's last dim), and None with v_view=True "

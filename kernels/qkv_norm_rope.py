@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import use_triton
+from .common import autocast_inputs, use_triton
 from .ops import cdiv, custom_op
-from .qk_norm_rope import qk_norm_rope_torch
+from .qk_norm_rope import check_norm_args, qk_norm_rope_torch
 
 __all__ = ["qkv_norm_rope", "qkv_norm_rope_fits", "qkv_norm_rope_products", "qkv_norm_rope_ref"]
 
@@ -233,10 +233,7 @@ def qkv_norm_rope(
             f"qkv_norm_rope: weight must be ({3 * dim}, {dim}) and bias None or ({3 * dim},) (the qkv projection "
             f"of dim={dim}), got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}"
         )
-    for name, t, shape in (("q_weight", q_weight, (d,)), ("k_weight", k_weight, (d,)), ("cos", cos, (n, d // 2)),
-                           ("sin", sin, (n, d // 2))):  # fmt: skip
-        if tuple(t.shape) != shape:
-            raise ValueError(f"qkv_norm_rope: {name} must have shape {shape}, got {tuple(t.shape)}")
+    check_norm_args("qkv_norm_rope", n, d, q_weight, k_weight, cos, sin, pool_block)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias, q_weight, k_weight)
     ):
@@ -244,8 +241,7 @@ def qkv_norm_rope(
             "qkv_norm_rope: has no backward; call it under torch.no_grad() (inference), or use F.linear + "
             "qk_norm_rope where gradients are needed"
         )
-    if x.is_cuda and torch.is_autocast_enabled("cuda") and x.dtype == torch.float32:
-        x = x.to(torch.get_autocast_dtype("cuda"))
+    (x,) = autocast_inputs(x)
     if not use_triton(x, impl):
         return qkv_norm_rope_ref(x, weight, bias, q_weight, k_weight, cos, sin, num_heads, eps, pool_block)
     if x.dtype not in (torch.float16, torch.bfloat16):
