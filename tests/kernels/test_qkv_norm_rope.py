@@ -134,8 +134,15 @@ def test_bad_inputs_name_the_parameter():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "b,n,heads,d,pool_block", [(2, 4096, 6, 64, 16), (1, 1088, 3, 64, None), (2, 1024, 2, 128, 64), (1, 256, 8, 32, 16),
-                               (1, 512, 8, 64, 16), (2, 128, 3, 32, 8)]
+    "b,n,heads,d,pool_block",
+    [
+        (2, 4096, 6, 64, 16),
+        (1, 1088, 3, 64, None),
+        (2, 1024, 2, 128, 64),
+        (1, 256, 8, 32, 16),
+        (1, 512, 8, 64, 16),
+        (2, 128, 3, 32, 8),
+    ],
 )
 def test_gpu_matches_oracle(b, n, heads, d, pool_block, dtype):
     compare(b, n, heads, d, dtype, "cuda", pool_block)
