@@ -48,6 +48,9 @@ SHARED_BYTES = 216 * 1024  # what a program's x strip, W stages and epilogue til
 KERNEL_DIMS = (32, 64, 96, 128, 192, 256, 384, 512)
 # W's head rows loaded by TMA (2-D descriptors) instead of pointer loads; the x strip, loaded once, keeps plain loads
 TMA_LOADS = False
+# W's head rows for the next step loaded into registers before this step's products, instead of Triton's two-stage
+# pipeline (which issues them after the epilogue and waits for them at the next step's start: TTGIR, Triton 3.6)
+PREFETCH = False
 
 
 def qkv_norm_rope_ref(x, weight, bias, q_weight, k_weight, cos, sin, num_heads, eps=1e-5, pool_block=None):
@@ -92,17 +95,30 @@ def _epilogue(
 
 
 @triton.jit
+def _w_rows(W, col0, chunk, C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """W's rows ``col0 .. col0 + BN`` (zeros past 3 C), channels of x's chunk ``chunk``: ``[BN, BK]``."""
+    if TMA:
+        w = W.load([col0, chunk * BK])
+    else:
+        cols = col0 + tl.arange(0, BN)
+        w = tl.load(W + cols[:, None] * C + chunk * BK + tl.arange(0, BK)[None, :], mask=(cols < 3 * C)[:, None],
+                    other=0.0)  # fmt: skip
+    return w
+
+
+@triton.jit
 def _qkv_norm_rope_kernel(
     X, W, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps,
     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     CHUNKS: tl.constexpr, POOL: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr, TMA: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # One strip of BM token rows; its x in CHUNKS chunks of BK channels (C = CHUNKS * BK), loaded once; with TMA, W
-    # is a descriptor of [BN, BK] tiles of W [3 C, C] (rows past 3 C read as 0)
+    # is a descriptor of [BN, BK] tiles of W [3 C, C] (rows past 3 C read as 0). PREFETCH: each step loads the next
+    # step's W rows into registers before its products (STAGES = 1); else Triton's pipeline stages them.
     tm = tl.program_id(0)
     rows = tm * BM + tl.arange(0, BM)
-    ks = tl.arange(0, BK)
-    xs = X + rows[:, None].to(tl.int64) * C + ks[None, :]
+    xs = X + rows[:, None].to(tl.int64) * C + tl.arange(0, BK)[None, :]
     a0 = tl.load(xs)
     if CHUNKS > 1:
         a1 = tl.load(xs + BK)
@@ -114,25 +130,45 @@ def _qkv_norm_rope_kernel(
         angle = ((tm * BM) % n + tl.arange(0, BM))[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
         cos = tl.load(COS + angle)[:, None, :]
         sin = tl.load(SIN + angle)[:, None, :]
+    if PREFETCH:
+        next0 = _w_rows(W, 0, 0, C, BN, BK, TMA)
+        if CHUNKS > 1:
+            next1 = _w_rows(W, 0, 1, C, BN, BK, TMA)
+        if CHUNKS > 2:
+            next2 = _w_rows(W, 0, 2, C, BN, BK, TMA)
+        if CHUNKS > 3:
+            next3 = _w_rows(W, 0, 3, C, BN, BK, TMA)
     for step in tl.range(0, tl.cdiv(3 * C, BN), num_stages=STAGES):
         col0 = step * BN
-        cols = col0 + tl.arange(0, BN)
-        if TMA:
-            acc = tl.dot(a0, tl.trans(W.load([col0, 0])))
+        if PREFETCH:  # this step's rows came in during the last step; the last step's prefetch reads zeros
+            w0 = next0
+            next0 = _w_rows(W, col0 + BN, 0, C, BN, BK, TMA)
+            if CHUNKS > 1:
+                w1 = next1
+                next1 = _w_rows(W, col0 + BN, 1, C, BN, BK, TMA)
+            if CHUNKS > 2:
+                w2 = next2
+                next2 = _w_rows(W, col0 + BN, 2, C, BN, BK, TMA)
+            if CHUNKS > 3:
+                w3 = next3
+                next3 = _w_rows(W, col0 + BN, 3, C, BN, BK, TMA)
         else:
-            ws = W + cols[:, None] * C + ks[None, :]
-            live = (cols < 3 * C)[:, None]
-            acc = tl.dot(a0, tl.trans(tl.load(ws, mask=live, other=0.0)))
+            w0 = _w_rows(W, col0, 0, C, BN, BK, TMA)
+            if CHUNKS > 1:
+                w1 = _w_rows(W, col0, 1, C, BN, BK, TMA)
+            if CHUNKS > 2:
+                w2 = _w_rows(W, col0, 2, C, BN, BK, TMA)
+            if CHUNKS > 3:
+                w3 = _w_rows(W, col0, 3, C, BN, BK, TMA)
+        acc = tl.dot(a0, tl.trans(w0))
         if CHUNKS > 1:
-            w = W.load([col0, BK]) if TMA else tl.load(ws + BK, mask=live, other=0.0)
-            acc = tl.dot(a1, tl.trans(w), acc)
+            acc = tl.dot(a1, tl.trans(w1), acc)
         if CHUNKS > 2:
-            w = W.load([col0, 2 * BK]) if TMA else tl.load(ws + 2 * BK, mask=live, other=0.0)
-            acc = tl.dot(a2, tl.trans(w), acc)
+            acc = tl.dot(a2, tl.trans(w2), acc)
         if CHUNKS > 3:
-            w = W.load([col0, 3 * BK]) if TMA else tl.load(ws + 3 * BK, mask=live, other=0.0)
-            acc = tl.dot(a3, tl.trans(w), acc)
+            acc = tl.dot(a3, tl.trans(w3), acc)
         if PRODUCTS_ONLY:  # qkv + bias stored [M, 3 C]: the GEMM's pace without the epilogue (benchmarks)
+            cols = col0 + tl.arange(0, BN)
             y = acc + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + rows[:, None].to(tl.int64) * (3 * C) + cols[None, :], y.to(OUT.dtype.element_ty),
                      mask=(cols < 3 * C)[None, :])  # fmt: skip
@@ -200,8 +236,8 @@ def _launch(x, weight, bias, norm_weights, cos, sin, out, means, num_heads, eps,
         weight = TensorDescriptor(weight, [3 * dim, dim], [dim, 1], [blocks["BN"], blocks["BK"]])
     _qkv_norm_rope_kernel[(b * n // blocks["BM"],)](
         x, weight, bias, norm_weights, cos, sin, out, means, n, b * num_heads, eps,
-        C=dim, H=num_heads, D=dim // num_heads, POOL=pool_block, STAGES=STAGES, PRODUCTS_ONLY=products_only,
-        TMA=TMA_LOADS, num_warps=WARPS, **blocks,
+        C=dim, H=num_heads, D=dim // num_heads, POOL=pool_block, STAGES=1 if PREFETCH else STAGES,
+        PRODUCTS_ONLY=products_only, TMA=TMA_LOADS, PREFETCH=PREFETCH, num_warps=WARPS, **blocks,
     )  # fmt: skip
 
 
