@@ -13,18 +13,16 @@ means follow ``qk_norm_rope``'s math in fp32.
 
 Why: the projection writes qkv (2,304 bytes per token and layer at DiT-S width) and the prologue kernel reads it
 back to write q, k, v in the attention's layout; in a compiled 256² sampler that kernel was ~9 % of the GPU time,
-bound by those bytes. Here the GEMM's epilogue holds 128 tokens x a head in registers, normalises and rotates it
-there and writes q, k, v once. Training keeps the two ops: their backward needs qkv, which this form never
-writes. Measured on an H100 it only ties with the two launches (0.99x): its products, with plain loads, run 1.34-1.51x
-behind cuBLAS's at DiT-S width, which costs what the epilogue saves; so the model leaves it off
-(``Attention.fuse_inference_qkv``). The loads by TMA (``TMA_LOADS``) are the next form to measure
-(docs/kernel_notes.md v60; the comparison: scripts/ab_qkv_gemm.py).
+bound by those bytes. Here the GEMM's epilogue holds a tile of 128 tokens x whole heads in registers, normalises and
+rotates it there and writes q, k, v once. Training keeps the two ops: their backward needs qkv, which this form never
+writes. Measured on an H100 it only ties with the two launches (0.90-0.99x; 1.01-1.03x with ``TMA_LOADS``): its
+products run 1.33-1.51x behind cuBLAS's at DiT-S width, which costs what the epilogue saves; so the model leaves it
+off (``Attention.fuse_inference_qkv``; docs/kernel_notes.md v60, v61, where row strips of x held in shared memory
+lost, 0.72x; the comparison: scripts/ab_qkv_gemm.py).
 
-Row strips: a program loads the x rows of 128 tokens (64 where 128 do not fit) once, all ``dim`` channels, and
-walks the heads with them in shared memory, W's head rows streamed through a two-stage pipeline. Each token strip
-is read from HBM once and only W comes again (from L2): 115 products per byte of L2 traffic at DiT-S width, against
-64 for 128 x 128 tiles, whose products ran 1.34-1.51x behind cuBLAS (v60). The walk's step is whole heads (one head of
-64 or 128 channels, or 64 channels of smaller heads), so the epilogue normalises whole heads, and the strip's RoPE angles are loaded once.
+A persistent grid (one program per SM walking the tiles, the next tile's loads in flight during this one's epilogue:
+``tl.range(flatten=True)``), tiles of 128 tokens x 128 channels: with the products' 6 steps of 64 at DiT-S width, a
+program per tile would pay the pipeline's fill and drain per tile.
 """
 
 from __future__ import annotations
@@ -36,21 +34,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import autocast_inputs, use_triton
-from .ops import custom_op
+from .ops import cdiv, custom_op
 from .qk_norm_rope import check_norm_args, qk_norm_rope_torch
 
 __all__ = ["qkv_norm_rope", "qkv_norm_rope_fits", "qkv_norm_rope_products", "qkv_norm_rope_ref"]
 
-STAGES, WARPS = 2, 8  # W's head rows double-buffered: with the x strip, 208 KiB of shared memory at DiT-S width
-SHARED_BYTES = 216 * 1024  # what a program's x strip, W stages and epilogue tile may take (sm_90: 227 KiB)
-# the widths whose x strip is 1-4 chunks of a power of two up to 128 channels (the kernel's a0 .. a3: Triton's
-# blocks are powers of two)
-KERNEL_DIMS = (32, 64, 96, 128, 192, 256, 384, 512)
-# W's head rows loaded by TMA (2-D descriptors) instead of pointer loads; the x strip, loaded once, keeps plain loads
+BLOCK_N = 128  # channels per tile: whole heads (head_dim divides it)
+WARPS, STAGES = 8, 3
+# x and W loaded by TMA (2-D descriptors of the tiles) instead of pointer loads: the form in which a Triton GEMM kept
+# cuBLAS's pace for the MLP (docs/kernel_notes.md v38). Here its products still ran 1.33-1.35x behind cuBLAS (the
+# pointer loads' 1.50x), the fused kernel 1.013-1.027x against the two launches (v61, H100). Off: the compiled and
+# sampler tests ran with pointer loads, and the model leaves the kernel off.
 TMA_LOADS = False
-# W's head rows for the next step loaded into registers before this step's products, instead of Triton's two-stage
-# pipeline (which issues them after the epilogue and waits for them at the next step's start: TTGIR, Triton 3.6)
-PREFETCH = False
 
 
 def qkv_norm_rope_ref(x, weight, bias, q_weight, k_weight, cos, sin, num_heads, eps=1e-5, pool_block=None):
@@ -61,13 +56,12 @@ def qkv_norm_rope_ref(x, weight, bias, q_weight, k_weight, cos, sin, num_heads, 
 
 @triton.jit
 def _epilogue(
-    x, tm, col0, BIAS, NW, cos, sin, OUT, MEANS, n, n_bh, eps,
+    x, tm, col0, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps,
     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, POOL: tl.constexpr,
 ):  # fmt: skip
     """x: the fp32 products of token rows ``tm * BM ..`` and channels ``col0 ..`` (whole heads of q, k or v; past
-    3 * C: padding, not stored); cos, sin: ``[BM, 1, D / 2]``, those rows' angles. Stores q, k, v as
-    ``qk_norm_rope`` computes them, and their block means."""
-    HT: tl.constexpr = BN // D  # heads in the step
+    3 * C: padding, not stored). Stores q, k, v as ``qk_norm_rope`` computes them, and their block means."""
+    HT: tl.constexpr = BN // D  # heads in the tile
     dims = tl.arange(0, D)
     cols = col0 + tl.arange(0, BN)
     x = x + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]  # the bias in x's dtype
@@ -75,14 +69,18 @@ def _epilogue(
     heads = col0 // D + tl.arange(0, HT)  # heads over q, k, v: part = heads // H
     part = heads // H
     x = tl.reshape(x, [BM, HT, D])
-    tok = (tm * BM) % n + tl.arange(0, BM)  # token index in its image (n % BM == 0: one image per strip)
-    if col0 >= 2 * C:  # v, stored as it is (no step holds both k and v: 2 C is a multiple of BN in KERNEL_DIMS)
+    tok = (tm * BM) % n + tl.arange(0, BM)  # token index in its image (n % BM == 0: one image per tile)
+    if col0 >= 2 * C:  # v only: stored as it is
         y = x.to(OUT.dtype.element_ty)
-    else:  # q, k or both
+    else:
         w = tl.load(NW + (part % 2)[:, None] * D + dims[None, :])[None, :, :]
         normed = x * tl.math.rsqrt(tl.sum(x * x, 2) / D + eps)[:, :, None] * w
         even, odd = tl.split(tl.reshape(normed, [BM, HT, D // 2, 2]))  # the interleaved RoPE pairs
-        y = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [BM, HT, D]).to(OUT.dtype.element_ty)
+        angle = tok[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+        cos = tl.load(COS + angle)[:, None, :]
+        sin = tl.load(SIN + angle)[:, None, :]
+        roped = tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [BM, HT, D])
+        y = tl.where((part < 2)[None, :, None], roped, x).to(OUT.dtype.element_ty)  # a tile may end in v's heads
     bh = ((tm * BM) // n) * H + heads % H
     real = (part < 3)[None, :, None]
     out = (part * n_bh + bh).to(tl.int64)[None, :, None] * n * D
@@ -95,113 +93,50 @@ def _epilogue(
 
 
 @triton.jit
-def _w_rows(W, col0, chunk, C: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
-    """W's rows ``col0 .. col0 + BN`` (zeros past 3 C), channels of x's chunk ``chunk``: ``[BN, BK]``."""
-    if TMA:
-        w = W.load([col0, chunk * BK])
-    else:
-        cols = col0 + tl.arange(0, BN)
-        w = tl.load(W + cols[:, None] * C + chunk * BK + tl.arange(0, BK)[None, :], mask=(cols < 3 * C)[:, None],
-                    other=0.0)  # fmt: skip
-    return w
-
-
-@triton.jit
 def _qkv_norm_rope_kernel(
-    X, W, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps,
+    X, W, BIAS, NW, COS, SIN, OUT, MEANS, M, n, n_bh, eps,
     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    CHUNKS: tl.constexpr, POOL: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr, TMA: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    POOL: tl.constexpr, PROGRAMS: tl.constexpr, STAGES: tl.constexpr, PRODUCTS_ONLY: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    # One strip of BM token rows; its x in CHUNKS chunks of BK channels (C = CHUNKS * BK), loaded once; with TMA, W
-    # is a descriptor of [BN, BK] tiles of W [3 C, C] (rows past 3 C read as 0). PREFETCH: each step loads the next
-    # step's W rows into registers before its products (STAGES = 1); else Triton's pipeline stages them.
-    tm = tl.program_id(0)
-    rows = tm * BM + tl.arange(0, BM)
-    xs = X + rows[:, None].to(tl.int64) * C + tl.arange(0, BK)[None, :]
-    a0 = tl.load(xs)
-    if CHUNKS > 1:
-        a1 = tl.load(xs + BK)
-    if CHUNKS > 2:
-        a2 = tl.load(xs + 2 * BK)
-    if CHUNKS > 3:
-        a3 = tl.load(xs + 3 * BK)
-    if not PRODUCTS_ONLY:  # the strip's RoPE angles, the same for every q and k head
-        angle = ((tm * BM) % n + tl.arange(0, BM))[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
-        cos = tl.load(COS + angle)[:, None, :]
-        sin = tl.load(SIN + angle)[:, None, :]
-    if PREFETCH:
-        next0 = _w_rows(W, 0, 0, C, BN, BK, TMA)
-        if CHUNKS > 1:
-            next1 = _w_rows(W, 0, 1, C, BN, BK, TMA)
-        if CHUNKS > 2:
-            next2 = _w_rows(W, 0, 2, C, BN, BK, TMA)
-        if CHUNKS > 3:
-            next3 = _w_rows(W, 0, 3, C, BN, BK, TMA)
-    for step in tl.range(0, tl.cdiv(3 * C, BN), num_stages=STAGES):
-        col0 = step * BN
-        if PREFETCH:  # this step's rows came in during the last step; the last step's prefetch reads zeros
-            w0 = next0
-            next0 = _w_rows(W, col0 + BN, 0, C, BN, BK, TMA)
-            if CHUNKS > 1:
-                w1 = next1
-                next1 = _w_rows(W, col0 + BN, 1, C, BN, BK, TMA)
-            if CHUNKS > 2:
-                w2 = next2
-                next2 = _w_rows(W, col0 + BN, 2, C, BN, BK, TMA)
-            if CHUNKS > 3:
-                w3 = next3
-                next3 = _w_rows(W, col0 + BN, 3, C, BN, BK, TMA)
-        else:
-            w0 = _w_rows(W, col0, 0, C, BN, BK, TMA)
-            if CHUNKS > 1:
-                w1 = _w_rows(W, col0, 1, C, BN, BK, TMA)
-            if CHUNKS > 2:
-                w2 = _w_rows(W, col0, 2, C, BN, BK, TMA)
-            if CHUNKS > 3:
-                w3 = _w_rows(W, col0, 3, C, BN, BK, TMA)
-        acc = tl.dot(a0, tl.trans(w0))
-        if CHUNKS > 1:
-            acc = tl.dot(a1, tl.trans(w1), acc)
-        if CHUNKS > 2:
-            acc = tl.dot(a2, tl.trans(w2), acc)
-        if CHUNKS > 3:
-            acc = tl.dot(a3, tl.trans(w3), acc)
-        if PRODUCTS_ONLY:  # qkv + bias stored [M, 3 C]: the GEMM's pace without the epilogue (benchmarks)
-            cols = col0 + tl.arange(0, BN)
+    # TMA: X and W are descriptors of [BM, BK] / [BN, BK] tiles of x [M, C] and W [3 C, C] (rows past 3 C read as 0)
+    tiles_n = tl.cdiv(3 * C, BN)  # the channel tiles vary fastest: a token tile's x is read from L2 after the first
+    ks = tl.arange(0, BK)
+    for tile in tl.range(tl.program_id(0), (M // BM) * tiles_n, PROGRAMS, flatten=True, num_stages=STAGES):
+        tm = tile // tiles_n
+        rows = tm * BM + tl.arange(0, BM)
+        cols = (tile % tiles_n) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kk in range(0, C // BK):
+            if TMA:
+                a = X.load([tm * BM, kk * BK])
+                w = W.load([(tile % tiles_n) * BN, kk * BK])
+            else:
+                a = tl.load(X + rows[:, None].to(tl.int64) * C + (kk * BK + ks)[None, :])
+                w = tl.load(W + cols[:, None] * C + (kk * BK + ks)[None, :], mask=(cols < 3 * C)[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        if PRODUCTS_ONLY:  # qkv + bias stored [M, 3 C]: the tiles' pace without the epilogue (benchmarks)
             y = acc + tl.load(BIAS + cols, mask=cols < 3 * C, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + rows[:, None].to(tl.int64) * (3 * C) + cols[None, :], y.to(OUT.dtype.element_ty),
                      mask=(cols < 3 * C)[None, :])  # fmt: skip
         else:
-            _epilogue(acc, tm, col0, BIAS, NW, cos, sin, OUT, MEANS, n, n_bh, eps, C, H, D, BM, BN, POOL)
+            _epilogue(acc, tm, (tile % tiles_n) * BN, BIAS, NW, COS, SIN, OUT, MEANS, n, n_bh, eps, C, H, D, BM, BN,
+                      POOL)  # fmt: skip
 
 
-def _strips(n: int, dim: int, head_dim: int) -> dict | None:
-    """The launch's blocks for these shapes, or None where the kernel does not take them: the walk's step BN (whole
-    heads, at least 64 channels), the x strip's chunks (CHUNKS x BK channels), its token rows BM (128, or 64 where
-    128 rows do not divide the tokens or do not fit in shared memory)."""
-    if dim not in KERNEL_DIMS or head_dim & (head_dim - 1) or not 16 <= head_dim <= 128:
-        return None
-    step = max(64, head_dim)
-    chunk = 128
-    while dim % chunk:
-        chunk //= 2
-    for rows in (128, 64):
-        if n % rows == 0 and 2 * (rows * dim + STAGES * step * dim + rows * step) <= SHARED_BYTES:
-            return dict(BM=rows, BN=step, BK=chunk, CHUNKS=dim // chunk)
-    return None
+def _tile_rows(n: int) -> int:
+    """Token rows per tile: 128, or 64 where 128 does not divide the tokens (a tile stays in one image)."""
+    return 128 if n % 128 == 0 else 64
 
 
 def qkv_norm_rope_fits(x: torch.Tensor, num_heads: int, pool_block: int | None) -> bool:
-    """Whether the kernel takes these shapes: head_dim a power of two from 16 to 128, dim one of ``KERNEL_DIMS``
-    (up to 4 chunks of a power of two; DiT-S: 384, and DiT-B's 768 no longer fits: the x strip stays in shared
-    memory), tokens a multiple of 64, whole blocks of ``pool_block`` (up to 64) in a strip. Callers fall back to
-    the two ops."""
+    """Whether the kernel takes these shapes: head_dim a power of two from 16 to 128, dim a multiple of 32, tokens a
+    multiple of 64, whole blocks of ``pool_block`` (up to 64) in a tile. Callers fall back to the two ops."""
     if x.ndim != 3 or num_heads < 1 or x.shape[-1] % num_heads:
         return False
     n, dim = x.shape[1], x.shape[2]
+    d = dim // num_heads
     pool_ok = pool_block is None or (pool_block & (pool_block - 1) == 0 and 1 <= pool_block <= 64)
-    return n > 0 and pool_ok and _strips(n, dim, dim // num_heads) is not None
+    return d & (d - 1) == 0 and 16 <= d <= BLOCK_N and dim % 32 == 0 and n % 64 == 0 and n > 0 and pool_ok
 
 
 def _outputs(x: torch.Tensor, num_heads: int, pool_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,24 +166,30 @@ def _qkv_norm_rope_op(
 
 def _launch(x, weight, bias, norm_weights, cos, sin, out, means, num_heads, eps, pool_block, products_only):
     b, n, dim = x.shape
-    blocks = _strips(n, dim, dim // num_heads)
+    rows = _tile_rows(n)
+    tiles = b * n // rows * cdiv(3 * dim, BLOCK_N)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    programs = min(sms, tiles)
+    step = 64 if dim % 64 == 0 else 32
     if TMA_LOADS:
-        weight = TensorDescriptor(weight, [3 * dim, dim], [dim, 1], [blocks["BN"], blocks["BK"]])
-    _qkv_norm_rope_kernel[(b * n // blocks["BM"],)](
-        x, weight, bias, norm_weights, cos, sin, out, means, n, b * num_heads, eps,
-        C=dim, H=num_heads, D=dim // num_heads, POOL=pool_block, STAGES=1 if PREFETCH else STAGES,
-        PRODUCTS_ONLY=products_only, TMA=TMA_LOADS, PREFETCH=PREFETCH, num_warps=WARPS, **blocks,
+        x = TensorDescriptor(x, [b * n, dim], [dim, 1], [rows, step])
+        weight = TensorDescriptor(weight, [3 * dim, dim], [dim, 1], [BLOCK_N, step])
+    _qkv_norm_rope_kernel[(programs,)](
+        x, weight, bias, norm_weights, cos, sin, out, means, b * n, n, b * num_heads, eps,
+        C=dim, H=num_heads, D=dim // num_heads, BM=rows, BN=BLOCK_N, BK=step, POOL=pool_block, PROGRAMS=programs,
+        STAGES=STAGES, PRODUCTS_ONLY=products_only, TMA=TMA_LOADS, num_warps=WARPS,
     )  # fmt: skip
 
 
-def qkv_norm_rope_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_heads: int) -> torch.Tensor:
+def qkv_norm_rope_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (x fp16 / bf16 ``[batch, tokens, dim]``, the weight and bias in its dtype) by
-    ``qkv_norm_rope``'s GEMM with the strips and steps it takes for ``num_heads``, no epilogue: for benchmarks
-    (scripts/ab_qkv_gemm.py), what its products cost against cuBLAS's. Shapes as ``qkv_norm_rope_fits`` takes them."""
+    ``qkv_norm_rope``'s GEMM with its tiles and grid, no epilogue: for benchmarks (scripts/ab_qkv_gemm.py), what the
+    tiles' products cost against cuBLAS's. Shapes as ``qkv_norm_rope_fits`` takes them."""
     b, n, dim = x.shape
     out, unused = x.new_empty((b, n, 3 * dim)), x.new_empty(0)
-    _launch(x.contiguous(), weight.contiguous(), bias.contiguous(), unused, unused, unused, out, unused, num_heads,
-            0.0, 0, products_only=True)  # fmt: skip
+    # one head: the heads are the epilogue's, which does not run
+    _launch(x.contiguous(), weight.contiguous(), bias.contiguous(), unused, unused, unused, out, unused, 1, 0.0, 0,
+            products_only=True)  # fmt: skip
     return out
 
 
@@ -308,7 +249,7 @@ def qkv_norm_rope(
         raise ValueError(f"qkv_norm_rope: x must be float16 or bfloat16 on the Triton path, got {x.dtype}")
     if not qkv_norm_rope_fits(x, num_heads, pool_block):
         raise ValueError(
-            f"qkv_norm_rope: the kernel needs head_dim a power of two from 16 to 128, dim one of {KERNEL_DIMS}, "
+            f"qkv_norm_rope: the kernel needs head_dim a power of two from 16 to {BLOCK_N}, dim a multiple of 32, "
             f"tokens a multiple of 64 and pool_block None or a power of two up to 64; got head_dim={d}, dim={dim}, "
             f"tokens={n}, pool_block={pool_block!r} (check qkv_norm_rope_fits first, or use impl='torch')"
         )

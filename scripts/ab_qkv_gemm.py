@@ -7,9 +7,9 @@ against one Triton GEMM with the kernel's work in its epilogue (``pixdit.kernels
     TRITON_INTERPRET=1 python scripts/ab_qkv_gemm.py --quick --device cpu        # CPU check (the kernel interpreted)
 
 Rounds alternate the forms' order; a cell is the median over rounds of a ``do_bench`` median. "products" times the
-fused kernel's GEMM alone on the same strips (bias added, qkv stored, no norm): what the epilogue costs is the
-difference to "one GEMM", and what its GEMM loses to cuBLAS is the difference of "products" to ``F.linear`` alone.
-", TMA": the same with W loaded by TMA (``qkv_norm_rope.TMA_LOADS``, off in the library). The last column: the
+fused kernel's GEMM alone on the same tiles (bias added, qkv stored, no norm): what the epilogue costs is the
+difference to "one GEMM", and what the tiles lose to cuBLAS is the difference of "products" to ``F.linear`` alone.
+", TMA": the same with x and W loaded by TMA (``qkv_norm_rope.TMA_LOADS``, off in the library). The last column: the
 largest difference of q, k, v and the means between the fused forms and the two launches, relative to the largest
 value.
 """
@@ -72,12 +72,12 @@ def calls(args, side: int, batch: int) -> dict:
         return qk_norm_rope(qkv, h, *norm, cos, sin, pool_block=args.pool, v_view=True, impl=impl)
 
     def products():
-        return (qkv_norm_rope_products(x, weight, bias, h),)
+        return (qkv_norm_rope_products(x, weight, bias),)
 
     def one_gemm():
         return qkv_norm_rope(x, weight, bias, *norm, cos, sin, h, pool_block=args.pool, impl=impl)
 
-    def by_tma(fn):  # the same call with W loaded by TMA (``qkv_norm_rope.TMA_LOADS``)
+    def by_tma(fn):  # the same call with x and W loaded by TMA (``qkv_norm_rope.TMA_LOADS``)
         def call():
             fused_module.TMA_LOADS = True
             try:

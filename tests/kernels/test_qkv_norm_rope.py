@@ -20,17 +20,6 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-# W's rows by (TMA_LOADS, PREFETCH, STAGES): the library's forms; three stages leave room for 64-row strips only
-W_LOADS = [(False, False, 2), (True, False, 2), (False, True, 2), (True, True, 2), (False, False, 3)]
-W_LOAD_IDS = ["pipelined", "TMA", "prefetched", "prefetched by TMA", "3 stages"]
-
-
-def set_w_loads(monkeypatch, tma, prefetch, stages):
-    monkeypatch.setattr(module, "TMA_LOADS", tma)
-    monkeypatch.setattr(module, "PREFETCH", prefetch)
-    monkeypatch.setattr(module, "STAGES", stages)
-
-
 def make_inputs(b, n, heads, d, dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     dim = heads * d
@@ -86,29 +75,24 @@ def compare(b, n, heads, d, dtype, device, pool_block, impl="auto", eps=1e-5):
 @pytest.mark.parametrize(
     "b,n,heads,d,pool_block",
     [
-        (2, 64, 3, 64, 16),  # 64-row strips, x in 3 chunks of 64, one head per step
-        (1, 128, 4, 32, None),  # a 128-row strip, x in one chunk, two heads per step, no means
-        (1, 64, 2, 128, 64),  # steps of one 128-channel head, x in 2 chunks, one block per strip
-        (1, 128, 3, 32, 8),  # x in 3 chunks of 32; a step of q's and k's heads; the last step half padding
-        (1, 64, 8, 64, 16),  # 512 channels: x in 4 chunks, 64-row strips (128 rows do not fit in shared memory)
-        (2, 64, 6, 16, 16),  # four heads of 16 per step, q / k heads in one step
+        (2, 64, 3, 64, 16),  # 64-row tiles; 576 channels: tiles of 128 straddle q / k and v ends in padding
+        (1, 128, 4, 32, None),  # 128-row tiles, four heads per tile, no means
+        (1, 64, 2, 128, 64),  # one head per tile, one block per tile
     ],
 )
-@pytest.mark.parametrize("loads", W_LOADS, ids=W_LOAD_IDS)
-def test_interpreted_triton_matches_oracle(b, n, heads, d, pool_block, loads, monkeypatch):
-    set_w_loads(monkeypatch, *loads)
-    if loads[2] == 3 and not qkv_norm_rope_fits(torch.empty(b, n, heads * d), heads, pool_block):
-        pytest.skip("no strip of these widths fits in shared memory beside three stages of W")
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer loads", "TMA loads"])
+def test_interpreted_triton_matches_oracle(b, n, heads, d, pool_block, tma, monkeypatch):
+    monkeypatch.setattr(module, "TMA_LOADS", tma)
     compare(b, n, heads, d, torch.float16, "cpu", pool_block, impl="triton")
 
 
 @interpreter_only
-@pytest.mark.parametrize("loads", W_LOADS, ids=W_LOAD_IDS)
-def test_interpreted_products_are_the_projection(loads, monkeypatch):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer loads", "TMA loads"])
+def test_interpreted_products_are_the_projection(tma, monkeypatch):
     """The benchmarks' products-only launch (the GEMM without the epilogue) computes F.linear, rounded once."""
-    set_w_loads(monkeypatch, *loads)
+    monkeypatch.setattr(module, "TMA_LOADS", tma)
     x, weight, bias, *_ = make_inputs(2, 64, 3, 64, torch.float16, "cpu")
-    got = qkv_norm_rope_products(x, weight.half(), bias.half(), 3)
+    got = qkv_norm_rope_products(x, weight.half(), bias.half())
     want = (x.double() @ weight.half().double().T + bias.half().double()).half()
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
@@ -122,12 +106,8 @@ def test_fits_names_the_kernel_shapes():
     assert qkv_norm_rope_fits(x, 6, 16) and qkv_norm_rope_fits(x, 6, None)
     assert not qkv_norm_rope_fits(x, 4, 16)  # head_dim 96: not a power of two
     assert not qkv_norm_rope_fits(torch.empty(2, 250, 384), 6, None)  # tokens not a multiple of 64
-    assert not qkv_norm_rope_fits(x, 6, 128)  # blocks larger than a 64-row strip may be
+    assert not qkv_norm_rope_fits(x, 6, 128)  # blocks larger than a 64-row tile may be
     assert not qkv_norm_rope_fits(torch.empty(2, 256, 1152), 16, 16)  # head_dim 72 (DiT-XL)
-    assert not qkv_norm_rope_fits(torch.empty(2, 256, 768), 12, 16)  # DiT-B: x's strip would not stay in shared memory
-    assert not qkv_norm_rope_fits(torch.empty(2, 256, 160), 5, 16)  # 5 chunks of 32
-    assert not qkv_norm_rope_fits(torch.empty(2, 256, 384), 3, 16)  # heads of 128 at 384: no strip fits
-    assert qkv_norm_rope_fits(torch.empty(2, 256, 512), 8, 16)  # 4 chunks, 64-row strips
 
 
 def test_bad_inputs_name_the_parameter():
@@ -147,15 +127,7 @@ def test_bad_inputs_name_the_parameter():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "b,n,heads,d,pool_block",
-    [
-        (2, 4096, 6, 64, 16),
-        (1, 1088, 3, 64, None),
-        (2, 1024, 2, 128, 64),
-        (1, 256, 8, 32, 16),
-        (1, 512, 8, 64, 16),
-        (2, 128, 3, 32, 8),
-    ],
+    "b,n,heads,d,pool_block", [(2, 4096, 6, 64, 16), (1, 1088, 3, 64, None), (2, 1024, 4, 128, 64), (1, 256, 8, 32, 16)]
 )
 def test_gpu_matches_oracle(b, n, heads, d, pool_block, dtype):
     compare(b, n, heads, d, dtype, "cuda", pool_block)
@@ -163,10 +135,9 @@ def test_gpu_matches_oracle(b, n, heads, d, pool_block, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("loads", W_LOADS[1:], ids=W_LOAD_IDS[1:])
 @pytest.mark.parametrize("b,n,heads,d,pool_block", [(2, 4096, 6, 64, 16), (1, 1088, 3, 64, None)])
-def test_gpu_other_w_loads_match_oracle(b, n, heads, d, pool_block, loads, monkeypatch):
-    set_w_loads(monkeypatch, *loads)
+def test_gpu_tma_loads_match_oracle(b, n, heads, d, pool_block, monkeypatch):
+    monkeypatch.setattr(module, "TMA_LOADS", True)
     compare(b, n, heads, d, torch.bfloat16, "cuda", pool_block)
 
 

@@ -150,7 +150,7 @@ class Attention(nn.Module):
     projection's bias is added by that kernel, which sums its gradient in its backward.
     With ``fuse_inference_qkv``, a forward without autograd on CUDA runs the projection and that kernel's work as one
     GEMM (pixdit.kernels.qkv_norm_rope: qkv is never written; v is written in the attention's layout, so
-    ``view_v`` has nothing left to save); off: on an H100 it tied with the two launches (docs/kernel_notes.md v60;
+    ``view_v`` has nothing left to save); off: on an H100 it tied with the two launches (docs/kernel_notes.md v60, v61;
     ``scripts/bench_sampling.py --qkv both`` compares them).
     """
 
