@@ -24,6 +24,7 @@ exact gather form in fp32 with autograd.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,11 @@ from .blocks import block_mean, block_means, csr_to_csc
 from .common import autocast_inputs, check_means, check_qkv, use_triton
 from .ops import cdiv, custom_op, shape_constant
 from .topk import pooled_topk
+
+try:
+    from . import llsa_gluon
+except ImportError:  # a Triton without Gluon's Hopper API: the pooled pass stays bsa_forward's
+    llsa_gluon = None
 
 __all__ = ["llsa_attention", "llsa_select", "llsa_check", "llsa_num_levels"]
 
@@ -49,6 +55,10 @@ PARTIAL_DTYPE = "input"
 # per-block form at L = 2 on the H200 (docs/kernel_notes.md v30), 1.022x (L = 2, 256²) and 1.024x (L = 3, 512²) on
 # an H100 (forward + backward, v48).
 LIST_WEIGHT_RUNS = True
+# The pooled pass by ``llsa_gluon.pooled_forward`` (Gluon, Hopper: each group of B^2 query rows keeps its bank keys in
+# shared memory) where it supports the case, else by ``bsa_forward``. Off until measured (docs/kernel_notes.md v62);
+# PIXDIT_KERNELS_GLUON=1 switches it on for a process.
+GLUON_POOLED_FORWARD = os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in ("", "0")
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -423,6 +433,9 @@ class _LLSATriton(torch.autograd.Function):
         logw, tail = None, _bank_tail(N, B, L, Le)
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
+        if has_coarse and _gluon_pooled(qf, B, cand_widths, tail, full_lists):
+            o, lse = llsa_gluon.pooled_forward(qf, bank_k, bank_v, coarse_lists, o, lse, B, scale, cand_widths, tail, h)
+        elif has_coarse:
             o, lse = bs.bsa_forward(
                 qf,
                 bank_k,
@@ -490,6 +503,13 @@ class _LLSATriton(torch.autograd.Function):
         if keep_ds:
             dq = bs.bsa_backward_ds_dq(kf, ds, fine_lists, N, B, B, scale, dq=dq, out_dtype=dt)
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
+
+
+def _gluon_pooled(qf, B, cand_widths, tail, full_lists: bool) -> bool:
+    """Whether the pooled pass runs ``llsa_gluon.pooled_forward`` (``GLUON_POOLED_FORWARD`` and a case it supports)."""
+    if not GLUON_POOLED_FORWARD or llsa_gluon is None or tail is None:
+        return False
+    return llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], full_lists)
 
 
 def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:

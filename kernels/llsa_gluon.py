@@ -1,0 +1,300 @@
+"""LLSA's pooled forward pass on Hopper, written in Gluon (Triton's explicit layout / shared-memory language).
+
+    from pixdit.kernels.llsa_gluon import pooled_forward, pooled_forward_supported
+    if pooled_forward_supported(...):
+        o, lse = pooled_forward(q, bank_k, bank_v, lists, o_init, lse_init, ...)
+
+What it computes is exactly the second pass of LLSA's forward (``llsa._LLSATriton``): the 64-row query tiles continue
+the fine pass's softmax (its partial output and LSE) over the pooled bank: the candidate levels' listed blocks, each
+level with its weight ``l ln B``, then the coarsest level, which every query attends to (the dense tail, weight
+``L ln B``). ``block_sparse.bsa_forward`` does the same walk for any lists; this kernel is its twin for the one case
+that dominates LLSA's forward on Hopper, and the GPU tests hold the two against each other and the oracle.
+
+Why a second kernel for one pass. The bank's keys that a query tile attends to are the same for all the B^2 query
+rows below one level-2 block: the candidates are the children of that ancestor's selection, and the coarsest level is
+the same for every row. ``bsa_forward``'s programs (64 rows each; plain Triton cannot keep a tile in shared memory
+across programs or loop nests) load those 384 keys' K and V (at 256², L = 2) once per 64 rows: ~1.2 GB of L2 traffic
+for 0.1 GB of queries. Here one program owns a group of B^2 query rows: it loads the group's keys into shared memory
+once by TMA (the candidates block by block, the tail in one run) and walks its 64-row query tiles over them, with q's
+next tile loaded by TMA while the current one is computed. The products are wgmma with both K and V read from shared
+memory and P from registers (docs/kernel_notes.md v62).
+
+Restrictions (``pooled_forward_supported`` says which case runs here; every other case runs ``bsa_forward``): an
+sm_90 GPU, fp16 / bf16, head_dim 64, full candidate lists of whole 64-key steps, a tail of whole 64-key steps, at
+most ``MAX_KEYS`` keys per group (shared memory), at most two candidate levels (L <= 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .ops import INTERPRET, custom_op
+
+__all__ = ["pooled_forward", "pooled_forward_supported", "case_supported", "MAX_KEYS"]
+
+LOG2E = 1.4426950408889634
+TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and keys per step
+# Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
+# 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
+MAX_KEYS = 512
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; 3.8 renamed it
+
+
+@gluon.jit
+def _softmax_step(q_s, k_s, v_s, step, scale, shift, m_i, l_i, acc, mma: gl.constexpr, SHIFTED: gl.constexpr):
+    """One online-softmax step over the group's 64-key ``step`` in shared memory, written as ``bsa_forward``
+    computes the same step, so that both give the same bits: ``SHIFTED`` (its weighted list walk) scales and shifts
+    the logits first, else (its dense tail) the scale and the shift enter the exponent (``block_sparse.softmax_step``).
+    ``m_i`` is never -inf here (every row starts from the fine pass's LSE), so no guard against it."""
+    zero = gl.zeros([TILE, TILE], gl.float32, mma)
+    s = warpgroup_mma(q_s, k_s.index(step).permute((1, 0)), zero, use_acc=False)
+    if SHIFTED:
+        s = s * scale
+        s += shift
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale + shift)
+        p = gl.exp2(s * scale - (m_new - shift)[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(v_s.dtype), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+    acc = warpgroup_mma(p_op, v_s.index(step), acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _pooled_forward_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    O_INIT,
+    LSE_INIT,
+    O,
+    LSE,
+    LIST,
+    n_q,
+    bank_rows,
+    stride_lb,
+    stride_lt,
+    out_heads,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    qk_scale,
+    weight1,
+    weight2,
+    tail_lo,
+    tail_bias,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    GROUP_ROWS: gl.constexpr,
+    CAND1: gl.constexpr,
+    CAND2: gl.constexpr,
+    TAIL_ROWS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    group = gl.program_id(0)
+    bh = gl.program_id(1)
+    KEYS: gl.constexpr = (CAND1 + CAND2) * BLOCK + TAIL_ROWS
+    TILES: gl.constexpr = GROUP_ROWS // TILE
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
+
+    # the group's keys as 64-key steps ([steps, 64, d]: a shared-memory tile's shape must be a power of two)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], v_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, TILE, HEAD_DIM], q_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bars.index(i), count=1)
+    kv_bar = bars.index(2)  # bars 0 and 1: q's two buffers
+
+    # q's first tile, then the group's keys: the candidates block by block from the group's list (every 64-row tile of
+    # a group has the same list: the children of its level-2 ancestor's selection), then the coarsest level's rows
+    q_row0 = bh * n_q + group * GROUP_ROWS
+    mbarrier.expect(bars.index(0), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], bars.index(0), q_s.index(0))
+    mbarrier.expect(kv_bar, 2 * KEYS * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+    list_base = LIST + bh.to(gl.int64) * stride_lb + (group * TILES) * stride_lt
+    bank0 = bh * bank_rows
+    for j in gl.static_range(CAND1 + CAND2):
+        row = bank0 + gl.load(list_base + j) * BLOCK
+        k_dst = k_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
+        v_dst = v_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
+    for t in gl.static_range(TAIL_ROWS // BLOCK):
+        row = bank0 + tail_lo + t * BLOCK
+        k_dst = k_s.index((CAND1 + CAND2 + t) * BLOCK // TILE).slice((CAND1 + CAND2 + t) * BLOCK % TILE, BLOCK)
+        v_dst = v_s.index((CAND1 + CAND2 + t) * BLOCK // TILE).slice((CAND1 + CAND2 + t) * BLOCK % TILE, BLOCK)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
+
+    w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
+    w2 = weight2 * 1.4426950408889634
+    dims = gl.arange(0, HEAD_DIM, layout=col_layout)
+    o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
+    for tile in range(TILES):
+        buf = tile % 2
+        # the next tile's q into the other buffer, whose last reader (the previous tile's products) has finished
+        more = tile + 1 < TILES
+        _cta_barrier()
+        mbarrier.expect(bars.index(1 - buf), q_desc.block_type.nbytes, pred=more)
+        tma.async_copy_global_to_shared(
+            q_desc, [q_row0 + (tile + 1) * TILE, 0], bars.index(1 - buf), q_s.index(1 - buf), pred=more
+        )
+        rows = group * GROUP_ROWS + tile * TILE + gl.arange(0, TILE, layout=row_layout)
+        flat = bh.to(gl.int64) * n_q + rows
+        # continue the fine pass's softmax: m = its LSE (base 2), l = 1, acc = its normalised output
+        m_i = gl.load(LSE_INIT + flat) * 1.4426950408889634
+        l_i = gl.full([TILE], 1.0, gl.float32, row_layout)
+        acc = gl.load(O_INIT + flat[:, None] * HEAD_DIM + dims[None, :]).to(gl.float32)
+        mbarrier.wait(bars.index(buf), (tile // 2) & 1)
+        mbarrier.wait(kv_bar, 0)
+        q_t = q_s.index(buf)
+        # the candidate levels (scaled, then shifted by their weight, as bsa_forward's weighted list walk), the tail
+        for c in gl.static_range(CAND1 * BLOCK // TILE):
+            m_i, l_i, acc = _softmax_step(q_t, k_s, v_s, c, qk_scale, w1, m_i, l_i, acc, mma, True)
+        for c in gl.static_range(CAND2 * BLOCK // TILE):
+            m_i, l_i, acc = _softmax_step(
+                q_t, k_s, v_s, CAND1 * BLOCK // TILE + c, qk_scale, w2, m_i, l_i, acc, mma, True
+            )
+        for c in gl.static_range(TAIL_ROWS // TILE):
+            m_i, l_i, acc = _softmax_step(
+                q_t, k_s, v_s, (CAND1 + CAND2) * BLOCK // TILE + c, qk_scale, tail_bias, m_i, l_i, acc, mma, False
+            )
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(O.dtype.element_ty))
+        gl.store(LSE + flat, (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    for i in gl.static_range(3):
+        mbarrier.invalidate(bars.index(i))
+
+
+def pooled_forward_supported(
+    q: torch.Tensor, block_size: int, cand_widths: tuple[int, ...], tail_rows: int, full_lists: bool
+) -> bool:
+    """Whether ``pooled_forward`` runs this pooled pass (else ``bsa_forward`` does): q ``[BH, N, d]``,
+    ``cand_widths`` the listed blocks of each candidate level, ``tail_rows`` the coarsest level's rows."""
+    on_hopper = q.device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(q.device)[0] == 9
+    BH, n_q, d = q.shape
+    flat = q.stride() == (n_q * d, d, 1)  # q's TMA descriptor reads it as [BH * N, d]
+    return on_hopper and flat and case_supported(q.dtype, d, n_q, block_size, cand_widths, tail_rows, full_lists)
+
+
+def case_supported(
+    dtype: torch.dtype, head_dim: int, n_q: int, block_size: int, cand_widths, tail_rows: int, full_lists: bool
+) -> bool:
+    """The kernel's shape rules (the module docstring's restrictions), apart from the device and q's layout."""
+    cand_rows = [width * block_size for width in cand_widths]
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and head_dim == 64
+        and full_lists
+        and 1 <= len(cand_widths) <= 2
+        and all(rows % TILE.value == 0 for rows in cand_rows)
+        and 0 < tail_rows
+        and tail_rows % TILE.value == 0
+        and sum(cand_rows) + tail_rows <= MAX_KEYS
+        and n_q % (block_size * block_size) == 0
+    )
+
+
+def pooled_forward(
+    q: torch.Tensor,
+    bank_k: torch.Tensor,
+    bank_v: torch.Tensor,
+    lists: torch.Tensor,
+    o_init: torch.Tensor,
+    lse_init: torch.Tensor,
+    block_size: int,
+    scale: float,
+    cand_widths: tuple[int, ...],
+    tail: tuple[int, int, float],
+    out_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLSA's pooled pass (see the module docstring). q ``[BH, N, d]``; bank_k / bank_v ``[BH, bank rows, d]``;
+    lists int32 ``[BH, N / 64, len]`` (the candidate levels' bank blocks, finest level first, ``cand_widths`` columns
+    each; the same for every 64-row tile of a B^2-row group); o_init ``[BH, N, d]`` (q's dtype) and lse_init fp32
+    ``[BH, N]``: the fine pass's result; tail ``(row_lo, row_hi, log_weight)``. Returns the output tokens-major
+    ``[BH / out_heads, N, out_heads, d]`` in q's dtype and the LSE fp32 ``[BH, N]``."""
+    widths = list(cand_widths) + [0] * (2 - len(cand_widths))
+    return _pooled_forward_op(
+        q, bank_k, bank_v, lists, o_init, lse_init, block_size, scale, widths, tail[0], tail[1], tail[2], out_heads
+    )
+
+
+@custom_op("llsa_pooled_forward")
+def _pooled_forward_op(
+    q: torch.Tensor,
+    bank_k: torch.Tensor,
+    bank_v: torch.Tensor,
+    lists: torch.Tensor,
+    o_init: torch.Tensor,
+    lse_init: torch.Tensor,
+    block_size: int,
+    scale: float,
+    cand_widths: list[int],
+    tail_lo: int,
+    tail_hi: int,
+    tail_log_weight: float,
+    out_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    BH, n_q, d = q.shape
+    bank_rows = bank_k.shape[1]
+    B = block_size
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([B, d], dtype)
+    q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [TILE.value, d], q_layout)
+    k_desc = TensorDescriptor(bank_k, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
+    v_desc = TensorDescriptor(bank_v, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
+    o = q.new_empty(BH // out_heads, n_q, out_heads, d)  # tokens-major, as llsa's last pass writes it
+    lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
+    _pooled_forward_kernel[(n_q // (B * B), BH)](
+        q_desc,
+        k_desc,
+        v_desc,
+        o_init,
+        lse_init,
+        o,
+        lse,
+        lists,
+        n_q,
+        bank_rows,
+        lists.stride(0),
+        lists.stride(1),
+        out_heads,
+        o.stride(0),
+        o.stride(2),
+        o.stride(1),
+        scale * LOG2E,
+        1 * math.log(B),  # the candidate levels' log weights l ln B, as llsa passes them to bsa_forward
+        2 * math.log(B),
+        tail_lo,
+        tail_log_weight * LOG2E,
+        HEAD_DIM=d,
+        BLOCK=B,
+        GROUP_ROWS=B * B,
+        CAND1=cand_widths[0],
+        CAND2=cand_widths[1],
+        TAIL_ROWS=tail_hi - tail_lo,
+        num_warps=4,
+    )
+    return o, lse
+
+
+@_pooled_forward_op.register_fake
+def _(q, bank_k, bank_v, lists, o_init, lse_init, block_size, scale, cand_widths, tail_lo, tail_hi, tail_w, heads):
+    BH, n_q, d = q.shape
+    return q.new_empty(BH // heads, n_q, heads, d), q.new_empty(BH, n_q, dtype=torch.float32)

@@ -1,0 +1,201 @@
+"""LLSA's pooled pass in Gluon (``pixdit.kernels.llsa_gluon``).
+
+Without a GPU: the kernel is compiled for sm_90 (H100 / H200) at LLSA's usual shapes (Gluon has no interpreter, so
+this is what the CPU can check: it builds, its shared memory fits, its products are wgmma and its loads TMA), and the
+shape rules say which calls it takes. On an sm_90 GPU (``pytest -m gpu``): LLSA with the Gluon pass against LLSA with
+``bsa_forward``'s pass (outputs and gradients, the same selection) and against the exact fp32 path, eager and compiled.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pixdit.kernels import llsa, llsa_attention, llsa_gluon
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs an sm_90 GPU"
+)
+
+# (candidate blocks per level, tail rows): LLSA at 256², L = 2; 128², L = 2; 512², L = 3 (B = 16, K = 8)
+CASES = {"256² L=2": ((8, 0), 256), "128² L=2": ((8, 0), 64), "512² L=3": ((8, 8), 64)}
+
+
+def compile_for_sm90(cand_widths, tail_rows, dtype="bf16") -> dict:
+    """The kernel compiled for sm_90 with LLSA's arguments at one shape (no GPU needed): what the tests check of it."""
+    import os
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(rows):
+        return f"tensordesc<{dtype}[{rows},64],{gl.NVMMASharedLayout.get_default_for([rows, 64], gl_dtype)!r}>"
+
+    pointers = dict(O_INIT=f"*{dtype}", LSE_INIT="*fp32", O=f"*{dtype}", LSE="*fp32", LIST="*i32")
+    ints = "n_q bank_rows stride_lb stride_lt out_heads stride_ob stride_oh stride_on tail_lo".split()
+    floats = "qk_scale weight1 weight2 tail_bias".split()
+    signature = dict(q_desc=desc(64), k_desc=desc(16), v_desc=desc(16), **pointers)
+    signature |= {name: "i32" for name in ints} | {name: "fp32" for name in floats}
+    constexprs = dict(HEAD_DIM=64, BLOCK=16, GROUP_ROWS=256, CAND1=cand_widths[0], CAND2=cand_widths[1])
+    constexprs |= dict(TAIL_ROWS=tail_rows, num_warps=4)
+    signature |= {name: "constexpr" for name in constexprs}
+    source = GluonASTSource(llsa_gluon._pooled_forward_kernel, signature, constexprs=constexprs)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TRITON_CACHE_DIR"] = tmp  # (a subprocess of its own: see compiled)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    return {
+        "shared": kernel.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma": ptx.count("cp.async.bulk.tensor"),
+        "shared ld/st": ptx.count("st.shared") + ptx.count("ld.shared"),
+    }
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every case compiled in one subprocess without TRITON_INTERPRET: Gluon's reductions (``gl.max``, ``gl.sum``)
+    are Triton functions, which the interpreter replaces, so the CPU test session itself cannot compile them."""
+    script = (
+        "import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
+        "print(json.dumps({c: m['compile_for_sm90'](*m['CASES'][c]) for c in m['CASES']} "
+        "| {'fp16': m['compile_for_sm90']((8, 0), 256, 'fp16')}))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script, __file__], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_sm90(case, compiled):
+    cand_widths, tail_rows = CASES[case]
+    report = compiled[case]
+    keys = sum(cand_widths) * 16 + tail_rows
+    # the group's K and V (2 bytes a value), q's two buffers, three barriers: nothing else in shared memory
+    assert report["shared"] <= 2 * keys * 64 * 2 + 2 * 64 * 64 * 2 + 1024, report
+    assert report["wgmma"] == 2 * (keys // 64) * 4, "two products a 64-key step, each four k16 wgmma"
+    assert report["tma"] == 2 * keys // 16 + 2, "K and V by 16-row TMA copies, q's first and next tiles"
+    assert report["shared ld/st"] == 0, "P should reach the second product in registers"
+
+
+def test_kernel_compiles_for_fp16(compiled):
+    assert compiled["fp16"]["wgmma"] == 2 * (384 // 64) * 4
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_case_supported_takes_llsa_usual_shapes(case):
+    cand_widths, tail_rows = CASES[case]
+    widths = tuple(w for w in cand_widths if w)
+    assert llsa_gluon.case_supported(torch.bfloat16, 64, 65536, 16, widths, tail_rows, True)
+    assert llsa_gluon.case_supported(torch.float16, 64, 65536, 16, widths, tail_rows, True)
+
+
+@pytest.mark.parametrize(
+    "dtype,d,n_q,B,widths,tail,full,why",
+    [
+        (torch.float32, 64, 65536, 16, (8,), 256, True, "fp32"),
+        (torch.bfloat16, 128, 65536, 16, (8,), 256, True, "head_dim 128"),
+        (torch.bfloat16, 64, 65536, 16, (8,), 256, False, "lists with empty slots"),
+        (torch.bfloat16, 64, 65536, 16, (), 256, True, "L = 1: no candidate level"),
+        (torch.bfloat16, 64, 65536, 16, (8, 8, 8), 64, True, "three candidate levels"),
+        (torch.bfloat16, 64, 65536, 16, (3,), 256, True, "K = 3: 48-key steps"),
+        (torch.bfloat16, 64, 65536, 16, (8,), 16, True, "a tail of 16 rows"),
+        (torch.bfloat16, 64, 65536, 16, (8,), 1024, True, "1,152 keys: more than shared memory holds"),
+        (torch.bfloat16, 64, 65536 + 64, 16, (8,), 256, True, "tokens not a multiple of B^2"),
+    ],
+)
+def test_case_supported_refuses(dtype, d, n_q, B, widths, tail, full, why):
+    assert not llsa_gluon.case_supported(dtype, d, n_q, B, widths, tail, full), why
+
+
+def test_llsa_runs_the_gluon_pass_only_on_an_sm90_gpu(monkeypatch):
+    monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
+    q = torch.zeros(12, 65536, 64, dtype=torch.bfloat16)
+    assert not llsa._gluon_pooled(q, 16, (8,), (4096, 4352, 0.0), True)  # a CPU tensor
+
+
+# ------------------------------------------------------------------------------------------------------- on the GPU
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run(q, k, v, go, **kw):
+    for x in (q, k, v):
+        x.grad = None
+    o = llsa_attention(q, k, v, **kw)
+    o.backward(go)
+    return o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+
+def counted(monkeypatch):
+    """Switch the Gluon pass on and count its calls (a test that it ran, not only that the results agree)."""
+    calls = []
+    original = llsa_gluon.pooled_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
+    monkeypatch.setattr(llsa_gluon, "pooled_forward", counting)
+    return calls
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,N,L,B", [(2, 3, 65536, 2, 16), (1, 2, 16384, 2, 16), (1, 2, 262144, 3, 16)])
+def test_gluon_pass_matches_bsa_forward_pass_and_exact_path(dtype, b, h, N, L, B, monkeypatch):
+    torch.manual_seed(N + L)
+    q, k, v = (torch.randn(b, h, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn_like(q)
+    kw = dict(block_size=B, topk=8, num_levels=L, impl="triton")
+    plain = run(q, k, v, go, **kw)
+    calls = counted(monkeypatch)
+    gluon = run(q, k, v, go, **kw)
+    assert len(calls) == 1, "the Gluon pass did not run"
+    index = llsa.llsa_select(q, k, B, 8, L)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    exact = run(qf, kf, vf, go.float(), index=index, **dict(kw, impl="torch"))
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    for name, a, p, r in zip(("o", "dq", "dk", "dv"), gluon, plain, exact):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, r) < tol, (name, rel(a, r))
+        # the same softmax steps in the same order as bsa_forward's pass: at most a rounding apart
+        assert rel(a, p) < 1e-3, (name, rel(a, p))
+    print("bitwise equal to bsa_forward's pass:", [torch.equal(a, p) for a, p in zip(gluon, plain)])
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_pass_continues_an_fp32_partial(monkeypatch):
+    """``llsa.PARTIAL_DTYPE = "float32"``: the fine pass's partial in fp32, which the Gluon pass loads as it is."""
+    monkeypatch.setattr(llsa, "PARTIAL_DTYPE", "float32")
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 65536, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    plain = llsa_attention(q, k, v, topk=8, num_levels=2)
+    calls = counted(monkeypatch)
+    gluon = llsa_attention(q, k, v, topk=8, num_levels=2)
+    assert len(calls) == 1
+    assert rel(gluon, plain) < 1e-3
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_pass_compiled_equals_eager(monkeypatch):
+    """Under torch.compile the pass is a custom op (``torch.ops.pixdit.llsa_pooled_forward``): same bits as eager."""
+    counted(monkeypatch)
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = llsa_attention(q, k, v, topk=8, num_levels=2)
+    compiled = torch.compile(lambda q, k, v: llsa_attention(q, k, v, topk=8, num_levels=2), fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)
