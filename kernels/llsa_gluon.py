@@ -31,7 +31,7 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .ops import INTERPRET, custom_op
@@ -43,17 +43,19 @@ TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and 
 # Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
 # 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
 MAX_KEYS = 512
+# Step c + 1's logits product issued before step c's probabilities product (``_walk``). Off until measured
+# (docs/kernel_notes.md v62).
+PIPELINED = False
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; 3.8 renamed it
 
 
 @gluon.jit
-def _softmax_step(q_s, k_s, v_s, step, scale, shift, m_i, l_i, acc, mma: gl.constexpr, SHIFTED: gl.constexpr):
-    """One online-softmax step over the group's 64-key ``step`` in shared memory, written as ``bsa_forward``
-    computes the same step, so that both give the same bits: ``SHIFTED`` (its weighted list walk) scales and shifts
-    the logits first, else (its dense tail) the scale and the shift enter the exponent (``block_sparse.softmax_step``).
-    ``m_i`` is never -inf here (every row starts from the fine pass's LSE), so no guard against it."""
-    zero = gl.zeros([TILE, TILE], gl.float32, mma)
-    s = warpgroup_mma(q_s, k_s.index(step).permute((1, 0)), zero, use_acc=False)
+def _probabilities(s, scale, shift, m_i, SHIFTED: gl.constexpr):
+    """A step's probabilities (unnormalised), new running maximum and the old sum's rescale from its raw logits
+    ``s``, written as ``bsa_forward`` computes the same step, so that both give the same bits: ``SHIFTED`` (its
+    weighted list walk) scales and shifts the logits first, else (its dense tail) the scale and the shift enter the
+    exponent (``block_sparse.softmax_step``). ``m_i`` is never -inf here (every row starts from the fine pass's LSE),
+    so no guard against it."""
     if SHIFTED:
         s = s * scale
         s += shift
@@ -62,11 +64,75 @@ def _softmax_step(q_s, k_s, v_s, step, scale, shift, m_i, l_i, acc, mma: gl.cons
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale + shift)
         p = gl.exp2(s * scale - (m_new - shift)[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(v_s.dtype), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
-    acc = warpgroup_mma(p_op, v_s.index(step), acc * alpha[:, None])
-    return m_new, l_i, acc
+    return p, m_new, gl.exp2(m_i - m_new)
+
+
+@gluon.jit
+def _step_weight(c, w1, w2, tail_bias, STEPS1: gl.constexpr, STEPS2: gl.constexpr):
+    """The base-2 weight of the group's 64-key step ``c``: the first candidate level's, the second's, the tail's."""
+    if c < STEPS1:
+        shift = w1
+    elif c < STEPS1 + STEPS2:
+        shift = w2
+    else:
+        shift = tail_bias
+    return shift
+
+
+@gluon.jit
+def _walk(
+    q_t,
+    k_s,
+    v_s,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    w1,
+    w2,
+    tail_bias,
+    STEPS1: gl.constexpr,
+    STEPS2: gl.constexpr,
+    STEPS: gl.constexpr,
+    mma: gl.constexpr,
+    PIPELINED: gl.constexpr,
+):
+    """One 64-row query tile's online softmax over the group's ``STEPS`` 64-key steps in shared memory (the
+    candidate levels' steps first, scaled then shifted; the tail's after, see ``_probabilities``).
+
+    ``PIPELINED``: step c + 1's logits product is issued before step c's probabilities product and its softmax runs
+    while that product does (FlashAttention-3's order within a warpgroup: the tensor cores and the exponentials
+    overlap); else each product waits for the one before. The same operations on the same values either way."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    zero = gl.zeros([TILE, TILE], gl.float32, mma)
+    if PIPELINED:
+        s = warpgroup_mma(q_t, k_s.index(0).permute((1, 0)), zero, use_acc=False)
+        p, m_i, alpha = _probabilities(
+            s, qk_scale, _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2), m_i, 0 < STEPS1 + STEPS2
+        )
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        for c in gl.static_range(STEPS):
+            p_op = gl.convert_layout(p.to(v_s.dtype), p_layout)
+            if c + 1 < STEPS:
+                s_next = warpgroup_mma(q_t, k_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_s.index(c), acc, is_async=True)
+            if c + 1 < STEPS:
+                s = warpgroup_mma_wait(1, deps=(s_next,))  # the logits (issued first, done first); P V runs on
+                shift = _step_weight(c + 1, w1, w2, tail_bias, STEPS1, STEPS2)
+                p, m_i, alpha = _probabilities(s, qk_scale, shift, m_i, c + 1 < STEPS1 + STEPS2)
+                l_i = l_i * alpha + gl.sum(p, 1)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            if c + 1 < STEPS:
+                acc = acc * alpha[:, None]
+    else:
+        for c in gl.static_range(STEPS):
+            s = warpgroup_mma(q_t, k_s.index(c).permute((1, 0)), zero, use_acc=False)
+            shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
+            p, m_i, alpha = _probabilities(s, qk_scale, shift, m_i, c < STEPS1 + STEPS2)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(v_s.dtype), p_layout), v_s.index(c), acc * alpha[:, None])
+    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -74,6 +140,8 @@ def _pooled_forward_kernel(
     q_desc,
     k_desc,
     v_desc,
+    tail_k_desc,
+    tail_v_desc,
     O_INIT,
     LSE_INIT,
     O,
@@ -98,6 +166,7 @@ def _pooled_forward_kernel(
     CAND1: gl.constexpr,
     CAND2: gl.constexpr,
     TAIL_ROWS: gl.constexpr,
+    PIPELINED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     group = gl.program_id(0)
@@ -133,12 +202,11 @@ def _pooled_forward_kernel(
         v_dst = v_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)
         tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
         tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
-    for t in gl.static_range(TAIL_ROWS // BLOCK):
-        row = bank0 + tail_lo + t * BLOCK
-        k_dst = k_s.index((CAND1 + CAND2 + t) * BLOCK // TILE).slice((CAND1 + CAND2 + t) * BLOCK % TILE, BLOCK)
-        v_dst = v_s.index((CAND1 + CAND2 + t) * BLOCK // TILE).slice((CAND1 + CAND2 + t) * BLOCK % TILE, BLOCK)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
+    for t in gl.static_range(TAIL_ROWS // TILE):  # whole 64-key steps, by 64-row copies
+        row = bank0 + tail_lo + t * TILE
+        tail_step = (CAND1 + CAND2) * BLOCK // TILE + t
+        tma.async_copy_global_to_shared(tail_k_desc, [row, 0], kv_bar, k_s.index(tail_step))
+        tma.async_copy_global_to_shared(tail_v_desc, [row, 0], kv_bar, v_s.index(tail_step))
 
     w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
     w2 = weight2 * 1.4426950408889634
@@ -162,17 +230,11 @@ def _pooled_forward_kernel(
         mbarrier.wait(bars.index(buf), (tile // 2) & 1)
         mbarrier.wait(kv_bar, 0)
         q_t = q_s.index(buf)
-        # the candidate levels (scaled, then shifted by their weight, as bsa_forward's weighted list walk), the tail
-        for c in gl.static_range(CAND1 * BLOCK // TILE):
-            m_i, l_i, acc = _softmax_step(q_t, k_s, v_s, c, qk_scale, w1, m_i, l_i, acc, mma, True)
-        for c in gl.static_range(CAND2 * BLOCK // TILE):
-            m_i, l_i, acc = _softmax_step(
-                q_t, k_s, v_s, CAND1 * BLOCK // TILE + c, qk_scale, w2, m_i, l_i, acc, mma, True
-            )
-        for c in gl.static_range(TAIL_ROWS // TILE):
-            m_i, l_i, acc = _softmax_step(
-                q_t, k_s, v_s, (CAND1 + CAND2) * BLOCK // TILE + c, qk_scale, tail_bias, m_i, l_i, acc, mma, False
-            )
+        STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
+        STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
+        m_i, l_i, acc = _walk(
+            q_t, k_s, v_s, m_i, l_i, acc, qk_scale, w1, w2, tail_bias, STEPS1, STEPS2, KEYS // TILE, mma, PIPELINED
+        )
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(O.dtype.element_ty))
@@ -259,12 +321,16 @@ def _pooled_forward_op(
     q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [TILE.value, d], q_layout)
     k_desc = TensorDescriptor(bank_k, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
     v_desc = TensorDescriptor(bank_v, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
+    tail_k_desc = TensorDescriptor(bank_k, [BH * bank_rows, d], [d, 1], [TILE.value, d], q_layout)
+    tail_v_desc = TensorDescriptor(bank_v, [BH * bank_rows, d], [d, 1], [TILE.value, d], q_layout)
     o = q.new_empty(BH // out_heads, n_q, out_heads, d)  # tokens-major, as llsa's last pass writes it
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     _pooled_forward_kernel[(n_q // (B * B), BH)](
         q_desc,
         k_desc,
         v_desc,
+        tail_k_desc,
+        tail_v_desc,
         o_init,
         lse_init,
         o,
@@ -289,6 +355,7 @@ def _pooled_forward_op(
         CAND1=cand_widths[0],
         CAND2=cand_widths[1],
         TAIL_ROWS=tail_hi - tail_lo,
+        PIPELINED=PIPELINED,
         num_warps=4,
     )
     return o, lse

@@ -1,16 +1,17 @@
 """Interleaved A/B of LLSA's pooled forward pass: ``bsa_forward`` (Triton, 64-row programs) against
-``llsa_gluon.pooled_forward`` (Gluon, one program per B^2-row group with its keys in shared memory), in one process.
+``llsa_gluon.pooled_forward`` (Gluon, one program per B^2-row group with its keys in shared memory; with its products
+waited for in turn, and pipelined: ``llsa_gluon.PIPELINED``), in one process.
 
-    python scripts/ab_llsa_pooled.py                              # 256² L=2, 128² L=2 (batch 2), 512² L=3 (batch 1)
+    python scripts/ab_llsa_pooled.py                # the attention benchmark's: 256² L=2 x 2, 128² L=2 x 8, 512² L=3
     python scripts/ab_llsa_pooled.py --cases 256:2:32 128:2:64    # the sampler's batches
     python scripts/ab_llsa_pooled.py --heads 12                   # DiT-B's heads
 
 The pass alone: both kernels on the arguments that one LLSA forward hands its pooled pass (captured from a real call,
 so the same lists, partial output and bank), ``do_bench`` medians, rounds alternating the order; useful TFLOP/s count
 the pass's attended keys (the candidates and the coarsest level). The whole forward: ``llsa_attention`` with the
-switch ``llsa.GLUON_POOLED_FORWARD`` off and on, GPU kernel time (``pixdit.report.kernel_ms``: an eager call is
-host-bound). The last columns: the largest difference of the two passes' outputs and LSEs relative to the largest
-value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
+switch ``llsa.GLUON_POOLED_FORWARD`` off and on (the faster Gluon form), GPU kernel time
+(``pixdit.report.kernel_ms``: an eager call is host-bound). The last column: the largest differences of the Gluon forms' outputs and LSEs from ``bsa_forward``'s,
+relative to the largest value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
 """
 
 from __future__ import annotations
@@ -80,11 +81,23 @@ def one_case(args, side: int, levels: int, batch: int) -> dict:
     tail = kw["dense_tail"]
     if not llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], kw["full_lists"]):
         raise SystemExit(f"{side}² L={levels}: not a case the Gluon pass takes (see llsa_gluon.case_supported)")
+
+    def gluon(pipelined: bool):
+        def call():
+            llsa_gluon.PIPELINED = pipelined
+            try:
+                return llsa_gluon.pooled_forward(
+                    qf, bank_k, bank_v, lists, o_init, lse_init, B, scale, cand_widths, tail, args.heads
+                )
+            finally:
+                llsa_gluon.PIPELINED = False
+
+        return call
+
     forms = {
         "bsa_forward": lambda: bs.bsa_forward(qf, bank_k, bank_v, lists, llsa.COARSE_TILE, B, scale, **kw),
-        "Gluon": lambda: llsa_gluon.pooled_forward(
-            qf, bank_k, bank_v, lists, o_init, lse_init, B, scale, cand_widths, tail, args.heads
-        ),
+        "Gluon": gluon(False),
+        "Gluon, pipelined": gluon(True),
     }
     outs = {name: fn() for name, fn in forms.items()}
     time_ms, times = timer("cuda"), {name: [] for name in forms}
@@ -94,22 +107,29 @@ def one_case(args, side: int, levels: int, batch: int) -> dict:
     ms = {name: statistics.median(t) for name, t in times.items()}
     keys = sum(cand_widths) * B + tail[1] - tail[0]
     flops = 4.0 * n * keys * 64 * batch * args.heads
+    best = min(("Gluon", "Gluon, pipelined"), key=ms.get)
     whole = {}
     for on in (False, True):
-        llsa.GLUON_POOLED_FORWARD = on
+        llsa.GLUON_POOLED_FORWARD, llsa_gluon.PIPELINED = on, on and best == "Gluon, pipelined"
         whole[on] = kernel_ms(lambda: llsa_attention(q, k, v, topk=args.topk, num_levels=levels), calls=20)
-    llsa.GLUON_POOLED_FORWARD = False
+    llsa.GLUON_POOLED_FORWARD, llsa_gluon.PIPELINED = False, False
+    tflops = " / ".join(f"{flops / ms[name] * 1e-9:.0f}" for name in forms)
+    diffs = [
+        f"{rel_diff(outs[name][i], outs['bsa_forward'][i]):.0e}"
+        for name in forms
+        if name != "bsa_forward"
+        for i in (0, 1)
+    ]
     return {
         "case": f"{side}² L={levels}, batch {batch}",
         "keys": keys,
-        "bsa_forward ms": ms["bsa_forward"],
-        "Gluon ms": ms["Gluon"],
-        "pass speed-up": ms["bsa_forward"] / ms["Gluon"],
-        "TFLOP/s": f"{flops / ms['bsa_forward'] * 1e-9:.0f} -> {flops / ms['Gluon'] * 1e-9:.0f}",
-        "LLSA fwd ms (GPU)": f"{whole[False]:.3f} -> {whole[True]:.3f}",
+        **{f"{name} ms": ms[name] for name in forms},
+        "speed-up": ms["bsa_forward"] / ms["Gluon"],
+        "speed-up, pipelined": ms["bsa_forward"] / ms["Gluon, pipelined"],
+        "TFLOP/s": tflops,
+        f"LLSA fwd ms (GPU), {best}": f"{whole[False]:.3f} -> {whole[True]:.3f}",
         "LLSA fwd speed-up": whole[False] / whole[True],
-        "o rel. diff": f"{rel_diff(outs['Gluon'][0], outs['bsa_forward'][0]):.1e}",
-        "lse rel. diff": f"{rel_diff(outs['Gluon'][1], outs['bsa_forward'][1]):.1e}",
+        "o / lse rel. diff": " ".join(diffs),
     }
 
 

@@ -22,9 +22,10 @@ hopper = pytest.mark.skipif(
 
 # (candidate blocks per level, tail rows): LLSA at 256², L = 2; 128², L = 2; 512², L = 3 (B = 16, K = 8)
 CASES = {"256² L=2": ((8, 0), 256), "128² L=2": ((8, 0), 64), "512² L=3": ((8, 8), 64)}
+FORMS = ("waited", "pipelined")  # llsa_gluon.PIPELINED off / on
 
 
-def compile_for_sm90(cand_widths, tail_rows, dtype="bf16") -> dict:
+def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", pipelined=False) -> dict:
     """The kernel compiled for sm_90 with LLSA's arguments at one shape (no GPU needed): what the tests check of it."""
     import os
     import tempfile
@@ -42,10 +43,11 @@ def compile_for_sm90(cand_widths, tail_rows, dtype="bf16") -> dict:
     pointers = dict(O_INIT=f"*{dtype}", LSE_INIT="*fp32", O=f"*{dtype}", LSE="*fp32", LIST="*i32")
     ints = "n_q bank_rows stride_lb stride_lt out_heads stride_ob stride_oh stride_on tail_lo".split()
     floats = "qk_scale weight1 weight2 tail_bias".split()
-    signature = dict(q_desc=desc(64), k_desc=desc(16), v_desc=desc(16), **pointers)
+    signature = dict(q_desc=desc(64), k_desc=desc(16), v_desc=desc(16), tail_k_desc=desc(64), tail_v_desc=desc(64))
+    signature |= pointers
     signature |= {name: "i32" for name in ints} | {name: "fp32" for name in floats}
     constexprs = dict(HEAD_DIM=64, BLOCK=16, GROUP_ROWS=256, CAND1=cand_widths[0], CAND2=cand_widths[1])
-    constexprs |= dict(TAIL_ROWS=tail_rows, num_warps=4)
+    constexprs |= dict(TAIL_ROWS=tail_rows, PIPELINED=pipelined, num_warps=4)
     signature |= {name: "constexpr" for name in constexprs}
     source = GluonASTSource(llsa_gluon._pooled_forward_kernel, signature, constexprs=constexprs)
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,8 +68,9 @@ def compiled():
     are Triton functions, which the interpreter replaces, so the CPU test session itself cannot compile them."""
     script = (
         "import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
-        "print(json.dumps({c: m['compile_for_sm90'](*m['CASES'][c]) for c in m['CASES']} "
-        "| {'fp16': m['compile_for_sm90']((8, 0), 256, 'fp16')}))"
+        "f = m['compile_for_sm90']; cases = m['CASES']; "
+        "print(json.dumps({c + ', ' + p: f(*cases[c], pipelined=p == 'pipelined') for c in cases for p in m['FORMS']} "
+        "| {'fp16': f((8, 0), 256, 'fp16')}))"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script, __file__], env=env, capture_output=True, text=True)
@@ -75,15 +78,17 @@ def compiled():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_compiles_for_sm90(case, compiled):
+def test_kernel_compiles_for_sm90(case, form, compiled):
     cand_widths, tail_rows = CASES[case]
-    report = compiled[case]
+    report = compiled[f"{case}, {form}"]
     keys = sum(cand_widths) * 16 + tail_rows
     # the group's K and V (2 bytes a value), q's two buffers, three barriers: nothing else in shared memory
     assert report["shared"] <= 2 * keys * 64 * 2 + 2 * 64 * 64 * 2 + 1024, report
     assert report["wgmma"] == 2 * (keys // 64) * 4, "two products a 64-key step, each four k16 wgmma"
-    assert report["tma"] == 2 * keys // 16 + 2, "K and V by 16-row TMA copies, q's first and next tiles"
+    copies = 2 * sum(cand_widths) + 2 * tail_rows // 64 + 2
+    assert report["tma"] == copies, "K and V: a copy per listed block and per 64 tail rows; q's first and next tiles"
     assert report["shared ld/st"] == 0, "P should reach the second product in registers"
 
 
@@ -153,8 +158,10 @@ def counted(monkeypatch):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("b,h,N,L,B", [(2, 3, 65536, 2, 16), (1, 2, 16384, 2, 16), (1, 2, 262144, 3, 16)])
-def test_gluon_pass_matches_bsa_forward_pass_and_exact_path(dtype, b, h, N, L, B, monkeypatch):
+def test_gluon_pass_matches_bsa_forward_pass_and_exact_path(dtype, b, h, N, L, B, form, monkeypatch):
+    monkeypatch.setattr(llsa_gluon, "PIPELINED", form == "pipelined")
     torch.manual_seed(N + L)
     q, k, v = (torch.randn(b, h, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
@@ -191,8 +198,10 @@ def test_gluon_pass_continues_an_fp32_partial(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-def test_gluon_pass_compiled_equals_eager(monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_gluon_pass_compiled_equals_eager(form, monkeypatch):
     """Under torch.compile the pass is a custom op (``torch.ops.pixdit.llsa_pooled_forward``): same bits as eager."""
+    monkeypatch.setattr(llsa_gluon, "PIPELINED", form == "pipelined")
     counted(monkeypatch)
     torch.manual_seed(6)
     q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
