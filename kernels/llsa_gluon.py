@@ -136,6 +136,39 @@ def _walk(
 
 
 @gluon.jit
+def _load_group_keys(
+    k_desc,
+    v_desc,
+    tail_k_desc,
+    tail_v_desc,
+    k_s,
+    v_s,
+    kv_bar,
+    list_base,
+    bank0,
+    tail_lo,
+    BLOCK: gl.constexpr,
+    LISTED: gl.constexpr,
+    TAIL_ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):
+    """A group's keys into ``k_s`` / ``v_s`` (``[steps, 64, d]``) by TMA, all signalling ``kv_bar``: the ``LISTED``
+    bank blocks of the group's list (every 64-row tile of a group has the same list: the children of its level-2
+    ancestor's selection) by ``BLOCK``-row copies, then the coarsest level's rows (``tail_lo`` on) by 64-row copies."""
+    mbarrier.expect(kv_bar, 2 * (LISTED * BLOCK + TAIL_ROWS) * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+    for j in gl.static_range(LISTED):
+        row = bank0 + gl.load(list_base + j) * BLOCK
+        k_dst = k_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
+        v_dst = v_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
+    for t in gl.static_range(TAIL_ROWS // TILE):  # whole 64-key steps, by 64-row copies
+        row = bank0 + tail_lo + t * TILE
+        tma.async_copy_global_to_shared(tail_k_desc, [row, 0], kv_bar, k_s.index(LISTED * BLOCK // TILE + t))
+        tma.async_copy_global_to_shared(tail_v_desc, [row, 0], kv_bar, v_s.index(LISTED * BLOCK // TILE + t))
+
+
+@gluon.jit
 def _pooled_forward_kernel(
     q_desc,
     k_desc,
@@ -188,25 +221,27 @@ def _pooled_forward_kernel(
         mbarrier.init(bars.index(i), count=1)
     kv_bar = bars.index(2)  # bars 0 and 1: q's two buffers
 
-    # q's first tile, then the group's keys: the candidates block by block from the group's list (every 64-row tile of
-    # a group has the same list: the children of its level-2 ancestor's selection), then the coarsest level's rows
+    # q's first tile, then the group's keys
     q_row0 = bh * n_q + group * GROUP_ROWS
     mbarrier.expect(bars.index(0), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0, 0], bars.index(0), q_s.index(0))
-    mbarrier.expect(kv_bar, 2 * KEYS * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
     list_base = LIST + bh.to(gl.int64) * stride_lb + (group * TILES) * stride_lt
-    bank0 = bh * bank_rows
-    for j in gl.static_range(CAND1 + CAND2):
-        row = bank0 + gl.load(list_base + j) * BLOCK
-        k_dst = k_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
-        v_dst = v_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
-    for t in gl.static_range(TAIL_ROWS // TILE):  # whole 64-key steps, by 64-row copies
-        row = bank0 + tail_lo + t * TILE
-        tail_step = (CAND1 + CAND2) * BLOCK // TILE + t
-        tma.async_copy_global_to_shared(tail_k_desc, [row, 0], kv_bar, k_s.index(tail_step))
-        tma.async_copy_global_to_shared(tail_v_desc, [row, 0], kv_bar, v_s.index(tail_step))
+    _load_group_keys(
+        k_desc,
+        v_desc,
+        tail_k_desc,
+        tail_v_desc,
+        k_s,
+        v_s,
+        kv_bar,
+        list_base,
+        bh * bank_rows,
+        tail_lo,
+        BLOCK,
+        CAND1 + CAND2,
+        TAIL_ROWS,
+        HEAD_DIM,
+    )
 
     w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
     w2 = weight2 * 1.4426950408889634
