@@ -59,6 +59,8 @@ LIST_WEIGHT_RUNS = True
 # shared memory) where it supports the case, else by ``bsa_forward``. Off until measured (docs/kernel_notes.md v62);
 # PIXDIT_KERNELS_GLUON=1 switches it on for a process.
 GLUON_POOLED_FORWARD = os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in ("", "0")
+# The backward's pooled dq (and Δ) by ``llsa_gluon.pooled_dq`` in the same cases: off until measured; the same variable.
+GLUON_POOLED_DQ = GLUON_POOLED_FORWARD
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -433,7 +435,7 @@ class _LLSATriton(torch.autograd.Function):
         logw, tail = None, _bank_tail(N, B, L, Le)
         if has_coarse:
             logw = _bank_log_weights(N, B, L, Le, q.device)
-        if has_coarse and _gluon_pooled(qf, B, cand_widths, tail, full_lists):
+        if has_coarse and _gluon_pooled(qf, B, cand_widths, tail, full_lists, GLUON_POOLED_FORWARD):
             o, lse = llsa_gluon.pooled_forward(qf, bank_k, bank_v, coarse_lists, o, lse, B, scale, cand_widths, tail, h)
         elif has_coarse:
             o, lse = bs.bsa_forward(
@@ -465,10 +467,27 @@ class _LLSATriton(torch.autograd.Function):
         dq = pooled_k = pooled_v = None
         if Le >= 1:
             # pooled levels first (64-row tiles); this dq pass also computes Δ = rowsum(dO * O)
-            weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
-            dq = bs.bsa_backward_dq(
-                qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail, **weights
-            )
+            if _gluon_pooled(qf, B, cand_widths, tail, full_lists, GLUON_POOLED_DQ):
+                dq = llsa_gluon.pooled_dq(
+                    qf, bank_k, bank_v, do, o, lse, delta, coarse_lists, B, scale, cand_widths, tail
+                )
+            else:
+                weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
+                dq = bs.bsa_backward_dq(
+                    qf,
+                    bank_k,
+                    bank_v,
+                    do,
+                    lse,
+                    delta,
+                    coarse_lists,
+                    COARSE_TILE,
+                    B,
+                    scale,
+                    o=o,
+                    dense_tail=tail,
+                    **weights,
+                )
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
@@ -505,9 +524,10 @@ class _LLSATriton(torch.autograd.Function):
         return (dq.view(shape), dk.view(shape), dv.view(shape)) + (None,) * 12
 
 
-def _gluon_pooled(qf, B, cand_widths, tail, full_lists: bool) -> bool:
-    """Whether the pooled pass runs ``llsa_gluon.pooled_forward`` (``GLUON_POOLED_FORWARD`` and a case it supports)."""
-    if not GLUON_POOLED_FORWARD or llsa_gluon is None or tail is None:
+def _gluon_pooled(qf, B, cand_widths, tail, full_lists: bool, switch: bool) -> bool:
+    """Whether the pooled pass runs ``llsa_gluon``'s kernel: its ``switch`` (``GLUON_POOLED_FORWARD``,
+    ``GLUON_POOLED_DQ``) is on and the kernel supports the case."""
+    if not switch or llsa_gluon is None or tail is None:
         return False
     return llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], full_lists)
 

@@ -36,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .ops import INTERPRET, custom_op
 
-__all__ = ["pooled_forward", "pooled_forward_supported", "case_supported", "MAX_KEYS"]
+__all__ = ["pooled_forward", "pooled_dq", "pooled_forward_supported", "case_supported", "MAX_KEYS"]
 
 LOG2E = 1.4426950408889634
 TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and keys per step
@@ -278,6 +278,116 @@ def _pooled_forward_kernel(
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _pooled_dq_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    tail_k_desc,
+    tail_v_desc,
+    O,
+    LSE,
+    DELTA,
+    DQ,
+    LIST,
+    n_q,
+    bank_rows,
+    stride_lb,
+    stride_lt,
+    heads,
+    qk_scale,
+    sm_scale,
+    weight1,
+    weight2,
+    tail_lo,
+    tail_bias,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    GROUP_ROWS: gl.constexpr,
+    CAND1: gl.constexpr,
+    CAND2: gl.constexpr,
+    TAIL_ROWS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The pooled pass's dq (and Δ = rowsum(dO * O)), as ``bsa_backward_dq`` computes it for LLSA's pooled lists:
+    per 64-key step S = q K^T, P from the forward's LSE, dP = dO V^T, dS = P (dP - Δ), dq += dS K. dO and O are
+    tokens-major ``[BH / heads, N, heads, d]``; dq is fp32 ``[BH, N, d]``."""
+    group = gl.program_id(0)
+    bh = gl.program_id(1)
+    KEYS: gl.constexpr = (CAND1 + CAND2) * BLOCK + TAIL_ROWS
+    TILES: gl.constexpr = GROUP_ROWS // TILE
+    STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
+    STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], v_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [TILE, HEAD_DIM], q_desc.layout)  # one buffer each: the keys
+    do_s = gl.allocate_shared_memory(do_desc.dtype, [TILE, HEAD_DIM], do_desc.layout)  # leave room for two programs
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(i), count=1)
+    kv_bar, tile_bar = bars.index(0), bars.index(1)
+    list_base = LIST + bh.to(gl.int64) * stride_lb + (group * TILES) * stride_lt
+    _load_group_keys(
+        k_desc,
+        v_desc,
+        tail_k_desc,
+        tail_v_desc,
+        k_s,
+        v_s,
+        kv_bar,
+        list_base,
+        bh * bank_rows,
+        tail_lo,
+        BLOCK,
+        CAND1 + CAND2,
+        TAIL_ROWS,
+        HEAD_DIM,
+    )
+
+    w1 = weight1 * 1.4426950408889634
+    w2 = weight2 * 1.4426950408889634
+    zero = gl.zeros([TILE, TILE], gl.float32, mma)
+    b = bh // heads
+    head = bh % heads
+    for tile in range(TILES):
+        row0 = group * GROUP_ROWS + tile * TILE
+        _cta_barrier()  # the previous tile's products have read q and dO
+        mbarrier.expect(tile_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0, 0], tile_bar, q_s)
+        tma.async_copy_global_to_shared(do_desc, [b * n_q + row0, head * HEAD_DIM], tile_bar, do_s)
+        rows = row0 + gl.arange(0, TILE, layout=row_layout)
+        flat = bh.to(gl.int64) * n_q + rows
+        lse2 = gl.load(LSE + flat) * 1.4426950408889634
+        o = gl.load(O + (b.to(gl.int64) * n_q + rows)[:, None] * (heads * HEAD_DIM) + head * HEAD_DIM + dims[None, :])
+        mbarrier.wait(tile_bar, tile & 1)
+        delta = gl.sum(o.to(gl.float32) * do_s.load(mma).to(gl.float32), 1)
+        gl.store(DELTA + flat, delta)
+        mbarrier.wait(kv_bar, 0)
+        dq = gl.zeros([TILE, HEAD_DIM], gl.float32, mma)
+        for c in gl.static_range(KEYS // TILE):
+            s = warpgroup_mma(q_s, k_s.index(c).permute((1, 0)), zero, use_acc=False)
+            if c < STEPS1 + STEPS2:  # bsa_backward_dq's weighted list walk: scaled, shifted, then the exponent
+                s = s * qk_scale
+                s += _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
+                p = gl.exp2(s - lse2[:, None])
+            else:  # its dense tail: scale and shift in the exponent
+                p = gl.exp2(s * qk_scale - (lse2 - tail_bias)[:, None])
+            dp = warpgroup_mma(do_s, v_s.index(c).permute((1, 0)), zero, use_acc=False)
+            ds = p * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), ds_layout), k_s.index(c), dq)
+        gl.store(DQ + flat[:, None] * HEAD_DIM + dims[None, :], dq * sm_scale)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(bars.index(i))
+
+
 def pooled_forward_supported(
     q: torch.Tensor, block_size: int, cand_widths: tuple[int, ...], tail_rows: int, full_lists: bool
 ) -> bool:
@@ -350,14 +460,7 @@ def _pooled_forward_op(
     BH, n_q, d = q.shape
     bank_rows = bank_k.shape[1]
     B = block_size
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([B, d], dtype)
-    q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [TILE.value, d], q_layout)
-    k_desc = TensorDescriptor(bank_k, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
-    v_desc = TensorDescriptor(bank_v, [BH * bank_rows, d], [d, 1], [B, d], kv_layout)
-    tail_k_desc = TensorDescriptor(bank_k, [BH * bank_rows, d], [d, 1], [TILE.value, d], q_layout)
-    tail_v_desc = TensorDescriptor(bank_v, [BH * bank_rows, d], [d, 1], [TILE.value, d], q_layout)
+    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size)
     o = q.new_empty(BH // out_heads, n_q, out_heads, d)  # tokens-major, as llsa's last pass writes it
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     _pooled_forward_kernel[(n_q // (B * B), BH)](
@@ -394,6 +497,106 @@ def _pooled_forward_op(
         num_warps=4,
     )
     return o, lse
+
+
+def pooled_dq(
+    q: torch.Tensor,
+    bank_k: torch.Tensor,
+    bank_v: torch.Tensor,
+    do: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    lists: torch.Tensor,
+    block_size: int,
+    scale: float,
+    cand_widths: tuple[int, ...],
+    tail: tuple[int, int, float],
+) -> torch.Tensor:
+    """The pooled pass's dq, fp32 ``[BH, N, d]``, and Δ = rowsum(dO * O) into ``delta`` (fp32 ``[BH, N]``): what
+    ``bsa_backward_dq`` computes for LLSA's pooled lists (``o=`` given). q, bank_k, bank_v, lists, cand_widths and
+    tail as for ``pooled_forward``; do and o tokens-major ``[BH / heads, N, heads, d]``, contiguous; lse the
+    forward's."""
+    widths = list(cand_widths) + [0] * (2 - len(cand_widths))
+    return _pooled_dq_op(q, bank_k, bank_v, do, o, lse, delta, lists, block_size, scale, widths, *tail)
+
+
+@custom_op("llsa_pooled_dq", mutates_args=("delta",))
+def _pooled_dq_op(
+    q: torch.Tensor,
+    bank_k: torch.Tensor,
+    bank_v: torch.Tensor,
+    do: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    lists: torch.Tensor,
+    block_size: int,
+    scale: float,
+    cand_widths: list[int],
+    tail_lo: int,
+    tail_hi: int,
+    tail_log_weight: float,
+) -> torch.Tensor:
+    BH, n_q, d = q.shape
+    b, heads = do.shape[0], do.shape[2]
+    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size)
+    layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], _gl_dtype(q.dtype))
+    do_desc = TensorDescriptor(do, [b * n_q, heads * d], [heads * d, 1], [TILE.value, d], layout)
+    dq = torch.empty(BH, n_q, d, device=q.device, dtype=torch.float32)
+    _pooled_dq_kernel[(n_q // block_size**2, BH)](
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        tail_k_desc,
+        tail_v_desc,
+        o,
+        lse,
+        delta,
+        dq,
+        lists,
+        n_q,
+        bank_k.shape[1],
+        lists.stride(0),
+        lists.stride(1),
+        heads,
+        scale * LOG2E,
+        scale,
+        1 * math.log(block_size),
+        2 * math.log(block_size),
+        tail_lo,
+        tail_log_weight * LOG2E,
+        HEAD_DIM=d,
+        BLOCK=block_size,
+        GROUP_ROWS=block_size**2,
+        CAND1=cand_widths[0],
+        CAND2=cand_widths[1],
+        TAIL_ROWS=tail_hi - tail_lo,
+        num_warps=4,
+    )
+    return dq
+
+
+@_pooled_dq_op.register_fake
+def _(q, bank_k, bank_v, do, o, lse, delta, lists, block_size, scale, cand_widths, tail_lo, tail_hi, tail_w):
+    return torch.empty_like(q, dtype=torch.float32)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def _descriptors(q, bank_k, bank_v, block_size):
+    """TMA descriptors: q ``[BH * N, d]`` in 64-row tiles; the bank's K and V ``[BH * rows, d]`` in blocks of
+    ``block_size`` rows (the listed blocks) and in 64-row tiles (the coarsest level)."""
+    BH, n_q, d = q.shape
+    rows = BH * bank_k.shape[1]
+    layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], _gl_dtype(q.dtype))  # 128-byte swizzle
+    q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [TILE.value, d], layout)
+    listed = [TensorDescriptor(x, [rows, d], [d, 1], [block_size, d], layout) for x in (bank_k, bank_v)]
+    tail = [TensorDescriptor(x, [rows, d], [d, 1], [TILE.value, d], layout) for x in (bank_k, bank_v)]
+    return q_desc, *listed, *tail
 
 
 @_pooled_forward_op.register_fake

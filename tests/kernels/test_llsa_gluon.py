@@ -22,10 +22,10 @@ hopper = pytest.mark.skipif(
 
 # (candidate blocks per level, tail rows): LLSA at 256², L = 2; 128², L = 2; 512², L = 3 (B = 16, K = 8)
 CASES = {"256² L=2": ((8, 0), 256), "128² L=2": ((8, 0), 64), "512² L=3": ((8, 8), 64)}
-FORMS = ("waited", "pipelined")  # llsa_gluon.PIPELINED off / on
+FORMS = ("waited", "pipelined", "dq")  # the forward with llsa_gluon.PIPELINED off / on; the dq kernel
 
 
-def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", pipelined=False) -> dict:
+def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", pipelined=False, dq=False) -> dict:
     """The kernel compiled for sm_90 with LLSA's arguments at one shape (no GPU needed): what the tests check of it."""
     import os
     import tempfile
@@ -40,16 +40,25 @@ def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", pipelined=False) -> d
     def desc(rows):
         return f"tensordesc<{dtype}[{rows},64],{gl.NVMMASharedLayout.get_default_for([rows, 64], gl_dtype)!r}>"
 
-    pointers = dict(O_INIT=f"*{dtype}", LSE_INIT="*fp32", O=f"*{dtype}", LSE="*fp32", LIST="*i32")
-    ints = "n_q bank_rows stride_lb stride_lt out_heads stride_ob stride_oh stride_on tail_lo".split()
-    floats = "qk_scale weight1 weight2 tail_bias".split()
-    signature = dict(q_desc=desc(64), k_desc=desc(16), v_desc=desc(16), tail_k_desc=desc(64), tail_v_desc=desc(64))
-    signature |= pointers
-    signature |= {name: "i32" for name in ints} | {name: "fp32" for name in floats}
+    descriptors = dict(k_desc=desc(16), v_desc=desc(16), tail_k_desc=desc(64), tail_v_desc=desc(64))
     constexprs = dict(HEAD_DIM=64, BLOCK=16, GROUP_ROWS=256, CAND1=cand_widths[0], CAND2=cand_widths[1])
-    constexprs |= dict(TAIL_ROWS=tail_rows, PIPELINED=pipelined, num_warps=4)
+    constexprs |= dict(TAIL_ROWS=tail_rows, num_warps=4)
+    if dq:
+        kernel = llsa_gluon._pooled_dq_kernel
+        signature = dict(q_desc=desc(64), do_desc=desc(64), **descriptors)
+        signature |= dict(O=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ="*fp32", LIST="*i32")
+        ints = "n_q bank_rows stride_lb stride_lt heads tail_lo".split()
+        floats = "qk_scale sm_scale weight1 weight2 tail_bias".split()
+    else:
+        kernel = llsa_gluon._pooled_forward_kernel
+        signature = dict(q_desc=desc(64), **descriptors)
+        signature |= dict(O_INIT=f"*{dtype}", LSE_INIT="*fp32", O=f"*{dtype}", LSE="*fp32", LIST="*i32")
+        ints = "n_q bank_rows stride_lb stride_lt out_heads stride_ob stride_oh stride_on tail_lo".split()
+        floats = "qk_scale weight1 weight2 tail_bias".split()
+        constexprs["PIPELINED"] = pipelined
+    signature |= {name: "i32" for name in ints} | {name: "fp32" for name in floats}
     signature |= {name: "constexpr" for name in constexprs}
-    source = GluonASTSource(llsa_gluon._pooled_forward_kernel, signature, constexprs=constexprs)
+    source = GluonASTSource(kernel, signature, constexprs=constexprs)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRITON_CACHE_DIR"] = tmp  # (a subprocess of its own: see compiled)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -69,7 +78,7 @@ def compiled():
     script = (
         "import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
         "f = m['compile_for_sm90']; cases = m['CASES']; "
-        "print(json.dumps({c + ', ' + p: f(*cases[c], pipelined=p == 'pipelined') for c in cases for p in m['FORMS']} "
+        "print(json.dumps({c + ', ' + p: f(*cases[c], pipelined=p == 'pipelined', dq=p == 'dq') for c in cases for p in m['FORMS']} "
         "| {'fp16': f((8, 0), 256, 'fp16')}))"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -84,12 +93,15 @@ def test_kernel_compiles_for_sm90(case, form, compiled):
     cand_widths, tail_rows = CASES[case]
     report = compiled[f"{case}, {form}"]
     keys = sum(cand_widths) * 16 + tail_rows
-    # the group's K and V (2 bytes a value), q's two buffers, three barriers: nothing else in shared memory
+    # the group's K and V (2 bytes a value), two 64-row tiles (q's two buffers; the dq's q and dO), the barriers:
+    # nothing else in shared memory
     assert report["shared"] <= 2 * keys * 64 * 2 + 2 * 64 * 64 * 2 + 1024, report
-    assert report["wgmma"] == 2 * (keys // 64) * 4, "two products a 64-key step, each four k16 wgmma"
+    products = 3 if form == "dq" else 2  # S = q K^T, (dP = dO V^T,) then O += P V or dq += dS K
+    assert report["wgmma"] == products * (keys // 64) * 4, "each product four k16 wgmma a 64-key step"
     copies = 2 * sum(cand_widths) + 2 * tail_rows // 64 + 2
-    assert report["tma"] == copies, "K and V: a copy per listed block and per 64 tail rows; q's first and next tiles"
-    assert report["shared ld/st"] == 0, "P should reach the second product in registers"
+    assert report["tma"] == copies, "K and V: a copy per listed block and per 64 tail rows; two 64-row tiles"
+    # (the dq's one read of dO from shared memory, for Δ, is an ldmatrix)
+    assert report["shared ld/st"] == 0, "P (dS) should reach the last product in registers"
 
 
 def test_kernel_compiles_for_fp16(compiled):
@@ -122,10 +134,9 @@ def test_case_supported_refuses(dtype, d, n_q, B, widths, tail, full, why):
     assert not llsa_gluon.case_supported(dtype, d, n_q, B, widths, tail, full), why
 
 
-def test_llsa_runs_the_gluon_pass_only_on_an_sm90_gpu(monkeypatch):
-    monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
+def test_llsa_runs_the_gluon_kernels_only_on_an_sm90_gpu():
     q = torch.zeros(12, 65536, 64, dtype=torch.bfloat16)
-    assert not llsa._gluon_pooled(q, 16, (8,), (4096, 4352, 0.0), True)  # a CPU tensor
+    assert not llsa._gluon_pooled(q, 16, (8,), (4096, 4352, 0.0), True, switch=True)  # a CPU tensor
 
 
 # ------------------------------------------------------------------------------------------------------- on the GPU
@@ -141,17 +152,20 @@ def run(q, k, v, go, **kw):
     return o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
 
 
-def counted(monkeypatch):
-    """Switch the Gluon pass on and count its calls (a test that it ran, not only that the results agree)."""
+def counted(monkeypatch, form: str = "waited") -> list[str]:
+    """Switch one Gluon kernel on (``form``: "waited" / "pipelined": the forward, "dq": the dq) and record its calls
+    (a test that it ran, not only that the results agree)."""
     calls = []
-    original = llsa_gluon.pooled_forward
+    name = "pooled_dq" if form == "dq" else "pooled_forward"
+    original = getattr(llsa_gluon, name)
 
     def counting(*args, **kwargs):
-        calls.append(1)
+        calls.append(name)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
-    monkeypatch.setattr(llsa_gluon, "pooled_forward", counting)
+    monkeypatch.setattr(llsa, "GLUON_POOLED_DQ" if form == "dq" else "GLUON_POOLED_FORWARD", True)
+    monkeypatch.setattr(llsa_gluon, "PIPELINED", form == "pipelined")
+    monkeypatch.setattr(llsa_gluon, name, counting)
     return calls
 
 
@@ -160,16 +174,17 @@ def counted(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("b,h,N,L,B", [(2, 3, 65536, 2, 16), (1, 2, 16384, 2, 16), (1, 2, 262144, 3, 16)])
-def test_gluon_pass_matches_bsa_forward_pass_and_exact_path(dtype, b, h, N, L, B, form, monkeypatch):
-    monkeypatch.setattr(llsa_gluon, "PIPELINED", form == "pipelined")
+def test_gluon_pass_matches_bsa_pass_and_exact_path(dtype, b, h, N, L, B, form, monkeypatch):
+    """LLSA with one Gluon kernel (the forward in either form, or the dq) against LLSA with ``bsa_forward`` /
+    ``bsa_backward_dq`` (the same selection: within a rounding) and the exact fp32 path (within the dtype's)."""
     torch.manual_seed(N + L)
     q, k, v = (torch.randn(b, h, N, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
     kw = dict(block_size=B, topk=8, num_levels=L, impl="triton")
     plain = run(q, k, v, go, **kw)
-    calls = counted(monkeypatch)
+    calls = counted(monkeypatch, form)
     gluon = run(q, k, v, go, **kw)
-    assert len(calls) == 1, "the Gluon pass did not run"
+    assert len(calls) == 1, "the Gluon kernel did not run"
     index = llsa.llsa_select(q, k, B, 8, L)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     exact = run(qf, kf, vf, go.float(), index=index, **dict(kw, impl="torch"))
@@ -177,9 +192,9 @@ def test_gluon_pass_matches_bsa_forward_pass_and_exact_path(dtype, b, h, N, L, B
     for name, a, p, r in zip(("o", "dq", "dk", "dv"), gluon, plain, exact):
         assert torch.isfinite(a).all(), name
         assert rel(a, r) < tol, (name, rel(a, r))
-        # the same softmax steps in the same order as bsa_forward's pass: at most a rounding apart
+        # the same steps in the same order as the Triton pass: at most a rounding apart
         assert rel(a, p) < 1e-3, (name, rel(a, p))
-    print("bitwise equal to bsa_forward's pass:", [torch.equal(a, p) for a, p in zip(gluon, plain)])
+    print(form, "bitwise equal to the Triton pass (o, dq, dk, dv):", [torch.equal(a, p) for a, p in zip(gluon, plain)])
 
 
 @pytest.mark.gpu
@@ -190,7 +205,7 @@ def test_gluon_pass_continues_an_fp32_partial(monkeypatch):
     torch.manual_seed(5)
     q, k, v = (torch.randn(1, 2, 65536, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     plain = llsa_attention(q, k, v, topk=8, num_levels=2)
-    calls = counted(monkeypatch)
+    calls = counted(monkeypatch, "waited")
     gluon = llsa_attention(q, k, v, topk=8, num_levels=2)
     assert len(calls) == 1
     assert rel(gluon, plain) < 1e-3
@@ -200,11 +215,19 @@ def test_gluon_pass_continues_an_fp32_partial(monkeypatch):
 @hopper
 @pytest.mark.parametrize("form", FORMS)
 def test_gluon_pass_compiled_equals_eager(form, monkeypatch):
-    """Under torch.compile the pass is a custom op (``torch.ops.pixdit.llsa_pooled_forward``): same bits as eager."""
-    monkeypatch.setattr(llsa_gluon, "PIPELINED", form == "pipelined")
-    counted(monkeypatch)
+    """Under torch.compile the kernels are custom ops (``torch.ops.pixdit.llsa_pooled_forward``, ``..._dq``): the
+    same bits as eager, forward and gradients."""
+    calls = counted(monkeypatch, form)
     torch.manual_seed(6)
-    q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    eager = llsa_attention(q, k, v, topk=8, num_levels=2)
-    compiled = torch.compile(lambda q, k, v: llsa_attention(q, k, v, topk=8, num_levels=2), fullgraph=True)(q, k, v)
-    assert torch.equal(compiled, eager)
+    q, k, v = (torch.randn(2, 3, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    go = torch.randn_like(q)
+
+    def step(q, k, v, go):
+        o = llsa_attention(q, k, v, topk=8, num_levels=2)
+        return (o, *torch.autograd.grad(o, (q, k, v), go))
+
+    eager = step(q, k, v, go)
+    compiled = torch.compile(step)(q, k, v, go)
+    assert calls, "the Gluon kernel did not run"
+    for name, a, b in zip(("o", "dq", "dk", "dv"), compiled, eager):
+        assert torch.equal(a, b), name
