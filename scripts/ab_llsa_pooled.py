@@ -1,17 +1,18 @@
-"""Interleaved A/B of LLSA's pooled forward pass: ``bsa_forward`` (Triton, 64-row programs) against
-``llsa_gluon.pooled_forward`` (Gluon, one program per B^2-row group with its keys in shared memory; with its products
-waited for in turn, and pipelined: ``llsa_gluon.PIPELINED``), in one process.
+"""Interleaved A/B of LLSA's pooled passes, Triton against Gluon, in one process: the forward (``bsa_forward``
+against ``llsa_gluon.pooled_forward``, its products waited for in turn and pipelined: ``llsa_gluon.PIPELINED``) and
+the dq (``bsa_backward_dq`` against ``llsa_gluon.pooled_dq``).
 
     python scripts/ab_llsa_pooled.py                # the attention benchmark's: 256² L=2 x 2, 128² L=2 x 8, 512² L=3
     python scripts/ab_llsa_pooled.py --cases 256:2:32 128:2:64    # the sampler's batches
     python scripts/ab_llsa_pooled.py --heads 12                   # DiT-B's heads
 
-The pass alone: both kernels on the arguments that one LLSA forward hands its pooled pass (captured from a real call,
-so the same lists, partial output and bank), ``do_bench`` medians, rounds alternating the order; useful TFLOP/s count
-the pass's attended keys (the candidates and the coarsest level). The whole forward: ``llsa_attention`` with the
-switch ``llsa.GLUON_POOLED_FORWARD`` off and on (the faster Gluon form), GPU kernel time
-(``pixdit.report.kernel_ms``: an eager call is host-bound). The last column: the largest differences of the Gluon forms' outputs and LSEs from ``bsa_forward``'s,
-relative to the largest value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
+Each pass alone: the kernels on the arguments that one LLSA forward + backward hands its pooled passes (captured from
+a real call, so the same lists, partial output, bank and gradient), ``do_bench`` medians, rounds alternating the
+order; useful TFLOP/s count the attended keys (the candidates and the coarsest level; the dq's three products as 1.5
+forwards). Then LLSA's forward and forward + backward with the switches ``llsa.GLUON_POOLED_FORWARD`` and
+``GLUON_POOLED_DQ`` off and on (the faster forward form), GPU kernel time (``pixdit.report.kernel_ms``: an eager call
+is host-bound). The last column: the largest differences of the Gluon kernels' two outputs (o and LSE; dq and Δ)
+from Triton's, relative to the largest value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
 """
 
 from __future__ import annotations
@@ -43,46 +44,65 @@ def parse_args(argv=None):
     return args
 
 
-def pooled_call(q, k, v, levels: int, topk: int):
-    """The positional and keyword arguments of the pooled ``bsa_forward`` call in one LLSA forward."""
-    seen, plain = [], bs.bsa_forward
+def pooled_calls(q, k, v, levels: int, topk: int):
+    """The arguments (positional, keyword) of the pooled ``bsa_forward`` and ``bsa_backward_dq`` calls in one LLSA
+    forward + backward."""
+    seen, forward, dq = {}, bs.bsa_forward, bs.bsa_backward_dq
 
-    def spy(*args, **kwargs):
-        if kwargs.get("init") is not None:
-            seen.append((args, kwargs))
-        return plain(*args, **kwargs)
+    def spy(name, plain, pooled):
+        def call(*args, **kwargs):
+            if pooled(kwargs):
+                seen.setdefault(name, (args, kwargs))
+            return plain(*args, **kwargs)
 
-    bs.bsa_forward = spy
+        return call
+
+    bs.bsa_forward = spy("forward", forward, lambda kw: kw.get("init") is not None)
+    bs.bsa_backward_dq = spy("dq", dq, lambda kw: kw.get("dense_tail") is not None)
     try:
-        llsa_attention(q, k, v, topk=topk, num_levels=levels)
+        with torch.enable_grad():
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            o = llsa_attention(q, k, v, topk=topk, num_levels=levels)
+            o.backward(torch.randn_like(o))
     finally:
-        bs.bsa_forward = plain
-    return seen[0]
+        bs.bsa_forward, bs.bsa_backward_dq = forward, dq
+    return seen["forward"], seen["dq"]
 
 
 @torch.no_grad()
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    rows = [one_case(args, side, levels, batch) for side, levels, batch in args.cases]
-    print(
-        f"LLSA's pooled forward pass, {args.heads} heads of 64, bf16, K = {args.topk}, {torch.cuda.get_device_name()}"
-    )
+    rows = [row for side, levels, batch in args.cases for row in one_case(args, side, levels, batch)]
+    device = torch.cuda.get_device_name()
+    print(f"LLSA's pooled passes, {args.heads} heads of 64, bf16, K = {args.topk}, {device}")
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
     return rows
 
 
-def one_case(args, side: int, levels: int, batch: int) -> dict:
+def interleaved_ms(forms: dict, rounds: int) -> dict:
+    """The median over rounds (alternating the order) of each form's ``do_bench`` median."""
+    time_ms, times = timer("cuda"), {name: [] for name in forms}
+    for round_ in range(rounds):
+        for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
+            times[name].append(time_ms(forms[name], 200))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def one_case(args, side: int, levels: int, batch: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(side + levels)
     n, B = side * side, 16
     q, k, v = (torch.randn(batch, args.heads, n, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in "qkv")
-    (qf, bank_k, bank_v, lists, _, _, scale), kw = pooled_call(q, k, v, levels, args.topk)
-    o_init, lse_init = kw["init"]
+    (fwd_args, fwd_kw), (dq_args, dq_kw) = pooled_calls(q, k, v, levels, args.topk)
+    qf, bank_k, bank_v, lists, _, _, scale = fwd_args
+    o_init, lse_init = fwd_kw["init"]
     cand_widths = tuple(llsa.llsa_check(n, B, levels, args.topk)["topk"][1:levels])
-    tail = kw["dense_tail"]
-    if not llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], kw["full_lists"]):
-        raise SystemExit(f"{side}² L={levels}: not a case the Gluon pass takes (see llsa_gluon.case_supported)")
+    tail = fwd_kw["dense_tail"]
+    if not llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], fwd_kw["full_lists"]):
+        raise SystemExit(f"{side}² L={levels}: not a case the Gluon kernels take (see llsa_gluon.case_supported)")
+    keys = sum(cand_widths) * B + tail[1] - tail[0]
+    flops = 4.0 * n * keys * 64 * batch * args.heads  # the forward's; the dq's three products are 1.5x that
 
-    def gluon(pipelined: bool):
+    def gluon_forward(pipelined: bool):
         def call():
             llsa_gluon.PIPELINED = pipelined
             try:
@@ -94,43 +114,70 @@ def one_case(args, side: int, levels: int, batch: int) -> dict:
 
         return call
 
-    forms = {
-        "bsa_forward": lambda: bs.bsa_forward(qf, bank_k, bank_v, lists, llsa.COARSE_TILE, B, scale, **kw),
-        "Gluon": gluon(False),
-        "Gluon, pipelined": gluon(True),
+    forward = {
+        "Triton": lambda: bs.bsa_forward(*fwd_args, **fwd_kw),
+        "Gluon": gluon_forward(False),
+        "Gluon, pipelined": gluon_forward(True),
     }
-    outs = {name: fn() for name, fn in forms.items()}
-    time_ms, times = timer("cuda"), {name: [] for name in forms}
-    for round_ in range(args.rounds):
-        for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
-            times[name].append(time_ms(forms[name], 200))
-    ms = {name: statistics.median(t) for name, t in times.items()}
-    keys = sum(cand_widths) * B + tail[1] - tail[0]
-    flops = 4.0 * n * keys * 64 * batch * args.heads
-    best = min(("Gluon", "Gluon, pipelined"), key=ms.get)
-    whole = {}
+    _, _, _, do, lse, delta, _, _, _, _ = dq_args
+    o = dq_kw["o"]
+    dq = {
+        "Triton": lambda: (bs.bsa_backward_dq(*dq_args, **dq_kw), delta.clone()),
+        "Gluon": lambda: (
+            llsa_gluon.pooled_dq(qf, bank_k, bank_v, do, o, lse, delta, lists, B, scale, cand_widths, tail),
+            delta.clone(),
+        ),
+    }
+    rows, forward_ms = [], {}
+    for name, forms, work in (("forward", forward, flops), ("dq", dq, 1.5 * flops)):
+        outs = {form: fn() for form, fn in forms.items()}
+        ms = interleaved_ms(forms, args.rounds)
+        diffs = [f"{rel_diff(outs[f][i], outs['Triton'][i]):.0e}" for f in forms if f != "Triton" for i in (0, 1)]
+        rows.append(
+            {
+                "case": f"{side}² L={levels}, batch {batch}",
+                "pass": name,
+                "keys": keys,
+                **{f"{form} ms": ms.get(form, float("nan")) for form in forward},
+                "speed-up": ms["Triton"] / min(t for f, t in ms.items() if f != "Triton"),
+                "TFLOP/s": " / ".join(f"{work / t * 1e-9:.0f}" for t in ms.values()),
+                "rel. diff (o, lse / dq, Δ)": " ".join(diffs),
+            }
+        )
+        forward_ms = forward_ms or ms
+    rows.extend(whole_call(args, q, k, v, levels, forward_ms["Gluon, pipelined"] < forward_ms["Gluon"]))
+    return rows
+
+
+def whole_call(args, q, k, v, levels: int, pipelined: bool) -> list[dict]:
+    """LLSA's forward and forward + backward, GPU kernel time, with the Gluon kernels off and on."""
+    go = torch.randn_like(q)
+
+    def forward():
+        return llsa_attention(q, k, v, topk=args.topk, num_levels=levels)
+
+    def forward_backward():
+        with torch.enable_grad():
+            x = [t.detach().requires_grad_() for t in (q, k, v)]
+            llsa_attention(*x, topk=args.topk, num_levels=levels).backward(go)
+
+    ms = {}
     for on in (False, True):
-        llsa.GLUON_POOLED_FORWARD, llsa_gluon.PIPELINED = on, on and best == "Gluon, pipelined"
-        whole[on] = kernel_ms(lambda: llsa_attention(q, k, v, topk=args.topk, num_levels=levels), calls=20)
-    llsa.GLUON_POOLED_FORWARD, llsa_gluon.PIPELINED = False, False
-    tflops = " / ".join(f"{flops / ms[name] * 1e-9:.0f}" for name in forms)
-    diffs = [
-        f"{rel_diff(outs[name][i], outs['bsa_forward'][i]):.0e}"
-        for name in forms
-        if name != "bsa_forward"
-        for i in (0, 1)
+        llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = on
+        llsa_gluon.PIPELINED = on and pipelined
+        ms[on] = (kernel_ms(forward, calls=20), kernel_ms(forward_backward, calls=10))
+    llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = llsa_gluon.PIPELINED = False
+    form = "Gluon, pipelined" if pipelined else "Gluon"
+    return [
+        {
+            "case": f"{q.shape[2]} tokens, L={levels}, batch {q.shape[0]}",
+            "pass": f"LLSA {what} (GPU), Triton -> {form}",
+            "Triton ms": ms[False][i],
+            "Gluon ms": ms[True][i],
+            "speed-up": ms[False][i] / ms[True][i],
+        }
+        for i, what in enumerate(("forward", "forward + backward"))
     ]
-    return {
-        "case": f"{side}² L={levels}, batch {batch}",
-        "keys": keys,
-        **{f"{name} ms": ms[name] for name in forms},
-        "speed-up": ms["bsa_forward"] / ms["Gluon"],
-        "speed-up, pipelined": ms["bsa_forward"] / ms["Gluon, pipelined"],
-        "TFLOP/s": tflops,
-        f"LLSA fwd ms (GPU), {best}": f"{whole[False]:.3f} -> {whole[True]:.3f}",
-        "LLSA fwd speed-up": whole[False] / whole[True],
-        "o / lse rel. diff": " ".join(diffs),
-    }
 
 
 if __name__ == "__main__":
