@@ -136,26 +136,30 @@ def _walk(
 
 
 @gluon.jit
-def _load_group_keys(
-    k_desc,
-    v_desc,
-    tail_k_desc,
-    tail_v_desc,
-    k_s,
-    v_s,
+def _group_keys(
+    descriptors,
+    where,
     kv_bar,
-    list_base,
-    bank0,
-    tail_lo,
     BLOCK: gl.constexpr,
     LISTED: gl.constexpr,
     TAIL_ROWS: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    GROUP_ROWS: gl.constexpr,
 ):
-    """A group's keys into ``k_s`` / ``v_s`` (``[steps, 64, d]``) by TMA, all signalling ``kv_bar``: the ``LISTED``
-    bank blocks of the group's list (every 64-row tile of a group has the same list: the children of its level-2
-    ancestor's selection) by ``BLOCK``-row copies, then the coarsest level's rows (``tail_lo`` on) by 64-row copies."""
-    mbarrier.expect(kv_bar, 2 * (LISTED * BLOCK + TAIL_ROWS) * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+    """A group's keys in shared memory, ``(k_s, v_s)`` of ``[steps, 64, d]`` (a shared-memory tile's shape must be a
+    power of two), loaded by TMA, all signalling ``kv_bar``: the ``LISTED`` bank blocks of the group's list (every
+    64-row tile of a group has the same list: the children of its level-2 ancestor's selection) by ``BLOCK``-row
+    copies, then the coarsest level's rows (``tail_lo`` on) by 64-row copies. ``descriptors``: the bank's K and V in
+    ``BLOCK``-row and in 64-row tiles (``_descriptors``); ``where``: the lists, their batch and tile strides, the
+    program's batch x head and group, the bank's rows per batch x head, the coarsest level's first row."""
+    k_desc, v_desc, tail_k_desc, tail_v_desc = descriptors
+    LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo = where
+    STEPS: gl.constexpr = (LISTED * BLOCK + TAIL_ROWS) // TILE
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [STEPS, TILE, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [STEPS, TILE, HEAD_DIM], v_desc.layout)
+    mbarrier.expect(kv_bar, 2 * STEPS * TILE * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+    list_base = LIST + bh.to(gl.int64) * stride_lb + (group * (GROUP_ROWS // TILE)) * stride_lt
+    bank0 = bh * bank_rows
     for j in gl.static_range(LISTED):
         row = bank0 + gl.load(list_base + j) * BLOCK
         k_dst = k_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
@@ -166,6 +170,7 @@ def _load_group_keys(
         row = bank0 + tail_lo + t * TILE
         tma.async_copy_global_to_shared(tail_k_desc, [row, 0], kv_bar, k_s.index(LISTED * BLOCK // TILE + t))
         tma.async_copy_global_to_shared(tail_v_desc, [row, 0], kv_bar, v_s.index(LISTED * BLOCK // TILE + t))
+    return k_s, v_s
 
 
 @gluon.jit
@@ -212,9 +217,6 @@ def _pooled_forward_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
-    # the group's keys as 64-key steps ([steps, 64, d]: a shared-memory tile's shape must be a power of two)
-    k_s = gl.allocate_shared_memory(k_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], k_desc.layout)
-    v_s = gl.allocate_shared_memory(v_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], v_desc.layout)
     q_s = gl.allocate_shared_memory(q_desc.dtype, [2, TILE, HEAD_DIM], q_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
@@ -225,23 +227,9 @@ def _pooled_forward_kernel(
     q_row0 = bh * n_q + group * GROUP_ROWS
     mbarrier.expect(bars.index(0), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0, 0], bars.index(0), q_s.index(0))
-    list_base = LIST + bh.to(gl.int64) * stride_lb + (group * TILES) * stride_lt
-    _load_group_keys(
-        k_desc,
-        v_desc,
-        tail_k_desc,
-        tail_v_desc,
-        k_s,
-        v_s,
-        kv_bar,
-        list_base,
-        bh * bank_rows,
-        tail_lo,
-        BLOCK,
-        CAND1 + CAND2,
-        TAIL_ROWS,
-        HEAD_DIM,
-    )
+    where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
+    descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
+    k_s, v_s = _group_keys(descriptors, where, kv_bar, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
     w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
     w2 = weight2 * 1.4426950408889634
@@ -326,31 +314,15 @@ def _pooled_dq_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
 
-    k_s = gl.allocate_shared_memory(k_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], k_desc.layout)
-    v_s = gl.allocate_shared_memory(v_desc.dtype, [KEYS // TILE, TILE, HEAD_DIM], v_desc.layout)
     q_s = gl.allocate_shared_memory(q_desc.dtype, [TILE, HEAD_DIM], q_desc.layout)  # one buffer each: the keys
     do_s = gl.allocate_shared_memory(do_desc.dtype, [TILE, HEAD_DIM], do_desc.layout)  # leave room for two programs
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
     kv_bar, tile_bar = bars.index(0), bars.index(1)
-    list_base = LIST + bh.to(gl.int64) * stride_lb + (group * TILES) * stride_lt
-    _load_group_keys(
-        k_desc,
-        v_desc,
-        tail_k_desc,
-        tail_v_desc,
-        k_s,
-        v_s,
-        kv_bar,
-        list_base,
-        bh * bank_rows,
-        tail_lo,
-        BLOCK,
-        CAND1 + CAND2,
-        TAIL_ROWS,
-        HEAD_DIM,
-    )
+    where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
+    descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
+    k_s, v_s = _group_keys(descriptors, where, kv_bar, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
     w1 = weight1 * 1.4426950408889634
     w2 = weight2 * 1.4426950408889634

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from test_llsa_gpu import rel, run
 
 from pixdit.kernels import llsa, llsa_attention, llsa_gluon
 
@@ -76,7 +77,7 @@ def compiled():
     """Every case compiled in one subprocess without TRITON_INTERPRET: Gluon's reductions (``gl.max``, ``gl.sum``)
     are Triton functions, which the interpreter replaces, so the CPU test session itself cannot compile them."""
     script = (
-        "import json, runpy, sys; m = runpy.run_path(sys.argv[1]); "
+        "import json, os, runpy, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); m = runpy.run_path(sys.argv[1]); "
         "f = m['compile_for_sm90']; cases = m['CASES']; "
         "print(json.dumps({c + ', ' + p: f(*cases[c], pipelined=p == 'pipelined', dq=p == 'dq') for c in cases for p in m['FORMS']} "
         "| {'fp16': f((8, 0), 256, 'fp16')}))"
@@ -140,18 +141,6 @@ def test_llsa_runs_the_gluon_kernels_only_on_an_sm90_gpu():
 
 
 # ------------------------------------------------------------------------------------------------------- on the GPU
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def run(q, k, v, go, **kw):
-    for x in (q, k, v):
-        x.grad = None
-    o = llsa_attention(q, k, v, **kw)
-    o.backward(go)
-    return o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
-
-
 def counted(monkeypatch, form: str = "waited") -> list[str]:
     """Switch one Gluon kernel on (``form``: "waited" / "pipelined": the forward, "dq": the dq) and record its calls
     (a test that it ran, not only that the results agree)."""
