@@ -1,27 +1,30 @@
-"""LLSA's pooled forward pass on Hopper, written in Gluon (Triton's explicit layout / shared-memory language).
+"""LLSA's pooled passes on Hopper, the forward and the dq, written in Gluon (Triton's explicit layout / shared-memory
+language).
 
-    from pixdit.kernels.llsa_gluon import pooled_forward, pooled_forward_supported
-    if pooled_forward_supported(...):
-        o, lse = pooled_forward(q, bank_k, bank_v, lists, o_init, lse_init, ...)
+    from pixdit.kernels import llsa_gluon
+    if llsa_gluon.pooled_forward_supported(q, block_size, cand_widths, tail_rows, full_lists):
+        o, lse = llsa_gluon.pooled_forward(q, bank_k, bank_v, lists, o_init, lse_init, ...)
+        dq = llsa_gluon.pooled_dq(q, bank_k, bank_v, do, o, lse, delta, lists, ...)
 
-What it computes is exactly the second pass of LLSA's forward (``llsa._LLSATriton``): the 64-row query tiles continue
-the fine pass's softmax (its partial output and LSE) over the pooled bank: the candidate levels' listed blocks, each
-level with its weight ``l ln B``, then the coarsest level, which every query attends to (the dense tail, weight
-``L ln B``). ``block_sparse.bsa_forward`` does the same walk for any lists; this kernel is its twin for the one case
-that dominates LLSA's forward on Hopper, and the GPU tests hold the two against each other and the oracle.
+What they compute is exactly LLSA's pooled pass (``llsa._LLSATriton``): the 64-row query tiles continue the fine
+pass's softmax (its partial output and LSE) over the pooled bank: the candidate levels' listed blocks, each level
+with its weight ``l ln B``, then the coarsest level, which every query attends to (the dense tail, weight ``L ln
+B``); and the backward's dq over the same keys, with Δ = rowsum(dO * O). ``block_sparse.bsa_forward`` and
+``bsa_backward_dq`` do the same walks for any lists; these kernels are their twins for the case that LLSA trains and
+samples with on Hopper, and the GPU tests hold them against those and the exact path.
 
-Why a second kernel for one pass. The bank's keys that a query tile attends to are the same for all the B^2 query
+Why second kernels for one pass. The bank's keys that a query tile attends to are the same for all the B^2 query
 rows below one level-2 block: the candidates are the children of that ancestor's selection, and the coarsest level is
-the same for every row. ``bsa_forward``'s programs (64 rows each; plain Triton cannot keep a tile in shared memory
-across programs or loop nests) load those 384 keys' K and V (at 256², L = 2) once per 64 rows: ~1.2 GB of L2 traffic
+the same for every row. The Triton passes' programs (64 rows each; plain Triton cannot keep a tile in shared memory
+across a loop over query tiles) load those 384 keys' K and V (at 256², L = 2) once per 64 rows: ~1.2 GB of L2 traffic
 for 0.1 GB of queries. Here one program owns a group of B^2 query rows: it loads the group's keys into shared memory
-once by TMA (the candidates block by block, the tail in one run) and walks its 64-row query tiles over them, with q's
-next tile loaded by TMA while the current one is computed. The products are wgmma with both K and V read from shared
-memory and P from registers (docs/kernel_notes.md v62).
+once by TMA (the candidates block by block, the coarsest level by 64-row tiles) and walks its 64-row query tiles over
+them. The products are wgmma with K and V read from shared memory and P (dS) from registers (docs/kernel_notes.md
+v62).
 
-Restrictions (``pooled_forward_supported`` says which case runs here; every other case runs ``bsa_forward``): an
-sm_90 GPU, fp16 / bf16, head_dim 64, full candidate lists of whole 64-key steps, a tail of whole 64-key steps, at
-most ``MAX_KEYS`` keys per group (shared memory), at most two candidate levels (L <= 3).
+Restrictions (``case_supported``; every other case runs the Triton passes): an sm_90 GPU, fp16 / bf16, head_dim 64,
+full candidate lists of whole 64-key steps, a coarsest level of whole 64-key steps, at most ``MAX_KEYS`` keys per
+group (shared memory), at most two candidate levels (L <= 3).
 """
 
 from __future__ import annotations
