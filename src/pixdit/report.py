@@ -110,11 +110,11 @@ def time_median(fn: Callable[[], Any], warmup: int, repeats: int, device) -> tup
 KERNEL_CATEGORIES = (
     ("qk-norm + RoPE", r"norm_rope"),  # Inductor's and pixdit.kernels.qk_norm_rope's kernels
     # the walks, LLSA's slot sums, SLA's feature sums, VSA's gated sum of its two stages, the lists' transpose by
-    # counts (blocks.CSC_BY_COUNTS; the sort it replaces falls under the selection's "sort")
+    # counts (blocks.CSC_BY_COUNTS; the sort it replaces falls under the selection's "sort"), LLSA's Gluon passes
     (
         "sparse attention (pixdit.kernels)",
         r"_fwd_kernel|_dq_kernel|_dkdv_kernel|_sum_slots_kernel|_feature_sums_kernel|_combine_\w+_kernel"
-        r"|_csc_\w+_kernel",
+        r"|_csc_\w+_kernel|_pooled_forward_kernel|_pooled_dq_kernel",
     ),
     # the sparse backends' pooled q, k, v: pixdit.kernels.blocks' kernel, LLSA's pyramid levels above the first (with
     # its bank), Inductor's fused means (their names also carry "topk_select" when fused next to the selection) or

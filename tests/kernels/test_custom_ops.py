@@ -297,9 +297,34 @@ def test_opcheck(recorded, op, device):
     torch.library.opcheck(matches[0], args, kwargs)
 
 
+# The Gluon kernels' ops (pixdit.kernels.llsa_gluon): sm_90 GPUs only (Gluon has no interpreter), so checked there, as
+# LLSA calls them with both switched on at a shape they take (256 query rows a group: 4,096 tokens, L = 2, K = 4)
+GLUON_OPS = ["llsa_pooled_forward", "llsa_pooled_dq"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", GLUON_OPS)
+def test_opcheck_gluon(op, monkeypatch):
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("the Gluon kernels run on sm_90 GPUs")
+    from pixdit.kernels import llsa
+
+    monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
+    monkeypatch.setattr(llsa, "GLUON_POOLED_DQ", True)
+    mode = _RecordOps()
+    q, k, v = (torch.randn(1, 2, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    with mode:
+        _loss(_tokens_major(K.llsa_attention(q, k, v, block_size=16, topk=4, num_levels=2))).backward()
+    matches = [f for f in mode.calls if f.name().split("::")[1].split(".")[0] == op]
+    assert matches, f"pixdit::{op} was not called: the check would be vacuous"
+    args, kwargs = mode.calls[matches[0]]
+    torch.library.opcheck(matches[0], args, kwargs)
+
+
 def test_every_op_is_checked():
     registered = {name for name in dir(torch.ops.pixdit) if not name.startswith("_")} - {"name"}
-    assert registered == set(OPS), f"ops without an opcheck: {registered - set(OPS)}; stale: {set(OPS) - registered}"
+    checked = set(OPS) | set(GLUON_OPS)
+    assert registered == checked, f"ops without an opcheck: {registered - checked}; stale: {checked - registered}"
 
 
 def test_eager_calls_skip_the_dispatcher_and_traced_calls_use_it(monkeypatch):
