@@ -46,8 +46,8 @@ TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and 
 # Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
 # 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
 MAX_KEYS = 512
-# Step c + 1's logits product issued before step c's probabilities product (``_walk``). Off until measured
-# (docs/kernel_notes.md v62).
+# Step c + 1's logits product issued before step c's probabilities product (``_walk``). Off: 1.02x over the waited
+# form on an H100 at 256², and the forward is off anyway (docs/kernel_notes.md v62).
 PIPELINED = False
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; 3.8 renamed it
 
