@@ -474,20 +474,9 @@ class _LLSATriton(torch.autograd.Function):
             else:
                 weights = _pooled_list_args(B, L, Le, logw, cand_widths, d, full_lists)
                 dq = bs.bsa_backward_dq(
-                    qf,
-                    bank_k,
-                    bank_v,
-                    do,
-                    lse,
-                    delta,
-                    coarse_lists,
-                    COARSE_TILE,
-                    B,
-                    scale,
-                    o=o,
-                    dense_tail=tail,
+                    qf, bank_k, bank_v, do, lse, delta, coarse_lists, COARSE_TILE, B, scale, o=o, dense_tail=tail,
                     **weights,
-                )
+                )  # fmt: skip
             pooled_k, pooled_v = _pooled_bank_grads(
                 qf, bank_k, bank_v, do, lse, delta, coarse_lists, cand_widths, logw, B, L, Le, scale, reference_l1_grad
             )
