@@ -518,7 +518,7 @@ def _gluon_pooled(qf, B, cand_widths, tail, full_lists: bool, switch: bool) -> b
     ``GLUON_POOLED_DQ``) is on and the kernel supports the case."""
     if not switch or llsa_gluon is None or tail is None:
         return False
-    return llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], full_lists)
+    return llsa_gluon.pooled_supported(qf, B, cand_widths, tail[1] - tail[0], full_lists)
 
 
 def _pooled_list_args(B, L, Le, logw, cand_widths, head_dim, full_lists: bool) -> dict:

@@ -2,7 +2,7 @@
 language).
 
     from pixdit.kernels import llsa_gluon
-    if llsa_gluon.pooled_forward_supported(q, block_size, cand_widths, tail_rows, full_lists):
+    if llsa_gluon.pooled_supported(q, block_size, cand_widths, tail_rows, full_lists):
         o, lse = llsa_gluon.pooled_forward(q, bank_k, bank_v, lists, o_init, lse_init, ...)
         dq = llsa_gluon.pooled_dq(q, bank_k, bank_v, do, o, lse, delta, lists, ...)
 
@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .ops import INTERPRET, custom_op
 
-__all__ = ["pooled_forward", "pooled_dq", "pooled_forward_supported", "case_supported", "MAX_KEYS"]
+__all__ = ["pooled_forward", "pooled_dq", "pooled_supported", "case_supported", "MAX_KEYS"]
 
 LOG2E = 1.4426950408889634
 TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and keys per step
@@ -50,6 +50,13 @@ MAX_KEYS = 512
 # form on an H100 at 256², and the forward is off anyway (docs/kernel_notes.md v62).
 PIPELINED = False
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; 3.8 renamed it
+
+
+@gluon.constexpr_function
+def _accumulator_layout(head_dim, num_warps):
+    """Both kernels' wgmma accumulator layout for 64-row tiles: the warps stacked along the rows, instructions of 16
+    rows x ``head_dim`` columns x 16 (the logits' 64 keys are one head_dim wide too: head_dim 64 only)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, head_dim, 16])
 
 
 @gluon.jit
@@ -214,9 +221,7 @@ def _pooled_forward_kernel(
     bh = gl.program_id(1)
     KEYS: gl.constexpr = (CAND1 + CAND2) * BLOCK + TAIL_ROWS
     TILES: gl.constexpr = GROUP_ROWS // TILE
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    mma: gl.constexpr = _accumulator_layout(HEAD_DIM, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -310,9 +315,7 @@ def _pooled_dq_kernel(
     TILES: gl.constexpr = GROUP_ROWS // TILE
     STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
     STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    mma: gl.constexpr = _accumulator_layout(HEAD_DIM, num_warps)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
@@ -363,10 +366,11 @@ def _pooled_dq_kernel(
         mbarrier.invalidate(bars.index(i))
 
 
-def pooled_forward_supported(
+def pooled_supported(
     q: torch.Tensor, block_size: int, cand_widths: tuple[int, ...], tail_rows: int, full_lists: bool
 ) -> bool:
-    """Whether ``pooled_forward`` runs this pooled pass (else ``bsa_forward`` does): q ``[BH, N, d]``,
+    """Whether the Gluon kernels (``pooled_forward``, ``pooled_dq``) take this pooled pass (else ``bsa_forward`` and
+    ``bsa_backward_dq`` do): q ``[BH, N, d]``,
     ``cand_widths`` the listed blocks of each candidate level, ``tail_rows`` the coarsest level's rows."""
     on_hopper = q.device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(q.device)[0] == 9
     BH, n_q, d = q.shape

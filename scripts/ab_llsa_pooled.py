@@ -97,7 +97,7 @@ def one_case(args, side: int, levels: int, batch: int) -> list[dict]:
     o_init, lse_init = fwd_kw["init"]
     cand_widths = tuple(llsa.llsa_check(n, B, levels, args.topk)["topk"][1:levels])
     tail = fwd_kw["dense_tail"]
-    if not llsa_gluon.pooled_forward_supported(qf, B, cand_widths, tail[1] - tail[0], fwd_kw["full_lists"]):
+    if not llsa_gluon.pooled_supported(qf, B, cand_widths, tail[1] - tail[0], fwd_kw["full_lists"]):
         raise SystemExit(f"{side}² L={levels}: not a case the Gluon kernels take (see llsa_gluon.case_supported)")
     keys = sum(cand_widths) * B + tail[1] - tail[0]
     flops = 4.0 * n * keys * 64 * batch * args.heads  # the forward's; the dq's three products are 1.5x that
