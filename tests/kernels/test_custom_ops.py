@@ -291,14 +291,20 @@ def recorded():
 def test_opcheck(recorded, op, device):
     if device != DEVICE:
         pytest.skip(f"the ops run on {DEVICE} here")
+    _opcheck_recorded(recorded, op)
+
+
+def _opcheck_recorded(recorded: dict, op: str) -> None:
+    """``torch.library.opcheck`` of ``pixdit::op`` on its recorded call (``_RecordOps``)."""
     matches = [f for f in recorded if f.name().split("::")[1].split(".")[0] == op]
-    assert matches, f"pixdit::{op} was not called by any backend: the check would be vacuous"
+    assert matches, f"pixdit::{op} was not called: the check would be vacuous"
     args, kwargs = recorded[matches[0]]
     torch.library.opcheck(matches[0], args, kwargs)
 
 
 # The Gluon kernels' ops (pixdit.kernels.llsa_gluon): sm_90 GPUs only (Gluon has no interpreter), so checked there, as
-# LLSA calls them with both switched on at a shape they take (256 query rows a group: 4,096 tokens, L = 2, K = 4)
+# LLSA calls them with both switched on at a shape they take (16,384 tokens, L = 2, K = 4: groups of 256 query rows
+# over 4 listed blocks and a coarsest level of 64 rows, each whole 64-key steps)
 GLUON_OPS = ["llsa_pooled_forward", "llsa_pooled_dq"]
 
 
@@ -312,13 +318,10 @@ def test_opcheck_gluon(op, monkeypatch):
     monkeypatch.setattr(llsa, "GLUON_POOLED_FORWARD", True)
     monkeypatch.setattr(llsa, "GLUON_POOLED_DQ", True)
     mode = _RecordOps()
-    q, k, v = (torch.randn(1, 2, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    q, k, v = (torch.randn(1, 2, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
     with mode:
         _loss(_tokens_major(K.llsa_attention(q, k, v, block_size=16, topk=4, num_levels=2))).backward()
-    matches = [f for f in mode.calls if f.name().split("::")[1].split(".")[0] == op]
-    assert matches, f"pixdit::{op} was not called: the check would be vacuous"
-    args, kwargs = mode.calls[matches[0]]
-    torch.library.opcheck(matches[0], args, kwargs)
+    _opcheck_recorded(mode.calls, op)
 
 
 def test_every_op_is_checked():
