@@ -18,10 +18,9 @@ from Triton's, relative to the largest value (0 = the same bits). Needs an sm_90
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from kernel_ab import rel_diff, timer
+from kernel_ab import interleaved_ms, rel_diff
 
 from pixdit.kernels import block_sparse as bs
 from pixdit.kernels import llsa, llsa_attention, llsa_gluon
@@ -77,15 +76,6 @@ def main(argv=None) -> list[dict]:
     print(f"LLSA's pooled passes, {args.heads} heads of 64, bf16, K = {args.topk}, {device}")
     print(markdown_table(rows, cell=lambda c, v: f"{v:.3f}" if isinstance(v, float) else str(v)))
     return rows
-
-
-def interleaved_ms(forms: dict, rounds: int) -> dict:
-    """The median over rounds (alternating the order) of each form's ``do_bench`` median."""
-    time_ms, times = timer("cuda"), {name: [] for name in forms}
-    for round_ in range(rounds):
-        for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
-            times[name].append(time_ms(forms[name], 200))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def one_case(args, side: int, levels: int, batch: int) -> list[dict]:

@@ -17,11 +17,10 @@ value.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from kernel_ab import rel_diff, timer
+from kernel_ab import interleaved_ms, rel_diff
 
 from pixdit.kernels import qk_norm_rope
 from pixdit.kernels import qkv_norm_rope as fused_module
@@ -94,7 +93,6 @@ def calls(args, side: int, batch: int) -> dict:
 @torch.no_grad()
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    time_ms = timer(args.device)
     rows = []
     for side, batch in args.shapes:
         forms = calls(args, side, batch)
@@ -104,11 +102,7 @@ def main(argv=None) -> list[dict]:
             for fused in ("one GEMM", "one GEMM, TMA")
             for a, b in zip(outputs[fused], outputs["two launches"])
         )
-        times = {name: [] for name in forms}
-        for round_ in range(args.rounds):
-            for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
-                times[name].append(time_ms(forms[name], 200))
-        ms = {name: statistics.median(t) for name, t in times.items()}
+        ms = interleaved_ms(forms, args.rounds, args.device)
         row = {"shape": f"{side}², batch {batch}", **{f"{name} ms": ms[name] for name in FORMS}}
         row["speed-up"] = ms["two launches"] / ms["one GEMM"]
         row["speed-up, TMA"] = ms["two launches"] / ms["one GEMM, TMA"]

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import statistics
 import sys
 
 
@@ -64,6 +65,16 @@ def timer(device: str):
         return (time.perf_counter() - start) * 1e3
 
     return wall_ms
+
+
+def interleaved_ms(forms: dict, rounds: int, device: str = "cuda", rep: int = 200) -> dict:
+    """Each form's (a callable's) time in ms: the median over ``rounds`` of its ``timer`` time (``rep`` ms of
+    ``do_bench`` on CUDA), the forms timed in turn, in reverse order every other round."""
+    time_ms, times = timer(device), {name: [] for name in forms}
+    for round_ in range(rounds):
+        for name in list(forms) if round_ % 2 == 0 else list(forms)[::-1]:
+            times[name].append(time_ms(forms[name], rep))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def back_to_back_ms(fn, calls: int, device: str) -> tuple[float, float]:
