@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -46,9 +47,6 @@ TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and 
 # Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
 # 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
 MAX_KEYS = 512
-# Step c + 1's logits product issued before step c's probabilities product (``_walk``). Off: 1.02x over the waited
-# form on an H100 at 256², and the forward is off anyway (docs/kernel_notes.md v62).
-PIPELINED = False
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; 3.8 renamed it
 
 
@@ -60,7 +58,7 @@ def _accumulator_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _probabilities(s, scale, shift, m_i, SHIFTED: gl.constexpr):
+def _probabilities(s, scale, shift, m_i, SHIFTED):
     """A step's probabilities (unnormalised), new running maximum and the old sum's rescale from its raw logits
     ``s``, written as ``bsa_forward`` computes the same step, so that both give the same bits: ``SHIFTED`` (its
     weighted list walk) scales and shifts the logits first, else (its dense tail) the scale and the shift enter the
@@ -90,13 +88,34 @@ def _step_weight(c, w1, w2, tail_bias, STEPS1: gl.constexpr, STEPS2: gl.constexp
 
 
 @gluon.jit
-def _walk(
-    q_t,
+def _logits(q, k_s, key_bars, c, zero):
+    """S = q K^T for the group's 64-key step ``c`` (once its keys have arrived), issued and not waited for."""
+    mbarrier.wait(key_bars.index(c), 0)
+    return warpgroup_mma(q, k_s.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, shift, shifted, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """A tile's step once its logits ``s`` are in: P (``dtype``, in the layout of the P V product's A operand), the
+    new running maximum and sum, and the rescale of the output so far."""
+    p, m_i, alpha = _probabilities(s, qk_scale, shift, m_i, shifted)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), p_layout), m_i, l_i, alpha
+
+
+@gluon.jit
+def _walk_pair(
+    q_s,
     k_s,
     v_s,
-    m_i,
-    l_i,
-    acc,
+    key_bars,
+    q_next,
+    m_a,
+    l_a,
+    acc_a,
+    m_b,
+    l_b,
+    acc_b,
     qk_scale,
     w1,
     w2,
@@ -105,51 +124,65 @@ def _walk(
     STEPS2: gl.constexpr,
     STEPS: gl.constexpr,
     mma: gl.constexpr,
-    PIPELINED: gl.constexpr,
+    MORE: gl.constexpr,
 ):
-    """One 64-row query tile's online softmax over the group's ``STEPS`` 64-key steps in shared memory (the
-    candidate levels' steps first, scaled then shifted; the tail's after, see ``_probabilities``).
-
-    ``PIPELINED``: step c + 1's logits product is issued before step c's probabilities product and its softmax runs
-    while that product does (FlashAttention-3's order within a warpgroup: the tensor cores and the exponentials
-    overlap); else each product waits for the one before. The same operations on the same values either way."""
+    """Two 64-row query tiles' (a: ``q_s.index(0)``, b: ``q_s.index(1)``) online softmax over the group's ``STEPS``
+    64-key steps in shared memory (the candidate levels' steps first, scaled then shifted; the tail's after, see
+    ``_probabilities``), interleaved so that each tile's softmax runs while the tensor cores do the other's
+    products (FlashAttention-3's two warpgroups take turns the same way; here one warpgroup holds both tiles). Step
+    c: O_a += P_a V and S_a(c + 1) issued; b's softmax while they run; O_b += P_b V and S_b(c + 1) issued; a's
+    softmax of step c + 1 while those run. Nothing is in flight at the loop's back edge: with products in flight
+    there, ptxas cannot follow their registers around the loop and serialises every wgmma (the middle steps are a
+    loop, not unrolled: unrolled, every step's shared-memory descriptors were computed up front and the kernel
+    spilled). Step c's keys are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's
+    keys are in. ``MORE``: once the last logits products have read ``q_s``, the next pair's q is copied into it
+    (``q_next``: q's descriptor, the first row, the barrier) while the last products run."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dtype: gl.constexpr = v_s.dtype
+    LISTED: gl.constexpr = STEPS1 + STEPS2
     zero = gl.zeros([TILE, TILE], gl.float32, mma)
-    if PIPELINED:
-        s = warpgroup_mma(q_t, k_s.index(0).permute((1, 0)), zero, use_acc=False)
-        p, m_i, alpha = _probabilities(
-            s, qk_scale, _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2), m_i, 0 < STEPS1 + STEPS2
-        )
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        for c in gl.static_range(STEPS):
-            p_op = gl.convert_layout(p.to(v_s.dtype), p_layout)
-            if c + 1 < STEPS:
-                s_next = warpgroup_mma(q_t, k_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_s.index(c), acc, is_async=True)
-            if c + 1 < STEPS:
-                s = warpgroup_mma_wait(1, deps=(s_next,))  # the logits (issued first, done first); P V runs on
-                shift = _step_weight(c + 1, w1, w2, tail_bias, STEPS1, STEPS2)
-                p, m_i, alpha = _probabilities(s, qk_scale, shift, m_i, c + 1 < STEPS1 + STEPS2)
-                l_i = l_i * alpha + gl.sum(p, 1)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            if c + 1 < STEPS:
-                acc = acc * alpha[:, None]
-    else:
-        for c in gl.static_range(STEPS):
-            s = warpgroup_mma(q_t, k_s.index(c).permute((1, 0)), zero, use_acc=False)
-            shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
-            p, m_i, alpha = _probabilities(s, qk_scale, shift, m_i, c < STEPS1 + STEPS2)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(v_s.dtype), p_layout), v_s.index(c), acc * alpha[:, None])
-    return m_i, l_i, acc
+    q_a = q_s.index(0)
+    q_b = q_s.index(1)
+    # step 0's logits; a's softmax while S_b(0) runs
+    s_a = _logits(q_a, k_s, key_bars, 0, zero)
+    s_b = warpgroup_mma(q_b, k_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_a = warpgroup_mma_wait(1, deps=(s_a,))
+    shift = _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2)
+    p_a, m_a, l_a, alpha_a = _softmax(s_a, m_a, l_a, qk_scale, shift, 0 < LISTED, dtype, p_layout)
+    s_b = warpgroup_mma_wait(0, deps=(s_b,))
+    # steps 0 .. STEPS - 2; on entry a's softmax of step c is done and S_b(c) is in
+    for c in range(0, STEPS - 1):
+        acc_a = warpgroup_mma(p_a, v_s.index(c), acc_a * alpha_a[:, None], is_async=True)
+        s_a = _logits(q_a, k_s, key_bars, c + 1, zero)
+        shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
+        p_b, m_b, l_b, alpha_b = _softmax(s_b, m_b, l_b, qk_scale, shift, c < LISTED, dtype, p_layout)
+        acc_b = warpgroup_mma(p_b, v_s.index(c), acc_b * alpha_b[:, None], is_async=True)
+        s_b = warpgroup_mma(q_b, k_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc_a, s_a, p_a = warpgroup_mma_wait(2, deps=(acc_a, s_a, p_a))  # O_a(c), S_a(c + 1) done
+        shift = _step_weight(c + 1, w1, w2, tail_bias, STEPS1, STEPS2)
+        p_a, m_a, l_a, alpha_a = _softmax(s_a, m_a, l_a, qk_scale, shift, c + 1 < LISTED, dtype, p_layout)
+        acc_b, s_b, p_b = warpgroup_mma_wait(0, deps=(acc_b, s_b, p_b))
+    # the last step: q no longer read, so the next pair's q may come in
+    LAST: gl.constexpr = STEPS - 1
+    if MORE:
+        q_desc, next_row, q_bar = q_next
+        _cta_barrier()  # every warp's logits products are done with q_s
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [next_row, 0], q_bar, q_a)
+        tma.async_copy_global_to_shared(q_desc, [next_row + TILE, 0], q_bar, q_b)
+    acc_a = warpgroup_mma(p_a, v_s.index(LAST), acc_a * alpha_a[:, None], is_async=True)
+    shift = _step_weight(LAST, w1, w2, tail_bias, STEPS1, STEPS2)
+    p_b, m_b, l_b, alpha_b = _softmax(s_b, m_b, l_b, qk_scale, shift, LAST < LISTED, dtype, p_layout)
+    acc_b = warpgroup_mma(p_b, v_s.index(LAST), acc_b * alpha_b[:, None], is_async=True)
+    acc_a, acc_b, p_a, p_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b, p_a, p_b))
+    return m_a, l_a, acc_a, m_b, l_b, acc_b
 
 
 @gluon.jit
 def _group_keys(
     descriptors,
     where,
-    kv_bar,
+    key_bars,
     BLOCK: gl.constexpr,
     LISTED: gl.constexpr,
     TAIL_ROWS: gl.constexpr,
@@ -157,30 +190,66 @@ def _group_keys(
     GROUP_ROWS: gl.constexpr,
 ):
     """A group's keys in shared memory, ``(k_s, v_s)`` of ``[steps, 64, d]`` (a shared-memory tile's shape must be a
-    power of two), loaded by TMA, all signalling ``kv_bar``: the ``LISTED`` bank blocks of the group's list (every
-    64-row tile of a group has the same list: the children of its level-2 ancestor's selection) by ``BLOCK``-row
-    copies, then the coarsest level's rows (``tail_lo`` on) by 64-row copies. ``descriptors``: the bank's K and V in
-    ``BLOCK``-row and in 64-row tiles (``_descriptors``); ``where``: the lists, their batch and tile strides, the
-    program's batch x head and group, the bank's rows per batch x head, the coarsest level's first row."""
+    power of two), loaded by TMA, 64-key step c signalling ``key_bars.index(c)``: the ``LISTED`` bank blocks of the
+    group's list (every 64-row tile of a group has the same list: the children of its level-2 ancestor's selection)
+    by ``BLOCK``-row copies, then the coarsest level's rows (``tail_lo`` on) by 64-row copies. The list is read by one
+    vector load before the first copy (read one by one, each entry's load waited behind the copy before it).
+    ``descriptors``: the bank's K and V in ``BLOCK``-row and in 64-row tiles (``_descriptors``); ``where``: the
+    lists, their batch and tile strides, the program's batch x head and group, the bank's rows per batch x head, the
+    coarsest level's first row."""
     k_desc, v_desc, tail_k_desc, tail_v_desc = descriptors
     LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo = where
-    STEPS: gl.constexpr = (LISTED * BLOCK + TAIL_ROWS) // TILE
+    LISTED_STEPS: gl.constexpr = LISTED * BLOCK // TILE
+    STEPS: gl.constexpr = LISTED_STEPS + TAIL_ROWS // TILE
+    STEP_BYTES: gl.constexpr = 2 * TILE * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STEPS, TILE, HEAD_DIM], k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STEPS, TILE, HEAD_DIM], v_desc.layout)
-    mbarrier.expect(kv_bar, 2 * STEPS * TILE * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+    for c in gl.static_range(STEPS):
+        mbarrier.init(key_bars.index(c), count=1)
+        mbarrier.expect(key_bars.index(c), STEP_BYTES)
+    # the whole list in every thread's registers (a replicated layout), its entries picked out without shuffles
+    ENTRIES: gl.constexpr = triton.next_power_of_2(LISTED)
+    every_thread: gl.constexpr = gl.BlockedLayout([ENTRIES], [32], [gl.num_warps()], [0])
+    entry = gl.arange(0, ENTRIES, layout=every_thread)
     list_base = LIST + bh.to(gl.int64) * stride_lb + (group * (GROUP_ROWS // TILE)) * stride_lt
+    blocks = gl.load(list_base + entry, mask=entry < LISTED, other=0)
     bank0 = bh * bank_rows
     for j in gl.static_range(LISTED):
-        row = bank0 + gl.load(list_base + j) * BLOCK
-        k_dst = k_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
-        v_dst = v_s.index(j * BLOCK // TILE).slice(j * BLOCK % TILE, BLOCK)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_dst)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_dst)
+        row = bank0 + gl.sum(gl.where(entry == j, blocks, 0), 0) * BLOCK
+        step = j * BLOCK // TILE
+        k_dst = k_s.index(step).slice(j * BLOCK % TILE, BLOCK)  # (the 64-key step, the rows in it)
+        v_dst = v_s.index(step).slice(j * BLOCK % TILE, BLOCK)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], key_bars.index(step), k_dst)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], key_bars.index(step), v_dst)
     for t in gl.static_range(TAIL_ROWS // TILE):  # whole 64-key steps, by 64-row copies
         row = bank0 + tail_lo + t * TILE
-        tma.async_copy_global_to_shared(tail_k_desc, [row, 0], kv_bar, k_s.index(LISTED * BLOCK // TILE + t))
-        tma.async_copy_global_to_shared(tail_v_desc, [row, 0], kv_bar, v_s.index(LISTED * BLOCK // TILE + t))
+        bar = key_bars.index(LISTED_STEPS + t)
+        tma.async_copy_global_to_shared(tail_k_desc, [row, 0], bar, k_s.index(LISTED_STEPS + t))
+        tma.async_copy_global_to_shared(tail_v_desc, [row, 0], bar, v_s.index(LISTED_STEPS + t))
     return k_s, v_s
+
+
+@gluon.jit
+def _partial(O_INIT, LSE_INIT, bh, n_q, row0, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The fine pass's result for the 64 query rows from ``row0``: its output and LSE (base 2), in the accumulator's
+    layout, to continue its softmax from (m = LSE, l = 1, acc = output)."""
+    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    flat = bh.to(gl.int64) * n_q + rows
+    o = gl.load(O_INIT + flat[:, None] * HEAD_DIM + gl.max_contiguous(gl.multiple_of(dims, 2), 2)[None, :])
+    return o, gl.load(LSE_INIT + flat) * 1.4426950408889634
+
+
+@gluon.jit
+def _finish(o_base, LSE, bh, n_q, row0, m_i, l_i, acc, stride_on, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A tile's normalised output (tokens-major) and LSE stored."""
+    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    dims = gl.max_contiguous(gl.multiple_of(dims, 2), 2)
+    gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(o_base.dtype.element_ty))
+    gl.store(LSE + bh.to(gl.int64) * n_q + rows, (m_i + gl.log2(l_safe)) * 0.6931471805599453)
 
 
 @gluon.jit
@@ -214,64 +283,75 @@ def _pooled_forward_kernel(
     CAND1: gl.constexpr,
     CAND2: gl.constexpr,
     TAIL_ROWS: gl.constexpr,
-    PIPELINED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    """One program per (group of B^2 query rows, batch x head): the group's keys loaded once (``_group_keys``), then
+    its 64-row query tiles walked over them two at a time (``_walk_pair``). Each pair's q is in shared memory (TMA;
+    the next pair's copy is issued once the logits products have read this pair's), the fine pass's partial output
+    and LSE in registers, loaded a pair ahead."""
     group = gl.program_id(0)
     bh = gl.program_id(1)
-    KEYS: gl.constexpr = (CAND1 + CAND2) * BLOCK + TAIL_ROWS
-    TILES: gl.constexpr = GROUP_ROWS // TILE
+    STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
+    STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
+    STEPS: gl.constexpr = STEPS1 + STEPS2 + TAIL_ROWS // TILE
+    PAIRS: gl.constexpr = GROUP_ROWS // (2 * TILE)
     mma: gl.constexpr = _accumulator_layout(HEAD_DIM, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
     q_s = gl.allocate_shared_memory(q_desc.dtype, [2, TILE, HEAD_DIM], q_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(3):
-        mbarrier.init(bars.index(i), count=1)
-    kv_bar = bars.index(2)  # bars 0 and 1: q's two buffers
-
-    # q's first tile, then the group's keys
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    key_bars = gl.allocate_shared_memory(gl.int64, [STEPS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    # the first pair's q, then the group's keys
     q_row0 = bh * n_q + group * GROUP_ROWS
-    mbarrier.expect(bars.index(0), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], bars.index(0), q_s.index(0))
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_s.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row0 + TILE, 0], q_bar, q_s.index(1))
     where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
-    k_s, v_s = _group_keys(descriptors, where, kv_bar, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
+    k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
     w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
     w2 = weight2 * 1.4426950408889634
-    dims = gl.arange(0, HEAD_DIM, layout=col_layout)
     o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
-    for tile in range(TILES):
-        buf = tile % 2
-        # the next tile's q into the other buffer, whose last reader (the previous tile's products) has finished
-        more = tile + 1 < TILES
-        _cta_barrier()
-        mbarrier.expect(bars.index(1 - buf), q_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(
-            q_desc, [q_row0 + (tile + 1) * TILE, 0], bars.index(1 - buf), q_s.index(1 - buf), pred=more
+    row0 = group * GROUP_ROWS
+    for pair in gl.static_range(PAIRS):
+        o_a, m_a = _partial(O_INIT, LSE_INIT, bh, n_q, row0 + pair * 2 * TILE, mma, HEAD_DIM)
+        o_b, m_b = _partial(O_INIT, LSE_INIT, bh, n_q, row0 + pair * 2 * TILE + TILE, mma, HEAD_DIM)
+        acc_a = o_a.to(gl.float32)
+        acc_b = o_b.to(gl.float32)
+        l_a = gl.full([TILE], 1.0, gl.float32, row_layout)
+        l_b = gl.full([TILE], 1.0, gl.float32, row_layout)
+        mbarrier.wait(q_bar, pair & 1)
+        q_next = (q_desc, q_row0 + (pair + 1) * 2 * TILE, q_bar)
+        m_a, l_a, acc_a, m_b, l_b, acc_b = _walk_pair(
+            q_s,
+            k_s,
+            v_s,
+            key_bars,
+            q_next,
+            m_a,
+            l_a,
+            acc_a,
+            m_b,
+            l_b,
+            acc_b,
+            qk_scale,
+            w1,
+            w2,
+            tail_bias,
+            STEPS1,
+            STEPS2,
+            STEPS,
+            mma,
+            pair + 1 < PAIRS,
         )
-        rows = group * GROUP_ROWS + tile * TILE + gl.arange(0, TILE, layout=row_layout)
-        flat = bh.to(gl.int64) * n_q + rows
-        # continue the fine pass's softmax: m = its LSE (base 2), l = 1, acc = its normalised output
-        m_i = gl.load(LSE_INIT + flat) * 1.4426950408889634
-        l_i = gl.full([TILE], 1.0, gl.float32, row_layout)
-        acc = gl.load(O_INIT + flat[:, None] * HEAD_DIM + dims[None, :]).to(gl.float32)
-        mbarrier.wait(bars.index(buf), (tile // 2) & 1)
-        mbarrier.wait(kv_bar, 0)
-        q_t = q_s.index(buf)
-        STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
-        STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
-        m_i, l_i, acc = _walk(
-            q_t, k_s, v_s, m_i, l_i, acc, qk_scale, w1, w2, tail_bias, STEPS1, STEPS2, KEYS // TILE, mma, PIPELINED
-        )
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(O.dtype.element_ty))
-        gl.store(LSE + flat, (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    for i in gl.static_range(3):
-        mbarrier.invalidate(bars.index(i))
+        tile0 = row0 + pair * 2 * TILE
+        _finish(o_base, LSE, bh, n_q, tile0, m_a, l_a, acc_a, stride_on, mma, HEAD_DIM)
+        _finish(o_base, LSE, bh, n_q, tile0 + TILE, m_b, l_b, acc_b, stride_on, mma, HEAD_DIM)
+    mbarrier.invalidate(q_bar)
+    for c in gl.static_range(STEPS):
+        mbarrier.invalidate(key_bars.index(c))
 
 
 @gluon.jit
@@ -322,13 +402,12 @@ def _pooled_dq_kernel(
 
     q_s = gl.allocate_shared_memory(q_desc.dtype, [TILE, HEAD_DIM], q_desc.layout)  # one buffer each: the keys
     do_s = gl.allocate_shared_memory(do_desc.dtype, [TILE, HEAD_DIM], do_desc.layout)  # leave room for two programs
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(bars.index(i), count=1)
-    kv_bar, tile_bar = bars.index(0), bars.index(1)
+    tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    key_bars = gl.allocate_shared_memory(gl.int64, [KEYS // TILE, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(tile_bar, count=1)
     where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
-    k_s, v_s = _group_keys(descriptors, where, kv_bar, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
+    k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
     w1 = weight1 * 1.4426950408889634
     w2 = weight2 * 1.4426950408889634
@@ -348,9 +427,9 @@ def _pooled_dq_kernel(
         mbarrier.wait(tile_bar, tile & 1)
         delta = gl.sum(o.to(gl.float32) * do_s.load(mma).to(gl.float32), 1)
         gl.store(DELTA + flat, delta)
-        mbarrier.wait(kv_bar, 0)
         dq = gl.zeros([TILE, HEAD_DIM], gl.float32, mma)
         for c in gl.static_range(KEYS // TILE):
+            mbarrier.wait(key_bars.index(c), 0)  # (the group's first tile waits for each step's keys to arrive)
             s = warpgroup_mma(q_s, k_s.index(c).permute((1, 0)), zero, use_acc=False)
             if c < STEPS1 + STEPS2:  # bsa_backward_dq's weighted list walk: scaled, shifted, then the exponent
                 s = s * qk_scale
@@ -362,8 +441,9 @@ def _pooled_dq_kernel(
             ds = p * (dp - delta[:, None])
             dq = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), ds_layout), k_s.index(c), dq)
         gl.store(DQ + flat[:, None] * HEAD_DIM + dims[None, :], dq * sm_scale)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(tile_bar)
+    for c in gl.static_range(KEYS // TILE):
+        mbarrier.invalidate(key_bars.index(c))
 
 
 def pooled_supported(
@@ -472,7 +552,6 @@ def _pooled_forward_op(
         CAND1=cand_widths[0],
         CAND2=cand_widths[1],
         TAIL_ROWS=tail_hi - tail_lo,
-        PIPELINED=PIPELINED,
         num_warps=4,
     )
     return o, lse

@@ -1,6 +1,5 @@
 """Interleaved A/B of LLSA's pooled passes, Triton against Gluon, in one process: the forward (``bsa_forward``
-against ``llsa_gluon.pooled_forward``, its products waited for in turn and pipelined: ``llsa_gluon.PIPELINED``) and
-the dq (``bsa_backward_dq`` against ``llsa_gluon.pooled_dq``).
+against ``llsa_gluon.pooled_forward``) and the dq (``bsa_backward_dq`` against ``llsa_gluon.pooled_dq``).
 
     python scripts/ab_llsa_pooled.py                # the attention benchmark's: 256² L=2 x 2, 128² L=2 x 8, 512² L=3
     python scripts/ab_llsa_pooled.py --cases 256:2:32 128:2:64    # the sampler's batches
@@ -10,7 +9,7 @@ Each pass alone: the kernels on the arguments that one LLSA forward + backward h
 a real call, so the same lists, partial output, bank and gradient), ``do_bench`` medians, rounds alternating the
 order; useful TFLOP/s count the attended keys (the candidates and the coarsest level; the dq's three products as 1.5
 forwards). Then LLSA's forward and forward + backward with the switches ``llsa.GLUON_POOLED_FORWARD`` and
-``GLUON_POOLED_DQ`` off and on (the faster forward form), GPU kernel time (``pixdit.report.kernel_ms``: an eager call
+``GLUON_POOLED_DQ`` off and on, GPU kernel time (``pixdit.report.kernel_ms``: an eager call
 is host-bound). The last column: the largest differences of the Gluon kernels' two outputs (o and LSE; dq and Δ)
 from Triton's, relative to the largest value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
 """
@@ -92,22 +91,11 @@ def one_case(args, side: int, levels: int, batch: int) -> list[dict]:
     keys = sum(cand_widths) * B + tail[1] - tail[0]
     flops = 4.0 * n * keys * 64 * batch * args.heads  # the forward's; the dq's three products are 1.5x that
 
-    def gluon_forward(pipelined: bool):
-        def call():
-            llsa_gluon.PIPELINED = pipelined
-            try:
-                return llsa_gluon.pooled_forward(
-                    qf, bank_k, bank_v, lists, o_init, lse_init, B, scale, cand_widths, tail, args.heads
-                )
-            finally:
-                llsa_gluon.PIPELINED = False
-
-        return call
-
     forward = {
         "Triton": lambda: bs.bsa_forward(*fwd_args, **fwd_kw),
-        "Gluon": gluon_forward(False),
-        "Gluon, pipelined": gluon_forward(True),
+        "Gluon": lambda: llsa_gluon.pooled_forward(
+            qf, bank_k, bank_v, lists, o_init, lse_init, B, scale, cand_widths, tail, args.heads
+        ),
     }
     _, _, _, do, lse, delta, _, _, _, _ = dq_args
     o = dq_kw["o"]
@@ -118,7 +106,7 @@ def one_case(args, side: int, levels: int, batch: int) -> list[dict]:
             delta.clone(),
         ),
     }
-    rows, forward_ms = [], {}
+    rows = []
     for name, forms, work in (("forward", forward, flops), ("dq", dq, 1.5 * flops)):
         outs = {form: fn() for form, fn in forms.items()}
         ms = interleaved_ms(forms, args.rounds)
@@ -129,17 +117,16 @@ def one_case(args, side: int, levels: int, batch: int) -> list[dict]:
                 "pass": name,
                 "keys": keys,
                 **{f"{form} ms": ms.get(form, float("nan")) for form in forward},
-                "speed-up": ms["Triton"] / min(t for f, t in ms.items() if f != "Triton"),
+                "speed-up": ms["Triton"] / ms["Gluon"],
                 "TFLOP/s": " / ".join(f"{work / t * 1e-9:.0f}" for t in ms.values()),
                 "rel. diff (o, lse / dq, Δ)": " ".join(diffs),
             }
         )
-        forward_ms = forward_ms or ms
-    rows.extend(whole_call(args, q, k, v, levels, forward_ms["Gluon, pipelined"] < forward_ms["Gluon"]))
+    rows.extend(whole_call(args, q, k, v, levels))
     return rows
 
 
-def whole_call(args, q, k, v, levels: int, pipelined: bool) -> list[dict]:
+def whole_call(args, q, k, v, levels: int) -> list[dict]:
     """LLSA's forward and forward + backward, GPU kernel time, with the Gluon kernels off and on."""
     go = torch.randn_like(q)
 
@@ -154,14 +141,12 @@ def whole_call(args, q, k, v, levels: int, pipelined: bool) -> list[dict]:
     ms = {}
     for on in (False, True):
         llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = on
-        llsa_gluon.PIPELINED = on and pipelined
         ms[on] = (kernel_ms(forward, calls=20), kernel_ms(forward_backward, calls=10))
-    llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = llsa_gluon.PIPELINED = False
-    form = "Gluon, pipelined" if pipelined else "Gluon"
+    llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = False
     return [
         {
             "case": f"{q.shape[2]} tokens, L={levels}, batch {q.shape[0]}",
-            "pass": f"LLSA {what} (GPU), Triton -> {form}",
+            "pass": f"LLSA {what} (GPU), Triton -> Gluon",
             "Triton ms": ms[False][i],
             "Gluon ms": ms[True][i],
             "speed-up": ms[False][i] / ms[True][i],
