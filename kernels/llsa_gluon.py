@@ -150,6 +150,8 @@ def _walk_pair(
     shift = _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2)
     p_a, m_a, l_a, alpha_a = _softmax(s_a, m_a, l_a, qk_scale, shift, 0 < LISTED, dtype, p_layout)
     s_b = warpgroup_mma_wait(0, deps=(s_b,))
+    acc_a = acc_a.to(gl.float32)  # (the partial outputs' loads have had the first products' time to arrive)
+    acc_b = acc_b.to(gl.float32)
     # steps 0 .. STEPS - 2; on entry a's softmax of step c is done and S_b(c) is in
     for c in range(0, STEPS - 1):
         acc_a = warpgroup_mma(p_a, v_s.index(c), acc_a * alpha_a[:, None], is_async=True)
@@ -230,14 +232,20 @@ def _group_keys(
 
 
 @gluon.jit
-def _partial(O_INIT, LSE_INIT, bh, n_q, row0, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The fine pass's result for the 64 query rows from ``row0``: its output and LSE (base 2), in the accumulator's
-    layout, to continue its softmax from (m = LSE, l = 1, acc = output)."""
+def _partial_output(O_INIT, bh, n_q, row0, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The fine pass's output for the 64 query rows from ``row0``, in the accumulator's layout (its dtype): the
+    output to continue the softmax from (acc = output, l = 1)."""
     rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
     flat = bh.to(gl.int64) * n_q + rows
-    o = gl.load(O_INIT + flat[:, None] * HEAD_DIM + gl.max_contiguous(gl.multiple_of(dims, 2), 2)[None, :])
-    return o, gl.load(LSE_INIT + flat) * 1.4426950408889634
+    return gl.load(O_INIT + flat[:, None] * HEAD_DIM + gl.max_contiguous(gl.multiple_of(dims, 2), 2)[None, :])
+
+
+@gluon.jit
+def _partial_lse(LSE_INIT, bh, n_q, row0, mma: gl.constexpr):
+    """The fine pass's LSE for the 64 query rows from ``row0``, base 2: the running maximum to continue from."""
+    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    return gl.load(LSE_INIT + bh.to(gl.int64) * n_q + rows) * 1.4426950408889634
 
 
 @gluon.jit
@@ -302,11 +310,16 @@ def _pooled_forward_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     key_bars = gl.allocate_shared_memory(gl.int64, [STEPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    # the first pair's q, then the group's keys
+    # the first pair's q and partials, then the group's keys
     q_row0 = bh * n_q + group * GROUP_ROWS
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_s.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row0 + TILE, 0], q_bar, q_s.index(1))
+    row0 = group * GROUP_ROWS  # the first pair's partials: their loads run while the keys' copies are issued
+    o_a = _partial_output(O_INIT, bh, n_q, row0, mma, HEAD_DIM)
+    o_b = _partial_output(O_INIT, bh, n_q, row0 + TILE, mma, HEAD_DIM)
+    m_a = _partial_lse(LSE_INIT, bh, n_q, row0, mma)
+    m_b = _partial_lse(LSE_INIT, bh, n_q, row0 + TILE, mma)
     where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
     k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
@@ -314,12 +327,11 @@ def _pooled_forward_kernel(
     w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
     w2 = weight2 * 1.4426950408889634
     o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
-    row0 = group * GROUP_ROWS
     for pair in gl.static_range(PAIRS):
-        o_a, m_a = _partial(O_INIT, LSE_INIT, bh, n_q, row0 + pair * 2 * TILE, mma, HEAD_DIM)
-        o_b, m_b = _partial(O_INIT, LSE_INIT, bh, n_q, row0 + pair * 2 * TILE + TILE, mma, HEAD_DIM)
-        acc_a = o_a.to(gl.float32)
-        acc_b = o_b.to(gl.float32)
+        next0 = row0 + (pair + 1) * 2 * TILE
+        if pair + 1 < PAIRS:  # the next pair's LSE now (needed at its first softmax), its outputs after this pair
+            m_a_next = _partial_lse(LSE_INIT, bh, n_q, next0, mma)
+            m_b_next = _partial_lse(LSE_INIT, bh, n_q, next0 + TILE, mma)
         l_a = gl.full([TILE], 1.0, gl.float32, row_layout)
         l_b = gl.full([TILE], 1.0, gl.float32, row_layout)
         mbarrier.wait(q_bar, pair & 1)
@@ -332,10 +344,10 @@ def _pooled_forward_kernel(
             q_next,
             m_a,
             l_a,
-            acc_a,
+            o_a,
             m_b,
             l_b,
-            acc_b,
+            o_b,
             qk_scale,
             w1,
             w2,
@@ -349,6 +361,11 @@ def _pooled_forward_kernel(
         tile0 = row0 + pair * 2 * TILE
         _finish(o_base, LSE, bh, n_q, tile0, m_a, l_a, acc_a, stride_on, mma, HEAD_DIM)
         _finish(o_base, LSE, bh, n_q, tile0 + TILE, m_b, l_b, acc_b, stride_on, mma, HEAD_DIM)
+        if pair + 1 < PAIRS:
+            o_a = _partial_output(O_INIT, bh, n_q, next0, mma, HEAD_DIM)
+            o_b = _partial_output(O_INIT, bh, n_q, next0 + TILE, mma, HEAD_DIM)
+            m_a = m_a_next
+            m_b = m_b_next
     mbarrier.invalidate(q_bar)
     for c in gl.static_range(STEPS):
         mbarrier.invalidate(key_bars.index(c))
