@@ -20,11 +20,13 @@ across a loop over query tiles) load those 384 keys' K and V (at 256², L = 2) o
 for 0.1 GB of queries. Here one program owns a group of B^2 query rows: it loads the group's keys into shared memory
 once by TMA (the candidates block by block, the coarsest level by 64-row tiles) and walks its 64-row query tiles over
 them. The products are wgmma with K and V read from shared memory and P (dS) from registers (docs/kernel_notes.md
-v62).
+v62). The forward walks two tiles at once, interleaved, so that one tile's softmax runs under the other's products
+(v63); the dq walks one tile at a time.
 
 Restrictions (``case_supported``; every other case runs the Triton passes): an sm_90 GPU, fp16 / bf16, head_dim 64,
 full candidate lists of whole 64-key steps, a coarsest level of whole 64-key steps, at most ``MAX_KEYS`` keys per
-group (shared memory), at most two candidate levels (L <= 3).
+group (shared memory), at most two candidate levels (L <= 3), groups of whole pairs of 64-row tiles (B^2 a multiple of
+128: B = 16 and 32 are).
 """
 
 from __future__ import annotations
@@ -490,6 +492,7 @@ def case_supported(
         and tail_rows % TILE.value == 0
         and sum(cand_rows) + tail_rows <= MAX_KEYS
         and n_q % (block_size * block_size) == 0
+        and block_size * block_size % (2 * TILE.value) == 0  # the forward walks a group's 64-row tiles in pairs
     )
 
 

@@ -148,6 +148,7 @@ def test_case_supported_takes_llsa_usual_shapes(case):
         (torch.bfloat16, 64, 65536, 16, (8,), 16, True, "a tail of 16 rows"),
         (torch.bfloat16, 64, 65536, 16, (8,), 1024, True, "1,152 keys: more than shared memory holds"),
         (torch.bfloat16, 64, 65536 + 64, 16, (8,), 256, True, "tokens not a multiple of B^2"),
+        (torch.bfloat16, 64, 65536, 8, (8,), 64, True, "B = 8: groups of one 64-row tile, not pairs"),
     ],
 )
 def test_case_supported_refuses(dtype, d, n_q, B, widths, tail, full, why):
