@@ -374,6 +374,20 @@ def _pooled_forward_kernel(
 
 
 @gluon.jit
+def _dscores(s, dp, lse2, delta, qk_scale, shift, shifted, dtype: gl.constexpr, ds_layout: gl.constexpr):
+    """A step's dS = P (dP - Δ) (``dtype``, in the layout of the dq product's A operand), P from the forward's LSE
+    written as ``bsa_backward_dq`` computes it: its weighted list walk (``shifted``) scales and shifts the logits,
+    then the exponent; its dense tail puts scale and shift in the exponent."""
+    if shifted:
+        s = s * qk_scale
+        s += shift
+        p = gl.exp2(s - lse2[:, None])
+    else:
+        p = gl.exp2(s * qk_scale - (lse2 - shift)[:, None])
+    return gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+
+
+@gluon.jit
 def _pooled_dq_kernel(
     q_desc,
     do_desc,
@@ -414,6 +428,8 @@ def _pooled_dq_kernel(
     TILES: gl.constexpr = GROUP_ROWS // TILE
     STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
     STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
+    STEPS: gl.constexpr = KEYS // TILE
+    LISTED: gl.constexpr = STEPS1 + STEPS2
     mma: gl.constexpr = _accumulator_layout(HEAD_DIM, num_warps)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
@@ -446,19 +462,22 @@ def _pooled_dq_kernel(
         mbarrier.wait(tile_bar, tile & 1)
         delta = gl.sum(o.to(gl.float32) * do_s.load(mma).to(gl.float32), 1)
         gl.store(DELTA + flat, delta)
+        # step c's dS is computed while S(c + 1) and dP(c + 1) run; nothing is in flight at the loop's back edge (see
+        # _walk_pair), and the middle steps are a loop for the same reason as there
         dq = gl.zeros([TILE, HEAD_DIM], gl.float32, mma)
-        for c in gl.static_range(KEYS // TILE):
-            mbarrier.wait(key_bars.index(c), 0)  # (the group's first tile waits for each step's keys to arrive)
-            s = warpgroup_mma(q_s, k_s.index(c).permute((1, 0)), zero, use_acc=False)
-            if c < STEPS1 + STEPS2:  # bsa_backward_dq's weighted list walk: scaled, shifted, then the exponent
-                s = s * qk_scale
-                s += _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
-                p = gl.exp2(s - lse2[:, None])
-            else:  # its dense tail: scale and shift in the exponent
-                p = gl.exp2(s * qk_scale - (lse2 - tail_bias)[:, None])
-            dp = warpgroup_mma(do_s, v_s.index(c).permute((1, 0)), zero, use_acc=False)
-            ds = p * (dp - delta[:, None])
-            dq = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), ds_layout), k_s.index(c), dq)
+        s = _logits(q_s, k_s, key_bars, 0, zero)
+        dp = warpgroup_mma(do_s, v_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        for c in range(0, STEPS - 1):
+            s_next = _logits(q_s, k_s, key_bars, c + 1, zero)
+            dp_next = warpgroup_mma(do_s, v_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
+            ds = _dscores(s, dp, lse2, delta, qk_scale, shift, c < LISTED, k_s.dtype, ds_layout)
+            dq = warpgroup_mma(ds, k_s.index(c), dq, is_async=True)
+            s, dp, dq, ds = warpgroup_mma_wait(0, deps=(s_next, dp_next, dq, ds))
+        shift = _step_weight(STEPS - 1, w1, w2, tail_bias, STEPS1, STEPS2)
+        ds = _dscores(s, dp, lse2, delta, qk_scale, shift, STEPS - 1 < LISTED, k_s.dtype, ds_layout)
+        dq = warpgroup_mma(ds, k_s.index(STEPS - 1), dq)
         gl.store(DQ + flat[:, None] * HEAD_DIM + dims[None, :], dq * sm_scale)
     mbarrier.invalidate(tile_bar)
     for c in gl.static_range(KEYS // TILE):
