@@ -112,16 +112,8 @@ def _walk_pair(
     v_s,
     key_bars,
     q_next,
-    m_a,
-    l_a,
-    acc_a,
-    m_b,
-    l_b,
-    acc_b,
-    qk_scale,
-    w1,
-    w2,
-    tail_bias,
+    start,
+    weights,
     STEPS1: gl.constexpr,
     STEPS2: gl.constexpr,
     STEPS: gl.constexpr,
@@ -138,7 +130,12 @@ def _walk_pair(
     loop, not unrolled: unrolled, every step's shared-memory descriptors were computed up front and the kernel
     spilled). Step c's keys are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's
     keys are in. ``MORE``: once the last logits products have read ``q_s``, the next pair's q is copied into it
-    (``q_next``: q's descriptor, the first row, the barrier) while the last products run."""
+    (``q_next``: q's descriptor, the first row, the barrier) while the last products run. ``start``: each tile's
+    running maximum, sum and output to continue from, ``(m_a, l_a, acc_a, m_b, l_b, acc_b)``; ``weights``: the
+    logits' scale and the steps' base-2 weights, ``(qk_scale, w1, w2, tail_bias)``. Returns the tiles' final
+    ``(m, l, acc)`` as ``start`` has them."""
+    m_a, l_a, acc_a, m_b, l_b, acc_b = start
+    qk_scale, w1, w2, tail_bias = weights
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dtype: gl.constexpr = v_s.dtype
     LISTED: gl.constexpr = STEPS1 + STEPS2
@@ -326,8 +323,8 @@ def _pooled_forward_kernel(
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
     k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
-    w1 = weight1 * 1.4426950408889634  # the candidate levels' base-2 weights, as bsa_forward's list_weight has them
-    w2 = weight2 * 1.4426950408889634
+    # the logits' scale, the candidate levels' base-2 weights (as bsa_forward's list_weight has them), the tail's
+    weights = (qk_scale, weight1 * 1.4426950408889634, weight2 * 1.4426950408889634, tail_bias)
     o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
     for pair in gl.static_range(PAIRS):
         next0 = row0 + (pair + 1) * 2 * TILE
@@ -338,28 +335,11 @@ def _pooled_forward_kernel(
         l_b = gl.full([TILE], 1.0, gl.float32, row_layout)
         mbarrier.wait(q_bar, pair & 1)
         q_next = (q_desc, q_row0 + (pair + 1) * 2 * TILE, q_bar)
-        m_a, l_a, acc_a, m_b, l_b, acc_b = _walk_pair(
-            q_s,
-            k_s,
-            v_s,
-            key_bars,
-            q_next,
-            m_a,
-            l_a,
-            o_a,
-            m_b,
-            l_b,
-            o_b,
-            qk_scale,
-            w1,
-            w2,
-            tail_bias,
-            STEPS1,
-            STEPS2,
-            STEPS,
-            mma,
-            pair + 1 < PAIRS,
+        start = (m_a, l_a, o_a, m_b, l_b, o_b)
+        walked = _walk_pair(
+            q_s, k_s, v_s, key_bars, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, pair + 1 < PAIRS
         )
+        m_a, l_a, acc_a, m_b, l_b, acc_b = walked
         tile0 = row0 + pair * 2 * TILE
         _finish(o_base, LSE, bh, n_q, tile0, m_a, l_a, acc_a, stride_on, mma, HEAD_DIM)
         _finish(o_base, LSE, bh, n_q, tile0 + TILE, m_b, l_b, acc_b, stride_on, mma, HEAD_DIM)
