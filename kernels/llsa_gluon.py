@@ -64,8 +64,8 @@ def _probabilities(s, scale, shift, m_i, SHIFTED):
     """A step's probabilities (unnormalised), new running maximum and the old sum's rescale from its raw logits
     ``s``, written as ``bsa_forward`` computes the same step, so that both give the same bits: ``SHIFTED`` (its
     weighted list walk) scales and shifts the logits first, else (its dense tail) the scale and the shift enter the
-    exponent (``block_sparse.softmax_step``). ``m_i`` is never -inf here (every row starts from the fine pass's LSE),
-    so no guard against it."""
+    exponent (``block_sparse.softmax_step``); a constexpr or, in a loop over steps, a runtime flag. ``m_i`` is never
+    -inf here (every row starts from the fine pass's LSE), so no guard against it."""
     if SHIFTED:
         s = s * scale
         s += shift
@@ -251,10 +251,9 @@ def _partial_lse(LSE_INIT, bh, n_q, row0, mma: gl.constexpr):
 def _finish(o_base, LSE, bh, n_q, row0, m_i, l_i, acc, stride_on, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
     """A tile's normalised output (tokens-major) and LSE stored."""
     rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    dims = gl.max_contiguous(gl.multiple_of(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 2), 2)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    dims = gl.max_contiguous(gl.multiple_of(dims, 2), 2)
     gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(o_base.dtype.element_ty))
     gl.store(LSE + bh.to(gl.int64) * n_q + rows, (m_i + gl.log2(l_safe)) * 0.6931471805599453)
 
@@ -294,8 +293,8 @@ def _pooled_forward_kernel(
 ):
     """One program per (group of B^2 query rows, batch x head): the group's keys loaded once (``_group_keys``), then
     its 64-row query tiles walked over them two at a time (``_walk_pair``). Each pair's q is in shared memory (TMA;
-    the next pair's copy is issued once the logits products have read this pair's), the fine pass's partial output
-    and LSE in registers, loaded a pair ahead."""
+    the next pair's copy is issued once the logits products have read this pair's); the fine pass's partial output
+    and LSE in registers, the next pair's LSE loaded a pair ahead and its output as soon as this pair is stored."""
     group = gl.program_id(0)
     bh = gl.program_id(1)
     STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
