@@ -57,8 +57,9 @@ PARTIAL_DTYPE = "input"
 LIST_WEIGHT_RUNS = True
 # The pooled pass by ``llsa_gluon.pooled_forward`` (Gluon, Hopper: each group of B^2 query rows keeps its bank keys in
 # shared memory) where it supports the case, else by ``bsa_forward``; the backward's pooled dq (and Δ) by
-# ``llsa_gluon.pooled_dq`` likewise. Off: on an H100 at 256² the Gluon forward ran 0.89x and the dq 1.03x of the
-# Triton passes (docs/kernel_notes.md v62). PIXDIT_KERNELS_GLUON=1 switches both on for a process.
+# ``llsa_gluon.pooled_dq`` likewise. Off: their first forms ran 0.89x (forward) and 1.03x (dq) of the Triton passes on
+# an H100 (docs/kernel_notes.md v62); the present forms (v63) have not run on a GPU yet. PIXDIT_KERNELS_GLUON=1
+# switches both on for a process.
 GLUON_POOLED_FORWARD = os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in ("", "0")
 GLUON_POOLED_DQ = GLUON_POOLED_FORWARD
 
