@@ -308,12 +308,11 @@ def _pooled_forward_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     key_bars = gl.allocate_shared_memory(gl.int64, [STEPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    # the first pair's q and partials, then the group's keys
-    q_row0 = bh * n_q + group * GROUP_ROWS
+    # the first pair's q and partials (their loads run while the keys' copies are issued), then the group's keys
+    row0 = group * GROUP_ROWS
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_s.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row0 + TILE, 0], q_bar, q_s.index(1))
-    row0 = group * GROUP_ROWS  # the first pair's partials: their loads run while the keys' copies are issued
+    tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0, 0], q_bar, q_s.index(0))
+    tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0 + TILE, 0], q_bar, q_s.index(1))
     o_a = _partial_output(O_INIT, bh, n_q, row0, mma, HEAD_DIM)
     o_b = _partial_output(O_INIT, bh, n_q, row0 + TILE, mma, HEAD_DIM)
     m_a = _partial_lse(LSE_INIT, bh, n_q, row0, mma)
@@ -333,7 +332,7 @@ def _pooled_forward_kernel(
         l_a = gl.full([TILE], 1.0, gl.float32, row_layout)
         l_b = gl.full([TILE], 1.0, gl.float32, row_layout)
         mbarrier.wait(q_bar, pair & 1)
-        q_next = (q_desc, q_row0 + (pair + 1) * 2 * TILE, q_bar)
+        q_next = (q_desc, bh * n_q + next0, q_bar)
         start = (m_a, l_a, o_a, m_b, l_b, o_b)
         walked = _walk_pair(
             q_s, k_s, v_s, key_bars, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, pair + 1 < PAIRS
@@ -417,7 +416,7 @@ def _pooled_dq_kernel(
     q_s = gl.allocate_shared_memory(q_desc.dtype, [TILE, HEAD_DIM], q_desc.layout)  # one buffer each: the keys
     do_s = gl.allocate_shared_memory(do_desc.dtype, [TILE, HEAD_DIM], do_desc.layout)  # leave room for two programs
     tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    key_bars = gl.allocate_shared_memory(gl.int64, [KEYS // TILE, 1], mbarrier.MBarrierLayout())
+    key_bars = gl.allocate_shared_memory(gl.int64, [STEPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(tile_bar, count=1)
     where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
@@ -459,7 +458,7 @@ def _pooled_dq_kernel(
         dq = warpgroup_mma(ds, k_s.index(STEPS - 1), dq)
         gl.store(DQ + flat[:, None] * HEAD_DIM + dims[None, :], dq * sm_scale)
     mbarrier.invalidate(tile_bar)
-    for c in gl.static_range(KEYS // TILE):
+    for c in gl.static_range(STEPS):
         mbarrier.invalidate(key_bars.index(c))
 
 
