@@ -60,8 +60,19 @@ LIST_WEIGHT_RUNS = True
 # ``llsa_gluon.pooled_dq`` likewise. Off: their first forms ran 0.89x (forward) and 1.03x (dq) of the Triton passes on
 # an H100 (docs/kernel_notes.md v62); the present forms (v63) have not run on a GPU yet. PIXDIT_KERNELS_GLUON=1
 # switches both on for a process.
-GLUON_POOLED_FORWARD = os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in ("", "0")
-GLUON_POOLED_DQ = GLUON_POOLED_FORWARD
+_GLUON_SWITCHES = {
+    "": (False, False),
+    "0": (False, False),
+    "1": (True, True),
+    "forward": (True, False),
+    "dq": (False, True),
+}
+if os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in _GLUON_SWITCHES:
+    raise ValueError(
+        f"PIXDIT_KERNELS_GLUON must be one of 0, 1, forward, dq (which of LLSA's Gluon pooled passes run), "
+        f"got {os.environ['PIXDIT_KERNELS_GLUON']!r}"
+    )
+GLUON_POOLED_FORWARD, GLUON_POOLED_DQ = _GLUON_SWITCHES[os.environ.get("PIXDIT_KERNELS_GLUON", "0")]
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:

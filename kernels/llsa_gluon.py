@@ -20,13 +20,14 @@ across a loop over query tiles) load those 384 keys' K and V (at 256², L = 2) o
 for 0.1 GB of queries. Here one program owns a group of B^2 query rows: it loads the group's keys into shared memory
 once by TMA (the candidates block by block, the coarsest level by 64-row tiles) and walks its 64-row query tiles over
 them. The products are wgmma with K and V read from shared memory and P (dS) from registers (docs/kernel_notes.md
-v62). The forward walks two tiles at once, interleaved, so that one tile's softmax runs under the other's products
-(v63); the dq walks one tile at a time.
+v62). The forward's programs have two warpgroups, each walking its own 64 rows of a 128-row tile, with few enough
+registers that an SM holds two programs: four warps per scheduler to hide the softmax's latency (v64); the dq walks
+one 64-row tile on one warpgroup.
 
 Restrictions (``case_supported``; every other case runs the Triton passes): an sm_90 GPU, fp16 / bf16, head_dim 64,
 full candidate lists of whole 64-key steps, a coarsest level of whole 64-key steps, at most ``MAX_KEYS`` keys per
-group (shared memory), at most two candidate levels (L <= 3), groups of whole pairs of 64-row tiles (B^2 a multiple of
-128: B = 16 and 32 are).
+group (shared memory), at most two candidate levels (L <= 3), groups of whole 128-row tiles (B^2 a multiple of 128: B = 16 and
+32 are).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .ops import INTERPRET, custom_op
 __all__ = ["pooled_forward", "pooled_dq", "pooled_supported", "case_supported", "MAX_KEYS"]
 
 LOG2E = 1.4426950408889634
-TILE = gl.constexpr(64)  # query rows per tile (one warpgroup's wgmma rows) and keys per step
+TILE = gl.constexpr(64)  # query rows per warpgroup (its wgmma rows) and keys per step
+FORWARD_WARPS = 8  # the forward's warps: two warpgroups, a 128-row query tile
 # Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
 # 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
 MAX_KEYS = 512
@@ -54,8 +56,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's
 
 @gluon.constexpr_function
 def _accumulator_layout(head_dim, num_warps):
-    """Both kernels' wgmma accumulator layout for 64-row tiles: the warps stacked along the rows, instructions of 16
-    rows x ``head_dim`` columns x 16 (the logits' 64 keys are one head_dim wide too: head_dim 64 only)."""
+    """Both kernels' wgmma accumulator layout: the warps stacked along the rows, 16 rows each (a tile of 64 rows per
+    warpgroup), instructions of 16 rows x ``head_dim`` columns x 16 (the logits' 64 keys are one head_dim wide too:
+    head_dim 64 only)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, head_dim, 16])
 
 
@@ -106,7 +109,7 @@ def _softmax(s, m_i, l_i, qk_scale, shift, shifted, dtype: gl.constexpr, p_layou
 
 
 @gluon.jit
-def _walk_pair(
+def _walk_tile(
     q_s,
     k_s,
     v_s,
@@ -120,63 +123,45 @@ def _walk_pair(
     mma: gl.constexpr,
     MORE: gl.constexpr,
 ):
-    """Two 64-row query tiles' (a: ``q_s.index(0)``, b: ``q_s.index(1)``) online softmax over the group's ``STEPS``
-    64-key steps in shared memory (the candidate levels' steps first, scaled then shifted; the tail's after, see
-    ``_probabilities``), interleaved so that each tile's softmax runs while the tensor cores do the other's
-    products (FlashAttention-3's two warpgroups take turns the same way; here one warpgroup holds both tiles). Step
-    c: O_a += P_a V and S_a(c + 1) issued; b's softmax while they run; O_b += P_b V and S_b(c + 1) issued; a's
-    softmax of step c + 1 while those run. Nothing is in flight at the loop's back edge: with products in flight
-    there, ptxas cannot follow their registers around the loop and serialises every wgmma (the middle steps are a
-    loop, not unrolled: unrolled, every step's shared-memory descriptors were computed up front and the kernel
-    spilled). Step c's keys are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's
-    keys are in. ``MORE``: once the last logits products have read ``q_s``, the next pair's q is copied into it
-    (``q_next``: q's descriptor, the first row, the barrier) while the last products run. ``start``: each tile's
-    running maximum, sum and output to continue from, ``(m_a, l_a, acc_a, m_b, l_b, acc_b)``; ``weights``: the
-    logits' scale and the steps' base-2 weights, ``(qk_scale, w1, w2, tail_bias)``. Returns the tiles' final
-    ``(m, l, acc)`` as ``start`` has them."""
-    m_a, l_a, acc_a, m_b, l_b, acc_b = start
+    """A query tile's (``q_s``, a 64-row slice per warpgroup) online softmax over the group's ``STEPS`` 64-key steps
+    in shared memory (the candidate levels' steps first, scaled then shifted; the tail's after, see
+    ``_probabilities``), FlashAttention-3's order within a warpgroup: S(c + 1) is issued before O += P(c) V(c), and
+    step c + 1's softmax runs while that product does. Nothing is in flight at the loop's back edge: with products in
+    flight there, ptxas cannot follow their registers around the loop and serialises every wgmma; and the middle steps
+    are a loop, not unrolled (unrolled, every step's shared-memory descriptors are computed up front). Step c's keys
+    are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's keys are in. ``MORE``:
+    once the last logits product has read ``q_s``, the next tile's q is copied into it (``q_next``: q's descriptor,
+    the first row, the barrier) while the last P V product runs. ``start``:
+    the running maximum, sum and output to continue from ``(m, l, acc)`` (acc in the inputs' dtype); ``weights``: the
+    logits' scale and the steps' base-2 weights, ``(qk_scale, w1, w2, tail_bias)``. Returns the final ``(m, l,
+    acc)``, the last product waited for."""
+    m_i, l_i, acc = start
     qk_scale, w1, w2, tail_bias = weights
+    LISTED: gl.constexpr = STEPS1 + STEPS2
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dtype: gl.constexpr = v_s.dtype
-    LISTED: gl.constexpr = STEPS1 + STEPS2
-    zero = gl.zeros([TILE, TILE], gl.float32, mma)
-    q_a = q_s.index(0)
-    q_b = q_s.index(1)
-    # step 0's logits; a's softmax while S_b(0) runs
-    s_a = _logits(q_a, k_s, key_bars, 0, zero)
-    s_b = warpgroup_mma(q_b, k_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    s_a = warpgroup_mma_wait(1, deps=(s_a,))
+    ROWS: gl.constexpr = q_s.shape[0]
+    zero = gl.zeros([ROWS, TILE], gl.float32, mma)
+    s = warpgroup_mma_wait(0, deps=(_logits(q_s, k_s, key_bars, 0, zero),))
     shift = _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2)
-    p_a, m_a, l_a, alpha_a = _softmax(s_a, m_a, l_a, qk_scale, shift, 0 < LISTED, dtype, p_layout)
-    s_b = warpgroup_mma_wait(0, deps=(s_b,))
-    acc_a = acc_a.to(gl.float32)  # (the partial outputs' loads have had the first products' time to arrive)
-    acc_b = acc_b.to(gl.float32)
-    # steps 0 .. STEPS - 2; on entry a's softmax of step c is done and S_b(c) is in
-    for c in range(0, STEPS - 1):
-        acc_a = warpgroup_mma(p_a, v_s.index(c), acc_a * alpha_a[:, None], is_async=True)
-        s_a = _logits(q_a, k_s, key_bars, c + 1, zero)
-        shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
-        p_b, m_b, l_b, alpha_b = _softmax(s_b, m_b, l_b, qk_scale, shift, c < LISTED, dtype, p_layout)
-        acc_b = warpgroup_mma(p_b, v_s.index(c), acc_b * alpha_b[:, None], is_async=True)
-        s_b = warpgroup_mma(q_b, k_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc_a, s_a, p_a = warpgroup_mma_wait(2, deps=(acc_a, s_a, p_a))  # O_a(c), S_a(c + 1) done
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, shift, 0 < LISTED, dtype, p_layout)
+    acc = acc.to(gl.float32)  # (the partial output's load has had the first product's time to arrive)
+    for c in range(0, STEPS - 1):  # on entry step c's softmax is done, O holds steps < c
+        s = _logits(q_s, k_s, key_bars, c + 1, zero)
+        acc = warpgroup_mma(p, v_s.index(c), acc * alpha[:, None], is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))  # S(c + 1) in; O(c) still running, reading p
         shift = _step_weight(c + 1, w1, w2, tail_bias, STEPS1, STEPS2)
-        p_a, m_a, l_a, alpha_a = _softmax(s_a, m_a, l_a, qk_scale, shift, c + 1 < LISTED, dtype, p_layout)
-        acc_b, s_b, p_b = warpgroup_mma_wait(0, deps=(acc_b, s_b, p_b))
-    # the last step: q no longer read, so the next pair's q may come in
-    LAST: gl.constexpr = STEPS - 1
-    if MORE:
+        p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, shift, c + 1 < LISTED, dtype, p_layout)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        p = p_next
+    if MORE:  # q no longer read (every warp's logits products are done with it): the next tile's may come in
         q_desc, next_row, q_bar = q_next
-        _cta_barrier()  # every warp's logits products are done with q_s
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [next_row, 0], q_bar, q_a)
-        tma.async_copy_global_to_shared(q_desc, [next_row + TILE, 0], q_bar, q_b)
-    acc_a = warpgroup_mma(p_a, v_s.index(LAST), acc_a * alpha_a[:, None], is_async=True)
-    shift = _step_weight(LAST, w1, w2, tail_bias, STEPS1, STEPS2)
-    p_b, m_b, l_b, alpha_b = _softmax(s_b, m_b, l_b, qk_scale, shift, LAST < LISTED, dtype, p_layout)
-    acc_b = warpgroup_mma(p_b, v_s.index(LAST), acc_b * alpha_b[:, None], is_async=True)
-    acc_a, acc_b, p_a, p_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b, p_a, p_b))
-    return m_a, l_a, acc_a, m_b, l_b, acc_b
+        _cta_barrier()
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [next_row, 0], q_bar, q_s)
+    acc = warpgroup_mma(p, v_s.index(STEPS - 1), acc * alpha[:, None], is_async=True)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -231,27 +216,20 @@ def _group_keys(
 
 
 @gluon.jit
-def _partial_output(O_INIT, bh, n_q, row0, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The fine pass's output for the 64 query rows from ``row0``, in the accumulator's layout (its dtype): the
-    output to continue the softmax from (acc = output, l = 1)."""
-    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+def _partial(O_INIT, LSE_INIT, bh, n_q, rows, dims):
+    """The fine pass's result for the query ``rows`` (``dims``: the head's columns), in the accumulator's layout: the
+    state to continue the softmax from, ``(m, l, acc)`` with m its LSE in base 2, l = 1 and acc its output (the
+    inputs' dtype)."""
     flat = bh.to(gl.int64) * n_q + rows
-    return gl.load(O_INIT + flat[:, None] * HEAD_DIM + gl.max_contiguous(gl.multiple_of(dims, 2), 2)[None, :])
+    acc = gl.load(O_INIT + flat[:, None] * dims.shape[0] + dims[None, :])
+    m_i = gl.load(LSE_INIT + flat) * 1.4426950408889634
+    return m_i, gl.full(rows.shape, 1.0, gl.float32, rows.type.layout), acc
 
 
 @gluon.jit
-def _partial_lse(LSE_INIT, bh, n_q, row0, mma: gl.constexpr):
-    """The fine pass's LSE for the 64 query rows from ``row0``, base 2: the running maximum to continue from."""
-    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-    return gl.load(LSE_INIT + bh.to(gl.int64) * n_q + rows) * 1.4426950408889634
-
-
-@gluon.jit
-def _finish(o_base, LSE, bh, n_q, row0, m_i, l_i, acc, stride_on, mma: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A tile's normalised output (tokens-major) and LSE stored."""
-    rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-    dims = gl.max_contiguous(gl.multiple_of(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 2), 2)
+def _finish(o_base, LSE, bh, n_q, rows, dims, stride_on, walked):
+    """A tile's normalised output (tokens-major, from ``o_base``) and LSE stored; ``walked`` = ``(m, l, acc)``."""
+    m_i, l_i, acc = walked
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(o_base.dtype.element_ty))
@@ -292,31 +270,25 @@ def _pooled_forward_kernel(
     num_warps: gl.constexpr,
 ):
     """One program per (group of B^2 query rows, batch x head): the group's keys loaded once (``_group_keys``), then
-    its 64-row query tiles walked over them two at a time (``_walk_pair``). Each pair's q is in shared memory (TMA;
-    the next pair's copy is issued once the logits products have read this pair's); the fine pass's partial output
-    and LSE in registers, the next pair's LSE loaded a pair ahead and its output as soon as this pair is stored."""
+    its query tiles (64 rows per warpgroup) walked over them one after the other (``_walk_tile``). A tile's q is in
+    shared memory (TMA; the next tile's copy is issued once the logits products have read this one's), the fine pass's
+    partial output and LSE in registers."""
     group = gl.program_id(0)
     bh = gl.program_id(1)
+    ROWS: gl.constexpr = TILE * (num_warps // 4)
     STEPS1: gl.constexpr = CAND1 * BLOCK // TILE
     STEPS2: gl.constexpr = CAND2 * BLOCK // TILE
     STEPS: gl.constexpr = STEPS1 + STEPS2 + TAIL_ROWS // TILE
-    PAIRS: gl.constexpr = GROUP_ROWS // (2 * TILE)
     mma: gl.constexpr = _accumulator_layout(HEAD_DIM, num_warps)
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
 
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, TILE, HEAD_DIM], q_desc.layout)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [ROWS, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     key_bars = gl.allocate_shared_memory(gl.int64, [STEPS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    # the first pair's q and partials (their loads run while the keys' copies are issued), then the group's keys
+    # the first tile's q (its copy runs while the keys' copies are issued), then the group's keys
     row0 = group * GROUP_ROWS
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0, 0], q_bar, q_s.index(0))
-    tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0 + TILE, 0], q_bar, q_s.index(1))
-    o_a = _partial_output(O_INIT, bh, n_q, row0, mma, HEAD_DIM)
-    o_b = _partial_output(O_INIT, bh, n_q, row0 + TILE, mma, HEAD_DIM)
-    m_a = _partial_lse(LSE_INIT, bh, n_q, row0, mma)
-    m_b = _partial_lse(LSE_INIT, bh, n_q, row0 + TILE, mma)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [bh * n_q + row0, 0], q_bar, q_s)
     where = (LIST, stride_lb, stride_lt, bh, group, bank_rows, tail_lo)  # the group's list and the bank's rows
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
     k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
@@ -324,28 +296,15 @@ def _pooled_forward_kernel(
     # the logits' scale, the candidate levels' base-2 weights (as bsa_forward's list_weight has them), the tail's
     weights = (qk_scale, weight1 * 1.4426950408889634, weight2 * 1.4426950408889634, tail_bias)
     o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
-    for pair in gl.static_range(PAIRS):
-        next0 = row0 + (pair + 1) * 2 * TILE
-        if pair + 1 < PAIRS:  # the next pair's LSE now (needed at its first softmax), its outputs after this pair
-            m_a_next = _partial_lse(LSE_INIT, bh, n_q, next0, mma)
-            m_b_next = _partial_lse(LSE_INIT, bh, n_q, next0 + TILE, mma)
-        l_a = gl.full([TILE], 1.0, gl.float32, row_layout)
-        l_b = gl.full([TILE], 1.0, gl.float32, row_layout)
-        mbarrier.wait(q_bar, pair & 1)
-        q_next = (q_desc, bh * n_q + next0, q_bar)
-        start = (m_a, l_a, o_a, m_b, l_b, o_b)
-        walked = _walk_pair(
-            q_s, k_s, v_s, key_bars, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, pair + 1 < PAIRS
-        )
-        m_a, l_a, acc_a, m_b, l_b, acc_b = walked
-        tile0 = row0 + pair * 2 * TILE
-        _finish(o_base, LSE, bh, n_q, tile0, m_a, l_a, acc_a, stride_on, mma, HEAD_DIM)
-        _finish(o_base, LSE, bh, n_q, tile0 + TILE, m_b, l_b, acc_b, stride_on, mma, HEAD_DIM)
-        if pair + 1 < PAIRS:
-            o_a = _partial_output(O_INIT, bh, n_q, next0, mma, HEAD_DIM)
-            o_b = _partial_output(O_INIT, bh, n_q, next0 + TILE, mma, HEAD_DIM)
-            m_a = m_a_next
-            m_b = m_b_next
+    dims = gl.max_contiguous(gl.multiple_of(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 2), 2)
+    for tile in gl.static_range(GROUP_ROWS // ROWS):
+        rows = row0 + tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        start = _partial(O_INIT, LSE_INIT, bh, n_q, rows, dims)
+        mbarrier.wait(q_bar, tile & 1)
+        q_next = (q_desc, bh * n_q + row0 + (tile + 1) * ROWS, q_bar)
+        more = tile + 1 < GROUP_ROWS // ROWS
+        walked = _walk_tile(q_s, k_s, v_s, key_bars, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, more)
+        _finish(o_base, LSE, bh, n_q, rows, dims, stride_on, walked)
     mbarrier.invalidate(q_bar)
     for c in gl.static_range(STEPS):
         mbarrier.invalidate(key_bars.index(c))
@@ -441,7 +400,7 @@ def _pooled_dq_kernel(
         delta = gl.sum(o.to(gl.float32) * do_s.load(mma).to(gl.float32), 1)
         gl.store(DELTA + flat, delta)
         # step c's dS is computed while S(c + 1) and dP(c + 1) run; nothing is in flight at the loop's back edge (see
-        # _walk_pair), and the middle steps are a loop for the same reason as there
+        # _walk_tile), and the middle steps are a loop for the same reason as there
         dq = gl.zeros([TILE, HEAD_DIM], gl.float32, mma)
         s = _logits(q_s, k_s, key_bars, 0, zero)
         dp = warpgroup_mma(do_s, v_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -489,7 +448,7 @@ def case_supported(
         and tail_rows % TILE.value == 0
         and sum(cand_rows) + tail_rows <= MAX_KEYS
         and n_q % (block_size * block_size) == 0
-        and block_size * block_size % (2 * TILE.value) == 0  # the forward walks a group's 64-row tiles in pairs
+        and block_size * block_size % (FORWARD_WARPS // 4 * TILE.value) == 0  # the forward's 128-row tiles
     )
 
 
@@ -536,7 +495,8 @@ def _pooled_forward_op(
     BH, n_q, d = q.shape
     bank_rows = bank_k.shape[1]
     B = block_size
-    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size)
+    q_rows = FORWARD_WARPS // 4 * TILE.value  # a 64-row slice per warpgroup
+    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size, q_rows)
     o = q.new_empty(BH // out_heads, n_q, out_heads, d)  # tokens-major, as llsa's last pass writes it
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     _pooled_forward_kernel[(n_q // (B * B), BH)](
@@ -569,7 +529,7 @@ def _pooled_forward_op(
         CAND1=cand_widths[0],
         CAND2=cand_widths[1],
         TAIL_ROWS=tail_hi - tail_lo,
-        num_warps=4,
+        num_warps=FORWARD_WARPS,
     )
     return o, lse
 
@@ -615,7 +575,7 @@ def _pooled_dq_op(
 ) -> torch.Tensor:
     BH, n_q, d = q.shape
     b, heads = do.shape[0], do.shape[2]
-    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size)
+    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size, TILE.value)
     layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], _gl_dtype(q.dtype))
     do_desc = TensorDescriptor(do, [b * n_q, heads * d], [heads * d, 1], [TILE.value, d], layout)
     dq = torch.empty(BH, n_q, d, device=q.device, dtype=torch.float32)
@@ -662,13 +622,13 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
-def _descriptors(q, bank_k, bank_v, block_size):
-    """TMA descriptors: q ``[BH * N, d]`` in 64-row tiles; the bank's K and V ``[BH * rows, d]`` in blocks of
+def _descriptors(q, bank_k, bank_v, block_size, q_rows):
+    """TMA descriptors: q ``[BH * N, d]`` in tiles of ``q_rows``; the bank's K and V ``[BH * rows, d]`` in blocks of
     ``block_size`` rows (the listed blocks) and in 64-row tiles (the coarsest level)."""
     BH, n_q, d = q.shape
     rows = BH * bank_k.shape[1]
     layout = gl.NVMMASharedLayout.get_default_for([TILE.value, d], _gl_dtype(q.dtype))  # 128-byte swizzle
-    q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [TILE.value, d], layout)
+    q_desc = TensorDescriptor(q, [BH * n_q, d], [d, 1], [q_rows, d], layout)
     listed = [TensorDescriptor(x, [rows, d], [d, 1], [block_size, d], layout) for x in (bank_k, bank_v)]
     tail = [TensorDescriptor(x, [rows, d], [d, 1], [TILE.value, d], layout) for x in (bank_k, bank_v)]
     return q_desc, *listed, *tail

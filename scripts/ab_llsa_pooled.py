@@ -9,7 +9,7 @@ Each pass alone: the kernels on the arguments that one LLSA forward + backward h
 a real call, so the same lists, partial output, bank and gradient), ``do_bench`` medians, rounds alternating the
 order; useful TFLOP/s count the attended keys (the candidates and the coarsest level; the dq's three products as 1.5
 forwards). Then LLSA's forward and forward + backward with the switches ``llsa.GLUON_POOLED_FORWARD`` and
-``GLUON_POOLED_DQ`` off and on, GPU kernel time (``pixdit.report.kernel_ms``: an eager call
+``GLUON_POOLED_DQ`` off, the dq's alone on and both on, GPU kernel time (``pixdit.report.kernel_ms``: an eager call
 is host-bound). The last column: the largest differences of the Gluon kernels' two outputs (o and LSE; dq and Δ)
 from Triton's, relative to the largest value (0 = the same bits). Needs an sm_90 GPU (H100 / H200).
 """
@@ -139,19 +139,22 @@ def whole_call(args, q, k, v, levels: int) -> list[dict]:
             llsa_attention(*x, topk=args.topk, num_levels=levels).backward(go)
 
     ms = {}
-    for on in (False, True):
-        llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = on
-        ms[on] = (kernel_ms(forward, calls=20), kernel_ms(forward_backward, calls=10))
+    for switches in ((False, False), (False, True), (True, True)):  # (forward, dq): off, the dq alone, both
+        llsa.GLUON_POOLED_FORWARD, llsa.GLUON_POOLED_DQ = switches
+        ms[switches] = (kernel_ms(forward, calls=20), kernel_ms(forward_backward, calls=10))
     llsa.GLUON_POOLED_FORWARD = llsa.GLUON_POOLED_DQ = False
+    off = ms[False, False]
     return [
         {
             "case": f"{q.shape[2]} tokens, L={levels}, batch {q.shape[0]}",
-            "pass": f"LLSA {what} (GPU), Triton -> Gluon",
-            "Triton ms": ms[False][i],
-            "Gluon ms": ms[True][i],
-            "speed-up": ms[False][i] / ms[True][i],
+            "pass": f"LLSA {what} (GPU), Triton -> Gluon {which}",
+            "Triton ms": off[i],
+            "Gluon ms": ms[switches][i],
+            "speed-up": off[i] / ms[switches][i],
         }
+        for switches, which in (((False, True), "dq"), ((True, True), "forward and dq"))
         for i, what in enumerate(("forward", "forward + backward"))
+        if switches[0] or i == 1  # the dq alone leaves the forward as it is
     ]
 
 
