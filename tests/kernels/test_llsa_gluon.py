@@ -164,6 +164,18 @@ def test_llsa_runs_the_gluon_kernels_only_on_an_sm90_gpu():
     assert not llsa._gluon_pooled(q, 16, (8,), (4096, 4352, 0.0), True, switch=True)  # a CPU tensor
 
 
+def test_environment_switches_one_pass_or_both_and_names_a_bad_value():
+    """``PIXDIT_KERNELS_GLUON``: 0 / 1 / forward / dq, read once at import; anything else is refused by name."""
+    script = "from pixdit.kernels import llsa; print(llsa.GLUON_POOLED_FORWARD, llsa.GLUON_POOLED_DQ)"
+    for value, expected in (("dq", "False True"), ("forward", "True False")):
+        env = dict(os.environ, PIXDIT_KERNELS_GLUON=value)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        assert done.stdout.split()[-2:] == expected.split(), (value, done.stdout, done.stderr[-500:])
+    env = dict(os.environ, PIXDIT_KERNELS_GLUON="yes")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode != 0 and "PIXDIT_KERNELS_GLUON must be one of 0, 1, forward, dq" in done.stderr
+
+
 # ------------------------------------------------------------------------------------------------------- on the GPU
 def counted(monkeypatch, form: str = "forward") -> list[str]:
     """Switch one Gluon kernel on (``form``: "forward" or "dq") and record its calls (a test that it ran, not only that
