@@ -26,8 +26,8 @@ one 64-row tile on one warpgroup.
 
 Restrictions (``case_supported``; every other case runs the Triton passes): an sm_90 GPU, fp16 / bf16, head_dim 64,
 full candidate lists of whole 64-key steps, a coarsest level of whole 64-key steps, at most ``MAX_KEYS`` keys per
-group (shared memory), at most two candidate levels (L <= 3), groups of whole 128-row tiles (B^2 a multiple of 128: B = 16 and
-32 are).
+group (shared memory), at most two candidate levels (L <= 3), groups of whole 128-row tiles (B^2 a multiple of 128:
+B = 16 and 32 are).
 """
 
 from __future__ import annotations
@@ -131,10 +131,9 @@ def _walk_tile(
     are a loop, not unrolled (unrolled, every step's shared-memory descriptors are computed up front). Step c's keys
     are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's keys are in. ``MORE``:
     once the last logits product has read ``q_s``, the next tile's q is copied into it (``q_next``: q's descriptor,
-    the first row, the barrier) while the last P V product runs. ``start``:
-    the running maximum, sum and output to continue from ``(m, l, acc)`` (acc in the inputs' dtype); ``weights``: the
-    logits' scale and the steps' base-2 weights, ``(qk_scale, w1, w2, tail_bias)``. Returns the final ``(m, l,
-    acc)``, the last product waited for."""
+    the first row, the barrier) while the last P V product runs. ``start``: the running maximum, sum and output to
+    continue from, ``(m, l, acc)`` (acc in the inputs' dtype); ``weights``: the logits' scale and the steps' base-2
+    weights, ``(qk_scale, w1, w2, tail_bias)``. Returns the final ``(m, l, acc)``, the last product waited for."""
     m_i, l_i, acc = start
     qk_scale, w1, w2, tail_bias = weights
     LISTED: gl.constexpr = STEPS1 + STEPS2
