@@ -68,12 +68,13 @@ _GLUON_SWITCHES = {
     "forward": (True, False),
     "dq": (False, True),
 }
-if os.environ.get("PIXDIT_KERNELS_GLUON", "0") not in _GLUON_SWITCHES:
+_gluon_setting = os.environ.get("PIXDIT_KERNELS_GLUON", "0")
+if _gluon_setting not in _GLUON_SWITCHES:
     raise ValueError(
         f"PIXDIT_KERNELS_GLUON must be one of 0, 1, forward, dq (which of LLSA's Gluon pooled passes run), "
-        f"got {os.environ['PIXDIT_KERNELS_GLUON']!r}"
+        f"got {_gluon_setting!r}"
     )
-GLUON_POOLED_FORWARD, GLUON_POOLED_DQ = _GLUON_SWITCHES[os.environ.get("PIXDIT_KERNELS_GLUON", "0")]
+GLUON_POOLED_FORWARD, GLUON_POOLED_DQ = _GLUON_SWITCHES[_gluon_setting]
 
 
 def _partial_dtype(input_dtype: torch.dtype) -> torch.dtype:
