@@ -48,6 +48,7 @@ __all__ = ["pooled_forward", "pooled_dq", "pooled_supported", "case_supported", 
 LOG2E = 1.4426950408889634
 TILE = gl.constexpr(64)  # query rows per warpgroup (its wgmma rows) and keys per step
 FORWARD_WARPS = 8  # the forward's warps: two warpgroups, a 128-row query tile
+FORWARD_ROWS = FORWARD_WARPS // 4 * TILE.value  # the forward's query tile: a 64-row slice per warpgroup
 # Keys (K and V rows) a group may keep in shared memory: 512 keys of d = 64 in bf16 are 128 KB, one program per SM;
 # 384 (LLSA at 256², L = 2) are 96 KB, two programs per SM
 MAX_KEYS = 512
@@ -447,7 +448,7 @@ def case_supported(
         and tail_rows % TILE.value == 0
         and sum(cand_rows) + tail_rows <= MAX_KEYS
         and n_q % (block_size * block_size) == 0
-        and block_size * block_size % (FORWARD_WARPS // 4 * TILE.value) == 0  # the forward's 128-row tiles
+        and block_size * block_size % FORWARD_ROWS == 0  # the forward's 128-row tiles
     )
 
 
@@ -494,8 +495,7 @@ def _pooled_forward_op(
     BH, n_q, d = q.shape
     bank_rows = bank_k.shape[1]
     B = block_size
-    q_rows = FORWARD_WARPS // 4 * TILE.value  # a 64-row slice per warpgroup
-    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size, q_rows)
+    q_desc, k_desc, v_desc, tail_k_desc, tail_v_desc = _descriptors(q, bank_k, bank_v, block_size, FORWARD_ROWS)
     o = q.new_empty(BH // out_heads, n_q, out_heads, d)  # tokens-major, as llsa's last pass writes it
     lse = torch.empty(BH, n_q, device=q.device, dtype=torch.float32)
     _pooled_forward_kernel[(n_q // (B * B), BH)](

@@ -54,7 +54,7 @@ def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", dq=False) -> dict:
         floats = "qk_scale sm_scale weight1 weight2 tail_bias".split()
     else:
         kernel = llsa_gluon._pooled_forward_kernel
-        signature = dict(q_desc=desc(warps // 4 * 64), **descriptors)  # a 64-row slice per warpgroup
+        signature = dict(q_desc=desc(llsa_gluon.FORWARD_ROWS), **descriptors)
         signature |= dict(O_INIT=f"*{dtype}", LSE_INIT="*fp32", O=f"*{dtype}", LSE="*fp32", LIST="*i32")
         ints = "n_q bank_rows stride_lb stride_lt out_heads stride_ob stride_oh stride_on tail_lo".split()
         floats = "qk_scale weight1 weight2 tail_bias".split()
