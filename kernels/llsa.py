@@ -57,10 +57,10 @@ PARTIAL_DTYPE = "input"
 LIST_WEIGHT_RUNS = True
 # The pooled pass by ``llsa_gluon.pooled_forward`` (Gluon, Hopper: each group of B^2 query rows keeps its bank keys in
 # shared memory) where it supports the case, else by ``bsa_forward``; the backward's pooled dq (and Δ) by
-# ``llsa_gluon.pooled_dq`` likewise. Off: the second forms ran 0.90-1.00x (forward) and 1.02-1.08x (dq) of the
-# Triton passes on an H100, LLSA's forward + backward 0.98-1.01x with both on (docs/kernel_notes.md v64); the
-# forward's third form has not been measured. PIXDIT_KERNELS_GLUON=1 switches both on for a process, =forward or =dq
-# one of them.
+# ``llsa_gluon.pooled_dq`` likewise. Off: on an H100 the forward's third form ran 0.87x of the Triton pass at 256²
+# (the earlier forms 0.89-1.00x), the dq 1.00-1.08x; LLSA's forward + backward 0.98-1.01x with both on, 1.000x with
+# the dq alone (docs/kernel_notes.md v64, v65). PIXDIT_KERNELS_GLUON=1 switches both on for a process, =forward or
+# =dq one of them.
 _GLUON_SWITCHES = {
     "": (False, False),
     "0": (False, False),
