@@ -53,7 +53,10 @@ from .ops import cdiv, custom_op, next_power_of_2, shape_constant
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_torch", "flash_attention"]
 
-LOG2E = 1.4426950408889634
+# log2(e) and ln(2): the kernels' online softmax runs in base 2 (exp2, log2). Constexprs, because a kernel reads a
+# module global only as one; host code takes their .value.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 TAIL_STEP = tl.constexpr(64)  # keys per step of a dense tail (see bsa_forward)
 
 
@@ -212,7 +215,7 @@ def finish_softmax(m_i, l_i, acc):
     """The normalised output and natural-log LSE of an online softmax (base-2 ``m_i``); a row without a key gets
     output 0 and LSE -inf."""
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    return acc / l_safe[:, None], (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    return acc / l_safe[:, None], (m_i + tl.math.log2(l_safe)) * LN2
 
 
 @triton.jit
@@ -319,7 +322,7 @@ def _fwd_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
     if HAS_INIT:  # continue a partial softmax: m = previous LSE, l = 1, acc = previous (normalized) output
-        m_i = tl.load(LSE_INIT + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_i = tl.load(LSE_INIT + bh * n_q + rows, mask=row_ok, other=0.0) * LOG2E
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.load(
             O_INIT + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0
@@ -349,9 +352,9 @@ def _fwd_kernel(
             row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
-                bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+                bias += tl.load(LOGW + tl.maximum(blk, 0)) * LOG2E
             if LIST_RUNS > 0:
-                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * 1.4426950408889634
+                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * LOG2E
             # EVEN_K: Nk is a multiple of KEY_BLOCK, so no row of a listed block is out of range
             m_i, l_i, acc = contiguous_fwd_step(
                 q, kv, row0, bias, n_k, qk_scale, m_i, l_i, acc, STEP_ROWS, EVEN_K, PREC, LIST_TMA
@@ -373,10 +376,10 @@ def _fwd_kernel(
                 # weight per step (LIST_RUNS, a scalar) stays bit for bit the same weight per block (HAS_LOGW)
                 s = s * qk_scale
                 if LIST_RUNS > 0:
-                    s += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
+                    s += list_weight(j, runs, LIST_RUNS) * LOG2E
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-                    s += w[None, :] * 1.4426950408889634
+                    s += w[None, :] * LOG2E
                 scale = 1.0
             else:
                 scale = qk_scale
@@ -548,7 +551,7 @@ def _dq_kernel(
     q = tl.load(Q + bh * stride_qb + rows[:, None] * stride_qn + dims[None, :], mask=row_ok[:, None], other=0.0)
     do_offs = head_offset(bh, do_heads, stride_db, stride_dh) + rows[:, None] * stride_dn + dims[None, :]
     do = tl.load(DO + do_offs, mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + bh * n_q + rows, mask=row_ok, other=0.0) * LOG2E
     if COMPUTE_DELTA:  # Δ_i = <dO_i, O_i> (O has dO's layout); written for the later passes
         o = tl.load(O + do_offs, mask=row_ok[:, None], other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -573,9 +576,9 @@ def _dq_kernel(
             row0 = tl.maximum(blk, 0).to(tl.int64) * KEY_BLOCK + (j % N_SUB) * STEP_ROWS
             bias = tl.where(blk >= 0, 0.0, float("-inf"))
             if HAS_LOGW:
-                bias += tl.load(LOGW + tl.maximum(blk, 0)) * 1.4426950408889634
+                bias += tl.load(LOGW + tl.maximum(blk, 0)) * LOG2E
             if LIST_RUNS > 0:
-                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * 1.4426950408889634
+                bias += list_weight(j // N_SUB, runs, LIST_RUNS) * LOG2E
             dq = contiguous_dq_step(
                 q, do, kv, row0, bias, n_k, qk_scale, lse2, delta, dq, STEP_ROWS, EVEN_K, PREC, LIST_TMA
             )
@@ -594,18 +597,18 @@ def _dq_kernel(
             if TRANSPOSED:  # rows in N: see the note above _dq_kernel
                 st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
                 if LIST_RUNS > 0:
-                    st += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
+                    st += list_weight(j, runs, LIST_RUNS) * LOG2E
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-                    st += w[:, None] * 1.4426950408889634
+                    st += w[:, None] * LOG2E
                 dqt = gathered_dq_step_t(st, k, v, do, lse2, delta, k_ok[:, None] & row_ok[None, :], dqt, PREC)
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 if LIST_RUNS > 0:
-                    s += list_weight(j, runs, LIST_RUNS) * 1.4426950408889634
+                    s += list_weight(j, runs, LIST_RUNS) * LOG2E
                 if HAS_LOGW:
                     w = tl.load(LOGW + blk, mask=k_ok, other=0.0)
-                    s += w[None, :] * 1.4426950408889634
+                    s += w[None, :] * LOG2E
                 ok = k_ok[None, :] & row_ok[:, None]
                 dq = gathered_dq_step(s, k, v, do, lse2, delta, ok, dq, not FULL_LIST, PREC)
         if TRANSPOSED:
@@ -640,7 +643,7 @@ def query_rows(Q, do_base, LSE, DELTA, bh, rows, r_ok, dims, stride_qb, stride_q
 @triton.jit
 def query_stats(LSE, DELTA, bh, rows, r_ok, n_q, MASK: tl.constexpr):
     """The base-2 log-sum-exp and Delta of query rows ``rows`` (``MASK``: rows outside ``r_ok`` read as zeros)."""
-    lse2 = rows_load(LSE + bh * n_q + rows, r_ok, not MASK) * 1.4426950408889634
+    lse2 = rows_load(LSE + bh * n_q + rows, r_ok, not MASK) * LOG2E
     return lse2, rows_load(DELTA + bh * n_q + rows, r_ok, not MASK)
 
 
@@ -763,7 +766,7 @@ def _dkdv_kernel(
     v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
     w = tl.zeros([KEY_ROWS], tl.float32)
     if HAS_LOGW:
-        w = tl.load(LOGW + krow // KEY_BLOCK, mask=k_ok, other=0.0) * 1.4426950408889634
+        w = tl.load(LOGW + krow // KEY_BLOCK, mask=k_ok, other=0.0) * LOG2E
     csc_idx = csc_lo + g * csc_step  # = first_blk for a per-block CSC; csc_step 0: one list shared by all
     start = tl.load(OFFSETS + bh * stride_ob + csc_idx)
     end = tl.load(OFFSETS + bh * stride_ob + csc_idx + 1)
@@ -949,7 +952,7 @@ def _grouped_dkdv_kernel(
     v = tl.load(V + k_offs, mask=k_ok[:, None], other=0.0)
     w = tl.zeros([KEY_ROWS], tl.float32)
     if HAS_LOGW:
-        w = tl.load(LOGW + tl.maximum(blk, 0), mask=k_ok, other=0.0) * 1.4426950408889634
+        w = tl.load(LOGW + tl.maximum(blk, 0), mask=k_ok, other=0.0) * LOG2E
     dk = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
     dv = tl.zeros([KEY_ROWS, HEAD_DIM], tl.float32)
     do_base = DO + head_offset(bh, do_heads, stride_db, stride_dh)
@@ -1389,7 +1392,7 @@ def _tail_args(tail_lo: int, tail_hi: int, tail_log_weight: float, n_k: int) -> 
     return {
         "tail_lo": tail_lo,
         "tail_hi": tail_hi,
-        "tail_bias": tail_log_weight * LOG2E,
+        "tail_bias": tail_log_weight * LOG2E.value,
         "HAS_TAIL": True,
         "EVEN_TAIL": (tail_hi - tail_lo) % TAIL_STEP.value == 0,
     }
@@ -1545,7 +1548,7 @@ def _bsa_forward_op(
         n_q,
         n_k,
         lists.shape[2],
-        scale * LOG2E,
+        scale * LOG2E.value,
         **weights,
         HEAD_DIM=d,
         BLOCK_M=query_block,
@@ -1688,7 +1691,7 @@ def _bsa_backward_dq_op(
         q.shape[1],
         k.shape[1],
         lists.shape[2],
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         **weights,
         HEAD_DIM=d,
@@ -1893,7 +1896,7 @@ def _bsa_backward_dkdv_op(
         out_row0,
         out_rows,
         pooled_k.shape[1] if pooled_k is not None else 0,
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         HEAD_DIM=d,
         QUERY_BLOCK=query_block,
@@ -2074,7 +2077,7 @@ def _bsa_backward_dkdv_grouped_op(
         n_k,
         width,
         group_rows,
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         HEAD_DIM=d,
         KEY_BLOCK=key_block,

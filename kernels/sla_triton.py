@@ -238,7 +238,7 @@ def _sla_dq_kernel(
     o_s = tl.load(O_S + tile_offsets, mask=row_ok[:, None], other=0.0)
     delta_s = tl.sum(o_s.to(tl.float32) * do_s.to(tl.float32), 1)
     tl.store(DELTA_S + bh * n + rows, delta_s, mask=row_ok)
-    lse2 = tl.load(LSE + bh * n + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + bh * n + rows, mask=row_ok, other=0.0) * LOG2E
     do_l = tl.load(DO_L + tile_offsets, mask=row_ok[:, None], other=0.0)
     o_l = tl.load(O_L + tile_offsets, mask=row_ok[:, None], other=0.0)
     delta_l = tl.sum(o_l.to(tl.float32) * do_l.to(tl.float32), 1)
@@ -351,7 +351,7 @@ def _sla_dkdv_kernel(
         query_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]
         q = tl.load(Q + query_offsets, mask=r_ok[:, None], other=0.0)
         do_s = tl.load(DO_S + query_offsets, mask=r_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + bh * n + rows, mask=r_ok, other=0.0) * 1.4426950408889634
+        lse2 = tl.load(LSE + bh * n + rows, mask=r_ok, other=0.0) * LOG2E
         delta_s = tl.load(DELTA_S + bh * n + rows, mask=r_ok, other=0.0)
         dk, dv, _ = key_major_step(
             k, v, no_weight, k_ok, q, do_s, lse2, delta_s, r_ok, dk, dv, qk_scale, False, False, PREC
@@ -519,7 +519,7 @@ def _sla_forward_op(
         n,
         critical.shape[2],
         neg_len,
-        scale * LOG2E,
+        scale * LOG2E.value,
         EMPTY_ROW_REL_EPS,
         ALL_SCOPE_EPS,
         **options,
@@ -596,7 +596,7 @@ def _sla_backward_dq_op(
         n,
         critical.shape[2],
         negligible.shape[2] if exclude else 0,
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         **options,
         CHUNK=min(16, d),
@@ -668,7 +668,7 @@ def _sla_backward_dkdv_op(
         neg_offsets.stride(0),
         neg_rows.stride(0),
         n,
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         **options,
         CHUNK=min(16, d),

@@ -184,7 +184,7 @@ def attention_variants(head_dim: int) -> list[tuple[str, object, dict, dict]]:
     # Example values: the kernel is compiled for their types, and for ints for whether they are multiples of 16
     n, bank, d = 65536, 65536 // 16 + 65536 // 256, head_dim
     common = dict(HEAD_DIM=d, PREC="tf32")
-    tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * math.log(16) * block_sparse.LOG2E)
+    tail = dict(tail_lo=n // 16, tail_hi=bank, tail_bias=2 * math.log(16) * block_sparse.LOG2E.value)
     no_tail = dict(tail_lo=0, tail_hi=0, tail_bias=0.0)
     # the output and its gradient tokens-major ([2, n, 6, d]: LLSA's last forward pass writes it so), q flat
     heads = 6
