@@ -41,11 +41,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .block_sparse import LN2, LOG2E
 from .ops import INTERPRET, custom_op
 
 __all__ = ["pooled_forward", "pooled_dq", "pooled_supported", "case_supported", "MAX_KEYS"]
 
-LOG2E = 1.4426950408889634
 TILE = gl.constexpr(64)  # query rows per warpgroup (its wgmma rows) and keys per step
 FORWARD_WARPS = 8  # the forward's warps: two warpgroups, a 128-row query tile
 FORWARD_ROWS = FORWARD_WARPS // 4 * TILE.value  # the forward's query tile: a 64-row slice per warpgroup
@@ -94,9 +94,8 @@ def _step_weight(c, w1, w2, tail_bias, STEPS1: gl.constexpr, STEPS2: gl.constexp
 
 
 @gluon.jit
-def _logits(q, k_s, key_bars, c, zero):
-    """S = q K^T for the group's 64-key step ``c`` (once its keys have arrived), issued and not waited for."""
-    mbarrier.wait(key_bars.index(c), 0)
+def _logits(q, k_s, c, zero):
+    """S = q K^T for the group's 64-key step ``c``, issued and not waited for."""
     return warpgroup_mma(q, k_s.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
@@ -114,7 +113,6 @@ def _walk_tile(
     q_s,
     k_s,
     v_s,
-    key_bars,
     q_next,
     start,
     weights,
@@ -129,8 +127,8 @@ def _walk_tile(
     ``_probabilities``), FlashAttention-3's order within a warpgroup: S(c + 1) is issued before O += P(c) V(c), and
     step c + 1's softmax runs while that product does. Nothing is in flight at the loop's back edge: with products in
     flight there, ptxas cannot follow their registers around the loop and serialises every wgmma; and the middle steps
-    are a loop, not unrolled (unrolled, every step's shared-memory descriptors are computed up front). Step c's keys
-    are waited for on ``key_bars.index(c)``, so the walk starts as soon as the first step's keys are in. ``MORE``:
+    are a loop, not unrolled (unrolled, every step's shared-memory descriptors are computed up front). The keys
+    are all in shared memory before the walk starts (``_wait_keys``: no wait, so no barrier, inside it). ``MORE``:
     once the last logits product has read ``q_s``, the next tile's q is copied into it (``q_next``: q's descriptor,
     the first row, the barrier) while the last P V product runs. ``start``: the running maximum, sum and output to
     continue from, ``(m, l, acc)`` (acc in the inputs' dtype); ``weights``: the logits' scale and the steps' base-2
@@ -142,12 +140,12 @@ def _walk_tile(
     dtype: gl.constexpr = v_s.dtype
     ROWS: gl.constexpr = q_s.shape[0]
     zero = gl.zeros([ROWS, TILE], gl.float32, mma)
-    s = warpgroup_mma_wait(0, deps=(_logits(q_s, k_s, key_bars, 0, zero),))
+    s = warpgroup_mma_wait(0, deps=(_logits(q_s, k_s, 0, zero),))
     shift = _step_weight(0, w1, w2, tail_bias, STEPS1, STEPS2)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, shift, 0 < LISTED, dtype, p_layout)
     acc = acc.to(gl.float32)  # (the partial output's load has had the first product's time to arrive)
     for c in range(0, STEPS - 1):  # on entry step c's softmax is done, O holds steps < c
-        s = _logits(q_s, k_s, key_bars, c + 1, zero)
+        s = _logits(q_s, k_s, c + 1, zero)
         acc = warpgroup_mma(p, v_s.index(c), acc * alpha[:, None], is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S(c + 1) in; O(c) still running, reading p
         shift = _step_weight(c + 1, w1, w2, tail_bias, STEPS1, STEPS2)
@@ -216,13 +214,23 @@ def _group_keys(
 
 
 @gluon.jit
+def _wait_keys(key_bars, STEPS: gl.constexpr):
+    """Wait until all of the group's keys are in shared memory, before any walk. Waited for step by step inside a
+    walk's loop instead, each wait would come with a CTA-wide barrier there (the compiler's barrier analysis puts one
+    before every mbarrier wait), which holds a program's warpgroups in lockstep at every step (docs/kernel_notes.md
+    v66)."""
+    for c in gl.static_range(STEPS):
+        mbarrier.wait(key_bars.index(c), 0)
+
+
+@gluon.jit
 def _partial(O_INIT, LSE_INIT, bh, n_q, rows, dims):
     """The fine pass's result for the query ``rows`` (``dims``: the head's columns), in the accumulator's layout: the
     state to continue the softmax from, ``(m, l, acc)`` with m its LSE in base 2, l = 1 and acc its output (the
     inputs' dtype)."""
     flat = bh.to(gl.int64) * n_q + rows
     acc = gl.load(O_INIT + flat[:, None] * dims.shape[0] + dims[None, :])
-    m_i = gl.load(LSE_INIT + flat) * 1.4426950408889634
+    m_i = gl.load(LSE_INIT + flat) * LOG2E
     return m_i, gl.full(rows.shape, 1.0, gl.float32, rows.type.layout), acc
 
 
@@ -233,7 +241,7 @@ def _finish(o_base, LSE, bh, n_q, rows, dims, stride_on, walked):
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     gl.store(o_base + rows[:, None].to(gl.int64) * stride_on + dims[None, :], o.to(o_base.dtype.element_ty))
-    gl.store(LSE + bh.to(gl.int64) * n_q + rows, (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + bh.to(gl.int64) * n_q + rows, (m_i + gl.log2(l_safe)) * LN2)
 
 
 @gluon.jit
@@ -294,16 +302,18 @@ def _pooled_forward_kernel(
     k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
     # the logits' scale, the candidate levels' base-2 weights (as bsa_forward's list_weight has them), the tail's
-    weights = (qk_scale, weight1 * 1.4426950408889634, weight2 * 1.4426950408889634, tail_bias)
+    weights = (qk_scale, weight1 * LOG2E, weight2 * LOG2E, tail_bias)
     o_base = O + (bh // out_heads).to(gl.int64) * stride_ob + (bh % out_heads) * stride_oh
     dims = gl.max_contiguous(gl.multiple_of(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 2), 2)
     for tile in gl.static_range(GROUP_ROWS // ROWS):
         rows = row0 + tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
         start = _partial(O_INIT, LSE_INIT, bh, n_q, rows, dims)
+        if tile == 0:
+            _wait_keys(key_bars, STEPS)
         mbarrier.wait(q_bar, tile & 1)
         q_next = (q_desc, bh * n_q + row0 + (tile + 1) * ROWS, q_bar)
         more = tile + 1 < GROUP_ROWS // ROWS
-        walked = _walk_tile(q_s, k_s, v_s, key_bars, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, more)
+        walked = _walk_tile(q_s, k_s, v_s, q_next, start, weights, STEPS1, STEPS2, STEPS, mma, more)
         _finish(o_base, LSE, bh, n_q, rows, dims, stride_on, walked)
     mbarrier.invalidate(q_bar)
     for c in gl.static_range(STEPS):
@@ -381,9 +391,10 @@ def _pooled_dq_kernel(
     descriptors = (k_desc, v_desc, tail_k_desc, tail_v_desc)
     k_s, v_s = _group_keys(descriptors, where, key_bars, BLOCK, CAND1 + CAND2, TAIL_ROWS, HEAD_DIM, GROUP_ROWS)
 
-    w1 = weight1 * 1.4426950408889634
-    w2 = weight2 * 1.4426950408889634
+    w1 = weight1 * LOG2E
+    w2 = weight2 * LOG2E
     zero = gl.zeros([TILE, TILE], gl.float32, mma)
+    _wait_keys(key_bars, STEPS)
     b = bh // heads
     head = bh % heads
     for tile in range(TILES):
@@ -394,7 +405,7 @@ def _pooled_dq_kernel(
         tma.async_copy_global_to_shared(do_desc, [b * n_q + row0, head * HEAD_DIM], tile_bar, do_s)
         rows = row0 + gl.arange(0, TILE, layout=row_layout)
         flat = bh.to(gl.int64) * n_q + rows
-        lse2 = gl.load(LSE + flat) * 1.4426950408889634
+        lse2 = gl.load(LSE + flat) * LOG2E
         o = gl.load(O + (b.to(gl.int64) * n_q + rows)[:, None] * (heads * HEAD_DIM) + head * HEAD_DIM + dims[None, :])
         mbarrier.wait(tile_bar, tile & 1)
         delta = gl.sum(o.to(gl.float32) * do_s.load(mma).to(gl.float32), 1)
@@ -402,11 +413,11 @@ def _pooled_dq_kernel(
         # step c's dS is computed while S(c + 1) and dP(c + 1) run; nothing is in flight at the loop's back edge (see
         # _walk_tile), and the middle steps are a loop for the same reason as there
         dq = gl.zeros([TILE, HEAD_DIM], gl.float32, mma)
-        s = _logits(q_s, k_s, key_bars, 0, zero)
+        s = _logits(q_s, k_s, 0, zero)
         dp = warpgroup_mma(do_s, v_s.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         for c in range(0, STEPS - 1):
-            s_next = _logits(q_s, k_s, key_bars, c + 1, zero)
+            s_next = _logits(q_s, k_s, c + 1, zero)
             dp_next = warpgroup_mma(do_s, v_s.index(c + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
             shift = _step_weight(c, w1, w2, tail_bias, STEPS1, STEPS2)
             ds = _dscores(s, dp, lse2, delta, qk_scale, shift, c < LISTED, k_s.dtype, ds_layout)
@@ -517,11 +528,11 @@ def _pooled_forward_op(
         o.stride(0),
         o.stride(2),
         o.stride(1),
-        scale * LOG2E,
+        scale * LOG2E.value,
         1 * math.log(B),  # the candidate levels' log weights l ln B, as llsa passes them to bsa_forward
         2 * math.log(B),
         tail_lo,
-        tail_log_weight * LOG2E,
+        tail_log_weight * LOG2E.value,
         HEAD_DIM=d,
         BLOCK=B,
         GROUP_ROWS=B * B,
@@ -595,12 +606,12 @@ def _pooled_dq_op(
         lists.stride(0),
         lists.stride(1),
         heads,
-        scale * LOG2E,
+        scale * LOG2E.value,
         scale,
         1 * math.log(block_size),
         2 * math.log(block_size),
         tail_lo,
-        tail_log_weight * LOG2E,
+        tail_log_weight * LOG2E.value,
         HEAD_DIM=d,
         BLOCK=block_size,
         GROUP_ROWS=block_size**2,
