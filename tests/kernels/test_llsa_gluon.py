@@ -75,8 +75,15 @@ def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", dq=False) -> dict:
         # serialise the asynchronous wgmma (warning C7514), which would undo the kernels' overlap
         with open(os.path.join(tmp, "kernel.ptx"), "w") as f:
             f.write(ptx)
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        info = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+        bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        info = subprocess.run(
+            [os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        )
+        with open(os.path.join(tmp, "kernel.cubin"), "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
@@ -85,7 +92,25 @@ def compile_for_sm90(cand_widths, tail_rows, dtype="bf16", dq=False) -> dict:
         "registers": int(re.search(r"Used (\d+) registers", info.stderr).group(1)),
         "spilled bytes": int(re.search(r"(\d+) bytes spill stores", info.stderr).group(1)),
         "wgmma serialised": "C7514" in info.stderr,
+        "step loops' barriers": step_loop_barriers(sass),
     }
+
+
+def step_loop_barriers(sass: str) -> list[int]:
+    """CTA-wide barriers (``BAR.SYNC``) in each innermost SASS loop that issues wgmma (``HGMMA``): the walks' step
+    loops. A loop is the code from a label to a branch back to it."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        if (m := re.search(r"BRA\W+(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i
+    ]
+    with_wgmma = [(a, b) for a, b in loops if any("HGMMA" in line for line in lines[a:b])]
+    innermost = [
+        (a, b) for a, b in with_wgmma if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in with_wgmma)
+    ]
+    return [sum("BAR.SYNC" in line for line in lines[a:b]) for a, b in innermost]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +149,9 @@ def test_kernel_compiles_for_sm90(case, form, compiled):
     # (the dq's one read of dO from shared memory, for Δ, is an ldmatrix)
     assert report["shared ld/st"] == 0, "P (dS) should reach the last product in registers"
     assert report["spilled bytes"] == 0 and not report["wgmma serialised"], report
+    # a CTA-wide barrier in a step loop would hold the warpgroups in lockstep at every step (the compiler puts one
+    # before any mbarrier wait, so the kernels wait for their keys before the loops: llsa_gluon._wait_keys)
+    assert report["step loops' barriers"] and not any(report["step loops' barriers"]), report
     if form == "forward":  # two programs of 8 warps per SM (the forward's point): 65,536 registers / 512 threads
         assert report["registers"] <= 128, report
 
