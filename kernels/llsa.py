@@ -57,10 +57,9 @@ PARTIAL_DTYPE = "input"
 LIST_WEIGHT_RUNS = True
 # The pooled pass by ``llsa_gluon.pooled_forward`` (Gluon, Hopper: each group of B^2 query rows keeps its bank keys in
 # shared memory) where it supports the case, else by ``bsa_forward``; the backward's pooled dq (and Δ) by
-# ``llsa_gluon.pooled_dq`` likewise. Off: on an H100 the forward's third form ran 0.87x of the Triton pass at 256²
-# (the earlier forms 0.89-1.00x), the dq 1.00-1.08x; LLSA's forward + backward 0.98-1.01x with both on, 1.000x with
-# the dq alone (docs/kernel_notes.md v64, v65). PIXDIT_KERNELS_GLUON=1 switches both on for a process, =forward or
-# =dq one of them.
+# ``llsa_gluon.pooled_dq`` likewise. Off: on an H100 the forward runs 0.91-0.95x of the Triton pass (256², 128²,
+# 512²), the dq 1.04-1.07x; LLSA's forward + backward 0.98-1.00x with both on, 0.997-1.016x with the dq alone
+# (docs/kernel_notes.md v64-v66). PIXDIT_KERNELS_GLUON=1 switches both on for a process, =forward or =dq one of them.
 _GLUON_SWITCHES = {
     "": (False, False),
     "0": (False, False),
