@@ -308,7 +308,7 @@ def _pooled_forward_kernel(
     for tile in gl.static_range(GROUP_ROWS // ROWS):
         rows = row0 + tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
         start = _partial(O_INIT, LSE_INIT, bh, n_q, rows, dims)
-        if tile == 0:
+        if tile == 0:  # (here, so that the first tile's partial loads are in flight while the keys arrive)
             _wait_keys(key_bars, STEPS)
         mbarrier.wait(q_bar, tile & 1)
         q_next = (q_desc, bh * n_q + row0 + (tile + 1) * ROWS, q_bar)
